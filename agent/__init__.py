@@ -1,0 +1,1 @@
+"""kvsp-moq agent service."""

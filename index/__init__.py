@@ -1,0 +1,1 @@
+"""kvsp-moq index service."""
