@@ -1,0 +1,603 @@
+"""Model adapter: runs a Hugging Face causal LM with KVSP-shaped KV cache import and export.
+
+KV tensors cross this boundary in the KVSP wire layout "kvsp-layout-1": per layer,
+K and V shaped ``[tokens, kv_heads, head_dim]``, row-major (token slowest, dim
+fastest), in the model dtype. K is post-RoPE, exactly as the attention reads it
+from the cache, so a prefix loaded back reproduces the computation bit for bit.
+
+Prefix injection (transformers 5.x): a :class:`DynamicCache` subclass whose layers
+announce the prefix length ``P`` up front (so the causal mask and position ids
+are sized for ``P`` cached positions) but hold no tensors yet. A forward pre-hook
+on every decoder layer calls the caller's ``wait_for_layer(l)`` and only then
+reads that layer's prefix K/V into cache layer ``l``. The caller can therefore
+keep loading later layers while earlier layers compute.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+
+__all__ = [
+    "KV_LAYOUT",
+    "SUPPORTED_MODEL_TYPES",
+    "DecodeState",
+    "GenerateResult",
+    "KVPrefix",
+    "LayerReadiness",
+    "ModelAdapter",
+    "PrefillResult",
+    "Sampler",
+    "positional_descriptor",
+    "sha256_files",
+]
+
+KV_LAYOUT = "kvsp-layout-1"
+SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
+DEFAULT_ROPE_THETA = 10000.0
+_CHUNK = 1 << 20
+
+KV = tuple[torch.Tensor, torch.Tensor]
+WaitForLayer = Callable[[int], None]
+LayerSource = Sequence[KV] | Callable[[int], KV]
+
+
+# --------------------------------------------------------------------------- prefix
+
+
+@dataclass
+class KVPrefix:
+    """The cached K/V of positions ``[0, length)``, handed over layer by layer.
+
+    ``layers`` is either a sequence with one ``(K, V)`` pair per layer or a
+    callable returning layer ``l``'s pair; each tensor is ``[length, kv_heads,
+    head_dim]``. Layer ``l`` is read only after ``wait_for_layer(l)`` returned,
+    so the tensors may be filled in place (or produced lazily) while earlier
+    layers already compute.
+    """
+
+    length: int
+    layers: LayerSource
+    wait_for_layer: WaitForLayer | None = None
+
+    @classmethod
+    def allocate(
+        cls,
+        adapter: ModelAdapter,
+        length: int,
+        *,
+        wait_for_layer: WaitForLayer | None = None,
+        fill: float = math.nan,
+    ) -> KVPrefix:
+        """A pool of per-layer tensors on the model device for the caller to fill.
+
+        Filled with NaN by default so that a layer read before it was loaded
+        poisons the logits instead of passing silently.
+        """
+        shape = (length, adapter.num_kv_heads, adapter.head_dim)
+        layers = [
+            (
+                torch.full(shape, fill, dtype=adapter.dtype, device=adapter.device),
+                torch.full(shape, fill, dtype=adapter.dtype, device=adapter.device),
+            )
+            for _ in range(adapter.num_layers)
+        ]
+        return cls(length=length, layers=layers, wait_for_layer=wait_for_layer)
+
+    @classmethod
+    def from_kv(cls, kv: Sequence[KV], *, wait_for_layer: WaitForLayer | None = None) -> KVPrefix:
+        """Prefix from already available per-layer K/V (e.g. a previous prefill)."""
+        if not kv:
+            raise ValueError("a prefix needs at least one layer")
+        return cls(length=int(kv[0][0].shape[0]), layers=list(kv), wait_for_layer=wait_for_layer)
+
+    def layer(self, index: int) -> KV:
+        """Layer ``index``'s ``(K, V)``; only valid once that layer has been waited for."""
+        if callable(self.layers):
+            return self.layers(index)
+        return self.layers[index]
+
+
+class LayerReadiness:
+    """Per-layer readiness flags that a loader sets and the forward pass waits on.
+
+    A loader failure is propagated to the waiting forward pass via :meth:`fail`,
+    rather than leaving it blocked forever.
+    """
+
+    def __init__(self, num_layers: int, *, timeout: float | None = None) -> None:
+        self._ready = [False] * num_layers
+        self._error: BaseException | None = None
+        self._cond = threading.Condition()
+        self._timeout = timeout
+
+    def mark_ready(self, layer: int) -> None:
+        """Publish that layer ``layer``'s tensors are completely written."""
+        with self._cond:
+            self._ready[layer] = True
+            self._cond.notify_all()
+
+    def mark_all_ready(self) -> None:
+        with self._cond:
+            self._ready = [True] * len(self._ready)
+            self._cond.notify_all()
+
+    def fail(self, error: BaseException) -> None:
+        """Abort every current and future wait with ``error``."""
+        with self._cond:
+            self._error = error
+            self._cond.notify_all()
+
+    def is_ready(self, layer: int) -> bool:
+        with self._cond:
+            return self._ready[layer]
+
+    def wait_for_layer(self, layer: int) -> None:
+        """Block until ``layer`` is ready; usable directly as ``KVPrefix.wait_for_layer``."""
+        with self._cond:
+            ok = self._cond.wait_for(lambda: self._ready[layer] or self._error is not None, self._timeout)
+            if self._error is not None:
+                raise RuntimeError(f"loading the prefix of layer {layer} failed") from self._error
+            if not ok:
+                raise TimeoutError(f"prefix layer {layer} was not ready within {self._timeout} s")
+
+
+# --------------------------------------------------------------------------- cache
+
+
+class _PrefixCacheLayer(DynamicLayer):
+    """A DynamicLayer that reports ``P`` cached positions before holding them.
+
+    Reporting the length early lets the model size the mask and positions for
+    the whole forward pass before any prefix data has arrived.
+    """
+
+    def __init__(self, pending_length: int | None) -> None:
+        super().__init__()
+        self.pending_length = pending_length
+
+    def get_seq_length(self) -> int:
+        if self.pending_length is not None:
+            return self.pending_length
+        return super().get_seq_length()
+
+    def load_prefix(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        # [P, H, D] -> [1, H, P, D] view; the first update() concatenates into fresh storage,
+        # so the caller's buffers are never written and can be reused after the forward pass.
+        self.device = keys.device
+        self.keys = keys.permute(1, 0, 2).unsqueeze(0)
+        self.values = values.permute(1, 0, 2).unsqueeze(0)
+        self.is_initialized = True
+        self.pending_length = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> KV:
+        if self.pending_length is not None:
+            raise RuntimeError("attention ran before the prefix of its layer was loaded")
+        return super().update(key_states, value_states, *args, **kwargs)
+
+
+class _KVSPCache(DynamicCache):
+    """DynamicCache with one full-attention layer per decoder layer and a lazily loaded prefix.
+
+    Every layer keeps all positions (no sliding-window truncation), so that any
+    range can be exported; sliding-window models still attend correctly because
+    their masks are built from the positions, not from the stored length.
+    """
+
+    def __init__(self, num_layers: int, prefix: KVPrefix | None, shape: tuple[int, int], dtype: torch.dtype,
+                 device: torch.device) -> None:
+        pending = prefix.length if prefix is not None else None
+        Cache.__init__(self, layers=[_PrefixCacheLayer(pending) for _ in range(num_layers)])
+        self._prefix = prefix
+        self._shape = shape
+        self._dtype = dtype
+        self._device = device
+
+    def before_layer(self, index: int) -> None:
+        layer = self.layers[index]
+        if not isinstance(layer, _PrefixCacheLayer) or layer.pending_length is None:
+            return
+        prefix = self._prefix
+        assert prefix is not None
+        if prefix.wait_for_layer is not None:
+            prefix.wait_for_layer(index)
+        keys, values = prefix.layer(index)
+        expected = (prefix.length, *self._shape)
+        for name, tensor in (("K", keys), ("V", values)):
+            if tuple(tensor.shape) != expected:
+                raise ValueError(f"prefix {name} of layer {index} has shape {tuple(tensor.shape)}, expected {expected}")
+        layer.load_prefix(
+            keys.to(device=self._device, dtype=self._dtype),
+            values.to(device=self._device, dtype=self._dtype),
+        )
+
+    def drop_prefix(self) -> None:
+        """Release the caller's prefix tensors so its pool can be reused or freed."""
+        self._prefix = None
+
+    def finish_prefix(self) -> None:
+        """Release the prefix after the pass that consumed it, and check that every layer read it."""
+        self.drop_prefix()
+        missing = [i for i, layer in enumerate(self.layers) if getattr(layer, "pending_length", None) is not None]
+        if missing:
+            raise RuntimeError(f"decoder layers {missing} never ran; their prefix was not loaded")
+
+
+def _decoder_pre_hook(index: int) -> Callable[..., None]:
+    def hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if isinstance(cache, _KVSPCache):
+            cache.before_layer(index)
+        return None
+
+    return hook
+
+
+# --------------------------------------------------------------------------- results
+
+
+@dataclass
+class DecodeState:
+    """The live KV cache of one sequence; ``length`` positions are cached."""
+
+    cache: DynamicCache
+    length: int
+
+
+@dataclass
+class PrefillResult:
+    logits: torch.Tensor
+    """Float32 logits of the last input position, shape ``[vocab]``."""
+    kv: list[KV]
+    """Per layer, K and V of the new tokens only, ``[tokens, kv_heads, head_dim]``."""
+    state: DecodeState
+
+
+@dataclass
+class GenerateResult:
+    tokens: list[int]
+    """Generated tokens. The cache holds every one but the last, which has not been fed back yet."""
+    state: DecodeState
+    next_step: int
+    """Sampler step of the next token, for resuming."""
+
+
+# --------------------------------------------------------------------------- sampling
+
+
+@dataclass(frozen=True)
+class Sampler:
+    """Greedy (``temperature == 0``) or temperature + top-p sampling.
+
+    Randomness is derived from ``(seed, step)`` alone, so a session resumed at
+    step ``k`` draws exactly the tokens the original session would have drawn.
+    Sampling runs on the CPU in float64 to be independent of the model device.
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @staticmethod
+    def step_seed(seed: int, step: int) -> int:
+        """Generator seed of one step; a hash, so nearby (seed, step) pairs give unrelated streams."""
+        digest = hashlib.blake2b(f"kvsp-sampler/{seed}/{step}".encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "big") & ((1 << 63) - 1)
+
+    def sample(self, logits: torch.Tensor, step: int) -> int:
+        logits = logits.detach().reshape(-1)
+        if self.greedy:
+            return int(torch.argmax(logits).item())
+        scores = logits.to(device="cpu", dtype=torch.float64) / self.temperature
+        probs = torch.softmax(scores, dim=-1)
+        sorted_probs, order = torch.sort(probs, descending=True, stable=True)
+        cumulative = torch.cumsum(sorted_probs, dim=-1)
+        # Keep the smallest head whose mass reaches top_p (always at least one token).
+        keep = int(torch.searchsorted(cumulative, torch.tensor([self.top_p], dtype=torch.float64)).item()) + 1
+        keep = min(keep, sorted_probs.numel())
+        head = sorted_probs[:keep]
+        head_cdf = torch.cumsum(head, dim=-1) / head.sum()
+        generator = torch.Generator(device="cpu")
+        generator.manual_seed(self.step_seed(self.seed, step))
+        u = torch.rand((1,), generator=generator, dtype=torch.float64)
+        index = min(int(torch.searchsorted(head_cdf, u, right=True).item()), keep - 1)
+        return int(order[index].item())
+
+
+# --------------------------------------------------------------------------- descriptor helpers
+
+
+def sha256_files(paths: Sequence[Path]) -> str:
+    """Lowercase hex SHA-256 over the files concatenated in the given order, streamed."""
+    digest = hashlib.sha256()
+    for path in paths:
+        with open(path, "rb") as f:
+            while chunk := f.read(_CHUNK):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _format_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"non-finite positional parameter {value!r}")
+        if value.is_integer() and abs(value) < 1e16:
+            return str(int(value))
+        return repr(value)  # shortest round-trip form
+    if isinstance(value, (list, tuple)):
+        return ",".join(_format_value(v) for v in value)
+    return str(value)
+
+
+def positional_descriptor(config: Any) -> str:
+    """KVSP "positional" member: ``rope`` plus non-default parameters in name order.
+
+    ``theta`` appears only when it differs from 10000; any non-default rope
+    type contributes ``type`` and all of its scaling parameters.
+    """
+    params = getattr(config, "rope_parameters", None)
+    if params:
+        params = dict(params)
+    else:  # transformers 4.x style
+        params = dict(getattr(config, "rope_scaling", None) or {})
+        params["rope_theta"] = getattr(config, "rope_theta", DEFAULT_ROPE_THETA)
+    theta = params.pop("rope_theta", DEFAULT_ROPE_THETA)
+    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    params.pop("type", None)
+    out: dict[str, Any] = {}
+    if float(theta) != DEFAULT_ROPE_THETA:
+        out["theta"] = float(theta)
+    if rope_type != "default":
+        out["type"] = rope_type
+        out.update({k: v for k, v in params.items() if v is not None})
+    return "".join(["rope", *(f";{name}={_format_value(out[name])}" for name in sorted(out))])
+
+
+# --------------------------------------------------------------------------- adapter
+
+
+class ModelAdapter:
+    """A loaded causal LM exposing prefill/decode with KVSP KV import and export.
+
+    One forward pass runs at a time per adapter; the model is shared state.
+    """
+
+    def __init__(self, model: torch.nn.Module, directory: Path) -> None:
+        config = model.config
+        if config.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"unsupported model type {config.model_type!r}; expected one of {sorted(SUPPORTED_MODEL_TYPES)}")
+        self.model = model
+        self.config = config
+        self.directory = Path(directory)
+        self._lock = threading.RLock()
+        self._model_digest: str | None = None
+        self._tokenizer_digest: str | None = None
+        self._tokenizer: Any = None
+        self._hooks = []
+        for index, layer in enumerate(model.model.layers):
+            layer_idx = getattr(layer.self_attn, "layer_idx", index)
+            if layer_idx != index:
+                raise ValueError(f"decoder layer {index} caches as layer {layer_idx}")
+            self._hooks.append(layer.register_forward_pre_hook(_decoder_pre_hook(index), with_kwargs=True))
+
+    @classmethod
+    def load(
+        cls,
+        directory: Path | str,
+        *,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        attn_implementation: str | None = None,
+    ) -> ModelAdapter:
+        """Load from a local directory; the hub is never contacted."""
+        directory = Path(directory)
+        config = AutoConfig.from_pretrained(directory, local_files_only=True)
+        if config.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"unsupported model type {config.model_type!r}; expected one of {sorted(SUPPORTED_MODEL_TYPES)}")
+        kwargs: dict[str, Any] = {"local_files_only": True, "dtype": dtype}
+        if attn_implementation is not None:
+            kwargs["attn_implementation"] = attn_implementation
+        model = AutoModelForCausalLM.from_pretrained(directory, **kwargs)
+        model.to(device=torch.device(device))
+        model.eval()
+        return cls(model, directory)
+
+    # ---------------------------------------------------------------- properties
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.config.num_hidden_layers)
+
+    @property
+    def num_kv_heads(self) -> int:
+        return int(getattr(self.config, "num_key_value_heads", None) or self.config.num_attention_heads)
+
+    @property
+    def head_dim(self) -> int:
+        return int(getattr(self.config, "head_dim", None) or self.config.hidden_size // self.config.num_attention_heads)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.config.vocab_size)
+
+    @property
+    def name(self) -> str:
+        """``<model_type>-<directory name>``.
+
+        Independent of ``_name_or_path`` (which records wherever the model was
+        loaded from); the digests, not the name, identify the weights.
+        """
+        return f"{self.config.model_type}-{self.directory.resolve().name}"
+
+    @property
+    def tokenizer(self) -> Any:
+        """The ``tokenizers.Tokenizer`` from tokenizer.json, loaded on first use."""
+        if self._tokenizer is None:
+            from tokenizers import Tokenizer
+
+            self._tokenizer = Tokenizer.from_file(str(self.directory / "tokenizer.json"))
+        return self._tokenizer
+
+    # ---------------------------------------------------------------- descriptor
+
+    def weight_files(self) -> list[Path]:
+        files = [p for p in self.directory.iterdir() if p.is_file() and p.name.endswith(".safetensors")]
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors files in {self.directory}")
+        return sorted(files, key=lambda p: p.name.encode("utf-8"))
+
+    @property
+    def model_digest(self) -> str:
+        """Computed once: the weight files are assumed immutable while loaded."""
+        if self._model_digest is None:
+            self._model_digest = "sha-256:" + sha256_files(self.weight_files())
+        return self._model_digest
+
+    @property
+    def tokenizer_digest(self) -> str:
+        if self._tokenizer_digest is None:
+            self._tokenizer_digest = "sha-256:" + sha256_files([self.directory / "tokenizer.json"])
+        return self._tokenizer_digest
+
+    def descriptor(self, block_tokens: int) -> dict[str, Any]:
+        """The KVSP Compatibility Descriptor: equal descriptors mean interchangeable KV blocks."""
+        if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens <= 0:
+            raise ValueError(f"block_tokens must be a positive int, got {block_tokens!r}")
+        return {
+            "model": self.name,
+            "model_digest": self.model_digest,
+            "tokenizer_digest": self.tokenizer_digest,
+            "layers": self.num_layers,
+            "kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "kv_dtype": str(self.dtype).removeprefix("torch."),
+            "positional": positional_descriptor(self.config),
+            "block_tokens": block_tokens,
+            "layout": KV_LAYOUT,
+        }
+
+    # ---------------------------------------------------------------- inference
+
+    def prefill(self, tokens: Sequence[int], *, past: KVPrefix | None = None, return_kv: bool = True) -> PrefillResult:
+        """Run ``tokens`` (which follow ``past``, if given) and start a decode state.
+
+        With ``past``, layer ``l``'s prefix is read right after
+        ``past.wait_for_layer(l)`` returns, immediately before layer ``l`` runs.
+        """
+        if len(tokens) == 0:
+            raise ValueError("prefill needs at least one token")
+        start = 0
+        if past is not None:
+            if past.length < 0:
+                raise ValueError("prefix length must be >= 0")
+            start = past.length
+        cache = _KVSPCache(self.num_layers, past, (self.num_kv_heads, self.head_dim), self.dtype, self.device)
+        state = DecodeState(cache=cache, length=start)
+        try:
+            logits = self._forward(state, tokens)
+        except BaseException:
+            cache.drop_prefix()
+            raise
+        cache.finish_prefix()
+        kv = self.kv_for_range(state, start, state.length) if return_kv else []
+        return PrefillResult(logits=logits, kv=kv, state=state)
+
+    def extend(self, state: DecodeState, tokens: Sequence[int]) -> torch.Tensor:
+        """Append ``tokens`` to a live state; returns the float32 logits of the last one."""
+        if len(tokens) == 0:
+            raise ValueError("extend needs at least one token")
+        return self._forward(state, tokens)
+
+    def decode(self, token: int, state: DecodeState) -> torch.Tensor:
+        """One decode step: cache ``token`` and return the next-token logits."""
+        return self._forward(state, [token])
+
+    def _forward(self, state: DecodeState, tokens: Sequence[int]) -> torch.Tensor:
+        device = self.device
+        input_ids = torch.tensor([list(tokens)], dtype=torch.long, device=device)
+        if int(input_ids.min()) < 0 or int(input_ids.max()) >= self.vocab_size:
+            raise ValueError(f"token ids must lie in [0, {self.vocab_size})")
+        positions = torch.arange(state.length, state.length + len(tokens), dtype=torch.long, device=device)
+        with self._lock, torch.no_grad():
+            out = self.model(
+                input_ids=input_ids,
+                position_ids=positions.unsqueeze(0),
+                cache=state.cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            state.length += len(tokens)
+        return out.logits[0, -1].float()
+
+    def kv_for_range(self, state: DecodeState, start: int, end: int) -> list[KV]:
+        """Per layer, contiguous ``[end - start, kv_heads, head_dim]`` copies of cached K and V."""
+        if not 0 <= start <= end <= state.length:
+            raise ValueError(f"range [{start}, {end}) is outside the cached [0, {state.length})")
+        result: list[KV] = []
+        for layer in state.cache.layers:
+            if layer.keys is None or layer.get_seq_length() != state.length:
+                raise RuntimeError("cache does not hold every position of the state")
+            keys = layer.keys[0, :, start:end, :].permute(1, 0, 2).contiguous()
+            values = layer.values[0, :, start:end, :].permute(1, 0, 2).contiguous()
+            result.append((keys, values))
+        return result
+
+    def generate(
+        self,
+        prompt: Sequence[int],
+        n: int,
+        *,
+        sampler: Sampler | None = None,
+        past: KVPrefix | None = None,
+        start_step: int = 0,
+    ) -> GenerateResult:
+        """Generate ``n`` tokens; ``start_step`` numbers the first one for the sampler."""
+        if n <= 0:
+            raise ValueError("n must be positive")
+        sampler = sampler or Sampler()
+        result = self.prefill(prompt, past=past, return_kv=False)
+        state, logits = result.state, result.logits
+        tokens: list[int] = []
+        step = start_step
+        while True:
+            token = sampler.sample(logits, step)
+            tokens.append(token)
+            step += 1
+            if len(tokens) == n:
+                break
+            logits = self.decode(token, state)
+        return GenerateResult(tokens=tokens, state=state, next_step=step)
+
+    def generate_greedy(self, prompt: Sequence[int], n: int, *, past: KVPrefix | None = None) -> list[int]:
+        return self.generate(prompt, n, past=past).tokens

@@ -1,0 +1,179 @@
+"""The `kvsp` command line.
+
+Every refusal exits with status 2 and one line on stderr saying what is wrong; a traceback is a
+bug. Subcommands that run services import them lazily, so `kvsp compat-id` starts fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from kvsp_moq import __version__
+from kvsp_moq.errors import KvspError
+
+EXIT_USAGE = 2
+
+
+class CommandError(Exception):
+    """A refusal to print on one line and exit with status 2."""
+
+
+def _read_json(path: str, what: str) -> Any:
+    try:
+        text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise CommandError(f"cannot read {what} {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise CommandError(f"{what} {path} is not UTF-8 text") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise CommandError(f"{what} {path} is not valid JSON: {e.msg} at line {e.lineno}") from None
+
+
+def _read_bytes(path: str, what: str) -> bytes:
+    try:
+        return sys.stdin.buffer.read() if path == "-" else Path(path).read_bytes()
+    except OSError as e:
+        raise CommandError(f"cannot read {what} {path}: {e.strerror or e}") from None
+
+
+def _descriptor(path: str):
+    from kvsp_moq.protocol.compat import CompatDescriptor
+
+    return CompatDescriptor.from_dict(_read_json(path, "descriptor"))
+
+
+def cmd_compat_id(args: argparse.Namespace) -> int:
+    print(_descriptor(args.descriptor).compat_hex)
+    return 0
+
+
+def cmd_block_keys(args: argparse.Namespace) -> int:
+    from kvsp_moq.protocol.keys import block_keys, parse_scope_key_hex, scope_id
+    from kvsp_moq.protocol.validate import tokens as check_tokens
+
+    descriptor = _descriptor(args.descriptor)
+    try:
+        key_text = Path(args.scope_key_file).read_text(encoding="ascii")
+    except (OSError, UnicodeDecodeError) as e:
+        raise CommandError(f"cannot read scope key file {args.scope_key_file}: {e}") from None
+    scope_key = parse_scope_key_hex(key_text)
+    tokens = check_tokens(_read_json(args.tokens, "tokens file"), "tokens")
+    keys = block_keys(scope_key, descriptor.compat_id, tokens, descriptor.block_tokens)
+    print(json.dumps({
+        "compat_id": descriptor.compat_hex,
+        "scope_id": scope_id(scope_key).hex(),
+        "block_keys": [k.hex() for k in keys],
+    }))
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from kvsp_moq.protocol.container import Container
+
+    data = _read_bytes(args.file, "container")
+    try:
+        summary = Container(data).describe()
+    except KvspError as e:
+        raise CommandError(f"{args.file}: {e.detail}") from None
+    print(json.dumps(summary, indent=None if args.compact else 2))
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from kvsp_moq.bench import run_bench
+
+    result = run_bench(args.target, quick=args.quick)
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from kvsp_moq.demo import run_core_walkthrough
+
+    run_core_walkthrough(as_json=args.json)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvsp",
+        description=(
+            "KV Cache Storage Protocol (KVSP) over Media over QUIC Transport: protocol tools, "
+            "services and benchmarks."
+        ),
+    )
+    parser.add_argument("--version", action="version", version=f"kvsp-moq {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    p = sub.add_parser(
+        "compat-id", help="print the Compatibility ID of a descriptor",
+        description="Validate a Compatibility Descriptor (KVSP §4.1) and print its "
+                    "Compatibility ID as lowercase hex.",
+    )
+    p.add_argument("descriptor", metavar="DESCRIPTOR.json", help="descriptor file, or - for stdin")
+    p.set_defaults(func=cmd_compat_id)
+
+    p = sub.add_parser(
+        "block-keys", help="compute the Block Keys of a token sequence",
+        description="Compute the Block Keys (KVSP §4.2) of every complete block of a token "
+                    "sequence and print {compat_id, scope_id, block_keys} as one JSON object.",
+    )
+    p.add_argument("--descriptor", required=True, metavar="DESCRIPTOR.json")
+    p.add_argument("--scope-key-file", required=True, metavar="KEYFILE",
+                   help="file holding the scope key as hex text (at least 32 octets)")
+    p.add_argument("--tokens", required=True, metavar="TOKENS.json",
+                   help="JSON array of integers in [0, 2^32), or - for stdin")
+    p.set_defaults(func=cmd_block_keys)
+
+    p = sub.add_parser(
+        "inspect", help="describe a KVB1 block container",
+        description="Parse a KV Block Container (KVSP §4.3) and print its header, layer "
+                    "lengths and digests as JSON.",
+    )
+    p.add_argument("file", metavar="FILE", help="container file, or - for stdin")
+    p.add_argument("--compact", action="store_true", help="print on one line")
+    p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser(
+        "bench", help="run a benchmark and print JSON",
+        description="Run a benchmark and print its figures as JSON, with ratios against a "
+                    "baseline measured in the same run.",
+    )
+    p.add_argument("target", choices=["core"], help="what to measure")
+    p.add_argument("--quick", action="store_true", help="smaller inputs, for a smoke run")
+    p.set_defaults(func=cmd_bench)
+    p = sub.add_parser(
+        "demo", help="show KVSP at work on this machine",
+        description="Run the system on 127.0.0.1 and show a shared prompt computed once and "
+                    "reused; every figure printed is measured in the run.",
+    )
+    p.add_argument("--json", action="store_true", help="print a machine-readable report")
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except CommandError as e:
+        print(f"kvsp {args.command}: {e}", file=sys.stderr)
+    except KvspError as e:
+        print(f"kvsp {args.command}: {e.detail}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print(f"kvsp {args.command}: interrupted", file=sys.stderr)
+        return 130
+    return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

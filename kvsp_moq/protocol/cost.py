@@ -1,0 +1,124 @@
+"""Placement estimates of KVSP §6.4, as pure functions.
+
+The IS uses them to answer a lookup with targets and the PC to rank instances; keeping them in
+one place makes both agree on what "cost" means.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Sequence
+
+from kvsp_moq.protocol.records import InstanceStatus, ReplicaRecord
+
+#: Link rate assumed for a source the instance has never reported (1 Gbit/s, 1 ms).
+DEFAULT_MBIT_PER_S = 1000.0
+DEFAULT_RTT_US = 1000.0
+
+
+@dataclass(frozen=True)
+class Estimate:
+    instance: str
+    fetch_us: float
+    recompute_us: float
+    wait_us: float
+    matched_tokens: int
+    total_tokens: int
+    recompute_all_us: float
+
+    @property
+    def cost_us(self) -> float:
+        return self.wait_us + min(self.fetch_us + self.recompute_us, self.recompute_all_us)
+
+    @property
+    def uses_cache(self) -> bool:
+        return self.fetch_us + self.recompute_us < self.recompute_all_us
+
+    def to_json(self) -> dict:
+        return {"instance": self.instance, "fetch_us": round(self.fetch_us, 3),
+                "recompute_us": round(self.recompute_us, 3)}
+
+
+def recompute_us(tokens: int, prefill_tokens_per_s: float) -> float:
+    """1e6 * tokens / prefill rate; an instance with no measured rate cannot be costed."""
+    if tokens <= 0:
+        return 0.0
+    if prefill_tokens_per_s <= 0:
+        return float("inf")
+    return 1e6 * tokens / prefill_tokens_per_s
+
+
+def source_rate(status: InstanceStatus, record: ReplicaRecord, layer: int | None = None
+                ) -> tuple[float, float]:
+    """(mbit_per_s, rtt_us) from the instance to the record's holder, capped by the tier read
+    rate of the layer's residency entry."""
+    link_holder = record.http_holder or record.holder
+    rate, rtt = DEFAULT_MBIT_PER_S, DEFAULT_RTT_US
+    for link in status.links:
+        if link.holder in (record.holder, link_holder):
+            rate, rtt = link.mbit_per_s, link.rtt_us
+            break
+    if layer is not None:
+        tier = record.tier_of(layer)
+        if tier is not None and tier.read_mbit_per_s is not None:
+            rate = min(rate, tier.read_mbit_per_s)
+    return rate, rtt
+
+
+def fetch_us(
+    status: InstanceStatus,
+    plan: Iterable[ReplicaRecord],
+) -> float:
+    """max over sources s of (rtt_us(i,s) + 8 * bytes_from(s) / mbit_per_s(i,s)).
+
+    `plan` lists, for each block not yet resident at the instance, the replica it would load;
+    each layer's bytes are charged at the rate of the tier it sits in.
+    """
+    per_source: dict[str, tuple[float, float]] = {}  # source -> (microseconds of bytes, rtt)
+    for record in plan:
+        link_rate, rtt = source_rate(status, record)
+        layers = record.layer_count
+        if layers and record.residency:
+            per_layer = record.size / layers
+            covered = 0
+            us = 0.0
+            for tier in record.residency:
+                n = tier.layers[1] - tier.layers[0] + 1
+                covered += n
+                rate = min(link_rate, tier.read_mbit_per_s or link_rate)
+                us += 8 * per_layer * n / rate
+            us += 8 * per_layer * max(0, layers - covered) / link_rate
+        else:
+            us = 8 * record.size / link_rate
+        prev_us, prev_rtt = per_source.get(record.holder, (0.0, rtt))
+        per_source[record.holder] = (prev_us + us, max(prev_rtt, rtt))
+    return max((rtt + us for us, rtt in per_source.values()), default=0.0)
+
+
+def mean_service_us(status: InstanceStatus, mean_tokens: float = 512.0) -> float:
+    """A service-time estimate from the instance's own reported rates."""
+    return recompute_us(int(mean_tokens), status.prefill_tokens_per_s) if status.prefill_tokens_per_s else 0.0
+
+
+def estimate(
+    status: InstanceStatus,
+    *,
+    matched_tokens: int,
+    total_tokens: int,
+    plan: Sequence[ReplicaRecord],
+    resident: Mapping[str, bool] | None = None,
+    service_us: float | None = None,
+) -> Estimate:
+    """Cost of serving a prompt at one instance (§6.4)."""
+    resident = resident or {}
+    to_load = [r for r in plan if not resident.get(r.block_key)]
+    wait = status.queued * (service_us if service_us is not None else mean_service_us(status))
+    return Estimate(
+        instance=status.instance,
+        fetch_us=fetch_us(status, to_load),
+        recompute_us=recompute_us(total_tokens - matched_tokens, status.prefill_tokens_per_s),
+        wait_us=wait,
+        matched_tokens=matched_tokens,
+        total_tokens=total_tokens,
+        recompute_all_us=recompute_us(total_tokens, status.prefill_tokens_per_s),
+    )

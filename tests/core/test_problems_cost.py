@@ -1,0 +1,52 @@
+import pytest
+
+from kvsp_moq import errors
+from kvsp_moq.protocol.cost import estimate, fetch_us, recompute_us
+from kvsp_moq.protocol.problems import Problem
+from kvsp_moq.protocol.records import InstanceStatus, ReplicaRecord
+from tests.core.test_records import STATUS, replica
+
+
+@pytest.mark.parametrize("cls", [errors.LeaseQuota, errors.LayersUnavailable, errors.StaleEpoch,
+                                 errors.BadRecord, errors.ForbiddenScope, errors.Unauthorized,
+                                 errors.DigestMismatch])
+def test_problem_round_trip_keeps_the_error_class(cls):
+    err = cls("detail here", member="m") if cls is errors.BadRecord else cls("detail here")
+    doc = Problem.from_error(err).to_json()
+    assert doc["type"] == "urn:kvsp:problem:" + cls.problem and doc["status"] == cls.status
+    back = Problem.from_json(doc).to_error()
+    assert isinstance(back, type(err).__mro__[0] if cls is not errors.BadRecord else errors.ProtocolViolation)
+    assert "detail here" in back.detail
+
+
+def test_foreign_problem_maps_by_status():
+    assert isinstance(Problem.from_json({"type": "about:blank", "status": 404}).to_error(), errors.NotFound)
+    assert isinstance(Problem.from_json("junk", status=500).to_error(), errors.KvspError)
+
+
+def test_recompute_and_fetch_formulas():
+    assert recompute_us(42000, 42000) == 1e6
+    assert recompute_us(10, 0) == float("inf")
+    status = InstanceStatus.from_json(STATUS)  # link to 127.0.0.1:8801 at 200000 Mbit/s, 12 us
+    rec = ReplicaRecord.from_json(replica(size=4_000_000, residency=[]))
+    # 8 * 4e6 bytes / 2e5 Mbit/s = 160 us, plus 12 us
+    assert fetch_us(status, [rec]) == pytest.approx(172.0)
+    # Host tier at 400000 does not slow a 200000 link; a slow disk tier does.
+    slow = ReplicaRecord.from_json(replica(size=4_000_000, residency=[
+        {"tier": "device", "layers": [0, 1]},
+        {"tier": "disk", "layers": [2, 3], "read_mbit_per_s": 1000}]))
+    assert fetch_us(status, [slow]) == pytest.approx(12 + 80 + 8 * 2e6 / 1000)
+    # Two blocks from one source add; the max is over sources.
+    assert fetch_us(status, [rec, rec]) == pytest.approx(332.0)
+
+
+def test_estimate_prefers_cache_unless_queue_is_long():
+    status = InstanceStatus.from_json({**STATUS, "queued": 0})
+    rec = ReplicaRecord.from_json(replica(size=1_000_000, residency=[]))
+    e = estimate(status, matched_tokens=2048, total_tokens=2100, plan=[rec] * 4)
+    assert e.uses_cache and e.cost_us < e.recompute_all_us
+    busy = InstanceStatus.from_json({**STATUS, "queued": 50})
+    assert estimate(busy, matched_tokens=2048, total_tokens=2100, plan=[rec] * 4).cost_us > e.cost_us
+    resident = estimate(status, matched_tokens=2048, total_tokens=2100, plan=[rec],
+                        resident={rec.block_key: True})
+    assert resident.fetch_us == 0.0
