@@ -3,7 +3,8 @@
 KV tensors cross this boundary in the KVSP wire layout "kvsp-layout-1": per layer,
 K and V shaped ``[tokens, kv_heads, head_dim]``, row-major (token slowest, dim
 fastest), in the model dtype. K is post-RoPE, exactly as the attention reads it
-from the cache, so a prefix loaded back reproduces the computation bit for bit.
+from the cache, so a prefix loaded back gives the attention the very inputs it
+would have computed itself.
 
 Prefix injection (transformers 5.x): a :class:`DynamicCache` subclass whose layers
 announce the prefix length ``P`` up front (so the causal mask and position ids
@@ -19,11 +20,12 @@ import hashlib
 import math
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils.hooks import RemovableHandle
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
@@ -63,6 +65,12 @@ class KVPrefix:
     head_dim]``. Layer ``l`` is read only after ``wait_for_layer(l)`` returned,
     so the tensors may be filled in place (or produced lazily) while earlier
     layers already compute.
+
+    On an accelerator the read is a kernel on the current stream: a loader that
+    copies on its own stream must make the current stream wait for that copy
+    inside ``wait_for_layer`` (e.g. ``current_stream().wait_event(done[l])``),
+    and may overwrite the tensors only after the forward pass has completed.
+    Tensors on another device or in another dtype are converted synchronously.
     """
 
     length: int
@@ -396,7 +404,7 @@ class ModelAdapter:
         self._model_digest: str | None = None
         self._tokenizer_digest: str | None = None
         self._tokenizer: Any = None
-        self._hooks = []
+        self._hooks: list[RemovableHandle] = []
         for index, layer in enumerate(model.model.layers):
             layer_idx = getattr(layer.self_attn, "layer_idx", index)
             if layer_idx != index:
@@ -424,6 +432,12 @@ class ModelAdapter:
         model.to(device=torch.device(device))
         model.eval()
         return cls(model, directory)
+
+    def close(self) -> None:
+        """Detach the decoder-layer hooks, e.g. before handing the model to other code."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
 
     # ---------------------------------------------------------------- properties
 
@@ -544,10 +558,12 @@ class ModelAdapter:
         return self._forward(state, [token])
 
     def _forward(self, state: DecodeState, tokens: Sequence[int]) -> torch.Tensor:
-        device = self.device
-        input_ids = torch.tensor([list(tokens)], dtype=torch.long, device=device)
-        if int(input_ids.min()) < 0 or int(input_ids.max()) >= self.vocab_size:
+        tokens = [int(t) for t in tokens]
+        # Checked on the host: an out-of-range id would otherwise fail asynchronously on an accelerator.
+        if min(tokens) < 0 or max(tokens) >= self.vocab_size:
             raise ValueError(f"token ids must lie in [0, {self.vocab_size})")
+        device = self.device
+        input_ids = torch.tensor([tokens], dtype=torch.long, device=device)
         positions = torch.arange(state.length, state.length + len(tokens), dtype=torch.long, device=device)
         with self._lock, torch.no_grad():
             out = self.model(

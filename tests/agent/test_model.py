@@ -25,8 +25,6 @@ from agent.model import (  # noqa: E402
 )
 from agent.tiny import ensure_tiny_model  # noqa: E402
 
-torch.set_num_threads(2)
-
 PROMPT_LEN = 96
 SPLIT = 64
 
