@@ -1,0 +1,292 @@
+"""Instance status and lifecycle (KVSP §6.3), as a state machine without I/O.
+
+The registry takes Instance Status Records and the clock, and gives back the state to answer
+with plus events (an instance failed, a state changed) that the caller acts on: the session
+manager fails sessions over, the HTTP layer forwards state changes. Keeping the clock injectable
+lets the expiry and sleep rules be tested without waiting.
+
+The PC's view of an instance's state is authoritative; the instance learns it from the reply to
+each status PUT (and from PUT {ii}state when the PC changes it):
+
+- a new instance, or one that restarted (higher epoch), takes the state it reports ("failed"
+  and "draining" reported by a newcomer are kept as such; "sleeping" too);
+- active -> draining when the instance asks to sleep and its load has stayed below the
+  configured threshold for the configured time (otherwise the answer is "active");
+- draining -> sleeping when the instance reports "sleeping" with no running sessions;
+- sleeping -> active only through `set_state` (the PC's word);
+- any -> failed when the last record expires (ttl_ms after it arrived). A failed instance
+  comes back only by restarting with a higher epoch: its sessions have already moved on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable, Literal
+from urllib.parse import quote
+
+from kvsp_moq.errors import BadRecord, NotFound, StaleEpoch
+from kvsp_moq.protocol.records import InstanceStatus
+
+#: States the PC may set with `set_state`.
+SETTABLE_STATES = ("active", "draining", "sleeping")
+
+Clock = Callable[[], float]
+
+
+def normalize_url(url: str) -> str:
+    """Instance base URLs compare with a trailing slash, as the draft writes them."""
+    return url if url.endswith("/") else url + "/"
+
+
+def instance_id(url: str) -> str:
+    """The path identifier of an instance at the PC: the first 16 octets, in hex, of SHA-256
+    over its base URL (with its trailing slash), like replica ids (DESIGN §3)."""
+    return hashlib.sha256(normalize_url(url).encode()).digest()[:16].hex()
+
+
+def id_matches(path_id: str, url: str) -> bool:
+    """Whether a path identifier names this instance: its hash id or its percent-encoded URL."""
+    url = normalize_url(url)
+    return path_id.lower() == instance_id(url) or path_id in (quote(url, safe=""), url)
+
+
+def load_of(status: InstanceStatus) -> float:
+    """Work in hand per batch slot: what "load" means for the sleep policy."""
+    return (status.running + status.queued) / max(status.batch_size, 1)
+
+
+# --------------------------------------------------------------------------- events
+
+
+@dataclass(frozen=True)
+class InstanceFailed:
+    """An instance stopped serving: its sessions need another instance."""
+
+    instance: str
+    """Base URL of the instance."""
+    epoch: int
+    """The epoch of the incarnation that failed."""
+    reason: Literal["expired", "restarted", "reported"]
+    """Why: its record expired, it came back with a higher epoch, or it said so."""
+
+
+@dataclass(frozen=True)
+class StateChanged:
+    """The PC's view of an instance's state changed."""
+
+    instance: str
+    """Base URL of the instance."""
+    epoch: int
+    """Epoch of the instance when it changed."""
+    old: str | None
+    """State before (None for a newcomer)."""
+    new: str
+    """State now."""
+    by_pc: bool = False
+    """True when the PC decided it (set_state): the instance should be told."""
+
+
+Event = InstanceFailed | StateChanged
+
+
+@dataclass(frozen=True)
+class LifecycleSettings:
+    """The sleep policy of §6.3."""
+
+    sleep_load_threshold: float = 0.1
+    """An instance may sleep once (running + queued) / batch_size stayed below this..."""
+    sleep_after_ms: int = 60_000
+    """...for this long."""
+
+
+@dataclass
+class _Entry:
+    record: InstanceStatus
+    state: str
+    expires_at: float
+    low_since: float | None
+    reported_at: float
+
+
+@dataclass(frozen=True)
+class Reply:
+    """What to answer a status PUT with, and what happened."""
+
+    state: str
+    events: tuple[Event, ...] = ()
+
+    def to_json(self) -> dict:
+        return {"state": self.state}
+
+
+class InstanceRegistry:
+    """Every instance the PC knows of, its latest record and the PC's view of its state.
+
+    Also the `InstanceDirectory` of the Index Service: `get(url)` gives the record that lookup
+    estimates for targets need.
+    """
+
+    def __init__(self, settings: LifecycleSettings | None = None, *,
+                 clock: Clock = time.monotonic) -> None:
+        self.settings = settings or LifecycleSettings()
+        self.clock = clock
+        self._entries: dict[str, _Entry] = {}
+
+    # ------------------------------------------------------------------ reports
+
+    def report(self, record: InstanceStatus) -> Reply:
+        """Take one Instance Status Record; a lower epoch than seen is refused (StaleEpoch)."""
+        now = self.clock()
+        url = normalize_url(record.instance)
+        if url != record.instance:
+            record = dataclasses.replace(record, instance=url)
+        entry = self._entries.get(url)
+        expires = now + record.ttl_ms / 1000.0
+        low = load_of(record) < self.settings.sleep_load_threshold
+        events: list[Event] = []
+        if entry is not None and record.epoch < entry.record.epoch:
+            raise StaleEpoch(f"instance {url} has reported epoch {entry.record.epoch}; "
+                             f"epoch {record.epoch} is stale", member="epoch")
+        if entry is None or record.epoch > entry.record.epoch:
+            if entry is not None and entry.state != "failed":
+                events.append(InstanceFailed(url, entry.record.epoch, "restarted"))
+            state = record.state
+            self._entries[url] = _Entry(record, state, expires, now if low else None, now)
+            events.append(StateChanged(url, record.epoch, entry.state if entry else None, state))
+            if state == "failed":
+                events.append(InstanceFailed(url, record.epoch, "reported"))
+            return Reply(state, tuple(events))
+
+        # Same epoch: the PC's view decides; the record only refreshes status and expiry.
+        if entry.state != "failed" and now >= entry.expires_at:
+            # Expired before this record came: failed, whether or not a sweep saw it yet.
+            entry.state = "failed"
+            events.append(InstanceFailed(url, entry.record.epoch, "expired"))
+        old = entry.state
+        entry.record = record
+        entry.reported_at = now
+        entry.low_since = (entry.low_since if entry.low_since is not None else now) if low else None
+        if old == "failed":
+            return Reply("failed", tuple(events))
+        entry.expires_at = expires
+        new = old
+        if record.state == "failed":
+            new = "failed"
+            events.append(InstanceFailed(url, record.epoch, "reported"))
+        elif old == "active" and record.requested_state == "sleeping":
+            if self._quiet_long_enough(entry, now):
+                new = "draining"
+        elif old == "draining" and record.state == "sleeping" and record.running == 0:
+            new = "sleeping"
+        if new != old:
+            entry.state = new
+            events.insert(0, StateChanged(url, record.epoch, old, new))
+        return Reply(new, tuple(events))
+
+    def _quiet_long_enough(self, entry: _Entry, now: float) -> bool:
+        return (entry.low_since is not None
+                and (now - entry.low_since) * 1000.0 >= self.settings.sleep_after_ms)
+
+    def expire(self) -> list[InstanceFailed]:
+        """Mark instances whose record expired as failed; call it periodically."""
+        now = self.clock()
+        failed: list[InstanceFailed] = []
+        for url, entry in self._entries.items():
+            if entry.state != "failed" and now >= entry.expires_at:
+                entry.state = "failed"
+                failed.append(InstanceFailed(url, entry.record.epoch, "expired"))
+        return failed
+
+    def set_state(self, instance: str, state: str) -> StateChanged | None:
+        """The PC's word: the only way out of sleeping. None when nothing changed."""
+        if state not in SETTABLE_STATES:
+            raise BadRecord(f"must be one of {', '.join(SETTABLE_STATES)}", member="state")
+        entry = self._entries.get(normalize_url(instance))
+        if entry is None:
+            raise NotFound(f"no instance {instance}")
+        if entry.state == "failed":
+            raise BadRecord("a failed instance comes back only by restarting with a higher "
+                            "epoch", member="state")
+        if entry.state == state:
+            return None
+        old, entry.state = entry.state, state
+        if state != "active":
+            entry.low_since = None
+        return StateChanged(entry.record.instance, entry.record.epoch, old, state, by_pc=True)
+
+    def known(self, instance_url: str) -> bool:
+        return normalize_url(instance_url) in self._entries
+
+    def forget(self, instance: str) -> bool:
+        return self._entries.pop(normalize_url(instance), None) is not None
+
+    # ------------------------------------------------------------------ queries
+
+    def _view(self, entry: _Entry, now: float) -> InstanceStatus:
+        state = entry.state
+        if state != "failed" and now >= entry.expires_at:
+            state = "failed"  # expired but not swept yet: never offered as active
+        if state == entry.record.state:
+            return entry.record
+        return dataclasses.replace(entry.record, state=state)
+
+    def get(self, instance_url: str) -> InstanceStatus | None:
+        """`InstanceDirectory.get` of the Index Service: the unexpired record of an instance,
+        with the PC's view of its state; None when unknown, expired or failed."""
+        status = self.status_of(instance_url)
+        return None if status is None or status.state == "failed" else status
+
+    def status_of(self, instance_url: str) -> InstanceStatus | None:
+        """The latest record with the PC's view of its state, failed ones included."""
+        entry = self._entries.get(normalize_url(instance_url))
+        return None if entry is None else self._view(entry, self.clock())
+
+    def is_active(self, instance_url: str) -> bool:
+        status = self.get(instance_url)
+        return status is not None and status.state == "active"
+
+    def active(self, exclude: Iterable[str] = ()) -> list[InstanceStatus]:
+        """Active, unexpired instances: the only ones that may get requests or prefetches."""
+        now = self.clock()
+        skip = {normalize_url(u) for u in exclude}
+        out = []
+        for url, entry in self._entries.items():
+            if url in skip:
+                continue
+            view = self._view(entry, now)
+            if view.state == "active":
+                out.append(view)
+        return out
+
+    def all(self) -> list[InstanceStatus]:
+        now = self.clock()
+        return [self._view(e, now) for e in self._entries.values()]
+
+    def find_by_id(self, path_id: str) -> InstanceStatus | None:
+        for url in self._entries:
+            if id_matches(path_id, url):
+                return self.status_of(url)
+        return None
+
+    def describe(self) -> list[dict]:
+        """GET {pc}instances: each record with the PC's state, its id and expiry."""
+        now = self.clock()
+        out = []
+        for url, entry in sorted(self._entries.items()):
+            view = self._view(entry, now)
+            item = view.to_json()
+            item["id"] = instance_id(url)
+            item["reported_state"] = entry.record.state
+            item["expires_in_ms"] = max(0, round((entry.expires_at - now) * 1000))
+            out.append(item)
+        return out
+
+
+__all__ = [
+    "SETTABLE_STATES", "InstanceFailed", "InstanceRegistry",
+    "LifecycleSettings", "Reply", "StateChanged", "id_matches", "instance_id", "load_of",
+    "normalize_url",
+]

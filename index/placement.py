@@ -1,0 +1,547 @@
+"""Routing and prefetch (KVSP §6.4, §6.5): which active instance serves a prompt, and what it
+should load before the request reaches it.
+
+`rank` is pure: a lookup answer and the candidates' status records in, candidates ordered by
+the §6.4 cost out. `Router` adds the I/O: the Index Service lookup (an injected async function,
+so an in-process index and a remote one both work), the prefetch directive sent before the
+answer, and the start hook for when no active instance is good enough.
+
+`POST {pc}route` (our extension, DESIGN §3) body:
+
+    {"tokens": [...]            prompt tokens; or "block_keys": [hex32, ...] already computed
+     "scope": "name"            scope name from the keys file; or "scope_id": hex16
+     "compat_id": hex32,
+     "block_tokens": 16,        optional; else configured per compat_id, else the default
+     "token_count": n,          optional with block_keys: prompt length (default: keys * B)
+     "request_ref": "..."}      optional; the PC makes one when absent
+
+Answer:
+
+    {"instance": url, "directive": uuid | null, "request_ref": str, "matched": n,
+     "matched_tokens": t, "token_count": n, "scope_id": hex16, "compat_id": hex32,
+     "prefetch": "accepted" | "failed" | "none",
+     "estimates": [{"instance", "fetch_us", "recompute_us", "wait_us", "recompute_all_us",
+                    "cost_us", "resident_blocks", "uses_cache"}, ...]   (best first)
+     "reason": "lowest-cost" | "started" | "over-threshold"}
+
+"directive" is null when no block matched (nothing to load). "reason" is "started" when the
+start hook supplied a new instance (no active one, or none under `max_cost_us`), and
+"over-threshold" when the best active instance was chosen although its cost exceeds the
+threshold because no instance could be started.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+import math
+import tomllib
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Awaitable, Callable, Iterable, Mapping, Sequence
+
+from kvsp_moq.errors import BadRecord, KvspError
+from kvsp_moq.index_client import IndexClient, LookupBlock, LookupResult
+from kvsp_moq.protocol import validate as v
+from kvsp_moq.protocol.cost import (DEFAULT_MBIT_PER_S, DEFAULT_RTT_US, Estimate, estimate,
+                                    mean_service_us)
+from kvsp_moq.protocol.keys import block_keys, parse_scope_key_hex, scope_id as scope_id_of
+from kvsp_moq.protocol.records import (InstanceStatus, LookupRequest, PrefetchBlock,
+                                       PrefetchDirective, ReplicaRecord)
+
+from index.lifecycle import InstanceRegistry, normalize_url
+
+log = logging.getLogger("kvsp.pc.placement")
+
+#: The Index Service's lookup (§6.2), in-process or remote.
+LookupFn = Callable[[LookupRequest], Awaitable[LookupResult]]
+#: Sends POST {ii}prefetch; raises on anything but 202 (or 2xx).
+PrefetchSender = Callable[[str, PrefetchDirective], Awaitable[None]]
+#: Starts an instance for a request and returns its base URL (None when it cannot).
+StartHook = Callable[["RouteRequest"], Awaitable[str | None]]
+
+
+class NoActiveInstance(KvspError):
+    """No active instance can take the request and none could be started."""
+
+    problem = "kvsp-no-instance"
+    status = 503
+    title = "No active instance"
+
+
+# --------------------------------------------------------------------------- settings, keys
+
+
+@dataclass(frozen=True)
+class PlacementSettings:
+    block_tokens: int = 16
+    """Block size B for compat IDs not listed in `block_tokens_by_compat`."""
+    block_tokens_by_compat: Mapping[str, int] = field(default_factory=dict)
+    max_cost_us: float | None = None
+    """A cost above this is not acceptable: the start hook is asked for a new instance."""
+    prefetch_deadline_ms: int = 50
+    lease_ms: int = 2000
+    mean_service_tokens: float = 512.0
+    """Tokens per request assumed for wait_us = queued * mean service time (§6.4)."""
+
+
+@dataclass(frozen=True)
+class ScopeKeys:
+    """Scope keys from the keys file (DESIGN §3), by name and by Scope ID."""
+
+    by_name: Mapping[str, bytes] = field(default_factory=dict)
+
+    @functools.cached_property
+    def by_id(self) -> dict[str, bytes]:
+        return {scope_id_of(k).hex(): k for k in self.by_name.values()}
+
+    @classmethod
+    def from_file(cls, path: str | Path | None) -> "ScopeKeys":
+        """A TOML file of `name = "hex key"` lines."""
+        if path is None:
+            return cls()
+        try:
+            data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise BadRecord(f"cannot read scope keys file {path}: {e}", member="scope_keys") from None
+        return cls.from_mapping(data)
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any]) -> "ScopeKeys":
+        keys = {}
+        for name, text in data.items():
+            if not isinstance(text, str):
+                raise BadRecord("must be hex text", member=f"scope_keys.{name}")
+            keys[name] = parse_scope_key_hex(text)
+        return cls(keys)
+
+    def key_for(self, *, name: str | None = None, scope_id: str | None = None) -> bytes | None:
+        if name is not None:
+            return self.by_name.get(name)
+        if scope_id is not None:
+            return self.by_id.get(scope_id.lower())
+        return None
+
+
+# --------------------------------------------------------------------------- requests
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    """A prompt to place, reduced to what placement needs: its Block Keys and its length."""
+
+    scope_id: str
+    compat_id: str
+    block_keys: tuple[str, ...]
+    token_count: int
+    block_tokens: int
+    request_ref: str | None = None
+
+    @classmethod
+    def from_json(cls, data: Any, *, keys: ScopeKeys,
+                  settings: PlacementSettings) -> "RouteRequest":
+        data = v.obj(data)
+        compat = v.hexn(v.required(data, "compat_id"), 32, "compat_id")
+        name = data.get("scope")
+        if name is not None:
+            name = v.string(name, "scope", max_len=256)
+            key = keys.key_for(name=name)
+            if key is None:
+                raise BadRecord(f"no scope key named {name!r} is configured", member="scope")
+            sid = scope_id_of(key).hex()
+        else:
+            sid = v.hexn(v.required(data, "scope_id"), 16, "scope_id")
+            key = None
+        b = data.get("block_tokens")
+        b = (v.integer(b, "block_tokens", low=1, high=1 << 20) if b is not None
+             else settings.block_tokens_by_compat.get(compat, settings.block_tokens))
+        ref = data.get("request_ref")
+        ref = None if ref is None else v.string(ref, "request_ref", max_len=1024)
+        if "tokens" in data:
+            tokens = v.tokens(data["tokens"], "tokens")
+            key = key or keys.key_for(scope_id=sid)
+            if key is None:
+                raise BadRecord("no scope key is configured for this scope; send block_keys",
+                                member="scope_id")
+            keys_hex = tuple(k.hex() for k in block_keys(key, bytes.fromhex(compat), tokens, b))
+            count = len(tokens)
+        elif "block_keys" in data:
+            keys_hex = tuple(v.array(data["block_keys"], "block_keys",
+                                     lambda x, m: v.hexn(x, 32, m), max_len=1 << 20))
+            count = data.get("token_count")
+            count = (len(keys_hex) * b if count is None
+                     else v.integer(count, "token_count", low=len(keys_hex) * b))
+        else:
+            raise BadRecord("either tokens or block_keys is required", member="tokens")
+        return cls(sid, compat, keys_hex, count, b, ref)
+
+
+# --------------------------------------------------------------------------- ranking (pure)
+
+
+def holds(instance: str, record: ReplicaRecord) -> bool:
+    """Whether the replica sits at the instance itself (an instance is also a holder)."""
+    return (record.holder.startswith(instance)
+            or (record.http_holder is not None and record.http_holder.startswith(instance)))
+
+
+def _finite(x: float) -> float | None:
+    return round(x, 3) if math.isfinite(x) else None
+
+
+@dataclass(frozen=True)
+class Candidate:
+    status: InstanceStatus
+    estimate: Estimate
+    resident_blocks: int
+    """Matched blocks the instance holds itself (nothing to load for them)."""
+
+    @property
+    def instance(self) -> str:
+        return self.status.instance
+
+    @property
+    def cost_us(self) -> float:
+        return self.estimate.cost_us
+
+    def to_json(self) -> dict:
+        e = self.estimate
+        return {"instance": self.instance, "fetch_us": _finite(e.fetch_us),
+                "recompute_us": _finite(e.recompute_us), "wait_us": _finite(e.wait_us),
+                "recompute_all_us": _finite(e.recompute_all_us), "cost_us": _finite(e.cost_us),
+                "resident_blocks": self.resident_blocks, "uses_cache": e.uses_cache}
+
+
+@dataclass(frozen=True)
+class ReplicaGroup:
+    """Matched blocks whose replica sets look alike (same holders, sizes, layer counts and
+    residency) cost alike, and are loaded from one source together."""
+
+    count: int
+    replicas: tuple[ReplicaRecord, ...]
+    """The replicas of the group's first block."""
+    scaled: tuple[ReplicaRecord, ...]
+    """The same replicas with the size of the whole group, for fetch_us (linear in size)."""
+    profiles: tuple[tuple[tuple[float, float | None], ...], ...]
+    """Per replica, the group's octets by tier read rate: what choosing a source needs."""
+
+
+@dataclass(frozen=True)
+class Grouping:
+    """The matched blocks of a lookup, grouped so that ranking costs O(groups) per candidate
+    instead of O(blocks)."""
+
+    groups: tuple[ReplicaGroup, ...]
+    of_block: tuple[int, ...]
+    """Group index of each matched block, in prefix order."""
+
+    @classmethod
+    def of(cls, result: LookupResult) -> "Grouping":
+        index: dict[tuple, int] = {}
+        members: list[list] = []
+        of_block = []
+        for block in result.blocks[:result.matched]:
+            reps = block.replicas
+            sig = tuple([(r.holder, r.http_holder, r.size,
+                          None if r.layer_digests is None else len(r.layer_digests), r.residency)
+                         for r in reps])
+            g = index.get(sig)
+            if g is None:
+                g = index[sig] = len(members)
+                members.append([0, reps])
+            members[g][0] += 1
+            of_block.append(g)
+        groups = tuple(
+            ReplicaGroup(n, reps, reps if n == 1 else
+                         tuple(dataclasses.replace(r, size=r.size * n) for r in reps),
+                         tuple(_profile(r, n) for r in reps))
+            for n, reps in members)
+        return cls(groups, tuple(of_block))
+
+
+def _profile(record: ReplicaRecord, count: int) -> tuple[tuple[float, float | None], ...]:
+    """Octets of `count` such replicas by the read rate of the tier holding them (None: no
+    tier limit), as fetch_us charges them."""
+    layers = record.layer_count
+    total = float(record.size) * count
+    if not (layers and record.residency):
+        return ((total, None),)
+    per_layer = total / layers
+    out = []
+    covered = 0
+    for tier in record.residency:
+        n = tier.layers[1] - tier.layers[0] + 1
+        covered += n
+        out.append((per_layer * n, tier.read_mbit_per_s))
+    if layers > covered:
+        out.append((per_layer * (layers - covered), None))
+    return tuple(out)
+
+
+def _links(status: InstanceStatus) -> dict[str, tuple[float, float]]:
+    out: dict[str, tuple[float, float]] = {}
+    for link in status.links:
+        out.setdefault(link.holder, (link.mbit_per_s, link.rtt_us))
+    return out
+
+
+def _load_us(links: dict[str, tuple[float, float]], record: ReplicaRecord,
+             profile: tuple[tuple[float, float | None], ...]) -> float:
+    """rtt + 8 * octets / rate from one source, each tier at min(link, tier read rate): the
+    fetch_us of §6.4 for a single source, used to pick the source of a group."""
+    link = links.get(record.holder)
+    if link is None and record.http_holder is not None:
+        link = links.get(record.http_holder)
+    rate, rtt = link or (DEFAULT_MBIT_PER_S, DEFAULT_RTT_US)
+    return rtt + sum(8 * octets / (rate if cap is None or cap > rate else cap)
+                     for octets, cap in profile)
+
+
+def rank(result: LookupResult, candidates: Iterable[InstanceStatus], *, token_count: int,
+         block_tokens: int, mean_service_tokens: float = 512.0,
+         grouping: Grouping | None = None) -> list[Candidate]:
+    """Candidates by ascending §6.4 cost; ties go to the one holding more, then by URL.
+
+    Blocks resident at an instance cost nothing there; each other group of alike blocks is
+    charged to the replica holder that loads the whole group fastest for that instance; bytes
+    from one source add up and sources load in parallel (fetch_us is a max over sources).
+    """
+    matched_tokens = min(result.matched * block_tokens, token_count)
+    groups = (grouping or Grouping.of(result)).groups
+    out = []
+    for status in candidates:
+        url = status.instance
+        links = _links(status)
+        plan: list[ReplicaRecord] = []
+        resident = 0
+        for g in groups:
+            if any(holds(url, r) for r in g.replicas):
+                resident += g.count
+            elif len(g.scaled) == 1:
+                plan.append(g.scaled[0])
+            elif g.scaled:
+                j = min(range(len(g.replicas)),
+                        key=lambda j: _load_us(links, g.replicas[j], g.profiles[j]))
+                plan.append(g.scaled[j])
+        est = estimate(status, matched_tokens=matched_tokens, total_tokens=token_count, plan=plan,
+                       service_us=mean_service_us(status, mean_service_tokens))
+        out.append(Candidate(status, est, resident))
+    out.sort(key=lambda c: (c.cost_us, -c.resident_blocks, c.instance))
+    return out
+
+
+def directive_for(result: LookupResult, request: RouteRequest, instance: InstanceStatus | None,
+                  settings: PlacementSettings, *, directive: str | None = None,
+                  request_ref: str | None = None,
+                  grouping: Grouping | None = None) -> PrefetchDirective | None:
+    """The prefetch directive for the matched blocks, sources fastest first for the instance
+    (in listed order when the PC has no status for it yet); None when nothing matched."""
+    grouping = grouping or Grouping.of(result)
+    if not grouping.of_block:
+        return None
+    sources = []
+    links = _links(instance) if instance is not None else None
+    for g in grouping.groups:
+        ranked = (sorted(range(len(g.replicas)),
+                         key=lambda j: _load_us(links, g.replicas[j], g.profiles[j]))
+                  if links is not None else range(len(g.replicas)))
+        sources.append(tuple(dict.fromkeys(g.replicas[j].holder for j in ranked)))
+    blocks = tuple(PrefetchBlock(b.block_key, sources[gi])
+                   for b, gi in zip(result.blocks, grouping.of_block) if sources[gi])
+    if not blocks:
+        return None
+    return PrefetchDirective(
+        directive=directive or str(uuid.uuid4()), scope_id=request.scope_id,
+        compat_id=request.compat_id, blocks=blocks,
+        deadline_ms=settings.prefetch_deadline_ms, lease_ms=settings.lease_ms,
+        request_ref=request_ref or request.request_ref)
+
+
+# --------------------------------------------------------------------------- routing (I/O)
+
+
+@dataclass(frozen=True)
+class RouteDecision:
+    instance: str
+    request_ref: str
+    directive: PrefetchDirective | None
+    matched: int
+    matched_tokens: int
+    request: RouteRequest
+    candidates: tuple[Candidate, ...]
+    reason: str
+    prefetch: str
+
+    def to_json(self) -> dict:
+        return {
+            "instance": self.instance,
+            "directive": self.directive.directive if self.directive else None,
+            "request_ref": self.request_ref,
+            "matched": self.matched,
+            "matched_tokens": self.matched_tokens,
+            "token_count": self.request.token_count,
+            "scope_id": self.request.scope_id,
+            "compat_id": self.request.compat_id,
+            "prefetch": self.prefetch,
+            "estimates": [c.to_json() for c in self.candidates],
+            "reason": self.reason,
+        }
+
+
+def index_client_lookup(client: IndexClient) -> LookupFn:
+    """A LookupFn over a remote Index Service."""
+
+    async def lookup(req: LookupRequest) -> LookupResult:
+        return await client.lookup(req.scope_id, req.compat_id, req.block_keys, req.targets)
+
+    return lookup
+
+
+def replica_store_lookup(store: Any, clock: Callable[[], float]) -> LookupFn:
+    """A LookupFn over the Index Service's `ReplicaStore` in the same process (no HTTP).
+
+    The store answers with the stored JSON octets of each replica; parsed records are kept by
+    those octets (bounded), since the same replicas come back on every lookup of a prefix.
+    """
+    cache: dict[bytes, ReplicaRecord] = {}
+    limit = 200_000
+
+    def parse(octets: bytes) -> ReplicaRecord:
+        record = cache.get(octets)
+        if record is None:
+            if len(cache) >= limit:
+                cache.clear()
+            record = cache[octets] = ReplicaRecord.from_json(json.loads(octets))
+        return record
+
+    async def lookup(req: LookupRequest) -> LookupResult:
+        hits = await store.lookup(req.compat_id, req.scope_id, req.block_keys, clock())
+        blocks = tuple(LookupBlock(key, tuple(parse(o) for o in reps))
+                       for key, reps in zip(req.block_keys, hits.replicas[:hits.matched]))
+        return LookupResult(hits.matched, blocks)
+
+    return lookup
+
+
+class MemoryIndex:
+    """An in-process replica table with the lookup semantics of §6.2 (for running the PC on
+    its own, tests and benchmarks): matched stops at the first key without a replica."""
+
+    def __init__(self) -> None:
+        self._by_key: dict[tuple[str, str, str], list[ReplicaRecord]] = {}
+
+    def add(self, record: ReplicaRecord) -> None:
+        self._by_key.setdefault((record.compat_id, record.scope_id, record.block_key),
+                                []).append(record)
+
+    async def lookup(self, req: LookupRequest) -> LookupResult:
+        blocks = []
+        table = self._by_key
+        for key in req.block_keys:
+            reps = table.get((req.compat_id, req.scope_id, key))
+            if not reps:
+                break
+            blocks.append(LookupBlock(key, tuple(reps)))
+        return LookupResult(len(blocks), tuple(blocks))
+
+
+class Router:
+    """Places requests on active instances and tells them what to prefetch first."""
+
+    def __init__(self, registry: InstanceRegistry, lookup: LookupFn, send_prefetch: PrefetchSender,
+                 settings: PlacementSettings | None = None, *, keys: ScopeKeys | None = None,
+                 start_hook: StartHook | None = None) -> None:
+        self.registry = registry
+        self.lookup = lookup
+        self.send_prefetch = send_prefetch
+        self.settings = settings or PlacementSettings()
+        self.keys = keys or ScopeKeys()
+        self.start_hook = start_hook
+
+    def parse(self, data: Any) -> RouteRequest:
+        return RouteRequest.from_json(data, keys=self.keys, settings=self.settings)
+
+    async def _ranked(self, request: RouteRequest, exclude: Iterable[str] = ()
+                      ) -> tuple[LookupResult, Grouping, list[Candidate]]:
+        actives = self.registry.active(exclude=exclude)
+        targets = tuple(s.instance for s in actives) or None
+        result = await self.lookup(LookupRequest(request.scope_id, request.compat_id,
+                                                 request.block_keys, targets))
+        # Statuses are read again after the await: an instance may have left "active".
+        actives = self.registry.active(exclude=exclude)
+        grouping = Grouping.of(result)
+        ranked = rank(result, actives, token_count=request.token_count,
+                      block_tokens=request.block_tokens,
+                      mean_service_tokens=self.settings.mean_service_tokens, grouping=grouping)
+        return result, grouping, ranked
+
+    def _acceptable(self, best: Candidate | None) -> bool:
+        limit = self.settings.max_cost_us
+        return best is not None and (limit is None or best.cost_us <= limit)
+
+    async def route(self, request: RouteRequest) -> RouteDecision:
+        """Choose, send the prefetch directive, then answer (§6.4, §6.5)."""
+        result, grouping, ranked = await self._ranked(request)
+        ref = request.request_ref or uuid.uuid4().hex
+        matched_tokens = min(result.matched * request.block_tokens, request.token_count)
+        best = ranked[0] if ranked else None
+        reason = "lowest-cost"
+        target: str | None = None
+        status: InstanceStatus | None = None
+        if not self._acceptable(best):
+            started = await self._start(request)
+            if started is not None:
+                target, reason = started, "started"
+            elif best is None:
+                raise NoActiveInstance("no active instance, and none could be started")
+            else:
+                reason = "over-threshold"
+        if target is None:
+            # Never a prefetch to an instance that is not active: check again, right before.
+            for cand in ranked:
+                if self.registry.is_active(cand.instance):
+                    target, status = cand.instance, self.registry.get(cand.instance)
+                    break
+            if target is None:
+                raise NoActiveInstance("every candidate left the active state")
+        directive = directive_for(result, request, status, self.settings, request_ref=ref,
+                                  grouping=grouping)
+        prefetch = "none"
+        if directive is not None:
+            try:
+                await self.send_prefetch(target, directive)
+                prefetch = "accepted"
+            except KvspError as e:
+                log.warning("prefetch %s to %s failed: %s", directive.directive, target, e.detail)
+                prefetch = "failed"
+        return RouteDecision(target, ref, directive, result.matched, matched_tokens, request,
+                             tuple(ranked), reason, prefetch)
+
+    async def _start(self, request: RouteRequest) -> str | None:
+        if self.start_hook is None:
+            return None
+        try:
+            started = await self.start_hook(request)
+        except Exception as e:  # a failing hook must not fail the request
+            log.warning("start hook failed: %s", e)
+            return None
+        return normalize_url(started) if started else None
+
+    async def choose(self, scope_id: str, compat_id: str, keys: Sequence[str], *,
+                     token_count: int, block_tokens: int | None = None,
+                     exclude: Iterable[str] = ()) -> str | None:
+        """The lowest-cost active instance outside `exclude` (or a started one), without a
+        prefetch: failover hands the instance the checkpoint, which lists the blocks."""
+        b = block_tokens or self.settings.block_tokens_by_compat.get(compat_id,
+                                                                    self.settings.block_tokens)
+        request = RouteRequest(scope_id, compat_id, tuple(keys), token_count, b)
+        _, _, ranked = await self._ranked(request, exclude)
+        if ranked and self._acceptable(ranked[0]):
+            return ranked[0].instance
+        started = await self._start(request)
+        if started is not None:
+            return started
+        return ranked[0].instance if ranked else None

@@ -1,0 +1,337 @@
+"""Sessions, checkpoints and failover (KVSP §6.8).
+
+The bookkeeping rules are pure functions over `SessionState`; `SessionStore` persists their
+results in SQLite (WAL) so that a restarted PC still knows every session's epoch, instance and
+latest checkpoint; `Failover` is the asyncio part that moves the sessions of a failed instance.
+
+Wire formats (DESIGN §3, §6):
+
+- `PUT {pc}sessions/{session}/checkpoint`: a Session Checkpoint (§4.4). It may carry an extra
+  member "instance" (our extension; unknown members are ignored by other parties) with the base
+  URL of the instance that serves the session; it is required for the first checkpoint of a
+  session the PC has not placed. Reply: the session state below.
+- `GET {pc}sessions/{session}`: `{"session", "epoch", "instance", "output_offset"}`.
+- `POST {ii}sessions/{session}/resume`: `{"checkpoint": <latest Session Checkpoint, verbatim,
+  with the epoch it was taken under>, "epoch": <new session epoch>}`. Any 2xx accepts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Awaitable, Callable, Iterable
+
+from kvsp_moq.errors import BadRecord, KvspError, StaleEpoch
+from kvsp_moq.protocol.records import SessionCheckpoint
+
+from index.lifecycle import normalize_url
+
+log = logging.getLogger("kvsp.pc.sessions")
+
+
+@dataclass(frozen=True)
+class SessionState:
+    """What the PC keeps per session."""
+
+    session: str
+    epoch: int
+    """The current session epoch; messages under a lower one are refused."""
+    instance: str | None
+    """Base URL of the instance that serves the session under `epoch`."""
+    output_offset: int
+    """output_offset of `checkpoint` (0 without one)."""
+    checkpoint: dict | None
+    """The latest accepted checkpoint, verbatim JSON; it may predate `epoch` after a failover."""
+
+    def to_json(self) -> dict:
+        return {"session": self.session, "epoch": self.epoch, "instance": self.instance,
+                "output_offset": self.output_offset}
+
+    @property
+    def checkpoint_epoch(self) -> int | None:
+        return None if self.checkpoint is None else int(self.checkpoint["epoch"])
+
+
+# --------------------------------------------------------------------------- rules
+
+
+def accept_checkpoint(current: SessionState | None, checkpoint: SessionCheckpoint,
+                      instance: str | None) -> SessionState:
+    """The state after a checkpoint arrives (§6.8).
+
+    A lower epoch than the session's is refused; within the current epoch the checkpoint with
+    the highest output_offset is kept; a higher epoch (the instance knows of a move the PC has
+    not made, e.g. after a PC restart with an older file) starts that epoch.
+    """
+    inst = normalize_url(instance) if instance else None
+    if current is None:
+        if inst is None:
+            raise BadRecord("the first checkpoint of a session must name the instance serving "
+                            "it", member="instance")
+        return SessionState(checkpoint.session, checkpoint.epoch, inst, checkpoint.output_offset,
+                            checkpoint.to_json())
+    if checkpoint.epoch < current.epoch:
+        raise StaleEpoch(f"session {current.session} is at epoch {current.epoch}; a checkpoint "
+                         f"of epoch {checkpoint.epoch} is stale", member="epoch")
+    if checkpoint.epoch > current.epoch:
+        return SessionState(current.session, checkpoint.epoch, inst or current.instance,
+                            checkpoint.output_offset, checkpoint.to_json())
+    if inst is not None and current.instance is not None and inst != current.instance:
+        raise StaleEpoch(f"epoch {current.epoch} of session {current.session} belongs to "
+                         f"{current.instance}, not {inst}", member="instance")
+    newer = (current.checkpoint is None or current.checkpoint_epoch != checkpoint.epoch
+             or checkpoint.output_offset > current.output_offset)
+    if not newer:
+        return current
+    return SessionState(current.session, current.epoch, current.instance or inst,
+                        checkpoint.output_offset, checkpoint.to_json())
+
+
+def move_session(current: SessionState, new_instance: str) -> SessionState:
+    """Failover: the next epoch, on another instance, with the same latest checkpoint."""
+    return SessionState(current.session, current.epoch + 1, normalize_url(new_instance),
+                        current.output_offset, current.checkpoint)
+
+
+def resume_body(state: SessionState) -> dict:
+    """The body of POST {ii}sessions/{session}/resume."""
+    if state.checkpoint is None:
+        raise BadRecord("a session without a checkpoint cannot be resumed", member="checkpoint")
+    return {"checkpoint": state.checkpoint, "epoch": state.epoch}
+
+
+# --------------------------------------------------------------------------- persistence
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS sessions (
+    session TEXT PRIMARY KEY,
+    epoch INTEGER NOT NULL,
+    instance TEXT,
+    output_offset INTEGER NOT NULL,
+    checkpoint TEXT,
+    updated_ms INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS sessions_by_instance ON sessions (instance);
+"""
+
+
+def open_database(path: str | Path) -> sqlite3.Connection:
+    """One SQLite connection in WAL mode, shared by the PC's stores under their own locks.
+
+    synchronous=NORMAL: in WAL mode a committed transaction survives a crash of the process
+    (a PC restart); only a power loss can take the last ones.
+    """
+    conn = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=NORMAL")
+    conn.execute("PRAGMA busy_timeout=5000")
+    return conn
+
+
+class SessionStore:
+    """Session states in SQLite; every change is one transaction."""
+
+    def __init__(self, db: sqlite3.Connection | str | Path) -> None:
+        self._own = not isinstance(db, sqlite3.Connection)
+        self.db = open_database(db) if self._own else db  # type: ignore[arg-type]
+        self._lock = threading.Lock()
+        self.db.executescript(_SCHEMA)
+
+    def close(self) -> None:
+        if self._own:
+            self.db.close()
+
+    @staticmethod
+    def _row(row: tuple) -> SessionState:
+        session, epoch, instance, offset, checkpoint = row
+        return SessionState(session, epoch, instance, offset,
+                            json.loads(checkpoint) if checkpoint else None)
+
+    def _get(self, session: str) -> SessionState | None:
+        row = self.db.execute("SELECT session, epoch, instance, output_offset, checkpoint "
+                              "FROM sessions WHERE session = ?", (session,)).fetchone()
+        return None if row is None else self._row(row)
+
+    def _put(self, state: SessionState) -> None:
+        self.db.execute(
+            "INSERT INTO sessions (session, epoch, instance, output_offset, checkpoint, "
+            "updated_ms) VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (session) DO UPDATE SET "
+            "epoch = excluded.epoch, instance = excluded.instance, "
+            "output_offset = excluded.output_offset, checkpoint = excluded.checkpoint, "
+            "updated_ms = excluded.updated_ms",
+            (state.session, state.epoch, state.instance, state.output_offset,
+             json.dumps(state.checkpoint, separators=(",", ":")) if state.checkpoint else None,
+             int(time.time() * 1000)))
+
+    def get(self, session: str) -> SessionState | None:
+        with self._lock:
+            return self._get(session)
+
+    def checkpoint(self, checkpoint: SessionCheckpoint, instance: str | None) -> SessionState:
+        """Apply a checkpoint (StaleEpoch when it is refused) and persist the result."""
+        with self._lock:
+            self.db.execute("BEGIN IMMEDIATE")
+            try:
+                current = self._get(checkpoint.session)
+                state = accept_checkpoint(current, checkpoint, instance)
+                if state != current:
+                    self._put(state)
+                self.db.execute("COMMIT")
+            except BaseException:
+                self.db.execute("ROLLBACK")
+                raise
+            return state
+
+    def move(self, session: str, new_instance: str, *, expect_epoch: int) -> SessionState | None:
+        """Compare-and-set failover: None when the session changed epoch meanwhile."""
+        with self._lock:
+            self.db.execute("BEGIN IMMEDIATE")
+            try:
+                current = self._get(session)
+                if current is None or current.epoch != expect_epoch:
+                    self.db.execute("COMMIT")
+                    return None
+                state = move_session(current, new_instance)
+                self._put(state)
+                self.db.execute("COMMIT")
+            except BaseException:
+                self.db.execute("ROLLBACK")
+                raise
+            return state
+
+    def delete(self, session: str) -> bool:
+        with self._lock:
+            return self.db.execute("DELETE FROM sessions WHERE session = ?",
+                                   (session,)).rowcount > 0
+
+    def on_instance(self, instance: str) -> list[SessionState]:
+        with self._lock:
+            rows = self.db.execute(
+                "SELECT session, epoch, instance, output_offset, checkpoint FROM sessions "
+                "WHERE instance = ? ORDER BY session", (normalize_url(instance),)).fetchall()
+        return [self._row(r) for r in rows]
+
+    def instances(self) -> set[str]:
+        with self._lock:
+            rows = self.db.execute("SELECT DISTINCT instance FROM sessions "
+                                   "WHERE instance IS NOT NULL").fetchall()
+        return {r[0] for r in rows}
+
+    def count(self) -> int:
+        with self._lock:
+            return self.db.execute("SELECT COUNT(*) FROM sessions").fetchone()[0]
+
+
+# --------------------------------------------------------------------------- failover
+
+#: Picks an instance for a session, never one in `exclude`; None when there is none.
+Chooser = Callable[[SessionState, frozenset[str]], Awaitable[str | None]]
+#: Sends POST {ii}sessions/{session}/resume; raises on anything but 2xx.
+ResumeSender = Callable[[str, str, dict], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class FailoverSettings:
+    max_targets: int = 3
+    """How many different instances one session is offered to before giving up."""
+    attempts_per_target: int = 3
+    """POST resume tries per instance (transport errors and 5xx)."""
+    backoff_s: float = 0.05
+    """First pause between tries; doubles each time."""
+
+
+@dataclass(frozen=True)
+class FailoverResult:
+    session: str
+    instance: str | None
+    """Where the session runs now; None when no instance took it."""
+    epoch: int
+    tried: tuple[str, ...]
+
+
+class Failover:
+    """Moves each session of a failed instance to another one, raising its epoch (§6.8)."""
+
+    def __init__(self, store: SessionStore, choose: Chooser, send_resume: ResumeSender,
+                 settings: FailoverSettings | None = None) -> None:
+        self.store = store
+        self.choose = choose
+        self.send_resume = send_resume
+        self.settings = settings or FailoverSettings()
+        self._busy: set[str] = set()
+
+    async def instance_failed(self, instance: str, *, may_return: bool = False
+                              ) -> list[FailoverResult]:
+        """Move every session of `instance`. `may_return`: the instance restarted and is
+        itself a candidate again (its old incarnation's sessions are gone either way)."""
+        results = []
+        for state in self.store.on_instance(instance):
+            result = await self.move(state.session, failed=instance, may_return=may_return)
+            if result is not None:
+                results.append(result)
+        return results
+
+    async def move(self, session: str, *, failed: str, may_return: bool = False
+                   ) -> FailoverResult | None:
+        """Move one session off `failed`; None when it is not there (any more)."""
+        if session in self._busy:
+            return None
+        self._busy.add(session)
+        try:
+            return await self._move(session, normalize_url(failed), may_return)
+        finally:
+            self._busy.discard(session)
+
+    async def _move(self, session: str, failed: str, may_return: bool) -> FailoverResult | None:
+        state = self.store.get(session)
+        if state is None or state.instance != failed:
+            return None
+        if state.checkpoint is None:
+            log.warning("session %s on failed %s has no checkpoint; it cannot be resumed",
+                        session, failed)
+            return FailoverResult(session, None, state.epoch, ())
+        tried: list[str] = []
+        exclude = set() if may_return else {failed}
+        for _ in range(self.settings.max_targets):
+            target = await self.choose(state, frozenset(exclude))
+            if target is None:
+                break
+            target = normalize_url(target)
+            exclude.add(target)
+            moved = self.store.move(session, target, expect_epoch=state.epoch)
+            if moved is None:
+                return None  # someone else moved it meanwhile
+            state = moved
+            tried.append(target)
+            if await self._resume(target, state):
+                log.info("session %s resumed on %s at epoch %d", session, target, state.epoch)
+                return FailoverResult(session, target, state.epoch, tuple(tried))
+        log.error("session %s could not be resumed (tried %s)", session, tried or "nothing")
+        return FailoverResult(session, None, state.epoch, tuple(tried))
+
+    async def _resume(self, target: str, state: SessionState) -> bool:
+        body = resume_body(state)
+        pause = self.settings.backoff_s
+        for attempt in range(self.settings.attempts_per_target):
+            try:
+                await self.send_resume(target, state.session, body)
+                return True
+            except KvspError as e:
+                log.warning("resume of %s on %s failed (try %d): %s", state.session, target,
+                            attempt + 1, e.detail)
+                if 400 <= e.status < 500 and e.status not in (408, 429):
+                    return False  # refused: another try would get the same answer
+            if attempt + 1 < self.settings.attempts_per_target:
+                await asyncio.sleep(pause)
+                pause *= 2
+        return False
+
+
+def sessions_to_json(states: Iterable[SessionState]) -> list[dict[str, Any]]:
+    return [s.to_json() for s in states]

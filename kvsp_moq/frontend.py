@@ -1,0 +1,245 @@
+"""The front end library (DESIGN §1, §6; KVSP §6.8): output tokens delivered exactly once, in
+order, across instance failures.
+
+The front end streams `GET {ii}sessions/{id}/stream?from=k` (NDJSON lines
+`{"index": i, "epoch": e, "token": t}`), delivers index k, k+1, ... once each, and drops any
+token whose epoch is lower than one already seen for the session (it comes from an instance
+that lost the session). When the stream breaks it asks the PC (`GET {pc}sessions/{id}`) where
+the session runs now and under which epoch, and reconnects there from its next undelivered
+index. A resumed deterministic instance regenerates tokens it already sent; they are dropped
+by index.
+
+A stream ends the session when the instance closes it cleanly and the PC still places the
+session there, or when it sends a line with `"done": true` (our convention), or after
+`max_tokens` tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator, Awaitable, Callable
+
+import httpx
+
+from kvsp_moq.errors import KvspError, NotFound, TransportError
+from kvsp_moq.index_client import raise_for_problem
+
+log = logging.getLogger("kvsp.frontend")
+
+
+@dataclass(frozen=True)
+class Token:
+    index: int
+    """Position in the session's output, from 0."""
+    epoch: int
+    """Session epoch of the instance that produced it."""
+    token: int
+    """The token identifier."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a session runs, as the PC says."""
+
+    instance: str
+    epoch: int
+    output_offset: int = 0
+
+
+class _Broken(Exception):
+    """The stream ended before the session did."""
+
+
+class StreamCursor:
+    """Exactly-once bookkeeping without I/O: which lines to deliver and from where to resume."""
+
+    def __init__(self, start: int = 0) -> None:
+        self.next_index = start
+        self.max_epoch = 0
+        self.done = False
+        self.dropped_duplicates = 0
+        self.dropped_stale = 0
+
+    def accept(self, line: dict) -> Token | None:
+        """The token to deliver for one NDJSON object, or None to drop it; raises ValueError on
+        a malformed line and _Broken on a gap (the instance skipped an index)."""
+        if line.get("done") is True:
+            self.done = True
+            return None
+        index, epoch, token = line["index"], line["epoch"], line["token"]
+        for value in (index, epoch, token):
+            if type(value) is not int or value < 0:
+                raise ValueError(f"malformed token line {line!r}")
+        if epoch < self.max_epoch:
+            self.dropped_stale += 1
+            return None
+        self.max_epoch = epoch
+        if index < self.next_index:
+            self.dropped_duplicates += 1
+            return None
+        if index > self.next_index:
+            raise _Broken(f"gap: expected index {self.next_index}, got {index}")
+        self.next_index += 1
+        return Token(index, epoch, token)
+
+
+class FrontEnd:
+    """Delivers a session's output tokens from whichever instance serves it."""
+
+    def __init__(self, pc_url: str, *, token: str | None = None,
+                 client: httpx.AsyncClient | None = None, retries: int = 8,
+                 backoff_s: float = 0.05, max_backoff_s: float = 1.0, timeout_s: float = 60.0,
+                 read_timeout_s: float = 10.0) -> None:
+        self.pc_url = pc_url if pc_url.endswith("/") else pc_url + "/"
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._own = client is None
+        self._client = client
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.timeout_s = timeout_s
+        self.read_timeout_s = read_timeout_s
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        if self._client is None:
+            self._client = httpx.AsyncClient()
+        return self._client
+
+    async def aclose(self) -> None:
+        if self._own and self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    async def __aenter__(self) -> "FrontEnd":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def placement(self, session: str, *, timeout: float | None = None) -> Placement:
+        """GET {pc}sessions/{id}: the session's instance and epoch."""
+        try:
+            r = await self.client.get(f"{self.pc_url}sessions/{session}", headers=self.headers,
+                                      timeout=timeout or self.read_timeout_s)
+        except httpx.HTTPError as e:
+            raise TransportError(f"PC {self.pc_url} unreachable: {e}") from None
+        raise_for_problem(r)
+        data = r.json()
+        if not data.get("instance"):
+            raise NotFound(f"session {session} has no instance yet")
+        return Placement(data["instance"], int(data["epoch"]), int(data.get("output_offset", 0)))
+
+    async def stream(self, session: str, *, instance: str | None = None, start: int = 0,
+                     max_tokens: int | None = None) -> AsyncIterator[Token]:
+        """Yield every output token of the session from index `start`, once, in order.
+
+        `instance` is where to start (e.g. the route decision); without it the PC is asked.
+        Raises TransportError when retries or the overall timeout run out.
+        """
+        deadline = time.monotonic() + self.timeout_s
+        cursor = StreamCursor(start)
+        where = instance
+        streamed_epoch: int | None = None
+        last: str | None = instance
+        failures = 0
+        pause = self.backoff_s
+
+        def remaining() -> float:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TransportError(f"session {session}: timed out after {self.timeout_s} s "
+                                     f"at index {cursor.next_index}")
+            return left
+
+        while True:
+            if max_tokens is not None and cursor.next_index - start >= max_tokens:
+                return
+            error: str
+            try:
+                if where is None:
+                    try:
+                        placed = await self.placement(
+                            session, timeout=min(self.read_timeout_s, remaining()))
+                        where, streamed_epoch = placed.instance, placed.epoch
+                    except NotFound:
+                        if last is None:
+                            raise
+                        where = last  # no checkpoint yet: nothing can have moved it
+                last = where
+                async with contextlib.aclosing(
+                        self._one_stream(session, where, cursor, remaining)) as tokens:
+                    async for tok in tokens:
+                        failures, pause = 0, self.backoff_s
+                        yield tok
+                        if max_tokens is not None and cursor.next_index - start >= max_tokens:
+                            return
+                if cursor.done:
+                    return
+                # A clean end: over, unless the PC has moved the session meanwhile.
+                try:
+                    placed = await self.placement(
+                        session, timeout=min(self.read_timeout_s, remaining()))
+                except NotFound:
+                    return
+                moved = (normalize(placed.instance) != normalize(where)
+                         or placed.epoch > max(cursor.max_epoch, streamed_epoch or 0))
+                if not moved:
+                    return
+                where, streamed_epoch = placed.instance, placed.epoch
+                continue
+            except _Broken as e:
+                error = str(e)
+            except (httpx.HTTPError, KvspError, ValueError, KeyError, TypeError) as e:
+                error = f"{type(e).__name__}: {getattr(e, 'detail', e)}"
+            failures += 1
+            if failures > self.retries:
+                raise TransportError(f"session {session}: gave up after {self.retries} retries "
+                                     f"at index {cursor.next_index} ({error})")
+            log.info("session %s: stream from %s broke at index %d (%s); asking the PC",
+                     session, where, cursor.next_index, error)
+            await asyncio.sleep(min(pause, remaining()))
+            pause = min(pause * 2, self.max_backoff_s)
+            where = None  # ask the PC where the session is now
+
+    async def _one_stream(self, session: str, instance: str, cursor: StreamCursor,
+                          remaining: Callable[[], float]) -> AsyncIterator[Token]:
+        url = f"{normalize(instance)}sessions/{session}/stream"
+        timeout = httpx.Timeout(min(self.read_timeout_s, remaining()))
+        async with self.client.stream("GET", url, params={"from": cursor.next_index},
+                                      headers=self.headers, timeout=timeout) as r:
+            if r.status_code >= 400:
+                await r.aread()
+                raise_for_problem(r)
+            async for text in r.aiter_lines():
+                remaining()
+                if not text.strip():
+                    continue
+                tok = cursor.accept(json.loads(text))
+                if tok is not None:
+                    yield tok
+                if cursor.done:
+                    return
+
+    async def deliver(self, session: str, sink: Callable[[Token], Awaitable[None] | None], *,
+                      instance: str | None = None, start: int = 0,
+                      max_tokens: int | None = None) -> int:
+        """Hand each token to `sink` exactly once, in order; returns how many were delivered."""
+        n = 0
+        async for tok in self.stream(session, instance=instance, start=start,
+                                     max_tokens=max_tokens):
+            result = sink(tok)
+            if inspect.isawaitable(result):
+                await result
+            n += 1
+        return n
+
+
+def normalize(url: str) -> str:
+    return url if url.endswith("/") else url + "/"
