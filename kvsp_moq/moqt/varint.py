@@ -178,7 +178,7 @@ class Buffer:
     copy (`pull_view`); `pull_bytes` copies.
     """
 
-    __slots__ = ("_data", "_pos", "_end", "_decode")
+    __slots__ = ("_data", "_pos", "_end", "_decode", "_codec")
 
     def __init__(
         self,
@@ -193,6 +193,7 @@ class Buffer:
         if not 0 <= start <= self._end <= len(self._data):
             raise ValueError("buffer bounds outside the data")
         self._decode = codec.decode
+        self._codec = codec
 
     def tell(self) -> int:
         """Current absolute position in the underlying data."""
@@ -248,6 +249,14 @@ class Buffer:
         view = self._data[self._pos : self._pos + length]
         self._pos += length
         return view
+
+    def pull_buffer(self, length: int) -> "Buffer":
+        """The next `length` bytes as a Buffer of their own, bounded to them."""
+        if length < 0 or self._pos + length > self._end:
+            raise BufferReadError(f"truncated field: {length} bytes wanted, {self.remaining} left")
+        sub = Buffer(self._data, self._pos, self._pos + length, self._codec)
+        self._pos += length
+        return sub
 
     def pull_bytes(self, length: int) -> bytes:
         return bytes(self.pull_view(length))

@@ -1,0 +1,1403 @@
+"""MOQT control messages: one frozen dataclass each, encoders and a decoder.
+
+Wire form (draft-18 section 10): Message Type (vi64), Message Length (16 bits),
+payload. The message classes are draft-neutral descriptions; the draft-18 encoding
+of each lives in its `_encode18` / `_decode18` methods and the draft-18 type table
+`MESSAGE_TYPES[18]`. A codec for another draft adds its own methods and table; the
+`draft` argument of `encode()` and `decode_message()` selects one.
+
+Decoding follows the draft's rules for what closes the session: an unknown message
+type, an unknown Message Parameter, a parameter outside the messages it may appear
+in, a repeated parameter, a value outside its range, a namespace over 32 fields or
+4096 bytes, an empty namespace field, a Reason Phrase over 1024 bytes and a length
+that does not match the payload all raise ProtocolViolation; an Authorization Token
+that cannot be decoded raises KeyValueFormattingError (section 10.2.2). Unknown
+Setup Options and unknown Properties are kept, not rejected.
+
+Wire details the draft leaves open, matched to aiomoqt 0.13.3:
+
+* TRACK_NAMESPACE_PREFIX (0x34) is a Track Namespace wrapped in a length prefix,
+  like every parameter value that is not uint8, varint or Location.
+* REQUEST_ERROR carries a Redirect only when its code is REDIRECT.
+* The Message Type of every message is a vi64 (0x50 is one byte, 0x2F00 two).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from enum import IntEnum
+from typing import Any, ClassVar, Iterable, NamedTuple, Union
+
+from .errors import (
+    BufferReadError,
+    KeyValueFormattingError,
+    MalformedAuthority,
+    MalformedPath,
+    ProtocolViolation,
+    RequestErrorCode,
+)
+from .varint import U64_MAX, VI64, Buffer, IntegerCodec
+
+__all__ = [
+    "DRAFT",
+    "SUPPORTED_DRAFTS",
+    "MAX_MESSAGE_LENGTH",
+    "MAX_NAMESPACE_FIELDS",
+    "MAX_FULL_TRACK_NAME",
+    "MAX_REASON_PHRASE",
+    "MAX_GOAWAY_URI",
+    "MAX_KVP_VALUE",
+    "TrackNamespace",
+    "Property",
+    "Properties",
+    "Location",
+    "GroupOrder",
+    "FilterType",
+    "FetchType",
+    "ParameterType",
+    "SetupOption",
+    "TrackPropertyType",
+    "AliasType",
+    "AuthToken",
+    "SubscriptionFilter",
+    "Parameters",
+    "Redirect",
+    "Message",
+    "Setup",
+    "Goaway",
+    "Subscribe",
+    "SubscribeOk",
+    "Publish",
+    "PublishDone",
+    "Fetch",
+    "FetchOk",
+    "TrackStatus",
+    "PublishNamespace",
+    "SubscribeNamespace",
+    "SubscribeTracks",
+    "Namespace",
+    "NamespaceDone",
+    "PublishBlocked",
+    "RequestUpdate",
+    "RequestOk",
+    "RequestErrorMessage",
+    "MESSAGE_TYPES",
+    "REQUEST_MESSAGES",
+    "Writer",
+    "encode_properties",
+    "decode_properties",
+    "property_value",
+    "mandatory_properties",
+    "decode_message",
+    "ControlStreamParser",
+    "namespace_of",
+]
+
+DRAFT = 18
+SUPPORTED_DRAFTS = (18,)
+
+MAX_MESSAGE_LENGTH = 0xFFFF
+MAX_NAMESPACE_FIELDS = 32
+MAX_FULL_TRACK_NAME = 4096
+MAX_REASON_PHRASE = 1024
+MAX_GOAWAY_URI = 8192
+MAX_KVP_VALUE = 0xFFFF
+
+TrackNamespace = tuple[bytes, ...]
+Property = tuple[int, Union[int, bytes]]
+Properties = tuple[Property, ...]
+
+
+class Location(NamedTuple):
+    """{Group, Object}; tuples order the way the draft orders Locations."""
+
+    group: int
+    object: int
+
+
+class GroupOrder(IntEnum):
+    ASCENDING = 0x1
+    DESCENDING = 0x2
+
+
+class FilterType(IntEnum):
+    NEXT_GROUP_START = 0x1
+    LARGEST_OBJECT = 0x2
+    ABSOLUTE_START = 0x3
+    ABSOLUTE_RANGE = 0x4
+
+
+class FetchType(IntEnum):
+    STANDALONE = 0x1
+    RELATIVE_JOINING = 0x2
+    ABSOLUTE_JOINING = 0x3
+
+
+class ParameterType(IntEnum):
+    """Message Parameter types (draft-18 section 15.7)."""
+
+    OBJECT_DELIVERY_TIMEOUT = 0x02
+    AUTHORIZATION_TOKEN = 0x03
+    RENDEZVOUS_TIMEOUT = 0x04
+    SUBGROUP_DELIVERY_TIMEOUT = 0x06
+    EXPIRES = 0x08
+    LARGEST_OBJECT = 0x09
+    FILL_TIMEOUT = 0x0A
+    FORWARD = 0x10
+    SUBSCRIBER_PRIORITY = 0x20
+    SUBSCRIPTION_FILTER = 0x21
+    GROUP_ORDER = 0x22
+    NEW_GROUP_REQUEST = 0x32
+    TRACK_NAMESPACE_PREFIX = 0x34
+
+
+class SetupOption(IntEnum):
+    """Setup Option types (draft-18 section 15.4)."""
+
+    PATH = 0x01
+    AUTHORIZATION_TOKEN = 0x03
+    MAX_AUTH_TOKEN_CACHE_SIZE = 0x04
+    AUTHORITY = 0x05
+    MOQT_IMPLEMENTATION = 0x07
+
+
+class TrackPropertyType(IntEnum):
+    """Property types defined by draft-18 (section 12)."""
+
+    OBJECT_DELIVERY_TIMEOUT = 0x02
+    MAX_CACHE_DURATION = 0x04
+    SUBGROUP_DELIVERY_TIMEOUT = 0x06
+    IMMUTABLE_PROPERTIES = 0x0B
+    DEFAULT_PUBLISHER_PRIORITY = 0x0E
+    DEFAULT_PUBLISHER_GROUP_ORDER = 0x22
+    DYNAMIC_GROUPS = 0x30
+    PRIOR_GROUP_ID_GAP = 0x3C
+    PRIOR_OBJECT_ID_GAP = 0x3E
+
+
+class AliasType(IntEnum):
+    DELETE = 0x0
+    REGISTER = 0x1
+    USE_ALIAS = 0x2
+    USE_VALUE = 0x3
+
+
+# ---------------------------------------------------------------------------
+# Writer
+# ---------------------------------------------------------------------------
+
+
+class Writer:
+    """Appends wire fields to a bytearray with the draft's integer codec."""
+
+    __slots__ = ("data", "_encode")
+
+    def __init__(self, codec: IntegerCodec = VI64) -> None:
+        self.data = bytearray()
+        self._encode = codec.encode
+
+    def varint(self, value: int) -> None:
+        self.data += self._encode(value)
+
+    def uint8(self, value: int) -> None:
+        if not 0 <= value <= 0xFF:
+            raise ValueError(f"{value} does not fit in 8 bits")
+        self.data.append(value)
+
+    def uint16(self, value: int) -> None:
+        self.data += value.to_bytes(2, "big")
+
+    def raw(self, data: bytes | bytearray | memoryview) -> None:
+        self.data += data
+
+    def length_prefixed(self, data: bytes | bytearray | memoryview) -> None:
+        self.varint(len(data))
+        self.data += data
+
+    def location(self, location: Location) -> None:
+        self.varint(location[0])
+        self.varint(location[1])
+
+    def namespace(self, namespace: TrackNamespace, *, allow_empty: bool = True) -> None:
+        check_namespace(namespace, allow_empty=allow_empty)
+        self.varint(len(namespace))
+        for part in namespace:
+            self.length_prefixed(part)
+
+    def track_name(self, name: bytes) -> None:
+        self.length_prefixed(name)
+
+    def reason(self, reason: str) -> None:
+        encoded = reason.encode("utf-8")
+        if len(encoded) > MAX_REASON_PHRASE:
+            raise ValueError(f"reason phrase of {len(encoded)} bytes (max {MAX_REASON_PHRASE})")
+        self.length_prefixed(encoded)
+
+
+def _as_bytes(value: bytes | bytearray | memoryview | str) -> bytes:
+    if isinstance(value, str):
+        return value.encode("utf-8")
+    return bytes(value)
+
+
+def namespace_of(value: Iterable[bytes | str] | bytes | str) -> TrackNamespace:
+    """A Track Namespace from a tuple of fields (str fields are UTF-8 encoded)."""
+    if isinstance(value, (bytes, bytearray, memoryview, str)):
+        return (_as_bytes(value),)
+    return tuple(_as_bytes(part) for part in value)
+
+
+def check_namespace(namespace: TrackNamespace, *, allow_empty: bool = True) -> None:
+    """Raise ValueError for a namespace this endpoint must not send."""
+    if len(namespace) > MAX_NAMESPACE_FIELDS:
+        raise ValueError(f"namespace of {len(namespace)} fields (max {MAX_NAMESPACE_FIELDS})")
+    if not allow_empty and not namespace:
+        raise ValueError("empty namespace")
+    if any(len(part) == 0 for part in namespace):
+        raise ValueError("empty namespace field")
+    if sum(len(part) for part in namespace) > MAX_FULL_TRACK_NAME:
+        raise ValueError(f"namespace over {MAX_FULL_TRACK_NAME} bytes")
+
+
+# ---------------------------------------------------------------------------
+# Reader helpers
+# ---------------------------------------------------------------------------
+
+
+def _pull_namespace(buf: Buffer) -> TrackNamespace:
+    count = buf.pull_varint()
+    if count > MAX_NAMESPACE_FIELDS:
+        raise ProtocolViolation(f"namespace of {count} fields (max {MAX_NAMESPACE_FIELDS})")
+    parts = []
+    total = 0
+    for _ in range(count):
+        length = buf.pull_varint()
+        if length == 0:
+            raise ProtocolViolation("empty namespace field")
+        total += length
+        if total > MAX_FULL_TRACK_NAME:
+            raise ProtocolViolation(f"namespace over {MAX_FULL_TRACK_NAME} bytes")
+        parts.append(buf.pull_bytes(length))
+    return tuple(parts)
+
+
+def _pull_full_track_name(buf: Buffer) -> tuple[TrackNamespace, bytes]:
+    namespace = _pull_namespace(buf)
+    length = buf.pull_varint()
+    if sum(len(p) for p in namespace) + length > MAX_FULL_TRACK_NAME:
+        raise ProtocolViolation(f"full track name over {MAX_FULL_TRACK_NAME} bytes")
+    return namespace, buf.pull_bytes(length)
+
+
+def _pull_reason(buf: Buffer) -> str:
+    length = buf.pull_varint()
+    if length > MAX_REASON_PHRASE:
+        raise ProtocolViolation(f"reason phrase of {length} bytes (max {MAX_REASON_PHRASE})")
+    return buf.pull_bytes(length).decode("utf-8", errors="replace")
+
+
+def _pull_location(buf: Buffer) -> Location:
+    group = buf.pull_varint()
+    return Location(group, buf.pull_varint())
+
+
+def _check_full_track_name(namespace: TrackNamespace, name: bytes) -> None:
+    check_namespace(namespace)
+    if sum(len(p) for p in namespace) + len(name) > MAX_FULL_TRACK_NAME:
+        raise ValueError(f"full track name over {MAX_FULL_TRACK_NAME} bytes")
+
+
+# ---------------------------------------------------------------------------
+# Key-Value-Pairs and Properties (section 1.4.3, section 2.5)
+# ---------------------------------------------------------------------------
+
+
+def encode_properties(w: Writer, properties: Properties) -> None:
+    """Key-Value-Pairs with delta-coded types; `properties` must be in type order."""
+    previous = 0
+    for ptype, value in properties:
+        if ptype < previous:
+            raise ValueError("properties must be in ascending type order")
+        w.varint(ptype - previous)
+        previous = ptype
+        if ptype & 1:
+            if not isinstance(value, (bytes, bytearray, memoryview)):
+                raise ValueError(f"property 0x{ptype:x} (odd type) needs a bytes value")
+            if len(value) > MAX_KVP_VALUE:
+                raise ValueError(f"property 0x{ptype:x} value over {MAX_KVP_VALUE} bytes")
+            w.length_prefixed(value)
+        else:
+            if not isinstance(value, int):
+                raise ValueError(f"property 0x{ptype:x} (even type) needs an integer value")
+            w.varint(value)
+
+
+def decode_properties(buf: Buffer, end: int) -> Properties:
+    """Key-Value-Pairs from the buffer position up to `end` (exclusive)."""
+    if end < buf.tell():
+        raise BufferReadError("properties end before they start")
+    sub = buf.pull_buffer(end - buf.tell())
+    items: list[Property] = []
+    ptype = 0
+    try:
+        while not sub.eof():
+            ptype += sub.pull_varint()
+            if ptype > U64_MAX:
+                raise ProtocolViolation("Key-Value-Pair type over 2^64-1")
+            if ptype & 1:
+                length = sub.pull_varint()
+                if length > MAX_KVP_VALUE:
+                    raise ProtocolViolation(f"Key-Value-Pair value of {length} bytes (max {MAX_KVP_VALUE})")
+                items.append((ptype, sub.pull_bytes(length)))
+            else:
+                items.append((ptype, sub.pull_varint()))
+    except BufferReadError:
+        # The block itself is complete, so a pair crossing its end is malformed,
+        # not a short read.
+        raise ProtocolViolation("Key-Value-Pair crosses the end of its block") from None
+    return tuple(items)
+
+
+def property_value(properties: Properties, ptype: int, default: Any = None) -> Any:
+    """The value of the first property of `ptype`, else `default`."""
+    for key, value in properties:
+        if key == ptype:
+            return value
+    return default
+
+
+def mandatory_properties(properties: Properties, understood: Iterable[int] = ()) -> list[int]:
+    """Mandatory Track Property types (0x4000-0x7FFF) present but not understood."""
+    known = set(understood)
+    return [t for t, _ in properties if 0x4000 <= t <= 0x7FFF and t not in known]
+
+
+_TRACK_PROPERTY_RANGES = {
+    TrackPropertyType.DEFAULT_PUBLISHER_PRIORITY: (0, 255),
+    TrackPropertyType.DEFAULT_PUBLISHER_GROUP_ORDER: (1, 2),
+    TrackPropertyType.DYNAMIC_GROUPS: (0, 1),
+}
+
+
+def _check_track_properties(properties: Properties) -> None:
+    for ptype, value in properties:
+        bounds = _TRACK_PROPERTY_RANGES.get(ptype)  # type: ignore[call-overload]
+        if bounds is not None and not bounds[0] <= value <= bounds[1]:  # type: ignore[operator]
+            raise ProtocolViolation(f"track property 0x{ptype:x} value {value} out of range")
+
+
+# ---------------------------------------------------------------------------
+# Authorization token, subscription filter, parameters
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class AuthToken:
+    """An AUTHORIZATION TOKEN structure (section 10.2.2).
+
+    USE_VALUE carries a type and value; REGISTER an alias, type and value; USE_ALIAS
+    and DELETE only an alias.
+    """
+
+    alias_type: AliasType = AliasType.USE_VALUE
+    value: bytes | None = None
+    token_type: int | None = 0
+    alias: int | None = None
+
+    @classmethod
+    def use_value(cls, value: bytes | str, token_type: int = 0) -> "AuthToken":
+        return cls(AliasType.USE_VALUE, _as_bytes(value), token_type, None)
+
+    @classmethod
+    def register(cls, alias: int, value: bytes | str, token_type: int = 0) -> "AuthToken":
+        return cls(AliasType.REGISTER, _as_bytes(value), token_type, alias)
+
+    @classmethod
+    def use_alias(cls, alias: int) -> "AuthToken":
+        return cls(AliasType.USE_ALIAS, None, None, alias)
+
+    @classmethod
+    def delete(cls, alias: int) -> "AuthToken":
+        return cls(AliasType.DELETE, None, None, alias)
+
+    def encode(self, codec: IntegerCodec = VI64) -> bytes:
+        w = Writer(codec)
+        w.varint(self.alias_type)
+        if self.alias_type in (AliasType.DELETE, AliasType.REGISTER, AliasType.USE_ALIAS):
+            if self.alias is None:
+                raise ValueError(f"{self.alias_type.name} token needs an alias")
+            w.varint(self.alias)
+        if self.alias_type in (AliasType.REGISTER, AliasType.USE_VALUE):
+            if self.value is None or self.token_type is None:
+                raise ValueError(f"{self.alias_type.name} token needs a type and value")
+            w.varint(self.token_type)
+            w.raw(self.value)
+        return bytes(w.data)
+
+    @classmethod
+    def decode(cls, data: bytes | memoryview, codec: IntegerCodec = VI64) -> "AuthToken":
+        """Raises KeyValueFormattingError when the structure cannot be decoded."""
+        buf = Buffer(data, codec=codec)
+        try:
+            raw_type = buf.pull_varint()
+            if raw_type > AliasType.USE_VALUE:
+                raise KeyValueFormattingError(f"unknown token alias type {raw_type}")
+            alias_type = AliasType(raw_type)
+            alias = None
+            if alias_type != AliasType.USE_VALUE:
+                alias = buf.pull_varint()
+            if alias_type in (AliasType.DELETE, AliasType.USE_ALIAS):
+                if not buf.eof():
+                    raise KeyValueFormattingError(f"{alias_type.name} token with trailing bytes")
+                return cls(alias_type, None, None, alias)
+            token_type = buf.pull_varint()
+            return cls(alias_type, buf.pull_rest(), token_type, alias)
+        except BufferReadError:
+            raise KeyValueFormattingError("truncated authorization token") from None
+
+
+@dataclass(frozen=True, slots=True)
+class SubscriptionFilter:
+    """A Subscription Filter (section 5.1.2); `end_group` is absolute and inclusive."""
+
+    filter_type: FilterType
+    start: Location | None = None
+    end_group: int | None = None
+
+    def __post_init__(self) -> None:
+        has_start = self.filter_type in (FilterType.ABSOLUTE_START, FilterType.ABSOLUTE_RANGE)
+        if has_start != (self.start is not None):
+            raise ValueError(f"{self.filter_type.name} filter {'needs' if has_start else 'has no'} a start")
+        has_end = self.filter_type == FilterType.ABSOLUTE_RANGE
+        if has_end != (self.end_group is not None):
+            raise ValueError(f"{self.filter_type.name} filter {'needs' if has_end else 'has no'} an end group")
+        if has_end and self.end_group < self.start.group:  # type: ignore[operator, union-attr]
+            raise ValueError("end group before the start group")
+
+    @classmethod
+    def next_group_start(cls) -> "SubscriptionFilter":
+        return cls(FilterType.NEXT_GROUP_START)
+
+    @classmethod
+    def largest_object(cls) -> "SubscriptionFilter":
+        return cls(FilterType.LARGEST_OBJECT)
+
+    @classmethod
+    def absolute_start(cls, group: int, obj: int = 0) -> "SubscriptionFilter":
+        return cls(FilterType.ABSOLUTE_START, Location(group, obj))
+
+    @classmethod
+    def absolute_range(cls, group: int, obj: int, end_group: int) -> "SubscriptionFilter":
+        return cls(FilterType.ABSOLUTE_RANGE, Location(group, obj), end_group)
+
+    def encode(self, codec: IntegerCodec = VI64) -> bytes:
+        w = Writer(codec)
+        w.varint(self.filter_type)
+        if self.start is not None:
+            w.location(self.start)
+        if self.end_group is not None:
+            w.varint(self.end_group - self.start.group)  # type: ignore[union-attr]
+        return bytes(w.data)
+
+    @classmethod
+    def decode(cls, data: bytes | memoryview, codec: IntegerCodec = VI64) -> "SubscriptionFilter":
+        buf = Buffer(data, codec=codec)
+        raw_type = buf.pull_varint()
+        if raw_type not in (1, 2, 3, 4):
+            raise ProtocolViolation(f"unknown subscription filter type {raw_type}")
+        filter_type = FilterType(raw_type)
+        start = end_group = None
+        if filter_type in (FilterType.ABSOLUTE_START, FilterType.ABSOLUTE_RANGE):
+            start = _pull_location(buf)
+        if filter_type == FilterType.ABSOLUTE_RANGE:
+            end_group = start.group + buf.pull_varint()  # type: ignore[union-attr]
+            if end_group > U64_MAX:
+                raise ProtocolViolation("subscription filter end group over 2^64-1")
+        if not buf.eof():
+            raise ProtocolViolation("subscription filter longer than its fields")
+        return cls(filter_type, start, end_group)
+
+
+# Value kinds of the draft-18 Message Parameters (section 10.2).
+_VARINT, _UINT8, _LOCATION, _TOKEN, _FILTER, _NAMESPACE = range(6)
+
+_PARAMETER_FIELDS: dict[int, tuple[str, int]] = {
+    ParameterType.OBJECT_DELIVERY_TIMEOUT: ("object_delivery_timeout", _VARINT),
+    ParameterType.AUTHORIZATION_TOKEN: ("authorization_tokens", _TOKEN),
+    ParameterType.RENDEZVOUS_TIMEOUT: ("rendezvous_timeout", _VARINT),
+    ParameterType.SUBGROUP_DELIVERY_TIMEOUT: ("subgroup_delivery_timeout", _VARINT),
+    ParameterType.EXPIRES: ("expires", _VARINT),
+    ParameterType.LARGEST_OBJECT: ("largest_object", _LOCATION),
+    ParameterType.FILL_TIMEOUT: ("fill_timeout", _VARINT),
+    ParameterType.FORWARD: ("forward", _UINT8),
+    ParameterType.SUBSCRIBER_PRIORITY: ("subscriber_priority", _UINT8),
+    ParameterType.SUBSCRIPTION_FILTER: ("subscription_filter", _FILTER),
+    ParameterType.GROUP_ORDER: ("group_order", _UINT8),
+    ParameterType.NEW_GROUP_REQUEST: ("new_group_request", _VARINT),
+    ParameterType.TRACK_NAMESPACE_PREFIX: ("track_namespace_prefix", _NAMESPACE),
+}
+_FIELD_TYPES = {name: ptype for ptype, (name, _) in _PARAMETER_FIELDS.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class Parameters:
+    """The Message Parameters of one message, typed. None (or empty) means absent.
+
+    Defaults the draft applies to an absent parameter (FORWARD 1, SUBSCRIBER_PRIORITY
+    128, ...) are the reader's business: absence is kept distinct here because it
+    means "unchanged" in REQUEST_UPDATE.
+    """
+
+    authorization_tokens: tuple[AuthToken, ...] = ()
+    object_delivery_timeout: int | None = None
+    rendezvous_timeout: int | None = None
+    subgroup_delivery_timeout: int | None = None
+    expires: int | None = None
+    largest_object: Location | None = None
+    fill_timeout: int | None = None
+    forward: bool | None = None
+    subscriber_priority: int | None = None
+    subscription_filter: SubscriptionFilter | None = None
+    group_order: GroupOrder | None = None
+    new_group_request: int | None = None
+    track_namespace_prefix: TrackNamespace | None = None
+
+    def types(self) -> list[int]:
+        """Parameter types present, in wire order."""
+        present = []
+        for ptype, (name, _) in sorted(_PARAMETER_FIELDS.items()):
+            value = getattr(self, name)
+            if value is None or (name == "authorization_tokens" and not value):
+                continue
+            present.extend([ptype] * (len(value) if name == "authorization_tokens" else 1))
+        return present
+
+    def encode(self, w: Writer, codec: IntegerCodec = VI64) -> None:
+        items: list[tuple[int, Any]] = []
+        for ptype, (name, _) in sorted(_PARAMETER_FIELDS.items()):
+            value = getattr(self, name)
+            if value is None or (name == "authorization_tokens" and not value):
+                continue
+            if name == "authorization_tokens":
+                items.extend((ptype, token) for token in value)
+            else:
+                items.append((ptype, value))
+        w.varint(len(items))
+        previous = 0
+        for ptype, value in items:
+            w.varint(ptype - previous)
+            previous = ptype
+            kind = _PARAMETER_FIELDS[ptype][1]
+            if kind == _VARINT:
+                w.varint(value)
+            elif kind == _UINT8:
+                w.uint8(int(value))
+            elif kind == _LOCATION:
+                w.location(value)
+            elif kind == _TOKEN:
+                w.length_prefixed(value.encode(codec))
+            elif kind == _FILTER:
+                w.length_prefixed(value.encode(codec))
+            else:
+                inner = Writer(codec)
+                inner.namespace(value)
+                w.length_prefixed(inner.data)
+
+    @classmethod
+    def decode(cls, buf: Buffer, allowed: frozenset[int], message: str) -> "Parameters":
+        count = buf.pull_varint()
+        if count > buf.remaining // 2:
+            raise ProtocolViolation(f"{message}: {count} parameters cannot fit in the message")
+        values: dict[str, Any] = {}
+        tokens: list[AuthToken] = []
+        ptype = 0
+        for _ in range(count):
+            ptype += buf.pull_varint()
+            if ptype > U64_MAX:
+                raise ProtocolViolation("parameter type over 2^64-1")
+            spec = _PARAMETER_FIELDS.get(ptype)
+            if spec is None:
+                raise ProtocolViolation(f"{message}: unknown parameter 0x{ptype:x}")
+            if ptype not in allowed:
+                raise ProtocolViolation(f"{message}: parameter 0x{ptype:x} not allowed here")
+            name, kind = spec
+            if name in values:
+                raise ProtocolViolation(f"{message}: parameter 0x{ptype:x} repeated")
+            if kind == _VARINT:
+                values[name] = buf.pull_varint()
+            elif kind == _UINT8:
+                raw = buf.pull_uint8()
+                if ptype == ParameterType.FORWARD:
+                    if raw > 1:
+                        raise ProtocolViolation(f"FORWARD value {raw}")
+                    values[name] = bool(raw)
+                elif ptype == ParameterType.GROUP_ORDER:
+                    if raw not in (1, 2):
+                        raise ProtocolViolation(f"GROUP_ORDER value {raw}")
+                    values[name] = GroupOrder(raw)
+                else:
+                    values[name] = raw
+            elif kind == _LOCATION:
+                values[name] = _pull_location(buf)
+            else:
+                raw_value = buf.pull_view(buf.pull_varint())
+                if kind == _TOKEN:
+                    tokens.append(AuthToken.decode(raw_value))
+                elif kind == _FILTER:
+                    values[name] = SubscriptionFilter.decode(raw_value)
+                else:
+                    inner = Buffer(raw_value)
+                    values[name] = _pull_namespace(inner)
+                    if not inner.eof():
+                        raise ProtocolViolation("TRACK_NAMESPACE_PREFIX longer than its namespace")
+        if tokens:
+            values["authorization_tokens"] = tuple(tokens)
+        return cls(**values) if values else _NO_PARAMETERS
+
+    def merged(self, update: "Parameters") -> "Parameters":
+        """These parameters with those present in `update` replacing them."""
+        changes = {f.name: getattr(update, f.name) for f in fields(self)}
+        changes = {k: v for k, v in changes.items() if v is not None and not (k == "authorization_tokens" and not v)}
+        return replace(self, **changes) if changes else self
+
+
+_NO_PARAMETERS = Parameters()
+
+
+def _scope(*types: ParameterType) -> frozenset[int]:
+    return frozenset(int(t) for t in types)
+
+
+P = ParameterType
+_SCOPE_SUBSCRIBE = _scope(
+    P.AUTHORIZATION_TOKEN,
+    P.OBJECT_DELIVERY_TIMEOUT,
+    P.SUBGROUP_DELIVERY_TIMEOUT,
+    P.RENDEZVOUS_TIMEOUT,
+    P.SUBSCRIBER_PRIORITY,
+    P.GROUP_ORDER,
+    P.SUBSCRIPTION_FILTER,
+    P.FORWARD,
+    P.NEW_GROUP_REQUEST,
+)
+_SCOPE_SUBSCRIBE_OK = _scope(P.EXPIRES, P.LARGEST_OBJECT)
+_SCOPE_PUBLISH = _scope(P.AUTHORIZATION_TOKEN, P.EXPIRES, P.LARGEST_OBJECT, P.FORWARD)
+_SCOPE_FETCH = _scope(P.AUTHORIZATION_TOKEN, P.FILL_TIMEOUT, P.SUBSCRIBER_PRIORITY, P.GROUP_ORDER)
+_SCOPE_FETCH_OK: frozenset[int] = frozenset()
+_SCOPE_TRACK_STATUS = _scope(P.AUTHORIZATION_TOKEN)
+_SCOPE_NAMESPACE_REQUEST = _scope(P.AUTHORIZATION_TOKEN)
+_SCOPE_SUBSCRIBE_TRACKS = _scope(P.AUTHORIZATION_TOKEN, P.FORWARD)
+_SCOPE_REQUEST_UPDATE = _scope(
+    P.AUTHORIZATION_TOKEN,
+    P.OBJECT_DELIVERY_TIMEOUT,
+    P.SUBGROUP_DELIVERY_TIMEOUT,
+    P.SUBSCRIBER_PRIORITY,
+    P.SUBSCRIPTION_FILTER,
+    P.FORWARD,
+    P.NEW_GROUP_REQUEST,
+    P.TRACK_NAMESPACE_PREFIX,
+)
+# REQUEST_OK answers PUBLISH (PUBLISH_OK), REQUEST_UPDATE and TRACK_STATUS; a
+# stateless decoder can only check the union of what those may carry.
+_SCOPE_REQUEST_OK = _scope(
+    P.OBJECT_DELIVERY_TIMEOUT,
+    P.SUBGROUP_DELIVERY_TIMEOUT,
+    P.SUBSCRIBER_PRIORITY,
+    P.GROUP_ORDER,
+    P.SUBSCRIPTION_FILTER,
+    P.FORWARD,
+    P.NEW_GROUP_REQUEST,
+    P.EXPIRES,
+    P.LARGEST_OBJECT,
+)
+SCOPE_PUBLISH_OK = _scope(
+    P.OBJECT_DELIVERY_TIMEOUT,
+    P.SUBGROUP_DELIVERY_TIMEOUT,
+    P.SUBSCRIBER_PRIORITY,
+    P.GROUP_ORDER,
+    P.SUBSCRIPTION_FILTER,
+    P.FORWARD,
+    P.NEW_GROUP_REQUEST,
+    P.EXPIRES,
+)
+SCOPE_REQUEST_UPDATE_OK = _scope(P.EXPIRES, P.LARGEST_OBJECT)
+SCOPE_TRACK_STATUS_OK = _scope(P.LARGEST_OBJECT)
+del P
+
+
+def _check_parameters(parameters: Parameters, allowed: frozenset[int], message: str) -> None:
+    for ptype in parameters.types():
+        if ptype not in allowed:
+            raise ValueError(f"{message} may not carry parameter 0x{ptype:x}")
+
+
+# ---------------------------------------------------------------------------
+# Messages
+# ---------------------------------------------------------------------------
+
+
+class Message:
+    """Base of the control messages; subclasses are frozen dataclasses."""
+
+    __slots__ = ()
+    NAME: ClassVar[str] = ""
+
+    def encode(self, draft: int = DRAFT) -> bytes:
+        """The framed message: Type, 16-bit Length, payload."""
+        if draft != 18:
+            raise NotImplementedError(f"no codec for draft-{draft}")
+        w = Writer(VI64)
+        self._encode18(w)
+        payload = w.data
+        if len(payload) > MAX_MESSAGE_LENGTH:
+            raise ValueError(f"{self.NAME} payload of {len(payload)} bytes (max {MAX_MESSAGE_LENGTH})")
+        return b"".join((VI64.encode(_TYPE_OF[18][type(self)]), len(payload).to_bytes(2, "big"), payload))
+
+    def _encode18(self, w: Writer) -> None:
+        raise NotImplementedError
+
+    @classmethod
+    def _decode18(cls, buf: Buffer) -> "Message":
+        raise NotImplementedError
+
+
+def _text_option(value: bytes, error: type[Exception], what: str) -> str:
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError:
+        raise error(f"{what} is not UTF-8") from None
+
+
+@dataclass(frozen=True, slots=True)
+class Setup(Message):
+    """SETUP (0x2F00): the first message on each control stream."""
+
+    NAME: ClassVar[str] = "SETUP"
+    path: str | None = None
+    authority: str | None = None
+    max_auth_token_cache_size: int | None = None
+    authorization_tokens: tuple[AuthToken, ...] = ()
+    implementation: str | None = None
+    unknown_options: Properties = ()
+
+    def _encode18(self, w: Writer) -> None:
+        options: list[Property] = []
+        if self.path is not None:
+            options.append((SetupOption.PATH, self.path.encode("utf-8")))
+        for token in self.authorization_tokens:
+            options.append((SetupOption.AUTHORIZATION_TOKEN, token.encode()))
+        if self.max_auth_token_cache_size is not None:
+            options.append((SetupOption.MAX_AUTH_TOKEN_CACHE_SIZE, self.max_auth_token_cache_size))
+        if self.authority is not None:
+            options.append((SetupOption.AUTHORITY, self.authority.encode("utf-8")))
+        if self.implementation is not None:
+            options.append((SetupOption.MOQT_IMPLEMENTATION, self.implementation.encode("utf-8")))
+        options.extend(self.unknown_options)
+        options.sort(key=lambda item: item[0])
+        encode_properties(w, tuple(options))
+
+    @classmethod
+    def _decode18(cls, buf: Buffer) -> "Setup":
+        options = decode_properties(buf, buf.end)
+        values: dict[str, Any] = {}
+        tokens = []
+        unknown = []
+        for otype, value in options:
+            if otype == SetupOption.AUTHORIZATION_TOKEN:
+                tokens.append(AuthToken.decode(value))  # type: ignore[arg-type]
+                continue
+            name = {
+                SetupOption.PATH: "path",
+                SetupOption.MAX_AUTH_TOKEN_CACHE_SIZE: "max_auth_token_cache_size",
+                SetupOption.AUTHORITY: "authority",
+                SetupOption.MOQT_IMPLEMENTATION: "implementation",
+            }.get(otype)  # type: ignore[call-overload]
+            if name is None:
+                unknown.append((otype, value))
+                continue
+            if name in values:
+                raise ProtocolViolation(f"SETUP option 0x{otype:x} repeated")
+            if name == "path":
+                value = _text_option(value, MalformedPath, "PATH")  # type: ignore[arg-type]
+            elif name == "authority":
+                value = _text_option(value, MalformedAuthority, "AUTHORITY")  # type: ignore[arg-type]
+            elif name == "implementation":
+                value = bytes(value).decode("utf-8", errors="replace")  # type: ignore[arg-type]
+            values[name] = value
+        return cls(authorization_tokens=tuple(tokens), unknown_options=tuple(unknown), **values)
+
+
+@dataclass(frozen=True, slots=True)
+class Goaway(Message):
+    """GOAWAY (0x10). `request_id` is present only on the control stream."""
+
+    NAME: ClassVar[str] = "GOAWAY"
+    new_session_uri: str = ""
+    timeout_ms: int = 0
+    request_id: int | None = None
+
+    def _encode18(self, w: Writer) -> None:
+        uri = self.new_session_uri.encode("utf-8")
+        if len(uri) > MAX_GOAWAY_URI:
+            raise ValueError(f"GOAWAY URI over {MAX_GOAWAY_URI} bytes")
+        w.length_prefixed(uri)
+        w.varint(self.timeout_ms)
+        if self.request_id is not None:
+            w.varint(self.request_id)
+
+    @classmethod
+    def _decode18(cls, buf: Buffer) -> "Goaway":
+        length = buf.pull_varint()
+        if length > MAX_GOAWAY_URI:
+            raise ProtocolViolation(f"GOAWAY URI of {length} bytes (max {MAX_GOAWAY_URI})")
+        uri = buf.pull_bytes(length).decode("utf-8", errors="replace")
+        timeout = buf.pull_varint()
+        request_id = None if buf.eof() else buf.pull_varint()
+        return cls(uri, timeout, request_id)
+
+
+@dataclass(frozen=True, slots=True)
+class Subscribe(Message):
+    """SUBSCRIBE (0x3): first message of a request stream."""
+
+    NAME: ClassVar[str] = "SUBSCRIBE"
+    request_id: int
+    namespace: TrackNamespace
+    track_name: bytes
+    parameters: Parameters = _NO_PARAMETERS
+
+    def _encode18(self, w: Writer) -> None:
+        _check_full_track_name(self.namespace, self.track_name)
+        _check_parameters(self.parameters, _SCOPE_SUBSCRIBE, self.NAME)
+        w.varint(self.request_id)
+        w.namespace(self.namespace)
+        w.track_name(self.track_name)
+        self.parameters.encode(w)
+
+    @classmethod
+    def _decode18(cls, buf: Buffer) -> "Subscribe":
+        request_id = buf.pull_varint()
+        namespace, name = _pull_full_track_name(buf)
+        return cls(request_id, namespace, name, Parameters.decode(buf, _SCOPE_SUBSCRIBE, cls.NAME))
+
+
+@dataclass(frozen=True, slots=True)
+class SubscribeOk(Message):
+    """SUBSCRIBE_OK (0x4)."""
+
+    NAME: ClassVar[str] = "SUBSCRIBE_OK"
+    track_alias: int
+    parameters: Parameters = _NO_PARAMETERS
+    track_properties: Properties = ()
+
+    def _encode18(self, w: Writer) -> None:
+        _check_parameters(self.parameters, _SCOPE_SUBSCRIBE_OK, self.NAME)
+        w.varint(self.track_alias)
+        self.parameters.encode(w)
+        encode_properties(w, self.track_properties)
+
+    @classmethod
+    def _decode18(cls, buf: Buffer) -> "SubscribeOk":
+        alias = buf.pull_varint()
+        parameters = Parameters.decode(buf, _SCOPE_SUBSCRIBE_OK, cls.NAME)
+        properties = decode_properties(buf, buf.end)
+        _check_track_properties(properties)
+        return cls(alias, parameters, properties)
+
+
+@dataclass(frozen=True, slots=True)
+class Publish(Message):
+    """PUBLISH (0x1D): a publisher-initiated subscription."""
+
+    NAME: ClassVar[str] = "PUBLISH"
+    request_id: int
+    namespace: TrackNamespace
+    track_name: bytes
+    track_alias: int
+    parameters: Parameters = _NO_PARAMETERS
+    track_properties: Properties = ()
+
+    def _encode18(self, w: Writer) -> None:
+        _check_full_track_name(self.namespace, self.track_name)
+        _check_parameters(self.parameters, _SCOPE_PUBLISH, self.NAME)
+        w.varint(self.request_id)
+        w.namespace(self.namespace)
+        w.track_name(self.track_name)
+        w.varint(self.track_alias)
+        self.parameters.encode(w)
+        encode_properties(w, self.track_properties)
+
+    @classmethod
+    def _decode18(cls, buf: Buffer) -> "Publish":
+        request_id = buf.pull_varint()
+        namespace, name = _pull_full_track_name(buf)
+        alias = buf.pull_varint()
+        parameters = Parameters.decode(buf, _SCOPE_PUBLISH, cls.NAME)
+        properties = decode_properties(buf, buf.end)
+        _check_track_properties(properties)
+        return cls(request_id, namespace, name, alias, parameters, properties)
+
+
+@dataclass(frozen=True, slots=True)
+class PublishDone(Message):
+    """PUBLISH_DONE (0xB): the last message of the publisher on a subscription."""
+
+    NAME: ClassVar[str] = "PUBLISH_DONE"
+    status_code: int
+    stream_count: int
+    reason: str = ""
+
+    def _encode18(self, w: Writer) -> None:
+        w.varint(self.status_code)
+        w.varint(self.stream_count)
+        w.reason(self.reason)
+
+    @classmethod
+    def _decode18(cls, buf: Buffer) -> "PublishDone":
+        status = buf.pull_varint()
+        count = buf.pull_varint()
+        return cls(status, count, _pull_reason(buf))
+
+
+@dataclass(frozen=True, slots=True)
+class Fetch(Message):
+    """FETCH (0x16). Standalone: namespace, track_name, start, end (end is the wire
+    End Location: the last Object plus one, Object 0 meaning the whole group).
+    Joining: joining_request_id and joining_start."""
+
+    NAME: ClassVar[str] = "FETCH"
+    request_id: int
+    fetch_type: FetchType = FetchType.STANDALONE
+    namespace: TrackNamespace | None = None
+    track_name: bytes | None = None
+    start: Location | None = None
+    end: Location | None = None
+    joining_request_id: int | None = None
+    joining_start: int | None = None
+    parameters: Parameters = _NO_PARAMETERS
+
+    def __post_init__(self) -> None:
+        standalone = self.fetch_type == FetchType.STANDALONE
+        parts = (self.namespace, self.track_name, self.start, self.end)
+        joining = (self.joining_request_id, self.joining_start)
+        if standalone and (any(p is None for p in parts) or any(j is not None for j in joining)):
+            raise ValueError("a standalone FETCH has a track and a range, and no joining fields")
+        if not standalone and (any(j is None for j in joining) or any(p is not None for p in parts)):
+            raise ValueError("a joining FETCH has joining fields only")
+
+    def _encode18(self, w: Writer) -> None:
+        _check_parameters(self.parameters, _SCOPE_FETCH, self.NAME)
+        w.varint(self.request_id)
+        w.varint(self.fetch_type)
+        if self.fetch_type == FetchType.STANDALONE:
+            _check_full_track_name(self.namespace, self.track_name)  # type: ignore[arg-type]
+            w.namespace(self.namespace)  # type: ignore[arg-type]
+            w.track_name(self.track_name)  # type: ignore[arg-type]
+            w.location(self.start)  # type: ignore[arg-type]
+            w.location(self.end)  # type: ignore[arg-type]
+        else:
+            w.varint(self.joining_request_id)  # type: ignore[arg-type]
+            w.varint(self.joining_start)  # type: ignore[arg-type]
+        self.parameters.encode(w)
+
+    @classmethod
+    def _decode18(cls, buf: Buffer) -> "Fetch":
+        request_id = buf.pull_varint()
+        raw_type = buf.pull_varint()
+        if raw_type not in (1, 2, 3):
+            raise ProtocolViolation(f"unknown fetch type {raw_type}")
+        fetch_type = FetchType(raw_type)
+        if fetch_type == FetchType.STANDALONE:
+            namespace, name = _pull_full_track_name(buf)
+            start = _pull_location(buf)
+            end = _pull_location(buf)
+            parameters = Parameters.decode(buf, _SCOPE_FETCH, cls.NAME)
+            return cls(request_id, fetch_type, namespace, name, start, end, parameters=parameters)
+        joining_id = buf.pull_varint()
+        joining_start = buf.pull_varint()
+        parameters = Parameters.decode(buf, _SCOPE_FETCH, cls.NAME)
+        return cls(
+            request_id,
+            fetch_type,
+            joining_request_id=joining_id,
+            joining_start=joining_start,
+            parameters=parameters,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class FetchOk(Message):
+    """FETCH_OK (0x18). `end_location` uses the FETCH End Location encoding."""
+
+    NAME: ClassVar[str] = "FETCH_OK"
+    end_of_track: bool
+    end_location: Location
+    parameters: Parameters = _NO_PARAMETERS
+    track_properties: Properties = ()
+
+    def _encode18(self, w: Writer) -> None:
+        _check_parameters(self.parameters, _SCOPE_FETCH_OK, self.NAME)
+        w.uint8(1 if self.end_of_track else 0)
+        w.location(self.end_location)
+        self.parameters.encode(w)
+        encode_properties(w, self.track_properties)
+
+    @classmethod
+    def _decode18(cls, buf: Buffer) -> "FetchOk":
+        raw = buf.pull_uint8()
+        if raw > 1:
+            raise ProtocolViolation(f"FETCH_OK End Of Track value {raw}")
+        end = _pull_location(buf)
+        parameters = Parameters.decode(buf, _SCOPE_FETCH_OK, cls.NAME)
+        properties = decode_properties(buf, buf.end)
+        _check_track_properties(properties)
+        return cls(bool(raw), end, parameters, properties)
+
+
+@dataclass(frozen=True, slots=True)
+class TrackStatus(Message):
+    """TRACK_STATUS (0xD): SUBSCRIBE's format, answered by REQUEST_OK."""
+
+    NAME: ClassVar[str] = "TRACK_STATUS"
+    request_id: int
+    namespace: TrackNamespace
+    track_name: bytes
+    parameters: Parameters = _NO_PARAMETERS
+
+    def _encode18(self, w: Writer) -> None:
+        _check_full_track_name(self.namespace, self.track_name)
+        _check_parameters(self.parameters, _SCOPE_TRACK_STATUS, self.NAME)
+        w.varint(self.request_id)
+        w.namespace(self.namespace)
+        w.track_name(self.track_name)
+        self.parameters.encode(w)
+
+    @classmethod
+    def _decode18(cls, buf: Buffer) -> "TrackStatus":
+        request_id = buf.pull_varint()
+        namespace, name = _pull_full_track_name(buf)
+        return cls(request_id, namespace, name, Parameters.decode(buf, _SCOPE_TRACK_STATUS, cls.NAME))
+
+
+@dataclass(frozen=True, slots=True)
+class PublishNamespace(Message):
+    """PUBLISH_NAMESPACE (0x6)."""
+
+    NAME: ClassVar[str] = "PUBLISH_NAMESPACE"
+    request_id: int
+    namespace: TrackNamespace
+    parameters: Parameters = _NO_PARAMETERS
+
+    def _encode18(self, w: Writer) -> None:
+        _check_parameters(self.parameters, _SCOPE_NAMESPACE_REQUEST, self.NAME)
+        w.varint(self.request_id)
+        w.namespace(self.namespace)
+        self.parameters.encode(w)
+
+    @classmethod
+    def _decode18(cls, buf: Buffer) -> "PublishNamespace":
+        request_id = buf.pull_varint()
+        namespace = _pull_namespace(buf)
+        return cls(request_id, namespace, Parameters.decode(buf, _SCOPE_NAMESPACE_REQUEST, cls.NAME))
+
+
+@dataclass(frozen=True, slots=True)
+class SubscribeNamespace(Message):
+    """SUBSCRIBE_NAMESPACE (0x50): asks for NAMESPACE / NAMESPACE_DONE under a prefix."""
+
+    NAME: ClassVar[str] = "SUBSCRIBE_NAMESPACE"
+    request_id: int
+    namespace_prefix: TrackNamespace
+    parameters: Parameters = _NO_PARAMETERS
+
+    def _encode18(self, w: Writer) -> None:
+        _check_parameters(self.parameters, _SCOPE_NAMESPACE_REQUEST, self.NAME)
+        w.varint(self.request_id)
+        w.namespace(self.namespace_prefix)
+        self.parameters.encode(w)
+
+    @classmethod
+    def _decode18(cls, buf: Buffer) -> "SubscribeNamespace":
+        request_id = buf.pull_varint()
+        prefix = _pull_namespace(buf)
+        return cls(request_id, prefix, Parameters.decode(buf, _SCOPE_NAMESPACE_REQUEST, cls.NAME))
+
+
+@dataclass(frozen=True, slots=True)
+class SubscribeTracks(Message):
+    """SUBSCRIBE_TRACKS (0x51): asks for PUBLISH of the tracks under a prefix."""
+
+    NAME: ClassVar[str] = "SUBSCRIBE_TRACKS"
+    request_id: int
+    namespace_prefix: TrackNamespace
+    parameters: Parameters = _NO_PARAMETERS
+
+    def _encode18(self, w: Writer) -> None:
+        _check_parameters(self.parameters, _SCOPE_SUBSCRIBE_TRACKS, self.NAME)
+        w.varint(self.request_id)
+        w.namespace(self.namespace_prefix)
+        self.parameters.encode(w)
+
+    @classmethod
+    def _decode18(cls, buf: Buffer) -> "SubscribeTracks":
+        request_id = buf.pull_varint()
+        prefix = _pull_namespace(buf)
+        return cls(request_id, prefix, Parameters.decode(buf, _SCOPE_SUBSCRIBE_TRACKS, cls.NAME))
+
+
+@dataclass(frozen=True, slots=True)
+class Namespace(Message):
+    """NAMESPACE (0x8): a namespace under the SUBSCRIBE_NAMESPACE prefix, as a suffix."""
+
+    NAME: ClassVar[str] = "NAMESPACE"
+    namespace_suffix: TrackNamespace
+
+    def _encode18(self, w: Writer) -> None:
+        w.namespace(self.namespace_suffix)
+
+    @classmethod
+    def _decode18(cls, buf: Buffer) -> "Namespace":
+        return cls(_pull_namespace(buf))
+
+
+@dataclass(frozen=True, slots=True)
+class NamespaceDone(Message):
+    """NAMESPACE_DONE (0xE): a namespace suffix is no longer published."""
+
+    NAME: ClassVar[str] = "NAMESPACE_DONE"
+    namespace_suffix: TrackNamespace
+
+    def _encode18(self, w: Writer) -> None:
+        w.namespace(self.namespace_suffix)
+
+    @classmethod
+    def _decode18(cls, buf: Buffer) -> "NamespaceDone":
+        return cls(_pull_namespace(buf))
+
+
+@dataclass(frozen=True, slots=True)
+class PublishBlocked(Message):
+    """PUBLISH_BLOCKED (0xF): a PUBLISH for this track could not be sent."""
+
+    NAME: ClassVar[str] = "PUBLISH_BLOCKED"
+    namespace_suffix: TrackNamespace
+    track_name: bytes
+
+    def _encode18(self, w: Writer) -> None:
+        _check_full_track_name(self.namespace_suffix, self.track_name)
+        w.namespace(self.namespace_suffix)
+        w.track_name(self.track_name)
+
+    @classmethod
+    def _decode18(cls, buf: Buffer) -> "PublishBlocked":
+        suffix, name = _pull_full_track_name(buf)
+        return cls(suffix, name)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestUpdate(Message):
+    """REQUEST_UPDATE (0x2): changes the parameters of the request on its stream."""
+
+    NAME: ClassVar[str] = "REQUEST_UPDATE"
+    request_id: int
+    parameters: Parameters = _NO_PARAMETERS
+
+    def _encode18(self, w: Writer) -> None:
+        _check_parameters(self.parameters, _SCOPE_REQUEST_UPDATE, self.NAME)
+        w.varint(self.request_id)
+        self.parameters.encode(w)
+
+    @classmethod
+    def _decode18(cls, buf: Buffer) -> "RequestUpdate":
+        request_id = buf.pull_varint()
+        return cls(request_id, Parameters.decode(buf, _SCOPE_REQUEST_UPDATE, cls.NAME))
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOk(Message):
+    """REQUEST_OK (0x7): PUBLISH_OK, REQUEST_UPDATE_OK, TRACK_STATUS_OK,
+    SUBSCRIBE_NAMESPACE_OK, SUBSCRIBE_TRACKS_OK or PUBLISH_NAMESPACE_OK."""
+
+    NAME: ClassVar[str] = "REQUEST_OK"
+    parameters: Parameters = _NO_PARAMETERS
+    track_properties: Properties = ()
+
+    def _encode18(self, w: Writer) -> None:
+        _check_parameters(self.parameters, _SCOPE_REQUEST_OK, self.NAME)
+        self.parameters.encode(w)
+        encode_properties(w, self.track_properties)
+
+    @classmethod
+    def _decode18(cls, buf: Buffer) -> "RequestOk":
+        parameters = Parameters.decode(buf, _SCOPE_REQUEST_OK, cls.NAME)
+        properties = decode_properties(buf, buf.end)
+        _check_track_properties(properties)
+        return cls(parameters, properties)
+
+
+@dataclass(frozen=True, slots=True)
+class Redirect:
+    """Where to retry a request (section 10.6.1); empty fields mean "unchanged"."""
+
+    connect_uri: str = ""
+    namespace: TrackNamespace = ()
+    track_name: bytes = b""
+
+
+@dataclass(frozen=True, slots=True)
+class RequestErrorMessage(Message):
+    """REQUEST_ERROR (0x5). `retry_interval` is the wire value (ms + 1, 0 = never)."""
+
+    NAME: ClassVar[str] = "REQUEST_ERROR"
+    error_code: int
+    retry_interval: int = 0
+    reason: str = ""
+    redirect: Redirect | None = None
+
+    def _encode18(self, w: Writer) -> None:
+        is_redirect = self.error_code == RequestErrorCode.REDIRECT
+        if is_redirect != (self.redirect is not None):
+            raise ValueError("a Redirect goes with the REDIRECT code, and only with it")
+        w.varint(self.error_code)
+        w.varint(self.retry_interval)
+        w.reason(self.reason)
+        if self.redirect is not None:
+            _check_full_track_name(self.redirect.namespace, self.redirect.track_name)
+            w.length_prefixed(self.redirect.connect_uri.encode("utf-8"))
+            w.namespace(self.redirect.namespace)
+            w.track_name(self.redirect.track_name)
+
+    @classmethod
+    def _decode18(cls, buf: Buffer) -> "RequestErrorMessage":
+        code = buf.pull_varint()
+        retry = buf.pull_varint()
+        reason = _pull_reason(buf)
+        redirect = None
+        if code == RequestErrorCode.REDIRECT:
+            length = buf.pull_varint()
+            if length > MAX_GOAWAY_URI:
+                raise ProtocolViolation(f"redirect URI of {length} bytes (max {MAX_GOAWAY_URI})")
+            uri = buf.pull_bytes(length).decode("utf-8", errors="replace")
+            namespace, name = _pull_full_track_name(buf)
+            redirect = Redirect(uri, namespace, name)
+        return cls(code, retry, reason, redirect)
+
+
+MESSAGE_TYPES: dict[int, dict[int, type[Message]]] = {
+    18: {
+        0x2F00: Setup,
+        0x10: Goaway,
+        0x3: Subscribe,
+        0x4: SubscribeOk,
+        0x1D: Publish,
+        0xB: PublishDone,
+        0x16: Fetch,
+        0x18: FetchOk,
+        0xD: TrackStatus,
+        0x6: PublishNamespace,
+        0x50: SubscribeNamespace,
+        0x51: SubscribeTracks,
+        0x8: Namespace,
+        0xE: NamespaceDone,
+        0xF: PublishBlocked,
+        0x2: RequestUpdate,
+        0x7: RequestOk,
+        0x5: RequestErrorMessage,
+    }
+}
+_TYPE_OF: dict[int, dict[type[Message], int]] = {
+    draft: {cls: mtype for mtype, cls in table.items()} for draft, table in MESSAGE_TYPES.items()
+}
+
+# Messages that may open a request stream (section 3.3).
+REQUEST_MESSAGES: tuple[type[Message], ...] = (
+    TrackStatus,
+    Subscribe,
+    Publish,
+    Fetch,
+    PublishNamespace,
+    SubscribeNamespace,
+    SubscribeTracks,
+)
+
+
+def message_type(message: Message, draft: int = DRAFT) -> int:
+    return _TYPE_OF[draft][type(message)]
+
+
+def _decode_payload(mtype: int, payload: Buffer, draft: int) -> Message:
+    cls = MESSAGE_TYPES[draft].get(mtype)
+    if cls is None:
+        raise ProtocolViolation(f"unknown message type 0x{mtype:x}")
+    try:
+        message = cls._decode18(payload)
+    except BufferReadError:
+        raise ProtocolViolation(f"{cls.NAME} shorter than its fields") from None
+    except (ValueError, TypeError) as exc:
+        if isinstance(exc, ProtocolViolation):
+            raise
+        raise ProtocolViolation(f"{cls.NAME}: {exc}") from None
+    if not payload.eof():
+        raise ProtocolViolation(f"{cls.NAME} length exceeds its fields by {payload.remaining} bytes")
+    return message
+
+
+def decode_message(data: bytes | bytearray | memoryview, draft: int = DRAFT) -> Message:
+    """Decode exactly one framed message; raises ProtocolViolation otherwise."""
+    if draft not in MESSAGE_TYPES:
+        raise NotImplementedError(f"no codec for draft-{draft}")
+    buf = Buffer(data)
+    try:
+        mtype = buf.pull_varint()
+        length = buf.pull_uint16()
+    except BufferReadError:
+        raise ProtocolViolation("truncated message header") from None
+    if buf.remaining != length:
+        raise ProtocolViolation(f"message length {length} but {buf.remaining} bytes follow")
+    return _decode_payload(mtype, Buffer(data, buf.tell(), buf.tell() + length), draft)
+
+
+class ControlStreamParser:
+    """Splits a control or request stream into messages as bytes arrive.
+
+    Holds at most one partial message (under 64 KiB by construction).
+    """
+
+    __slots__ = ("_pending", "_draft")
+
+    def __init__(self, draft: int = DRAFT) -> None:
+        if draft not in MESSAGE_TYPES:
+            raise NotImplementedError(f"no codec for draft-{draft}")
+        self._pending = bytearray()
+        self._draft = draft
+
+    @property
+    def buffered(self) -> int:
+        """Bytes of an incomplete message waiting for more data."""
+        return len(self._pending)
+
+    def feed(self, data: bytes | bytearray | memoryview) -> list[Message]:
+        self._pending += data
+        pending = self._pending
+        messages: list[Message] = []
+        pos = 0
+        end = len(pending)
+        while pos < end:
+            try:
+                mtype, header_end = VI64.decode(pending, pos)
+            except BufferReadError:
+                break
+            if header_end + 2 > end:
+                break
+            length = int.from_bytes(pending[header_end : header_end + 2], "big")
+            payload_start = header_end + 2
+            if payload_start + length > end:
+                if mtype not in MESSAGE_TYPES[self._draft]:
+                    raise ProtocolViolation(f"unknown message type 0x{mtype:x}")
+                break
+            payload = Buffer(bytes(pending[payload_start : payload_start + length]))
+            messages.append(_decode_payload(mtype, payload, self._draft))
+            pos = payload_start + length
+        if pos:
+            del pending[:pos]
+        return messages

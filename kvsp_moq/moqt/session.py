@@ -1,0 +1,1807 @@
+"""A MOQT session over one QUIC connection, without I/O (in the style of H3Connection).
+
+`handle_event()` takes each QUIC event and returns MOQT events; the other methods
+write into the QuicConnection, and the caller transmits. Nothing here touches a
+socket, a clock or an event loop.
+
+Stream layout in draft-18 (section 3.3):
+
+* each endpoint opens one unidirectional control stream whose first bytes are its
+  SETUP message (type 0x2F00, which doubles as the stream type); afterwards only
+  GOAWAY may appear on it;
+* every request (SUBSCRIBE, PUBLISH, FETCH, TRACK_STATUS, PUBLISH_NAMESPACE,
+  SUBSCRIBE_NAMESPACE, SUBSCRIBE_TRACKS) opens its own bidirectional stream; all
+  answers and later messages of that request (REQUEST_OK, SUBSCRIBE_OK,
+  REQUEST_UPDATE, PUBLISH_DONE, NAMESPACE, ...) travel on it, without a Request ID;
+  answers to REQUEST_UPDATEs come back in the order the updates were sent;
+* objects travel on unidirectional data streams and datagrams.
+
+Requests are cancelled by resetting / STOP_SENDING their stream (there are no
+cancel messages in draft-18). Draft-18 has no MAX_REQUEST_ID: the QUIC stream
+limits bound concurrent requests. Request IDs are even from the client and odd
+from the server, starting at 0 and 1, incremented by 2 (section 10.1); a wrong
+parity or a repeated ID closes the session with INVALID_REQUEST_ID.
+
+Interpretations of points the draft leaves open:
+
+* A FIN from the publisher on a PUBLISH_NAMESPACE stream withdraws the namespace,
+  as a reset does (the stream can carry nothing further from it).
+* A FIN from the requester on a SUBSCRIBE_NAMESPACE or SUBSCRIBE_TRACKS stream
+  cancels it (section 6.1 says so); on other request streams a requester FIN only
+  means it will send no REQUEST_UPDATE.
+* A reference to an unregistered token alias closes the session with
+  UNKNOWN_AUTH_TOKEN_ALIAS: the draft says to "reject the message" with that code,
+  but it exists only as a session close code.
+* A GOAWAY on the control stream without its Request ID is accepted.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from aioquic.quic.connection import QuicConnection, stream_is_unidirectional
+from aioquic.quic.events import (
+    ConnectionTerminated,
+    DatagramFrameReceived,
+    QuicEvent,
+    StopSendingReceived,
+    StreamDataReceived,
+    StreamReset,
+)
+
+from . import events as ev
+from .data import (
+    DEFAULT_MAX_OBJECT_SIZE,
+    DEFAULT_PUBLISHER_PRIORITY,
+    STREAM_TYPE_SETUP,
+    DataStreamParser,
+    FetchEndOfRange,
+    FetchHeader,
+    FetchObject,
+    FetchStreamWriter,
+    ObjectDatagram,
+    ObjectStatus,
+    PaddingDatagram,
+    PaddingHeader,
+    SubgroupHeader,
+    SubgroupObject,
+    SubgroupWriter,
+    decode_datagram,
+    encode_padding_stream,
+)
+from .errors import (
+    AuthTokenCacheOverflow,
+    DuplicateAuthTokenAlias,
+    DuplicateTrackAlias,
+    InvalidAuthority,
+    InvalidPath,
+    InvalidRequestId,
+    ProtocolViolation,
+    PublishDoneCode,
+    RequestErrorCode,
+    SessionCloseCode,
+    SessionError,
+    StreamClosed,
+    StreamResetCode,
+    UnknownAuthTokenAlias,
+)
+from .messages import (
+    SCOPE_PUBLISH_OK,
+    SCOPE_REQUEST_UPDATE_OK,
+    SCOPE_TRACK_STATUS_OK,
+    AliasType,
+    AuthToken,
+    ControlStreamParser,
+    Fetch,
+    FetchOk,
+    FetchType,
+    Goaway,
+    GroupOrder,
+    Location,
+    Message,
+    Namespace,
+    NamespaceDone,
+    Parameters,
+    Properties,
+    Publish,
+    PublishBlocked,
+    PublishDone,
+    PublishNamespace,
+    Redirect,
+    RequestErrorMessage,
+    RequestOk,
+    RequestUpdate,
+    Setup,
+    Subscribe,
+    SubscribeNamespace,
+    SubscribeOk,
+    SubscribeTracks,
+    TrackNamespace,
+    TrackPropertyType,
+    TrackStatus,
+    mandatory_properties,
+    property_value,
+)
+from .varint import decode_vi64
+
+__all__ = ["MoqtSession", "alpn_for_draft", "UNKNOWN_STREAM_COUNT"]
+
+UNKNOWN_STREAM_COUNT = (1 << 62) - 1
+IMPLEMENTATION = "kvsp-moq/0.1"
+_TOKEN_ENTRY_OVERHEAD = 16  # section 9.3.3: 16 bytes + the Token Value
+
+_RESERVED_FIRST_FIELDS = (b".", b".session")
+_REQUEST_TYPES = (TrackStatus, Subscribe, Publish, Fetch, PublishNamespace, SubscribeNamespace, SubscribeTracks)
+
+
+def alpn_for_draft(draft: int) -> str:
+    """ALPN of a draft (section 3.1): "moqt-" and the draft number."""
+    return f"moqt-{draft}"
+
+
+@dataclass(eq=False)
+class _Request:
+    """State of one request stream, from either side."""
+
+    request_id: int
+    kind: type[Message]
+    stream_id: int
+    local: bool  # this endpoint sent the request
+    message: Message
+    parameters: Parameters
+    answered: bool = False  # the first answer was sent (peer request) or received (ours)
+    accepted: bool = False
+    closed: bool = False
+    fin_sent: bool = False
+    fin_received: bool = False
+    track_alias: int | None = None
+    default_priority: int = DEFAULT_PUBLISHER_PRIORITY
+    largest_at_ok: Location | None = None  # Joining Location of a subscription
+    fetch_group_order: GroupOrder = GroupOrder.ASCENDING
+    our_updates: deque = field(default_factory=deque)  # REQUEST_UPDATEs awaiting an answer
+    peer_updates: deque = field(default_factory=deque)  # peer REQUEST_UPDATEs we must answer
+    data_streams_opened: int = 0
+    open_data_streams: set = field(default_factory=set)
+    fetch_stream_closed: bool = False
+    goaway_seen: bool = False
+    done_stream_count: int | None = None  # PUBLISH_DONE received: streams the publisher opened
+    data_streams_ended: int = 0
+    namespaces: set = field(default_factory=set)  # NAMESPACE suffixes announced on this stream
+
+    @property
+    def is_subscription(self) -> bool:
+        return self.kind in (Subscribe, Publish)
+
+    @property
+    def publisher_is_local(self) -> bool:
+        """For a subscription: whether this endpoint is the publisher."""
+        return (self.kind is Publish) == self.local
+
+
+@dataclass(eq=False)
+class _IncomingDataStream:
+    parser: DataStreamParser
+    request: _Request | None = None
+    fetch: bool = False
+    header: SubgroupHeader | None = None
+    held: list = field(default_factory=list)  # items waiting for their track alias
+    held_bytes: int = 0
+    discard: bool = False
+
+
+@dataclass(eq=False)
+class _OutgoingDataStream:
+    request: _Request
+    writer: SubgroupWriter | FetchStreamWriter
+    fin_sent: bool = False
+    reset: bool = False
+    payload_remaining: int = 0  # bytes of the current object's payload still to write
+
+
+class _RequestIdTracker:
+    """Detects repeated peer Request IDs without keeping every ID seen."""
+
+    __slots__ = ("floor", "seen", "highest")
+
+    def __init__(self, first: int) -> None:
+        self.floor = first  # every ID below this was seen
+        self.seen: set[int] = set()
+        self.highest: int | None = None
+
+    def add(self, request_id: int) -> bool:
+        """False when the ID was seen before."""
+        if request_id < self.floor or request_id in self.seen:
+            return False
+        self.seen.add(request_id)
+        while self.floor in self.seen:
+            self.seen.discard(self.floor)
+            self.floor += 2
+        if self.highest is None or request_id > self.highest:
+            self.highest = request_id
+        return True
+
+
+class MoqtSession:
+    """The MOQT state of one QUIC connection.
+
+    `setup` holds the Setup Options to send; a client should set `path` and
+    `authority` from the URI (section 9.3). SETUP is written when the session is
+    created, like H3Connection's settings, so create it once ALPN is known.
+
+    `accept_path` / `accept_authority`, on a server, restrict the PATH and AUTHORITY
+    a client may ask for (None accepts any).
+    """
+
+    def __init__(
+        self,
+        quic: QuicConnection,
+        *,
+        is_client: bool,
+        draft: int = 18,
+        setup: Setup | None = None,
+        max_object_size: int = DEFAULT_MAX_OBJECT_SIZE,
+        max_auth_token_cache_size: int = 0,
+        max_buffered_before_setup: int = 4 * 1024 * 1024,
+        max_unmatched_stream_bytes: int = 16 * 1024 * 1024,
+        accept_path: Iterable[str] | None = None,
+        accept_authority: Iterable[str] | None = None,
+    ) -> None:
+        if draft != 18:
+            raise NotImplementedError(f"draft-{draft} is not implemented")
+        self._quic = quic
+        self._is_client = is_client
+        self.draft = draft
+        self.max_object_size = max_object_size
+        self._max_buffered_before_setup = max_buffered_before_setup
+        self._max_unmatched_stream_bytes = max_unmatched_stream_bytes
+        self._accept_path = None if accept_path is None else set(accept_path)
+        self._accept_authority = None if accept_authority is None else set(accept_authority)
+        self._closed = False
+        self.peer_setup: Setup | None = None
+        self.goaway_received: ev.GoawayReceived | None = None
+        self._goaway_sent_request_id: int | None = None
+
+        self._next_request_id = 0 if is_client else 1
+        self._peer_ids = _RequestIdTracker(1 if is_client else 0)
+        self._requests: dict[int, _Request] = {}
+        self._stream_requests: dict[int, _Request] = {}
+        self._request_parsers: dict[int, ControlStreamParser] = {}
+        self._update_parent: dict[int, _Request] = {}
+
+        self._peer_control_stream_id: int | None = None
+        self._control_parser = ControlStreamParser(draft)
+        self._unclassified_uni: dict[int, bytearray] = {}
+        self._incoming_data: dict[int, _IncomingDataStream] = {}
+        self._outgoing_data: dict[int, _OutgoingDataStream] = {}
+        self._ignored_streams: set[int] = set()
+
+        self._aliases_in: dict[int, _Request] = {}  # track alias -> our subscription
+        self._aliases_out: dict[int, _Request] = {}  # track alias -> subscription we publish
+        self._next_alias = 0
+
+        self._before_setup: list[QuicEvent] = []
+        self._before_setup_bytes = 0
+
+        # Peer token registrations (section 10.2.2); ours are not tracked.
+        self._max_auth_token_cache_size = max_auth_token_cache_size
+        self._peer_tokens: dict[int, AuthToken] = {}
+        self._peer_token_bytes = 0
+
+        options = setup or Setup()
+        if options.max_auth_token_cache_size is None and max_auth_token_cache_size:
+            options = _replace_setup(options, max_auth_token_cache_size=max_auth_token_cache_size)
+        if options.implementation is None:
+            options = _replace_setup(options, implementation=IMPLEMENTATION)
+        self.local_setup = options
+        self._control_stream_id = quic.get_next_available_stream_id(is_unidirectional=True)
+        quic.send_stream_data(self._control_stream_id, options.encode(draft))
+
+    # ------------------------------------------------------------------
+    # Properties
+    # ------------------------------------------------------------------
+
+    @property
+    def is_client(self) -> bool:
+        return self._is_client
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def setup_completed(self) -> bool:
+        return self.peer_setup is not None
+
+    def request_stream_id(self, request_id: int) -> int | None:
+        request = self._requests.get(request_id)
+        return None if request is None else request.stream_id
+
+    def track_alias_of(self, request_id: int) -> int | None:
+        request = self._requests.get(request_id)
+        return None if request is None else request.track_alias
+
+    def stream_count(self, request_id: int) -> int:
+        """Data streams opened so far for a subscription this endpoint publishes."""
+        return self._request(request_id).data_streams_opened
+
+    # ------------------------------------------------------------------
+    # QUIC events
+    # ------------------------------------------------------------------
+
+    def handle_event(self, event: QuicEvent) -> list[ev.MoqtEvent]:
+        """Process one QUIC event; returns the MOQT events it produced."""
+        if self._closed:
+            return []
+        out: list[ev.MoqtEvent] = []
+        try:
+            if isinstance(event, ConnectionTerminated):
+                self._closed = True
+                out.append(ev.SessionTerminated(event.error_code, event.reason_phrase, False))
+                return out
+            if self.peer_setup is None and not self._is_control_event(event):
+                self._hold_before_setup(event)
+            else:
+                self._dispatch(event, out)
+        except SessionError as exc:
+            self.close(int(exc.error_code), exc.reason)
+            out.append(ev.SessionTerminated(int(exc.error_code), exc.reason, True))
+        return out
+
+    def close(self, error_code: int = SessionCloseCode.NO_ERROR, reason: str = "") -> None:
+        """Close the session and its QUIC connection."""
+        if self._closed:
+            return
+        self._closed = True
+        self._quic.close(error_code=error_code, reason_phrase=reason)
+
+    # -- routing ----------------------------------------------------------
+
+    def _dispatch(self, event: QuicEvent, out: list[ev.MoqtEvent]) -> None:
+        if isinstance(event, StreamDataReceived):
+            self._on_stream_data(event, out)
+        elif isinstance(event, StreamReset):
+            self._on_stream_reset(event, out)
+        elif isinstance(event, StopSendingReceived):
+            self._on_stop_sending(event, out)
+        elif isinstance(event, DatagramFrameReceived):
+            self._on_datagram(event.data, out)
+
+    def _is_control_event(self, event: QuicEvent) -> bool:
+        """Whether an event arriving before the peer's SETUP is processed at once:
+        traffic of the peer's control stream, or of a new unidirectional stream
+        that may be it (its type decides)."""
+        sid = getattr(event, "stream_id", None)
+        if sid is None:
+            return False
+        if sid == self._peer_control_stream_id or sid == self._control_stream_id:
+            return True
+        return (
+            isinstance(event, StreamDataReceived)
+            and stream_is_unidirectional(sid)
+            and self._peer_control_stream_id is None
+            and sid not in self._incoming_data
+            and not self._is_local_stream(sid)
+        )
+
+    def _hold_before_setup(self, event: QuicEvent) -> None:
+        self._before_setup_bytes += len(getattr(event, "data", b""))
+        if self._before_setup_bytes > self._max_buffered_before_setup:
+            raise ProtocolViolation("too much data before SETUP")
+        self._before_setup.append(event)
+
+    def _on_stream_data(self, event: StreamDataReceived, out: list[ev.MoqtEvent]) -> None:
+        sid = event.stream_id
+        if sid == self._peer_control_stream_id:
+            self._on_control_data(event.data, out)
+            if event.end_stream:
+                raise ProtocolViolation("control stream closed")
+            return
+        data_stream = self._incoming_data.get(sid)
+        if data_stream is not None:
+            self._on_data_stream(sid, data_stream, event.data, event.end_stream, out)
+            return
+        if sid in self._ignored_streams:
+            return
+        if stream_is_unidirectional(sid):
+            if self._is_local_stream(sid):
+                return
+            self._on_new_uni(sid, event, out)
+            return
+        self._on_request_stream(sid, event.data, event.end_stream, out)
+
+    def _is_local_stream(self, stream_id: int) -> bool:
+        return bool(stream_id & 1) != self._is_client
+
+    def _on_new_uni(self, sid: int, event: StreamDataReceived, out: list[ev.MoqtEvent]) -> None:
+        prefix = self._unclassified_uni.pop(sid, bytearray()) + event.data
+        try:
+            stream_type, _ = decode_vi64(prefix, 0)
+        except ProtocolViolation:
+            if event.end_stream:
+                raise ProtocolViolation("unidirectional stream ended inside its type") from None
+            self._unclassified_uni[sid] = prefix
+            return
+        if stream_type == STREAM_TYPE_SETUP:
+            if self._peer_control_stream_id is not None:
+                raise ProtocolViolation("second control stream")
+            self._peer_control_stream_id = sid
+            if event.end_stream:
+                raise ProtocolViolation("control stream closed")
+            self._on_control_data(bytes(prefix), out)
+            return
+        parser = DataStreamParser(max_object_size=self.max_object_size, fetch_group_order=self._fetch_order_of)
+        data_stream = _IncomingDataStream(parser)
+        self._incoming_data[sid] = data_stream
+        if self.peer_setup is None:
+            self._hold_before_setup(StreamDataReceived(data=bytes(prefix), end_stream=event.end_stream, stream_id=sid))
+            return
+        self._on_data_stream(sid, data_stream, bytes(prefix), event.end_stream, out)
+
+    def _replay_held(self, out: list[ev.MoqtEvent]) -> None:
+        held = self._before_setup
+        self._before_setup = []
+        self._before_setup_bytes = 0
+        for event in held:
+            self._dispatch(event, out)
+
+    # -- control stream ----------------------------------------------------
+
+    def _on_control_data(self, data: bytes, out: list[ev.MoqtEvent]) -> None:
+        for message in self._control_parser.feed(data):
+            if self.peer_setup is None:
+                if not isinstance(message, Setup):
+                    raise ProtocolViolation(f"{message.NAME} before SETUP")
+                self._on_setup(message, out)
+                continue
+            if isinstance(message, Goaway):
+                self._on_session_goaway(message, out)
+            else:
+                raise ProtocolViolation(f"{message.NAME} on the control stream")
+
+    def _on_setup(self, setup: Setup, out: list[ev.MoqtEvent]) -> None:
+        if self._is_client:
+            if setup.path is not None:
+                raise InvalidPath("PATH option from the server")
+            if setup.authority is not None:
+                raise InvalidAuthority("AUTHORITY option from the server")
+        else:
+            if self._accept_path is not None and (setup.path or "") not in self._accept_path:
+                raise InvalidPath(f"path {setup.path!r} is not served here")
+            if self._accept_authority is not None and setup.authority not in self._accept_authority:
+                raise InvalidAuthority(f"authority {setup.authority!r} is not served here")
+        for token in setup.authorization_tokens:
+            if token.alias_type in (AliasType.DELETE, AliasType.USE_ALIAS):
+                raise ProtocolViolation(f"{token.alias_type.name} token in SETUP")
+            if token.alias_type == AliasType.REGISTER:
+                # Section 9.3.4: a registration over the limit is used as USE_VALUE.
+                size = _TOKEN_ENTRY_OVERHEAD + len(token.value or b"")
+                if token.alias in self._peer_tokens:
+                    raise DuplicateAuthTokenAlias(f"token alias {token.alias} already registered")
+                if self._peer_token_bytes + size <= self._max_auth_token_cache_size:
+                    self._peer_tokens[token.alias] = token  # type: ignore[index]
+                    self._peer_token_bytes += size
+        self.peer_setup = setup
+        out.append(ev.SetupCompleted(setup))
+        self._replay_held(out)
+
+    def _on_session_goaway(self, message: Goaway, out: list[ev.MoqtEvent]) -> None:
+        if self.goaway_received is not None:
+            raise ProtocolViolation("second GOAWAY on the control stream")
+        if not self._is_client and message.new_session_uri:
+            raise ProtocolViolation("GOAWAY with a URI from the client")
+        own_parity = 0 if self._is_client else 1
+        if message.request_id is not None and message.request_id & 1 != own_parity:
+            raise InvalidRequestId(f"GOAWAY Request ID {message.request_id} has the wrong parity")
+        event = ev.GoawayReceived(message.new_session_uri, message.timeout_ms, message.request_id, None)
+        self.goaway_received = event
+        out.append(event)
+
+    # -- request streams ---------------------------------------------------
+
+    def _on_request_stream(self, sid: int, data: bytes, end_stream: bool, out: list[ev.MoqtEvent]) -> None:
+        parser = self._request_parsers.get(sid)
+        if parser is None:
+            if self._is_local_stream(sid) or sid in self._ignored_streams:
+                return
+            parser = self._request_parsers[sid] = ControlStreamParser(self.draft)
+        for message in parser.feed(data):
+            request = self._stream_requests.get(sid)
+            if request is None:
+                self._on_new_request(sid, message, out)
+            else:
+                self._on_request_message(request, message, out)
+        if end_stream:
+            if parser.buffered:
+                raise ProtocolViolation("request stream ended inside a message")
+            request = self._stream_requests.get(sid)
+            if request is None:
+                if sid not in self._ignored_streams:
+                    raise ProtocolViolation("request stream ended before its request")
+                return
+            self._on_request_fin(request, out)
+
+    def _check_peer_request_id(self, request_id: int) -> None:
+        peer_parity = 0 if not self._is_client else 1
+        if request_id & 1 != peer_parity:
+            raise InvalidRequestId(f"peer Request ID {request_id} has the wrong parity")
+        if not self._peer_ids.add(request_id):
+            raise InvalidRequestId(f"peer Request ID {request_id} repeated")
+
+    def _on_new_request(self, sid: int, message: Message, out: list[ev.MoqtEvent]) -> None:
+        if not isinstance(message, _REQUEST_TYPES):
+            raise ProtocolViolation(f"request stream begins with {message.NAME}")
+        request_id: int = message.request_id  # type: ignore[attr-defined]
+        self._check_peer_request_id(request_id)
+        parameters: Parameters = message.parameters  # type: ignore[attr-defined]
+        request = _Request(request_id, type(message), sid, False, message, parameters)
+        self._requests[request_id] = request
+        self._stream_requests[sid] = request
+        tokens = self._resolve_tokens(parameters.authorization_tokens)
+
+        if self._goaway_sent_request_id is not None and request_id >= self._goaway_sent_request_id:
+            self._reject(request, RequestErrorCode.GOING_AWAY, "going away")
+            return
+        namespace = getattr(message, "namespace", None)
+        if namespace is None:
+            namespace = getattr(message, "namespace_prefix", None)
+        if namespace and namespace[0] in _RESERVED_FIRST_FIELDS:
+            # Section 3.2: "." is never used and no session-level track is
+            # defined, so both are rejected here, not passed to the application.
+            self._reject(request, RequestErrorCode.DOES_NOT_EXIST, "reserved namespace")
+            return
+
+        if isinstance(message, Subscribe):
+            out.append(ev.SubscribeReceived(request_id, message.namespace, message.track_name, parameters, tokens))
+        elif isinstance(message, Publish):
+            unsupported = mandatory_properties(message.track_properties)
+            other = self._aliases_in.get(message.track_alias)
+            if other is not None and not other.closed:
+                raise DuplicateTrackAlias(f"track alias {message.track_alias} already in use")
+            request.track_alias = message.track_alias
+            request.default_priority = property_value(
+                message.track_properties, TrackPropertyType.DEFAULT_PUBLISHER_PRIORITY, DEFAULT_PUBLISHER_PRIORITY
+            )
+            self._aliases_in[message.track_alias] = request
+            if unsupported:
+                self._reject(request, RequestErrorCode.UNSUPPORTED_EXTENSION, "unsupported mandatory property")
+                return
+            out.append(
+                ev.PublishReceived(
+                    request_id,
+                    message.namespace,
+                    message.track_name,
+                    message.track_alias,
+                    parameters,
+                    message.track_properties,
+                    tokens,
+                )
+            )
+            self._flush_held_for_alias(message.track_alias, out)
+        elif isinstance(message, Fetch):
+            self._on_fetch_request(request, message, tokens, out)
+        elif isinstance(message, TrackStatus):
+            out.append(ev.TrackStatusReceived(request_id, message.namespace, message.track_name, parameters, tokens))
+        elif isinstance(message, PublishNamespace):
+            out.append(ev.PublishNamespaceReceived(request_id, message.namespace, parameters, tokens))
+        elif isinstance(message, SubscribeNamespace):
+            out.append(ev.SubscribeNamespaceReceived(request_id, message.namespace_prefix, parameters, tokens))
+        elif isinstance(message, SubscribeTracks):
+            out.append(ev.SubscribeTracksReceived(request_id, message.namespace_prefix, parameters, tokens))
+
+    def _on_fetch_request(
+        self, request: _Request, message: Fetch, tokens: tuple[AuthToken, ...], out: list[ev.MoqtEvent]
+    ) -> None:
+        if message.parameters.group_order is not None:
+            request.fetch_group_order = message.parameters.group_order
+        if message.fetch_type == FetchType.STANDALONE:
+            if message.end < message.start and not (  # type: ignore[operator]
+                message.end.object == 0 and message.end.group >= message.start.group  # type: ignore[union-attr]
+            ):
+                self._reject(request, RequestErrorCode.INVALID_RANGE, "end before start")
+                return
+            out.append(
+                ev.FetchReceived(
+                    request.request_id,
+                    message.fetch_type,
+                    message.namespace,  # type: ignore[arg-type]
+                    message.track_name,  # type: ignore[arg-type]
+                    message.start,  # type: ignore[arg-type]
+                    message.end,  # type: ignore[arg-type]
+                    None,
+                    message.parameters,
+                    tokens,
+                )
+            )
+            return
+        joined = self._requests.get(message.joining_request_id)  # type: ignore[arg-type]
+        if (
+            joined is None
+            or joined.kind is not Subscribe
+            or joined.local
+            or joined.closed
+        ):
+            self._reject(request, RequestErrorCode.INVALID_JOINING_REQUEST_ID, "no such subscription")
+            return
+        if not joined.accepted:
+            # Draft-18 lets the publisher buffer a joining fetch until the
+            # subscription is established; answering at once keeps this layer simple.
+            self._reject(request, RequestErrorCode.INVALID_JOINING_REQUEST_ID, "subscription not established")
+            return
+        if joined.parameters.forward is False:
+            self._reject(request, RequestErrorCode.INVALID_RANGE, "joined subscription has Forward 0")
+            return
+        largest = joined.largest_at_ok
+        if largest is None:
+            self._reject(request, RequestErrorCode.INVALID_RANGE, "no objects published")
+            return
+        if message.fetch_type == FetchType.RELATIVE_JOINING:
+            start = Location(max(0, largest.group - message.joining_start), 0)  # type: ignore[operator]
+        else:
+            start = Location(message.joining_start, 0)  # type: ignore[arg-type]
+        end = Location(largest.group, largest.object + 1)
+        subscribe: Subscribe = joined.message  # type: ignore[assignment]
+        out.append(
+            ev.FetchReceived(
+                request.request_id,
+                message.fetch_type,
+                subscribe.namespace,
+                subscribe.track_name,
+                start,
+                end,
+                joined.request_id,
+                message.parameters,
+                tokens,
+            )
+        )
+
+    def _on_request_message(self, request: _Request, message: Message, out: list[ev.MoqtEvent]) -> None:
+        if request.closed:
+            return
+        if isinstance(message, Goaway):
+            if request.goaway_seen:
+                raise ProtocolViolation("second GOAWAY on a request stream")
+            if message.request_id is not None:
+                raise ProtocolViolation("GOAWAY with a Request ID on a request stream")
+            request.goaway_seen = True
+            out.append(ev.GoawayReceived(message.new_session_uri, message.timeout_ms, None, request.request_id))
+            return
+        if isinstance(message, RequestUpdate):
+            self._on_peer_update(request, message, out)
+            return
+        if request.local and not request.answered:
+            self._on_first_answer(request, message, out)
+            return
+        if isinstance(message, (RequestOk, RequestErrorMessage)):
+            if not request.our_updates:
+                raise ProtocolViolation(f"unexpected {message.NAME}")
+            update_id = request.our_updates.popleft()
+            self._update_parent.pop(update_id, None)
+            if isinstance(message, RequestOk):
+                out.append(ev.RequestAccepted(update_id, message.parameters, message.track_properties))
+            else:
+                out.append(
+                    ev.RequestRejected(
+                        update_id, message.error_code, message.reason, message.retry_interval, message.redirect
+                    )
+                )
+            return
+        if isinstance(message, PublishDone):
+            if not request.is_subscription or request.publisher_is_local:
+                raise ProtocolViolation("PUBLISH_DONE from the subscriber")
+            if request.done_stream_count is not None:
+                raise ProtocolViolation("second PUBLISH_DONE")
+            out.append(ev.PublishDoneReceived(request.request_id, message.status_code, message.stream_count, message.reason))
+            # Late data streams are still accepted until Stream Count of them ended.
+            request.done_stream_count = message.stream_count
+            self._finish_stream(request)
+            self._maybe_end_subscription(request)
+            return
+        if isinstance(message, (Namespace, NamespaceDone)) and request.local and request.kind is SubscribeNamespace:
+            prefix = request.message.namespace_prefix  # type: ignore[attr-defined]
+            suffix = message.namespace_suffix
+            if isinstance(message, Namespace):
+                request.namespaces.add(suffix)
+                out.append(ev.NamespaceReceived(request.request_id, suffix, prefix + suffix))
+            else:
+                if suffix not in request.namespaces:
+                    raise ProtocolViolation("NAMESPACE_DONE before NAMESPACE")
+                request.namespaces.discard(suffix)
+                out.append(ev.NamespaceDoneReceived(request.request_id, suffix, prefix + suffix))
+            return
+        if isinstance(message, PublishBlocked) and request.local and request.kind is SubscribeTracks:
+            prefix = request.message.namespace_prefix  # type: ignore[attr-defined]
+            out.append(ev.PublishBlockedReceived(request.request_id, prefix + message.namespace_suffix, message.track_name))
+            return
+        raise ProtocolViolation(f"{message.NAME} not expected on a {request.kind.NAME} stream")
+
+    def _on_first_answer(self, request: _Request, message: Message, out: list[ev.MoqtEvent]) -> None:
+        request.answered = True
+        kind = request.kind
+        rid = request.request_id
+        if isinstance(message, RequestErrorMessage):
+            request.closed = True
+            out.append(ev.RequestRejected(rid, message.error_code, message.reason, message.retry_interval, message.redirect))
+            self._finish_stream(request)
+            return
+        if kind is Subscribe and isinstance(message, SubscribeOk):
+            other = self._aliases_in.get(message.track_alias)
+            if other is not None and other is not request and not other.closed:
+                raise DuplicateTrackAlias(f"track alias {message.track_alias} already in use")
+            if mandatory_properties(message.track_properties):
+                self._cancel(request, StreamResetCode.CANCELLED)
+                out.append(
+                    ev.RequestRejected(
+                        rid, RequestErrorCode.UNSUPPORTED_EXTENSION, "unsupported mandatory property", 0, None
+                    )
+                )
+                return
+            request.accepted = True
+            request.track_alias = message.track_alias
+            request.default_priority = property_value(
+                message.track_properties, TrackPropertyType.DEFAULT_PUBLISHER_PRIORITY, DEFAULT_PUBLISHER_PRIORITY
+            )
+            self._aliases_in[message.track_alias] = request
+            out.append(ev.SubscribeAccepted(rid, message.track_alias, message.parameters, message.track_properties))
+            self._flush_held_for_alias(message.track_alias, out)
+            return
+        if kind is Fetch and isinstance(message, FetchOk):
+            fetch: Fetch = request.message  # type: ignore[assignment]
+            if fetch.fetch_type == FetchType.STANDALONE and _fetch_end_before_start(message.end_location, fetch.start):  # type: ignore[arg-type]
+                raise ProtocolViolation("FETCH_OK End Location before the FETCH start")
+            if mandatory_properties(message.track_properties):
+                self._cancel(request, StreamResetCode.CANCELLED)
+                out.append(
+                    ev.RequestRejected(
+                        rid, RequestErrorCode.UNSUPPORTED_EXTENSION, "unsupported mandatory property", 0, None
+                    )
+                )
+                return
+            request.accepted = True
+            out.append(
+                ev.FetchAccepted(rid, message.end_of_track, message.end_location, message.parameters, message.track_properties)
+            )
+            self._maybe_finish_fetch(request)
+            return
+        if kind not in (Subscribe, Fetch) and isinstance(message, RequestOk):
+            if kind is Publish:
+                allowed = SCOPE_PUBLISH_OK
+            elif kind is TrackStatus:
+                allowed = SCOPE_TRACK_STATUS_OK
+            else:
+                allowed = frozenset({0x08})  # EXPIRES; namespace OKs carry nothing else
+            for ptype in message.parameters.types():
+                if ptype not in allowed:
+                    raise ProtocolViolation(f"REQUEST_OK for {kind.NAME} with parameter 0x{ptype:x}")
+            if message.track_properties and kind is not TrackStatus:
+                raise ProtocolViolation(f"REQUEST_OK for {kind.NAME} with Track Properties")
+            request.accepted = True
+            if kind is Publish:
+                request.parameters = request.parameters.merged(message.parameters)
+            out.append(ev.RequestAccepted(rid, message.parameters, message.track_properties))
+            if kind is TrackStatus:
+                request.closed = True
+                self._finish_stream(request)
+            return
+        raise ProtocolViolation(f"{message.NAME} is not an answer to {kind.NAME}")
+
+    def _on_peer_update(self, request: _Request, message: RequestUpdate, out: list[ev.MoqtEvent]) -> None:
+        self._check_peer_request_id(message.request_id)
+        if request.kind in (TrackStatus,):
+            raise ProtocolViolation("REQUEST_UPDATE on a TRACK_STATUS stream")
+        # The requester updates its request; for a PUBLISH the subscriber may too.
+        if request.local and request.kind is not Publish:
+            raise ProtocolViolation(f"REQUEST_UPDATE from the responder of {request.kind.NAME}")
+        request.peer_updates.append(message.request_id)
+        self._update_parent[message.request_id] = request
+        tokens = self._resolve_tokens(message.parameters.authorization_tokens)
+        out.append(ev.RequestUpdateReceived(message.request_id, request.request_id, message.parameters, tokens))
+
+    def _on_request_fin(self, request: _Request, out: list[ev.MoqtEvent]) -> None:
+        request.fin_received = True
+        if request.closed or request.done_stream_count is not None:
+            self._forget_if_done(request)
+            return
+        kind = request.kind
+        if request.local:
+            # The responder will say nothing more: unanswered, or a subscription
+            # or namespace registration left without its PUBLISH_DONE / withdrawal.
+            cancels = not request.answered or kind in (Subscribe, PublishNamespace, SubscribeTracks)
+        else:
+            # Section 6.1: a requester FIN cancels SUBSCRIBE_NAMESPACE and
+            # SUBSCRIBE_TRACKS; for PUBLISH_NAMESPACE it withdraws the namespace; a
+            # PUBLISH ended without PUBLISH_DONE is over too.
+            cancels = kind in (SubscribeNamespace, SubscribeTracks, PublishNamespace, Publish)
+        if cancels:
+            request.closed = True
+            out.append(ev.RequestCancelled(request.request_id, StreamResetCode.CANCELLED, request.local))
+            self._finish_stream(request)
+        elif request.local and kind is SubscribeNamespace:
+            # Treated as though each active namespace received NAMESPACE_DONE.
+            prefix = request.message.namespace_prefix  # type: ignore[attr-defined]
+            for suffix in sorted(request.namespaces):
+                out.append(ev.NamespaceDoneReceived(request.request_id, suffix, prefix + suffix))
+            request.namespaces.clear()
+            request.closed = True
+            out.append(ev.RequestCancelled(request.request_id, StreamResetCode.CANCELLED, True))
+            self._finish_stream(request)
+        elif request.local and kind is Fetch:
+            self._maybe_finish_fetch(request)
+        self._forget_if_done(request)
+
+    def _on_stream_reset(self, event: StreamReset, out: list[ev.MoqtEvent]) -> None:
+        sid = event.stream_id
+        if sid == self._peer_control_stream_id:
+            raise ProtocolViolation("control stream reset")
+        data_stream = self._incoming_data.pop(sid, None)
+        if data_stream is not None:
+            request = data_stream.request
+            if request is None or data_stream.discard:
+                return
+            request.open_data_streams.discard(sid)
+            out.append(ev.DataStreamEnded(request.request_id, sid, data_stream.fetch, True, event.error_code))
+            if data_stream.fetch and not request.closed:
+                # A reset fetch stream ends the fetch: the range is incomplete.
+                self._cancel(request, StreamResetCode.CANCELLED)
+            elif not data_stream.fetch:
+                request.data_streams_ended += 1
+                self._maybe_end_subscription(request)
+            return
+        if self._unclassified_uni.pop(sid, None) is not None:
+            return
+        request = self._stream_requests.get(sid)
+        if request is None:
+            self._request_parsers.pop(sid, None)
+            self._ignored_streams.add(sid)
+            return
+        request.fin_received = True
+        if not request.closed:
+            request.closed = True
+            out.append(ev.RequestCancelled(request.request_id, event.error_code, request.local))
+            if request.local and request.kind is SubscribeNamespace:
+                prefix = request.message.namespace_prefix  # type: ignore[attr-defined]
+                for suffix in sorted(request.namespaces):
+                    out.append(ev.NamespaceDoneReceived(request.request_id, suffix, prefix + suffix))
+                request.namespaces.clear()
+            self._abort_stream(request, StreamResetCode.CANCELLED)
+        self._forget_if_done(request)
+
+    def _on_stop_sending(self, event: StopSendingReceived, out: list[ev.MoqtEvent]) -> None:
+        sid = event.stream_id
+        data_stream = self._outgoing_data.get(sid)
+        if data_stream is not None:
+            data_stream.reset = True  # aioquic resets the stream on STOP_SENDING
+            data_stream.request.open_data_streams.discard(sid)
+            out.append(ev.DataStreamStopped(data_stream.request.request_id, sid, event.error_code))
+            if data_stream.request.kind is Fetch:
+                data_stream.request.fetch_stream_closed = True
+            return
+        if sid == self._control_stream_id:
+            raise ProtocolViolation("STOP_SENDING on the control stream")
+        request = self._stream_requests.get(sid)
+        if request is None:
+            return
+        request.fin_sent = True  # the stream was reset by the transport
+        if not request.closed:
+            request.closed = True
+            out.append(ev.RequestCancelled(request.request_id, event.error_code, request.local))
+            self._abort_stream(request, event.error_code)
+        self._forget_if_done(request)
+
+    # -- data streams ------------------------------------------------------
+
+    def _fetch_order_of(self, request_id: int) -> GroupOrder:
+        request = self._requests.get(request_id)
+        return GroupOrder.ASCENDING if request is None else request.fetch_group_order
+
+    def _on_data_stream(
+        self, sid: int, stream: _IncomingDataStream, data: bytes, end_stream: bool, out: list[ev.MoqtEvent]
+    ) -> None:
+        if stream.discard:
+            if end_stream:
+                self._incoming_data.pop(sid, None)
+            return
+        items = stream.parser.feed(data, end_stream)
+        for item in items:
+            if stream.request is None and stream.header is None and not stream.fetch:
+                if not self._on_data_header(sid, stream, item, out):
+                    return
+                continue
+            if stream.request is None:
+                stream.held.append(item)
+                stream.held_bytes += len(getattr(item, "payload", b"")) + 32
+                if stream.held_bytes > self._max_unmatched_stream_bytes:
+                    self._stop_incoming(sid, stream, StreamResetCode.EXCESSIVE_LOAD)
+                    return
+                continue
+            self._deliver_item(sid, stream, item, out)
+        if end_stream:
+            if stream.request is not None:
+                self._incoming_data.pop(sid, None)
+                self._end_incoming(sid, stream, out)
+            else:
+                stream.held.append(None)  # FIN marker, delivered with the held items
+
+    def _on_data_header(self, sid: int, stream: _IncomingDataStream, item: object, out: list[ev.MoqtEvent]) -> bool:
+        if isinstance(item, PaddingHeader):
+            stream.discard = True
+            return False
+        if isinstance(item, FetchHeader):
+            stream.fetch = True
+            request = self._requests.get(item.request_id)
+            if request is None or request.kind is not Fetch or not request.local:
+                raise ProtocolViolation(f"FETCH_HEADER for unknown fetch {item.request_id}")
+            if request.closed:
+                self._stop_incoming(sid, stream, StreamResetCode.CANCELLED)
+                return False
+            stream.request = request
+            request.open_data_streams.add(sid)
+            return True
+        assert isinstance(item, SubgroupHeader)
+        stream.header = item
+        request = self._aliases_in.get(item.track_alias)
+        if request is None:
+            stream.held.append(item)
+            return True
+        if request.closed:
+            self._stop_incoming(sid, stream, StreamResetCode.CANCELLED)
+            return False
+        stream.request = request
+        request.open_data_streams.add(sid)
+        out.append(ev.SubgroupStreamOpened(request.request_id, sid, item))
+        return True
+
+    def stop_data_stream(self, stream_id: int, error_code: int = StreamResetCode.CANCELLED) -> None:
+        """STOP_SENDING an incoming data stream, e.g. a group no longer of interest;
+        its remaining bytes are discarded and the subscription goes on."""
+        stream = self._incoming_data.get(stream_id)
+        if stream is not None:
+            self._stop_incoming(stream_id, stream, error_code)
+
+    def incoming_stream_open(self, stream_id: int) -> bool:
+        """Whether an incoming data stream is still being read."""
+        stream = self._incoming_data.get(stream_id)
+        return stream is not None and not stream.discard
+
+    def _stop_incoming(self, sid: int, stream: _IncomingDataStream, code: int) -> None:
+        if stream.discard:
+            return
+        stream.discard = True
+        stream.held = []
+        request = stream.request
+        if request is not None and sid in request.open_data_streams:
+            request.open_data_streams.discard(sid)
+            if not stream.fetch:
+                request.data_streams_ended += 1
+                self._maybe_end_subscription(request)
+        try:
+            self._quic.stop_stream(sid, code)
+        except ValueError:
+            pass
+
+    def _deliver_item(self, sid: int, stream: _IncomingDataStream, item: object, out: list[ev.MoqtEvent]) -> None:
+        request = stream.request
+        assert request is not None
+        if isinstance(item, SubgroupObject):
+            header = stream.header
+            assert header is not None
+            priority = header.publisher_priority
+            out.append(
+                ev.ObjectReceived(
+                    request.request_id,
+                    header.track_alias,
+                    header.group_id,
+                    item.subgroup_id,
+                    item.object_id,
+                    request.default_priority if priority is None else priority,
+                    item.status,
+                    item.payload,
+                    item.properties,
+                    sid,
+                    header.end_of_group,
+                )
+            )
+        elif isinstance(item, FetchObject):
+            out.append(
+                ev.FetchObjectReceived(
+                    request.request_id,
+                    item.group_id,
+                    item.subgroup_id,
+                    item.object_id,
+                    item.publisher_priority,
+                    item.payload,
+                    item.properties,
+                    sid,
+                )
+            )
+        elif isinstance(item, FetchEndOfRange):
+            out.append(ev.FetchRangeReceived(request.request_id, item.location, item.unknown))
+        elif isinstance(item, SubgroupHeader):
+            out.append(ev.SubgroupStreamOpened(request.request_id, sid, item))
+
+    def _end_incoming(self, sid: int, stream: _IncomingDataStream, out: list[ev.MoqtEvent]) -> None:
+        request = stream.request
+        assert request is not None
+        request.open_data_streams.discard(sid)
+        out.append(ev.DataStreamEnded(request.request_id, sid, stream.fetch, False, None))
+        if stream.fetch:
+            request.fetch_stream_closed = True
+            self._maybe_finish_fetch(request)
+        else:
+            request.data_streams_ended += 1
+            self._maybe_end_subscription(request)
+        self._forget_if_done(request)
+
+    def _maybe_end_subscription(self, request: _Request) -> None:
+        """After PUBLISH_DONE, forget the subscription once all its streams ended."""
+        count = request.done_stream_count
+        if count is None or request.closed or request.open_data_streams:
+            return
+        if count != UNKNOWN_STREAM_COUNT and request.data_streams_ended >= count:
+            request.closed = True
+            self._forget_if_done(request)
+
+    def release(self, request_id: int) -> None:
+        """Forget a subscription that ended with PUBLISH_DONE, even if some of its
+        streams never arrived (after a grace period chosen by the caller)."""
+        request = self._requests.get(request_id)
+        if request is None or request.done_stream_count is None:
+            return
+        request.closed = True
+        for sid in list(request.open_data_streams):
+            stream = self._incoming_data.get(sid)
+            if stream is not None:
+                self._stop_incoming(sid, stream, StreamResetCode.CANCELLED)
+        request.open_data_streams.clear()
+        self._forget_if_done(request)
+
+    def _flush_held_for_alias(self, alias: int, out: list[ev.MoqtEvent]) -> None:
+        request = self._aliases_in[alias]
+        for sid, stream in list(self._incoming_data.items()):
+            if stream.request is not None or stream.header is None or stream.header.track_alias != alias:
+                continue
+            stream.request = request
+            request.open_data_streams.add(sid)
+            held, stream.held, stream.held_bytes = stream.held, [], 0
+            ended = False
+            for item in held:
+                if item is None:
+                    ended = True
+                else:
+                    self._deliver_item(sid, stream, item, out)
+            if ended:
+                self._incoming_data.pop(sid, None)
+                self._end_incoming(sid, stream, out)
+
+    def _on_datagram(self, data: bytes, out: list[ev.MoqtEvent]) -> None:
+        datagram = decode_datagram(data)
+        if isinstance(datagram, PaddingDatagram):
+            return
+        assert isinstance(datagram, ObjectDatagram)
+        request = self._aliases_in.get(datagram.track_alias)
+        if request is None or request.closed:
+            return  # section 11.3: an unknown alias MAY be dropped
+        priority = datagram.publisher_priority
+        out.append(
+            ev.ObjectReceived(
+                request.request_id,
+                datagram.track_alias,
+                datagram.group_id,
+                None,
+                datagram.object_id,
+                request.default_priority if priority is None else priority,
+                ObjectStatus.NORMAL if datagram.status is None else datagram.status,
+                datagram.payload,
+                datagram.properties,
+                None,
+                datagram.end_of_group,
+            )
+        )
+
+    # -- authorization tokens ----------------------------------------------
+
+    def _resolve_tokens(self, tokens: tuple[AuthToken, ...]) -> tuple[AuthToken, ...]:
+        """Apply the peer's alias operations; return the tokens in USE_VALUE form."""
+        resolved: list[AuthToken] = []
+        for token in tokens:
+            if token.alias_type == AliasType.USE_VALUE:
+                resolved.append(token)
+            elif token.alias_type == AliasType.REGISTER:
+                if token.alias in self._peer_tokens:
+                    raise DuplicateAuthTokenAlias(f"token alias {token.alias} already registered")
+                size = _TOKEN_ENTRY_OVERHEAD + len(token.value or b"")
+                if self._peer_token_bytes + size > self._max_auth_token_cache_size:
+                    raise AuthTokenCacheOverflow("authorization token cache full")
+                self._peer_tokens[token.alias] = token  # type: ignore[index]
+                self._peer_token_bytes += size
+                resolved.append(AuthToken.use_value(token.value or b"", token.token_type or 0))
+            elif token.alias_type == AliasType.USE_ALIAS:
+                registered = self._peer_tokens.get(token.alias)  # type: ignore[arg-type]
+                if registered is None:
+                    raise UnknownAuthTokenAlias(f"token alias {token.alias} not registered")
+                resolved.append(AuthToken.use_value(registered.value or b"", registered.token_type or 0))
+            else:  # DELETE
+                registered = self._peer_tokens.pop(token.alias, None)  # type: ignore[arg-type]
+                if registered is None:
+                    raise UnknownAuthTokenAlias(f"token alias {token.alias} not registered")
+                self._peer_token_bytes -= _TOKEN_ENTRY_OVERHEAD + len(registered.value or b"")
+        return tuple(resolved)
+
+    # ------------------------------------------------------------------
+    # Sending: requests
+    # ------------------------------------------------------------------
+
+    def _request(self, request_id: int) -> _Request:
+        request = self._requests.get(request_id)
+        if request is None:
+            raise StreamClosed(f"no active request {request_id}")
+        return request
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StreamClosed("session closed")
+
+    def _open_request(self, build) -> int:
+        self._check_open()
+        request_id = self._next_request_id
+        message = build(request_id)
+        data = message.encode(self.draft)
+        self._next_request_id += 2
+        sid = self._quic.get_next_available_stream_id(is_unidirectional=False)
+        request = _Request(request_id, type(message), sid, True, message, message.parameters)
+        if isinstance(message, Fetch) and message.parameters.group_order is not None:
+            request.fetch_group_order = message.parameters.group_order
+        self._requests[request_id] = request
+        self._stream_requests[sid] = request
+        self._request_parsers[sid] = ControlStreamParser(self.draft)
+        self._quic.send_stream_data(sid, data)
+        return request_id
+
+    def subscribe(self, namespace: TrackNamespace, track_name: bytes, parameters: Parameters = Parameters()) -> int:
+        """Send SUBSCRIBE on a new request stream; returns its Request ID."""
+        return self._open_request(lambda rid: Subscribe(rid, namespace, track_name, parameters))
+
+    def fetch(
+        self,
+        namespace: TrackNamespace,
+        track_name: bytes,
+        start: Location,
+        end: Location,
+        parameters: Parameters = Parameters(),
+    ) -> int:
+        """Send a standalone FETCH. `end` is the wire End Location (last Object + 1,
+        or Object 0 for the whole group)."""
+        return self._open_request(
+            lambda rid: Fetch(rid, FetchType.STANDALONE, namespace, track_name, Location(*start), Location(*end), parameters=parameters)
+        )
+
+    def joining_fetch(
+        self, subscribe_request_id: int, joining_start: int, *, relative: bool = True, parameters: Parameters = Parameters()
+    ) -> int:
+        """Send a joining FETCH for one of our subscriptions."""
+        fetch_type = FetchType.RELATIVE_JOINING if relative else FetchType.ABSOLUTE_JOINING
+        return self._open_request(
+            lambda rid: Fetch(
+                rid, fetch_type, joining_request_id=subscribe_request_id, joining_start=joining_start, parameters=parameters
+            )
+        )
+
+    def track_status(self, namespace: TrackNamespace, track_name: bytes, parameters: Parameters = Parameters()) -> int:
+        return self._open_request(lambda rid: TrackStatus(rid, namespace, track_name, parameters))
+
+    def publish_namespace(self, namespace: TrackNamespace, parameters: Parameters = Parameters()) -> int:
+        return self._open_request(lambda rid: PublishNamespace(rid, namespace, parameters))
+
+    def subscribe_namespace(self, namespace_prefix: TrackNamespace, parameters: Parameters = Parameters()) -> int:
+        return self._open_request(lambda rid: SubscribeNamespace(rid, namespace_prefix, parameters))
+
+    def subscribe_tracks(self, namespace_prefix: TrackNamespace, parameters: Parameters = Parameters()) -> int:
+        return self._open_request(lambda rid: SubscribeTracks(rid, namespace_prefix, parameters))
+
+    def publish(
+        self,
+        namespace: TrackNamespace,
+        track_name: bytes,
+        *,
+        track_alias: int | None = None,
+        parameters: Parameters = Parameters(),
+        track_properties: Properties = (),
+    ) -> int:
+        """Send PUBLISH; objects may follow at once unless FORWARD is 0."""
+        alias = self._allocate_alias(track_alias)
+        request_id = self._open_request(
+            lambda rid: Publish(rid, namespace, track_name, alias, parameters, track_properties)
+        )
+        request = self._requests[request_id]
+        request.track_alias = alias
+        request.accepted = False
+        request.largest_at_ok = parameters.largest_object
+        self._aliases_out[alias] = request
+        return request_id
+
+    def request_update(self, request_id: int, parameters: Parameters) -> int:
+        """Send REQUEST_UPDATE for a request of ours (or a PUBLISH we receive);
+        returns the update's own Request ID, which its answer will carry."""
+        self._check_open()
+        request = self._request(request_id)
+        if request.closed or request.fin_sent:
+            raise StreamClosed(f"request {request_id} is closed")
+        if not request.local and request.kind is not Publish:
+            raise ValueError("only the requester updates a request (or the subscriber of a PUBLISH)")
+        update_id = self._next_request_id
+        data = RequestUpdate(update_id, parameters).encode(self.draft)
+        self._next_request_id += 2
+        request.our_updates.append(update_id)
+        self._update_parent[update_id] = request
+        self._quic.send_stream_data(request.stream_id, data)
+        return update_id
+
+    def cancel_request(self, request_id: int, error_code: int = StreamResetCode.CANCELLED) -> None:
+        """Abandon a request: reset our side of its stream and STOP_SENDING the other.
+
+        This unsubscribes, withdraws a published namespace, stops a fetch, ...
+        """
+        request = self._requests.get(request_id)
+        if request is None or self._closed:
+            return
+        request.closed = True
+        self._abort_stream(request, error_code)
+        for sid in list(request.open_data_streams):
+            stream = self._incoming_data.get(sid)
+            if stream is not None:
+                self._stop_incoming(sid, stream, error_code)
+        self._forget_if_done(request)
+
+    def goaway(self, new_session_uri: str = "", timeout_ms: int = 0) -> None:
+        """Send GOAWAY on the control stream; later peer requests are refused."""
+        self._check_open()
+        if self._is_client and new_session_uri:
+            raise ValueError("a client sends GOAWAY without a URI")
+        highest = self._peer_ids.highest
+        last = (0 if not self._is_client else 1) if highest is None else highest + 2
+        self._goaway_sent_request_id = last
+        self._quic.send_stream_data(self._control_stream_id, Goaway(new_session_uri, timeout_ms, last).encode(self.draft))
+
+    def request_goaway(self, request_id: int, new_session_uri: str = "", timeout_ms: int = 0) -> None:
+        """Send GOAWAY on one request stream: re-issue this request elsewhere."""
+        self._check_open()
+        request = self._request(request_id)
+        self._send_on_request(request, Goaway(new_session_uri, timeout_ms, None))
+
+    # ------------------------------------------------------------------
+    # Sending: answers
+    # ------------------------------------------------------------------
+
+    def _send_on_request(self, request: _Request, message: Message, end_stream: bool = False) -> None:
+        if request.fin_sent:
+            raise StreamClosed(f"request stream of {request.request_id} is closed")
+        data = message.encode(self.draft)
+        try:
+            self._quic.send_stream_data(request.stream_id, data, end_stream=end_stream)
+        except (ValueError, RuntimeError, AssertionError) as exc:
+            request.fin_sent = True
+            raise StreamClosed(f"request stream of {request.request_id}: {exc}") from None
+        if end_stream:
+            request.fin_sent = True
+            self._forget_if_done(request)
+
+    def _peer_request(self, request_id: int, kinds: tuple[type[Message], ...]) -> _Request:
+        self._check_open()
+        request = self._request(request_id)
+        if request.local or request.kind not in kinds:
+            raise ValueError(f"request {request_id} is not a peer {'/'.join(k.NAME for k in kinds)}")
+        if request.answered:
+            raise ValueError(f"request {request_id} was already answered")
+        if request.closed:
+            raise StreamClosed(f"request {request_id} was cancelled")
+        return request
+
+    def _allocate_alias(self, alias: int | None) -> int:
+        if alias is None:
+            while self._next_alias in self._aliases_out:
+                self._next_alias += 1
+            alias = self._next_alias
+            self._next_alias += 1
+        elif alias in self._aliases_out and not self._aliases_out[alias].closed:
+            raise ValueError(f"track alias {alias} in use")
+        return alias
+
+    def subscribe_ok(
+        self,
+        request_id: int,
+        *,
+        track_alias: int | None = None,
+        largest: Location | None = None,
+        expires: int | None = None,
+        track_properties: Properties = (),
+    ) -> int:
+        """Accept a peer's SUBSCRIBE; returns the Track Alias its objects carry.
+
+        `largest` is the Largest Object (must be given when objects exist); it is
+        also the Joining Location for joining fetches.
+        """
+        request = self._peer_request(request_id, (Subscribe,))
+        alias = self._allocate_alias(track_alias)
+        parameters = Parameters(expires=expires, largest_object=None if largest is None else Location(*largest))
+        self._send_on_request(request, SubscribeOk(alias, parameters, track_properties))
+        request.answered = request.accepted = True
+        request.track_alias = alias
+        request.largest_at_ok = parameters.largest_object
+        request.default_priority = property_value(
+            track_properties, TrackPropertyType.DEFAULT_PUBLISHER_PRIORITY, DEFAULT_PUBLISHER_PRIORITY
+        )
+        self._aliases_out[alias] = request
+        return alias
+
+    def fetch_ok(
+        self,
+        request_id: int,
+        end_location: Location,
+        *,
+        end_of_track: bool = False,
+        track_properties: Properties = (),
+    ) -> None:
+        """Accept a peer's FETCH. `end_location` uses the wire encoding (last + 1)."""
+        request = self._peer_request(request_id, (Fetch,))
+        self._send_on_request(request, FetchOk(end_of_track, Location(*end_location), Parameters(), track_properties))
+        request.answered = request.accepted = True
+        self._maybe_finish_fetch(request)
+
+    def request_ok(self, request_id: int, parameters: Parameters = Parameters(), track_properties: Properties = ()) -> None:
+        """Send REQUEST_OK: PUBLISH_OK, TRACK_STATUS_OK, PUBLISH_NAMESPACE_OK,
+        SUBSCRIBE_NAMESPACE_OK, SUBSCRIBE_TRACKS_OK, or the answer to a peer's
+        REQUEST_UPDATE (pass the update's Request ID)."""
+        self._check_open()
+        parent = self._update_parent.get(request_id)
+        if parent is not None and request_id in parent.peer_updates:
+            self._answer_update(parent, request_id)
+            _check_scope(parameters, SCOPE_REQUEST_UPDATE_OK, "REQUEST_UPDATE_OK")
+            self._send_on_request(parent, RequestOk(parameters, ()))
+            return
+        request = self._peer_request(
+            request_id, (Publish, TrackStatus, PublishNamespace, SubscribeNamespace, SubscribeTracks)
+        )
+        if request.kind is Publish:
+            _check_scope(parameters, SCOPE_PUBLISH_OK, "PUBLISH_OK")
+        elif request.kind is TrackStatus:
+            _check_scope(parameters, SCOPE_TRACK_STATUS_OK, "TRACK_STATUS_OK")
+        else:
+            _check_scope(parameters, frozenset({0x08}), "REQUEST_OK")
+        if track_properties and request.kind is not TrackStatus:
+            raise ValueError("Track Properties go only in TRACK_STATUS_OK")
+        final = request.kind is TrackStatus
+        self._send_on_request(request, RequestOk(parameters, track_properties), end_stream=final)
+        request.answered = request.accepted = True
+        if request.kind is Publish:
+            request.parameters = request.parameters.merged(parameters)
+        if final:
+            request.closed = True
+            self._forget_if_done(request)
+
+    def _answer_update(self, request: _Request, update_id: int) -> None:
+        if not request.peer_updates or request.peer_updates[0] != update_id:
+            raise ValueError(f"REQUEST_UPDATE {update_id} is not the oldest unanswered update")
+        request.peer_updates.popleft()
+        self._update_parent.pop(update_id, None)
+
+    def request_error(
+        self,
+        request_id: int,
+        error_code: int,
+        reason: str = "",
+        *,
+        retry_interval: int = 0,
+        redirect: Redirect | None = None,
+    ) -> None:
+        """Reject a peer's request (and close its stream) or one of its REQUEST_UPDATEs.
+
+        A failed update of a subscription this endpoint publishes also ends it with
+        PUBLISH_DONE UPDATE_FAILED, as section 10.9.1 requires.
+        """
+        self._check_open()
+        message = RequestErrorMessage(error_code, retry_interval, reason, redirect)
+        parent = self._update_parent.get(request_id)
+        if parent is not None and request_id in parent.peer_updates:
+            self._answer_update(parent, request_id)
+            self._send_on_request(parent, message)
+            if parent.is_subscription and parent.publisher_is_local and parent.accepted:
+                self.publish_done(parent.request_id, PublishDoneCode.UPDATE_FAILED, "update failed")
+            elif parent.kind in (SubscribeNamespace, PublishNamespace, SubscribeTracks, Fetch):
+                parent.closed = True
+                self._finish_stream(parent)
+            return
+        request = self._peer_request(request_id, _REQUEST_TYPES)
+        self._reject(request, error_code, reason, retry_interval, redirect)
+
+    def _reject(
+        self, request: _Request, error_code: int, reason: str, retry_interval: int = 0, redirect: Redirect | None = None
+    ) -> None:
+        request.answered = True
+        request.closed = True
+        message = RequestErrorMessage(error_code, retry_interval, reason, redirect)
+        self._send_on_request(request, message, end_stream=True)
+
+    def publish_done(self, request_id: int, status_code: int = PublishDoneCode.TRACK_ENDED, reason: str = "") -> None:
+        """End a subscription this endpoint publishes: FIN its open data streams, send
+        PUBLISH_DONE with the stream count, FIN the request stream."""
+        self._check_open()
+        request = self._request(request_id)
+        if not request.is_subscription or not request.publisher_is_local:
+            raise ValueError(f"request {request_id} is not a subscription this endpoint publishes")
+        if request.closed:
+            raise StreamClosed(f"subscription {request_id} is closed")
+        for sid in list(request.open_data_streams):
+            stream = self._outgoing_data.get(sid)
+            if stream is not None and stream.payload_remaining:
+                self.reset_data_stream(sid, StreamResetCode.CANCELLED)
+            else:
+                self.close_data_stream(sid)
+        request.closed = True
+        self._send_on_request(request, PublishDone(status_code, request.data_streams_opened, reason), end_stream=True)
+
+    def namespace(self, request_id: int, namespace_suffix: TrackNamespace) -> None:
+        """Send NAMESPACE on a peer's SUBSCRIBE_NAMESPACE stream (after REQUEST_OK)."""
+        request = self._answered_peer_request(request_id, SubscribeNamespace)
+        request.namespaces.add(tuple(namespace_suffix))
+        self._send_on_request(request, Namespace(tuple(namespace_suffix)))
+
+    def namespace_done(self, request_id: int, namespace_suffix: TrackNamespace) -> None:
+        request = self._answered_peer_request(request_id, SubscribeNamespace)
+        suffix = tuple(namespace_suffix)
+        if suffix not in request.namespaces:
+            raise ValueError("NAMESPACE_DONE for a suffix never announced")
+        request.namespaces.discard(suffix)
+        self._send_on_request(request, NamespaceDone(suffix))
+
+    def publish_blocked(self, request_id: int, namespace_suffix: TrackNamespace, track_name: bytes) -> None:
+        request = self._answered_peer_request(request_id, SubscribeTracks)
+        self._send_on_request(request, PublishBlocked(tuple(namespace_suffix), track_name))
+
+    def _answered_peer_request(self, request_id: int, kind: type[Message]) -> _Request:
+        self._check_open()
+        request = self._request(request_id)
+        if request.local or request.kind is not kind or not request.accepted:
+            raise ValueError(f"request {request_id} is not an accepted peer {kind.NAME}")
+        if request.closed:
+            raise StreamClosed(f"request {request_id} was cancelled")
+        return request
+
+    # ------------------------------------------------------------------
+    # Sending: objects
+    # ------------------------------------------------------------------
+
+    def _publishing_request(self, request_id: int) -> _Request:
+        self._check_open()
+        request = self._request(request_id)
+        if not request.is_subscription or not request.publisher_is_local:
+            raise ValueError(f"request {request_id} is not a subscription this endpoint publishes")
+        if request.closed:
+            raise StreamClosed(f"subscription {request_id} is closed")
+        if request.kind is Subscribe and not request.accepted:
+            raise ValueError("objects are sent only after SUBSCRIBE_OK")
+        return request
+
+    def open_subgroup(
+        self,
+        request_id: int,
+        group_id: int,
+        subgroup_id: int = 0,
+        *,
+        publisher_priority: int | None = DEFAULT_PUBLISHER_PRIORITY,
+        end_of_group: bool = False,
+        has_properties: bool = False,
+        first_object: bool = True,
+    ) -> int:
+        """Open a subgroup stream for a subscription this endpoint publishes; returns
+        the stream ID. `publisher_priority` None inherits the track's default."""
+        request = self._publishing_request(request_id)
+        header = SubgroupHeader(
+            request.track_alias,  # type: ignore[arg-type]
+            group_id,
+            subgroup_id,
+            publisher_priority,
+            has_properties,
+            end_of_group,
+            first_object,
+        )
+        sid = self._quic.get_next_available_stream_id(is_unidirectional=True)
+        writer = SubgroupWriter(header)
+        self._quic.send_stream_data(sid, writer.header_bytes())
+        self._outgoing_data[sid] = _OutgoingDataStream(request, writer)
+        request.data_streams_opened += 1
+        request.open_data_streams.add(sid)
+        return sid
+
+    def _outgoing(self, stream_id: int) -> _OutgoingDataStream:
+        stream = self._outgoing_data.get(stream_id)
+        if stream is None:
+            raise StreamClosed(f"no open data stream {stream_id}")
+        if stream.reset or stream.fin_sent or self._closed:
+            raise StreamClosed(f"data stream {stream_id} is closed")
+        return stream
+
+    def _send_data(self, stream: _OutgoingDataStream, stream_id: int, data, end_stream: bool = False) -> None:
+        try:
+            self._quic.send_stream_data(stream_id, data, end_stream=end_stream)
+        except (ValueError, RuntimeError, AssertionError) as exc:
+            stream.reset = True
+            raise StreamClosed(f"data stream {stream_id}: {exc}") from None
+        if end_stream:
+            self._data_stream_finished(stream_id, stream)
+
+    def _new_object(self, stream_id: int, kind: type) -> _OutgoingDataStream:
+        stream = self._outgoing(stream_id)
+        if not isinstance(stream.writer, kind):
+            raise ValueError(f"stream {stream_id} is not a {'fetch' if kind is FetchStreamWriter else 'subgroup'} stream")
+        if stream.payload_remaining:
+            raise ValueError(f"stream {stream_id}: the previous object has {stream.payload_remaining} payload bytes unwritten")
+        return stream
+
+    def begin_object(
+        self, stream_id: int, object_id: int, payload_length: int, *, properties: Properties = ()
+    ) -> None:
+        """Write the header of a Normal object on a subgroup stream; its payload
+        follows with write_payload(), in as many pieces as the caller likes."""
+        stream = self._new_object(stream_id, SubgroupWriter)
+        header = stream.writer.object_header(object_id, payload_length, properties=properties)  # type: ignore[call-arg]
+        self._send_data(stream, stream_id, header)
+        stream.payload_remaining = payload_length
+
+    def write_payload(self, stream_id: int, data: bytes | bytearray | memoryview, *, end_stream: bool = False) -> None:
+        """Write payload bytes of the object begun on this stream."""
+        stream = self._outgoing(stream_id)
+        if len(data) > stream.payload_remaining:
+            raise ValueError(f"{len(data)} payload bytes but {stream.payload_remaining} announced")
+        if end_stream and len(data) != stream.payload_remaining:
+            raise ValueError("FIN inside an object")
+        stream.payload_remaining -= len(data)
+        self._send_data(stream, stream_id, data, end_stream)
+
+    def write_object(
+        self,
+        stream_id: int,
+        object_id: int,
+        payload: bytes | bytearray | memoryview,
+        *,
+        properties: Properties = (),
+        end_stream: bool = False,
+    ) -> None:
+        """Write a whole Normal object on a subgroup stream (the payload is not copied here)."""
+        self.begin_object(stream_id, object_id, len(payload), properties=properties)
+        if payload or end_stream:
+            self.write_payload(stream_id, payload, end_stream=end_stream)
+
+    def write_object_status(
+        self, stream_id: int, object_id: int, status: ObjectStatus, *, end_stream: bool = False
+    ) -> None:
+        """Write an object status (End of Group / End of Track, or an empty Normal object)."""
+        stream = self._new_object(stream_id, SubgroupWriter)
+        header = stream.writer.object_header(object_id, 0, status=status)  # type: ignore[call-arg]
+        self._send_data(stream, stream_id, header, end_stream)
+
+    def open_fetch_stream(self, request_id: int) -> int:
+        """Open the data stream answering a peer's FETCH; returns the stream ID."""
+        self._check_open()
+        request = self._request(request_id)
+        if request.local or request.kind is not Fetch:
+            raise ValueError(f"request {request_id} is not a peer FETCH")
+        if request.closed:
+            raise StreamClosed(f"fetch {request_id} was cancelled")
+        if request.data_streams_opened:
+            raise ValueError("a FETCH is answered on one stream")
+        writer = FetchStreamWriter(request_id, request.fetch_group_order)
+        sid = self._quic.get_next_available_stream_id(is_unidirectional=True)
+        self._quic.send_stream_data(sid, writer.header_bytes())
+        self._outgoing_data[sid] = _OutgoingDataStream(request, writer)
+        request.data_streams_opened += 1
+        request.open_data_streams.add(sid)
+        return sid
+
+    def begin_fetch_object(
+        self,
+        stream_id: int,
+        group_id: int,
+        object_id: int,
+        payload_length: int,
+        *,
+        subgroup_id: int | None = 0,
+        publisher_priority: int = DEFAULT_PUBLISHER_PRIORITY,
+        properties: Properties = (),
+    ) -> None:
+        """Write the header of the next object of a FETCH response; the payload
+        follows with write_payload(). `subgroup_id` None marks a Datagram object."""
+        stream = self._new_object(stream_id, FetchStreamWriter)
+        header = stream.writer.object_header(  # type: ignore[call-arg]
+            group_id,
+            object_id,
+            payload_length,
+            subgroup_id=subgroup_id,
+            publisher_priority=publisher_priority,
+            properties=properties,
+        )
+        self._send_data(stream, stream_id, header)
+        stream.payload_remaining = payload_length
+
+    def write_fetch_object(
+        self,
+        stream_id: int,
+        group_id: int,
+        object_id: int,
+        payload: bytes | bytearray | memoryview,
+        *,
+        subgroup_id: int | None = 0,
+        publisher_priority: int = DEFAULT_PUBLISHER_PRIORITY,
+        properties: Properties = (),
+        end_stream: bool = False,
+    ) -> None:
+        self.begin_fetch_object(
+            stream_id,
+            group_id,
+            object_id,
+            len(payload),
+            subgroup_id=subgroup_id,
+            publisher_priority=publisher_priority,
+            properties=properties,
+        )
+        if payload or end_stream:
+            self.write_payload(stream_id, payload, end_stream=end_stream)
+
+    def write_fetch_end_of_range(
+        self, stream_id: int, group_id: int, object_id: int, *, unknown: bool = False, end_stream: bool = False
+    ) -> None:
+        stream = self._new_object(stream_id, FetchStreamWriter)
+        marker = stream.writer.end_of_range(group_id, object_id, unknown=unknown)  # type: ignore[union-attr]
+        self._send_data(stream, stream_id, marker, end_stream)
+
+    def close_data_stream(self, stream_id: int) -> None:
+        """FIN a data stream: every object of it was written."""
+        stream = self._outgoing_data.get(stream_id)
+        if stream is None or stream.fin_sent or stream.reset:
+            return
+        if stream.payload_remaining:
+            raise ValueError(f"stream {stream_id} closed inside an object; reset it instead")
+        try:
+            self._quic.send_stream_data(stream_id, b"", end_stream=True)
+        except (ValueError, RuntimeError, AssertionError):
+            stream.reset = True
+        self._data_stream_finished(stream_id, stream)
+
+    def reset_data_stream(self, stream_id: int, error_code: int = StreamResetCode.CANCELLED) -> None:
+        stream = self._outgoing_data.pop(stream_id, None)
+        if stream is None:
+            return
+        stream.reset = True
+        stream.request.open_data_streams.discard(stream_id)
+        try:
+            self._quic.reset_stream(stream_id, error_code)
+        except (ValueError, RuntimeError, AssertionError):
+            pass
+
+    def _data_stream_finished(self, stream_id: int, stream: _OutgoingDataStream) -> None:
+        stream.fin_sent = True
+        self._outgoing_data.pop(stream_id, None)
+        request = stream.request
+        request.open_data_streams.discard(stream_id)
+        if request.kind is Fetch:
+            request.fetch_stream_closed = True
+            self._maybe_finish_fetch(request)
+        self._forget_if_done(request)
+
+    def data_stream_request(self, stream_id: int) -> int | None:
+        """Request ID an outgoing data stream serves, while it can still be written."""
+        stream = self._outgoing_data.get(stream_id)
+        if stream is None or stream.reset or stream.fin_sent:
+            return None
+        return stream.request.request_id
+
+    def send_datagram(
+        self,
+        request_id: int,
+        group_id: int,
+        object_id: int,
+        payload: bytes = b"",
+        *,
+        publisher_priority: int | None = DEFAULT_PUBLISHER_PRIORITY,
+        status: ObjectStatus | None = None,
+        properties: Properties = (),
+        end_of_group: bool = False,
+    ) -> None:
+        """Send one object as an OBJECT_DATAGRAM (dropped by QUIC if it does not fit)."""
+        request = self._publishing_request(request_id)
+        datagram = ObjectDatagram(
+            request.track_alias,  # type: ignore[arg-type]
+            group_id,
+            object_id,
+            payload,
+            publisher_priority,
+            status,
+            properties,
+            end_of_group,
+        )
+        self._quic.send_datagram_frame(datagram.encode())
+
+    def send_padding_stream(self, size: int) -> None:
+        """Open a padding stream of `size` zero bytes and FIN it."""
+        self._check_open()
+        sid = self._quic.get_next_available_stream_id(is_unidirectional=True)
+        self._quic.send_stream_data(sid, encode_padding_stream(size), end_stream=True)
+
+    # ------------------------------------------------------------------
+    # Request stream teardown
+    # ------------------------------------------------------------------
+
+    def _maybe_finish_fetch(self, request: _Request) -> None:
+        """A fetch ends once it was accepted and its data stream is done."""
+        if not request.accepted or request.closed:
+            return
+        if request.local:
+            if request.fetch_stream_closed:
+                request.closed = True
+                self._finish_stream(request)
+        elif request.fetch_stream_closed and not request.open_data_streams:
+            request.closed = True
+            self._finish_stream(request)
+
+    def _finish_stream(self, request: _Request) -> None:
+        """FIN our side of a finished request's stream and forget it once both ends closed."""
+        if not request.fin_sent:
+            request.fin_sent = True
+            try:
+                self._quic.send_stream_data(request.stream_id, b"", end_stream=True)
+            except (ValueError, RuntimeError, AssertionError):
+                pass
+        self._forget_if_done(request)
+
+    def _abort_stream(self, request: _Request, error_code: int) -> None:
+        for sid in list(request.open_data_streams):
+            if sid in self._outgoing_data:
+                self.reset_data_stream(sid, error_code)
+        if not request.fin_sent:
+            request.fin_sent = True
+            try:
+                self._quic.reset_stream(request.stream_id, error_code)
+            except (ValueError, RuntimeError, AssertionError):
+                pass
+        if not request.fin_received:
+            try:
+                self._quic.stop_stream(request.stream_id, error_code)
+            except (ValueError, RuntimeError, AssertionError):
+                pass
+            request.fin_received = True
+
+    def _cancel(self, request: _Request, error_code: int) -> None:
+        request.closed = True
+        self._abort_stream(request, error_code)
+        self._forget_if_done(request)
+
+    def _forget_if_done(self, request: _Request) -> None:
+        """Drop per-stream state; the request entry stays while data may still refer to it."""
+        if request.fin_sent and request.fin_received and request.closed:
+            self._stream_requests.pop(request.stream_id, None)
+            self._request_parsers.pop(request.stream_id, None)
+            self._ignored_streams.add(request.stream_id)
+            if not request.open_data_streams:
+                self._requests.pop(request.request_id, None)
+                for update_id in (*request.our_updates, *request.peer_updates):
+                    self._update_parent.pop(update_id, None)
+                if request.track_alias is not None and self._aliases_out.get(request.track_alias) is request:
+                    del self._aliases_out[request.track_alias]
+
+
+def _replace_setup(setup: Setup, **changes) -> Setup:
+    from dataclasses import replace
+
+    return replace(setup, **changes)
+
+
+def _check_scope(parameters: Parameters, allowed: frozenset[int], name: str) -> None:
+    for ptype in parameters.types():
+        if ptype not in allowed:
+            raise ValueError(f"{name} may not carry parameter 0x{ptype:x}")
+
+
+def _fetch_end_before_start(end: Location, start: Location) -> bool:
+    if end.object == 0:
+        return end.group < start.group
+    return (end.group, end.object - 1) < (start.group, start.object)
