@@ -1,0 +1,567 @@
+"""Block retrieval over HTTP (KVSP §6.7): verified layers, in ascending order, from the first
+source that delivers them.
+
+    stream = HttpFetcher().layers(sources, record, (a, b))
+    async for layer in stream:      # kvsp_moq.protocol.container.Layer, verified
+        ...
+    stream.failures                 # [(source, reason), ...] for sources that were skipped
+
+The body is parsed as it arrives: once the header, the length table and a layer's octets are
+in, that layer is checked against the Replica Record's layer digest and handed out, so a
+caller can start on layer l while l+1 is still on the wire. The Repr-Digest of the whole
+response is computed alongside on a worker thread (hashlib releases the GIL) and checked
+before the response's last layer is handed out. Layer digests run inline: a worker would
+have to win the GIL back from the busy receive loop, which measured as milliseconds of
+extra latency to the first layer.
+
+A 404, a timeout, a broken connection or a digest mismatch moves on to the next source, which
+is asked only for the layers still missing. A plain static web server works as a source: it
+sends no Repr-Digest and ignores `layers=`, so the whole block is fetched and checked against
+the record's digests, and the result's `notes` say so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import hashlib
+import importlib.util
+import re
+import sys
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Sequence
+
+import httpcore
+import httpx
+
+from kvsp_moq.errors import (
+    DigestMismatch,
+    KvspError,
+    LayersUnavailable,
+    NotFound,
+    TransportError,
+)
+from kvsp_moq.holder.store import hash_pool
+from kvsp_moq.protocol.container import (
+    ENTRY,
+    ENTRY_SIZE,
+    HEADER,
+    HEADER_SIZE,
+    MAGIC,
+    MEDIA_TYPE,
+    VERSION,
+    Container,
+    Layer,
+    encode,
+    layer_digest,
+    replica_digest,
+)
+from kvsp_moq.protocol.records import ReplicaRecord
+
+#: Octets hashed per worker call for the Repr-Digest; fewer calls, same cache behaviour.
+HASH_STEP = 1 << 20
+#: Pieces smaller than this are hashed on the event loop thread.
+INLINE_HASH_BELOW = 256 << 10
+#: httpcore reads at most 64 KiB per call, and anyio splits each larger socket read by copying
+#: its tail, so a 16 MiB body is copied many times over; 1 MiB reads measured ~1.5x faster.
+READ_BYTES = 1 << 20
+_REPR_SHA256 = re.compile(r"(?:^|,)\s*sha-256\s*=\s*:([A-Za-z0-9+/=]+):", re.IGNORECASE)
+
+
+def tune_httpcore_reads(size: int = READ_BYTES) -> None:
+    """Let httpcore read up to `size` octets per call (an upper bound; nothing is preallocated).
+
+    Also remember that sniffio is absent: httpcore imports it on every request to detect the
+    async library, and each failed import searches sys.path again (~0.2 ms, four per request).
+    """
+    cls = getattr(httpcore, "AsyncHTTP11Connection", None)
+    if cls is not None and getattr(cls, "READ_NUM_BYTES", size) < size:
+        cls.READ_NUM_BYTES = size
+    if "sniffio" not in sys.modules and importlib.util.find_spec("sniffio") is None:
+        sys.modules["sniffio"] = None  # type: ignore[assignment]  # import now fails at once
+
+
+def parse_repr_digest(value: str | None) -> bytes | None:
+    """The SHA-256 of an RFC 9530 Repr-Digest field, or None when it carries none."""
+    if not value:
+        return None
+    m = _REPR_SHA256.search(value)
+    if not m:
+        return None
+    try:
+        digest = base64.b64decode(m.group(1), validate=True)
+    except (binascii.Error, ValueError):
+        return None
+    return digest if len(digest) == 32 else None
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+class ContainerAssembler:
+    """Takes a container's octets in pieces; tells which layers have fully arrived.
+
+    Sans-I/O: `feed()` copies each piece once into a buffer sized from the length table, and
+    the layers it returns are views into that buffer.
+    """
+
+    def __init__(self, *, max_size: int) -> None:
+        self.max_size = max_size
+        self.received = 0
+        self.buffer: bytearray | None = None
+        self.view: memoryview | None = None
+        self.total: int | None = None
+        self.codec = self.first_layer = self.layer_count = self.token_count = 0
+        self._head = bytearray()
+        self._bounds: list[int] = []  # k start of each layer, then the end of the last
+        self._k_ends: list[int] = []
+        self._next = 0
+
+    @property
+    def header_parsed(self) -> bool:
+        return self.total is not None
+
+    def feed(self, piece: bytes | memoryview) -> list[Layer]:
+        """Add octets; returns the layers completed by them, in order."""
+        n = len(piece)
+        if self.buffer is None:
+            self._head += piece
+            self.received += n
+            self._parse_head()
+            if self.buffer is None:
+                return []
+        else:
+            end = self.received + n
+            if end > len(self.buffer):
+                raise _Bad(f"more than the {len(self.buffer)} octets the header announced")
+            self.buffer[self.received:end] = piece
+            self.received = end
+        return self._complete()
+
+    def _parse_head(self) -> None:
+        head = self._head
+        if len(head) < HEADER_SIZE:
+            if head[:len(MAGIC)] != MAGIC[:len(head)]:
+                raise _Bad("not a KVB1 container (bad magic)")
+            return
+        magic, version, flags, codec, first, count, tokens = HEADER.unpack_from(head, 0)
+        if magic != MAGIC:
+            raise _Bad("not a KVB1 container (bad magic)")
+        if version != VERSION:
+            raise _Bad(f"unknown container version {version}")
+        table_end = HEADER_SIZE + count * ENTRY_SIZE
+        if table_end > self.max_size:
+            raise _Bad(f"a table of {count} layers is larger than the block can be")
+        if len(head) < table_end:
+            return
+        pos = table_end
+        bounds, k_ends = [], []
+        for i in range(count):
+            k_len, v_len = ENTRY.unpack_from(head, HEADER_SIZE + i * ENTRY_SIZE)
+            bounds.append(pos)
+            k_ends.append(pos + k_len)
+            pos += k_len + v_len
+            if pos > self.max_size:
+                raise _Bad(f"layer lengths run past the {self.max_size} octets expected")
+        bounds.append(pos)
+        self.codec, self.first_layer, self.layer_count, self.token_count = codec, first, count, tokens
+        self.total = pos
+        self._bounds, self._k_ends = bounds, k_ends
+        if len(head) > pos:
+            raise _Bad(f"more than the {pos} octets the header announced")
+        self.buffer = bytearray(pos)
+        self.buffer[:len(head)] = head
+        self.view = memoryview(self.buffer)
+        self._head = bytearray()
+
+    def _complete(self) -> list[Layer]:
+        out = []
+        view, bounds = self.view, self._bounds
+        assert view is not None
+        while self._next < self.layer_count and bounds[self._next + 1] <= self.received:
+            i = self._next
+            out.append(Layer(self.first_layer + i, view[bounds[i]:self._k_ends[i]],
+                             view[self._k_ends[i]:bounds[i + 1]]))
+            self._next += 1
+        return out
+
+    @property
+    def complete(self) -> bool:
+        return self.total is not None and self.received == self.total
+
+    @property
+    def last_complete_layer(self) -> int:
+        """The number of the last layer fully received (first_layer - 1 when none)."""
+        return self.first_layer + self._next - 1
+
+    def container(self) -> Container:
+        if not self.complete:
+            raise _Bad(f"body ended after {self.received} of {self.total or '?'} octets")
+        assert self.buffer is not None
+        return Container(self.buffer)
+
+
+class _Bad(Exception):
+    """A response that is not the container it should be."""
+
+
+class _SourceFailed(Exception):
+    def __init__(self, kind: str, reason: str) -> None:
+        super().__init__(reason)
+        self.kind = kind  # "miss", "digest", "refused", "transport", "malformed"
+        self.reason = reason
+
+
+class _SerialHash:
+    """SHA-256 over pieces submitted in order, computed on the worker threads.
+
+    Each step waits for its predecessor, which the FIFO pool always started earlier.
+    """
+
+    def __init__(self) -> None:
+        self.hash = hashlib.sha256()
+        self._last: Future | None = None
+
+    def update(self, piece: memoryview) -> None:
+        if len(piece) < INLINE_HASH_BELOW and (self._last is None or self._last.done()):
+            self.hash.update(piece)  # a thread hop costs more than hashing this here
+            return
+        self._last = hash_pool().submit(self._step, self._last, piece)
+
+    def _step(self, prev: Future | None, piece: memoryview) -> None:
+        if prev is not None:
+            prev.result()
+        self.hash.update(piece)
+
+    async def digest(self) -> bytes:
+        if self._last is not None:
+            await asyncio.wrap_future(self._last)
+        return self.hash.digest()
+
+
+# --------------------------------------------------------------------------- results
+
+
+@dataclass
+class FetchResult:
+    """A verified container of the requested layers, and how it was obtained."""
+
+    container: Container
+    layers: tuple[int, int]
+    #: (source, first, last) for each source that delivered layers
+    served_by: list[tuple[str, int, int]]
+    failures: list[tuple[str, str]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    bytes_received: int = 0
+    seconds: float = 0.0
+    first_layer_seconds: float | None = None
+
+    @property
+    def source(self) -> str:
+        return self.served_by[-1][0]
+
+
+class LayerStream:
+    """Verified layers a..b of one block, in ascending order, from a list of sources."""
+
+    def __init__(self, fetcher: "HttpFetcher", sources: Sequence[str], record: ReplicaRecord,
+                 layers: tuple[int, int] | None) -> None:
+        self.fetcher = fetcher
+        self.sources = list(sources)
+        self.record = record
+        self.failures: list[tuple[str, str]] = []
+        self.notes: list[str] = []
+        self.served_by: list[tuple[str, int, int]] = []
+        self.bytes_received = 0
+        self.started = time.perf_counter()
+        self.first_layer_seconds: float | None = None
+        self.token_count: int | None = None
+        n = record.layer_count
+        if layers is None:
+            self.range = (0, n - 1) if n is not None else None
+        else:
+            a, b = layers
+            if a > b or a < 0 or (n is not None and b >= n):
+                raise LayersUnavailable(f"layers {a}-{b} are not in this replica "
+                                        f"({n if n is not None else '?'} layers)")
+            self.range = (a, b)
+        self._kinds: list[str] = []
+        self._current: ContainerAssembler | None = None
+        self._delivered: list[ContainerAssembler] = []
+        self._gen = self._run()
+
+    def __aiter__(self) -> "LayerStream":
+        return self
+
+    async def __anext__(self) -> Layer:
+        return await self._gen.__anext__()
+
+    async def aclose(self) -> None:
+        await self._gen.aclose()
+
+    async def __aenter__(self) -> "LayerStream":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # ---------------------------------------------------------------- the source loop
+
+    async def _run(self) -> AsyncIterator[Layer]:
+        record = self.record
+        digests = record.layer_digest_bytes() if record.layer_digests is not None else None
+        if digests is not None and replica_digest(digests).hex() != record.digest[8:]:
+            raise DigestMismatch("the record's layer digests do not give its replica digest")
+        want = self.range
+        next_layer = want[0] if want else 0
+        for source in self.sources:
+            if want is not None and next_layer > want[1]:
+                break
+            if not source.lower().startswith(("http://", "https://")):
+                self._fail(source, "refused", "not an HTTP source")
+                continue
+            base = source if source.endswith("/") else source + "/"
+            start_layer = next_layer
+            try:
+                async for layer in self._from_source(base, next_layer, digests):
+                    if self.first_layer_seconds is None:
+                        self.first_layer_seconds = time.perf_counter() - self.started
+                    next_layer = layer.index + 1
+                    yield layer
+                if want is None:
+                    want = self.range  # learnt from a whole-block response
+                    next_layer = want[1] + 1 if want else 0
+            except _SourceFailed as e:
+                self._fail(source, e.kind, e.reason)
+            except httpx.TimeoutException as e:
+                self._fail(source, "transport", f"timed out ({type(e).__name__})")
+            except (httpx.HTTPError, OSError) as e:
+                self._fail(source, "transport", f"{type(e).__name__}: {e}")
+            finally:
+                if next_layer > start_layer:
+                    self.served_by.append((source, start_layer, next_layer - 1))
+                    if self._current is not None:
+                        self._delivered.append(self._current)
+                self._current = None
+        if want is None or next_layer <= want[1]:
+            raise self._exhausted()
+
+    def _fail(self, source: str, kind: str, reason: str) -> None:
+        self.failures.append((source, reason))
+        self._kinds.append(kind)
+
+    def _exhausted(self) -> KvspError:
+        summary = "; ".join(f"{s}: {r}" for s, r in self.failures) or "no sources"
+        err: KvspError
+        if "digest" in self._kinds:
+            err = DigestMismatch(f"no source delivered verified layers ({summary})")
+        elif not self._kinds or all(k == "miss" for k in self._kinds):
+            err = NotFound(f"no source holds the layers ({summary})")
+        else:
+            err = TransportError(f"no source delivered the layers ({summary})")
+        err.failures = list(self.failures)  # type: ignore[attr-defined]
+        return err
+
+    # ---------------------------------------------------------------- one source
+
+    async def _from_source(self, base: str, first: int,
+                           digests: list[bytes] | None) -> AsyncIterator[Layer]:
+        record = self.record
+        want = self.range
+        url = f"{base}blocks/{record.compat_id}/{record.scope_id}/{record.block_key}"
+        if want is not None and digests is not None and (first, want[1]) != (0, len(digests) - 1):
+            url += f"?layers={first}-{want[1]}"
+        fetcher = self.fetcher
+        async with fetcher.client.stream("GET", fetcher.url(url),
+                                         headers=fetcher.headers) as resp:
+            if resp.status_code != 200:
+                raise _SourceFailed(*await _describe_refusal(resp))
+            expected_repr = parse_repr_digest(resp.headers.get("repr-digest"))
+            if expected_repr is None:
+                self._note(f"{base} sent no usable Repr-Digest; layers were checked against "
+                           f"the record's digests only")
+            ctype = resp.headers.get("content-type", "").split(";")[0].strip().lower()
+            if ctype != MEDIA_TYPE:
+                self._note(f"{base} labelled the block {ctype or 'without a media type'}")
+            max_size = record.size if record.size else fetcher.max_block_bytes
+            declared = resp.headers.get("content-length")
+            if declared is not None and declared.isdigit() and int(declared) > max_size:
+                raise _SourceFailed("malformed", f"a body of {declared} octets is larger than "
+                                                 f"the replica's {max_size}")
+            assembler = ContainerAssembler(max_size=max_size)
+            self._current = assembler
+            stream_hash = _SerialHash() if expected_repr is not None else None
+            hashed = 0
+            last_wanted: int | None = None
+            held: Layer | None = None  # the last wanted layer waits for the Repr-Digest check
+            done = False
+            try:
+                async for piece in resp.aiter_raw():
+                    self.bytes_received += len(piece)
+                    completed = assembler.feed(piece)
+                    if assembler.view is None:
+                        continue
+                    if last_wanted is None:
+                        last_wanted = self._check_response(base, assembler, first, digests)
+                    if stream_hash is not None and (
+                            assembler.received - hashed >= HASH_STEP or assembler.complete):
+                        stream_hash.update(assembler.view[hashed:assembler.received])
+                        hashed = assembler.received
+                    if digests is None:
+                        continue  # only the whole replica can be checked, at the end
+                    for layer in completed:
+                        if not first <= layer.index <= last_wanted:
+                            continue
+                        _verify_layer(layer, digests)
+                        if stream_hash is not None and layer.index == last_wanted:
+                            held = layer
+                        else:
+                            yield layer
+                    if stream_hash is None and assembler.last_complete_layer >= last_wanted:
+                        done = True  # nothing after the wanted layers can be checked anyway
+                        break
+            except _Bad as e:
+                raise _SourceFailed("malformed", f"{base}: {e}") from None
+            if not done:
+                try:
+                    whole = assembler.container()
+                except _Bad as e:
+                    raise _SourceFailed("transport", str(e)) from None
+                if stream_hash is not None:
+                    if hashed < assembler.received:
+                        stream_hash.update(assembler.view[hashed:assembler.received])
+                    if await stream_hash.digest() != expected_repr:
+                        raise _SourceFailed("digest", "Repr-Digest does not match the body")
+                if digests is None:
+                    self.token_count = whole.token_count
+                    computed = whole.layer_digests()
+                    if whole.first_layer != 0 or replica_digest(computed).hex() != record.digest[8:]:
+                        raise _SourceFailed("digest", "the block does not match the replica digest")
+                    self.range = (0, whole.layer_count - 1) if self.range is None else self.range
+                    for layer in whole.layers():
+                        if self.range[0] <= layer.index <= self.range[1]:
+                            yield layer
+                    return
+            self.token_count = assembler.token_count
+            if held is not None:
+                yield held
+
+    def _check_response(self, base: str, asm: ContainerAssembler, first: int,
+                        digests: list[bytes] | None) -> int:
+        """Check the response's header against the request; the last layer wanted from it."""
+        if asm.codec != self.record.codec:
+            raise _SourceFailed("malformed", f"codec {asm.codec} returned, the replica has "
+                                             f"codec {self.record.codec}")
+        last_in = asm.first_layer + asm.layer_count - 1
+        if digests is None:
+            return last_in
+        want_last = self.range[1]  # type: ignore[index]
+        if asm.first_layer > first or last_in < want_last:
+            raise _SourceFailed("malformed", f"response holds layers {asm.first_layer}-"
+                                             f"{last_in}, not {first}-{want_last}")
+        if (asm.first_layer, last_in) != (first, want_last):
+            self._note(f"{base} ignored layers={first}-{want_last} and sent layers "
+                       f"{asm.first_layer}-{last_in}")
+        return want_last
+
+    def _note(self, text: str) -> None:
+        if text not in self.notes:
+            self.notes.append(text)
+
+    def container_if_single(self) -> Container | None:
+        """The one response's container, when it alone delivered every layer (no copy)."""
+        if len(self._delivered) != 1 or not self._delivered[0].complete:
+            return None
+        return self._delivered[0].container()
+
+
+def _verify_layer(layer: Layer, digests: list[bytes]) -> None:
+    if layer_digest(layer.k, layer.v) != digests[layer.index]:
+        raise _SourceFailed("digest", f"layer {layer.index} does not match its layer digest")
+
+
+async def _describe_refusal(resp: httpx.Response) -> tuple[str, str]:
+    """(kind, reason) for a non-200 answer, naming its problem type when it has one."""
+    body = b""
+    async for piece in resp.aiter_raw():
+        body += piece
+        if len(body) > 65536:
+            break
+    name = ""
+    if resp.headers.get("content-type", "").startswith("application/problem+json"):
+        m = re.search(rb'"type"\s*:\s*"urn:kvsp:problem:([a-z0-9-]+)"', body)
+        if m:
+            name = " " + m.group(1).decode()
+    kind = "miss" if resp.status_code in (404, 410) else "refused"
+    return kind, f"HTTP {resp.status_code}{name}"
+
+
+# --------------------------------------------------------------------------- the fetcher
+
+
+class HttpFetcher:
+    """Fetches blocks from holders with one shared connection pool."""
+
+    def __init__(self, *, client: httpx.AsyncClient | None = None, token: str | None = None,
+                 timeout: float = 10.0, max_block_bytes: int = 1 << 30,
+                 large_reads: bool = True) -> None:
+        if large_reads:
+            tune_httpcore_reads()
+        self._own = client is None
+        self.client = client or httpx.AsyncClient(
+            timeout=httpx.Timeout(timeout, connect=min(timeout, 5.0)), trust_env=False,
+            limits=httpx.Limits(max_connections=128, max_keepalive_connections=64))
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.max_block_bytes = max_block_bytes
+        self._urls: dict[str, httpx.URL] = {}
+
+    def url(self, text: str) -> httpx.URL:
+        """A parsed URL, cached: httpx checks every character of our long hex paths."""
+        url = self._urls.get(text)
+        if url is None:
+            if len(self._urls) >= 4096:
+                self._urls.clear()
+            url = self._urls[text] = httpx.URL(text)
+        return url
+
+    async def aclose(self) -> None:
+        if self._own:
+            await self.client.aclose()
+
+    async def __aenter__(self) -> "HttpFetcher":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def layers(self, sources: Sequence[str], record: ReplicaRecord,
+               layers: tuple[int, int] | None = None) -> LayerStream:
+        """Layers a..b (default all) of the record's block, verified, in ascending order."""
+        return LayerStream(self, sources, record, layers)
+
+    async def fetch_block(self, sources: Sequence[str], record: ReplicaRecord,
+                          layers: tuple[int, int] | None = None) -> FetchResult:
+        """The requested layers as one verified container."""
+        stream = self.layers(sources, record, layers)
+        got = [layer async for layer in stream]
+        container = stream.container_if_single()
+        first, last = got[0].index, got[-1].index
+        if container is None or (container.first_layer, container.last_layer) != (first, last):
+            container = Container(encode(first, stream.token_count or 0,
+                                         [(layer.k, layer.v) for layer in got],
+                                         codec=record.codec))
+        return FetchResult(container, (first, last), stream.served_by, stream.failures,
+                           stream.notes, stream.bytes_received,
+                           time.perf_counter() - stream.started, stream.first_layer_seconds)
+
+
+async def fetch_block(sources: Sequence[str], record: ReplicaRecord,
+                      layers: tuple[int, int] | None = None, *,
+                      client: httpx.AsyncClient | None = None, token: str | None = None,
+                      timeout: float = 10.0) -> FetchResult:
+    """One block from the first of `sources` that delivers it verified."""
+    async with HttpFetcher(client=client, token=token, timeout=timeout) as fetcher:
+        return await fetcher.fetch_block(sources, record, layers)

@@ -1,0 +1,317 @@
+"""The holder's HTTP resources: blocks (KVSP §6.7) and leases (§6.6).
+
+    GET|HEAD|PUT  blocks/{compat}/{scope}/{block_key}   [?layers=a-b] [&codec=n]
+    POST          leases
+    PUT|DELETE    leases/{lease}
+
+A GET streams the container in chunks that are views into the stored buffer, so serving a
+64 MiB block never copies it. Only codec 1 (raw) exists and the holder does not transcode:
+`codec=n` for a codec it does not hold answers 404 "kvsp-codec-unavailable", which a client
+treats like any other miss (§6.1) and moves to the next source.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import re
+import time
+from typing import TYPE_CHECKING, Any
+
+import httpx
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from kvsp_moq.auth import Authenticator
+from kvsp_moq.errors import (
+    BadContainer,
+    BadRecord,
+    KvspError,
+    NotFound,
+    PreconditionFailed,
+    PreconditionRequired,
+)
+from kvsp_moq.holder.leases import Clock, LeaseLimits, LeaseTable
+from kvsp_moq.holder.publisher import Publisher
+from kvsp_moq.holder.store import CHUNK, BlockId, BlockRead, BlockStore
+from kvsp_moq.index_client import IndexClient
+from kvsp_moq.protocol import validate as v
+from kvsp_moq.protocol.container import MEDIA_TYPE as BLOCK_MEDIA_TYPE
+from kvsp_moq.protocol.records import LeaseGrant, LeaseRequest
+from kvsp_moq.web import build_app, json_response, principal, read_json
+
+if TYPE_CHECKING:
+    from kvsp_moq.holder.service import HolderSettings
+
+_LAYERS = re.compile(r"^(\d{1,10})-(\d{1,10})$")
+_CODEC = re.compile(r"^\d{1,5}$")
+_LEASE_ID = re.compile(r"^[0-9a-f]{32}$")
+
+
+class CodecUnavailable(NotFound):
+    """The block is held, but not in the requested codec (this holder does not transcode)."""
+
+    problem = "kvsp-codec-unavailable"
+    title = "Codec unavailable"
+
+
+class PayloadTooLarge(KvspError):
+    problem = "kvsp-too-large"
+    status = 413
+    title = "Payload too large"
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+def parse_block_id(params: dict[str, Any]) -> BlockId:
+    """The path members of a block resource, each refusal naming its member."""
+    return BlockId(v.hexn(params["compat"], 32, "compat"), v.hexn(params["scope"], 16, "scope"),
+                   v.hexn(params["key"], 32, "block_key"))
+
+
+def parse_layers(text: str | None) -> tuple[int, int] | None:
+    """`layers=a-b`, an inclusive range of layer numbers."""
+    if text is None:
+        return None
+    m = _LAYERS.match(text)
+    if not m:
+        raise BadRecord("must be a-b with decimal layer numbers", member="layers")
+    a, b = int(m.group(1)), int(m.group(2))
+    if a > b or b > 0xFFFFFFFF:
+        raise BadRecord("must be a-b with a <= b < 2^32", member="layers")
+    return a, b
+
+
+def parse_codec(text: str | None) -> int | None:
+    if text is None:
+        return None
+    if not _CODEC.match(text) or int(text) > 0xFFFF:
+        raise BadRecord("must be a codec number in [0, 65535]", member="codec")
+    return int(text)
+
+
+def repr_digest(digest: bytes) -> str:
+    """The RFC 9530 Repr-Digest field value for a SHA-256 digest."""
+    return "sha-256=:" + base64.b64encode(digest).decode() + ":"
+
+
+async def read_body(request: Request, limit: int) -> bytearray:
+    """The request body in one buffer, filled as it arrives (one copy, never two)."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise BadRecord("Content-Length must be a number", member="content-length")
+        size = int(declared)
+        if size > limit:
+            raise PayloadTooLarge(f"a body of {size} octets exceeds the limit of {limit}")
+        buf = bytearray(size)
+        pos = 0
+        async for chunk in request.stream():
+            end = pos + len(chunk)
+            if end > size:
+                raise BadContainer("body longer than its Content-Length", member="body")
+            buf[pos:end] = chunk
+            pos = end
+        if pos != size:
+            raise BadContainer(f"body ended after {pos} of {size} octets", member="body")
+        return buf
+    buf = bytearray()
+    async for chunk in request.stream():
+        if len(buf) + len(chunk) > limit:
+            raise PayloadTooLarge(f"the body exceeds the limit of {limit} octets")
+        buf += chunk
+    return buf
+
+
+# --------------------------------------------------------------------------- responses
+
+
+class BlockResponse:
+    """A container streamed in chunks that share the stored buffer; unpins it when done."""
+
+    def __init__(self, read: BlockRead, digest: bytes, max_age_s: int, *, body: bool,
+                 chunk: int = CHUNK) -> None:
+        self.read = read
+        self.body = body
+        self.chunk = chunk
+        self.headers = [
+            (b"content-type", BLOCK_MEDIA_TYPE.encode()),
+            (b"content-length", str(read.size).encode()),
+            (b"repr-digest", repr_digest(digest).encode()),
+            (b"cache-control", f"private, immutable, max-age={max_age_s}".encode()),
+        ]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": self.headers})
+            if not self.body:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                return
+            chunks = list(self.read.chunks(self.chunk))
+            last = len(chunks) - 1
+            for i, piece in enumerate(chunks):
+                await send({"type": "http.response.body", "body": piece, "more_body": i < last})
+        finally:
+            self.read.release()
+
+
+# --------------------------------------------------------------------------- the app
+
+
+class HolderApi:
+    """Request handlers over one store, lease table and publisher."""
+
+    def __init__(self, store: BlockStore, leases: LeaseTable, publisher: Publisher, *,
+                 max_block_bytes: int, chunk_bytes: int = CHUNK) -> None:
+        self.store = store
+        self.leases = leases
+        self.publisher = publisher
+        self.max_block_bytes = max_block_bytes
+        self.chunk_bytes = chunk_bytes
+
+    async def get_block(self, request: Request) -> Any:
+        bid = parse_block_id(request.path_params)
+        layers = parse_layers(request.query_params.get("layers"))
+        codec = parse_codec(request.query_params.get("codec"))
+        principal(request).require_scope(bid.scope_id)
+        entry = self.store.get(bid)
+        if entry is None:
+            raise NotFound("no replica of this block here")
+        if codec is not None and codec != entry.meta.codec:
+            raise CodecUnavailable(f"held in codec {entry.meta.codec} only; this holder does "
+                                   f"not transcode", member="codec")
+        first, last = layers if layers is not None else (None, None)
+        read = await self.store.open_read(bid, first, last)
+        try:
+            digest = await read.digest()
+        except BaseException:
+            read.release()
+            raise
+        max_age = self.publisher.remaining_ttl_ms(bid) // 1000
+        return BlockResponse(read, digest, max_age, body=request.method != "HEAD",
+                             chunk=self.chunk_bytes)
+
+    async def put_block(self, request: Request) -> Response:
+        bid = parse_block_id(request.path_params)
+        principal(request).require_scope(bid.scope_id)
+        condition = request.headers.get("if-none-match")
+        if condition is None or condition.strip() != "*":
+            raise PreconditionRequired("storing a block needs If-None-Match: *")
+        if bid in self.store:
+            raise PreconditionFailed("a replica of this block is already held; it is kept")
+        body = await read_body(request, self.max_block_bytes)
+        entry = await self.store.put(bid, body)
+        self.publisher.announce(entry)
+        return json_response(self.publisher.record_for(entry).to_json(), 201)
+
+    async def create_lease(self, request: Request) -> Response:
+        who = principal(request)
+        lease_req = LeaseRequest.from_json(await read_json(request, max_bytes=8 << 20))
+        octets = 0
+        for i, key in enumerate(lease_req.block_keys):
+            held = [e for e in self.store.by_key(key) if who.may_use_scope(e.id.scope_id)]
+            if not held:
+                raise NotFound("this block is not held here", member=f"block_keys[{i}]")
+            octets += max(e.size for e in held)
+        lease = self.leases.create(who.name, lease_req.block_keys, octets, lease_req.ttl_ms)
+        return json_response(LeaseGrant(lease.id, lease.ttl_ms).to_json(), 201,
+                             headers={"Location": f"leases/{lease.id}"})
+
+    async def renew_lease(self, request: Request) -> Response:
+        lease_id = self._lease_id(request)
+        who = principal(request)
+        ttl_ms = None
+        if await request.body():
+            data = v.obj(await read_json(request, max_bytes=65536))
+            if "ttl_ms" in data:
+                ttl_ms = v.integer(data["ttl_ms"], "ttl_ms", low=1)
+        lease = self.leases.renew(lease_id, who.name, ttl_ms)
+        return json_response(LeaseGrant(lease.id, lease.ttl_ms).to_json())
+
+    async def release_lease(self, request: Request) -> Response:
+        self.leases.release(self._lease_id(request), principal(request).name)
+        return Response(status_code=204)
+
+    @staticmethod
+    def _lease_id(request: Request) -> str:
+        lease_id = request.path_params["lease"]
+        if not _LEASE_ID.match(lease_id):
+            raise BadRecord("must be 32 lowercase hex digits", member="lease")
+        return lease_id
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/blocks/{compat}/{scope}/{key}", self.get_block, methods=["GET", "HEAD"]),
+            Route("/blocks/{compat}/{scope}/{key}", self.put_block, methods=["PUT"]),
+            Route("/leases", self.create_lease, methods=["POST"]),
+            Route("/leases/{lease}", self.renew_lease, methods=["PUT"]),
+            Route("/leases/{lease}", self.release_lease, methods=["DELETE"]),
+        ]
+
+
+def create_app(settings: "HolderSettings", *, clock: Clock | None = None) -> Starlette:
+    """The holder as one Starlette app; its store, leases and publisher are on app.state.
+
+    The publisher needs the holder's public base URL; set `app.state.publisher.holder_url`
+    before the app starts when it is known only once the socket is bound.
+    """
+    leases = LeaseTable(
+        limits=LeaseLimits(max_ttl_ms=settings.max_lease_ttl_ms,
+                           max_octets=settings.max_lease_bytes),
+        per_client=settings.lease_limits,
+        clock=clock or time.monotonic,
+    )
+    store = BlockStore(
+        host_bytes=settings.host_bytes,
+        disk_bytes=settings.disk_bytes if settings.data_dir is not None else 0,
+        data_dir=settings.data_dir,
+        device_bytes=settings.device_bytes,
+        device_layers=settings.device_layers,
+        rates=settings.rates,
+        is_protected=leases.is_protected,
+        descriptors=settings.descriptors,
+    )
+    http_client = None
+    index = None
+    if settings.index_url:
+        http_client = httpx.AsyncClient(timeout=5.0, trust_env=False)
+        index = IndexClient(settings.index_url, token=settings.index_token, client=http_client)
+    publisher = Publisher(store, index, holder_url=settings.public_url or "",
+                          record_ttl_ms=settings.record_ttl_ms)
+    store.withdraw = publisher.withdraw
+    store.on_change = publisher.announce
+    auth = settings.auth if settings.auth is not None else Authenticator.from_file(
+        settings.principals)
+    api = HolderApi(store, leases, publisher, max_block_bytes=settings.max_block_bytes,
+                    chunk_bytes=settings.chunk_bytes)
+    state: dict[str, Any] = {"store": store, "leases": leases, "publisher": publisher,
+                             "settings": settings, "loop": None}
+
+    async def startup() -> None:
+        app.state.loop = asyncio.get_running_loop()
+        await store.load()
+        if index is not None and not publisher.holder_url:
+            raise BadRecord("the holder's public URL is unknown; records cannot be published",
+                            member="public_url")
+        await publisher.start()
+
+    async def shutdown() -> None:
+        await publisher.stop()
+        await store.close()
+        if http_client is not None:
+            await http_client.aclose()
+
+    app = build_app(api.routes(), name="kvsp_holder", auth=auth, on_startup=[startup],
+                    on_shutdown=[shutdown], state=state)
+    gauges = app.state.metrics.gauges
+    for tier in ("device", "host", "disk"):
+        gauges[f"store_{tier}_bytes"] = lambda tier=tier: store.used[tier]
+    gauges["store_blocks"] = lambda: len(store)
+    gauges["store_evictions"] = lambda: store.evictions
+    gauges["leases"] = lambda: len(leases)
+    gauges["index_publish_failures"] = lambda: publisher.failures
+    return app

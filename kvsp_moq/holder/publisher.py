@@ -1,0 +1,217 @@
+"""Publishing replicas to the Index Service (KVSP §6.1).
+
+Every replica the holder serves is PUT with its record as soon as it is stored, refreshed in
+batches well before ttl_ms runs out, and DELETEd before its data is dropped. The index is
+advisory, so the publisher never lets an unreachable IS stop the holder: it retries with
+backoff, and because each refresh sends every record, an IS that comes back empty is whole
+again after the next one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Callable
+
+from kvsp_moq.errors import KvspError
+from kvsp_moq.holder.store import BlockId, BlockStore, StoredBlock
+from kvsp_moq.index_client import IndexClient
+from kvsp_moq.protocol.container import format_digest
+from kvsp_moq.protocol.records import ReplicaRecord
+
+log = logging.getLogger("kvsp.holder.publisher")
+
+
+class Publisher:
+    """Keeps the Index Service's records of this holder's replicas alive."""
+
+    def __init__(
+        self,
+        store: BlockStore,
+        index: IndexClient | None,
+        *,
+        holder_url: str = "",
+        record_ttl_ms: int = 60_000,
+        refresh_fraction: float = 1 / 3,
+        retry_initial_s: float = 0.2,
+        retry_max_s: float = 5.0,
+        withdraw_timeout_s: float = 2.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.store = store
+        self.index = index
+        self.holder_url = holder_url
+        self.record_ttl_ms = record_ttl_ms
+        self.refresh_s = record_ttl_ms / 1000 * refresh_fraction
+        self.retry_initial_s = retry_initial_s
+        self.retry_max_s = min(retry_max_s, max(retry_initial_s, self.refresh_s))
+        self.withdraw_timeout_s = withdraw_timeout_s
+        self.clock = clock
+        self.published = 0
+        self.failures = 0
+        self._pending: dict[BlockId, int] = {}  # block -> announcement number
+        self._seq = 0
+        self._published_at: dict[BlockId, float] = {}
+        self._deletes: dict[BlockId, ReplicaRecord] = {}
+        self._inflight: set[BlockId] = set()
+        self._next_refresh = 0.0
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+
+    @property
+    def holder_url(self) -> str:
+        return self._holder_url
+
+    @holder_url.setter
+    def holder_url(self, url: str) -> None:
+        self._holder_url = url if not url or url.endswith("/") else url + "/"
+
+    # ---------------------------------------------------------------- records
+
+    def record_for(self, entry: StoredBlock) -> ReplicaRecord:
+        meta = entry.meta
+        return ReplicaRecord(
+            block_key=entry.id.block_key,
+            compat_id=entry.id.compat_id,
+            scope_id=entry.id.scope_id,
+            holder=self.holder_url,
+            codec=meta.codec,
+            size=meta.size,
+            digest=format_digest(meta.digest),
+            ttl_ms=self.record_ttl_ms,
+            layer_digests=tuple(d.hex() for d in meta.layer_digests),
+            residency=self.store.residency(entry),
+        )
+
+    def remaining_ttl_ms(self, bid: BlockId) -> int:
+        """How long the index's record of this replica still lives (the cap on max-age)."""
+        if self.index is None:
+            return self.record_ttl_ms
+        at = self._published_at.get(bid)
+        if at is None:
+            return 0
+        return max(0, int(self.record_ttl_ms - (self.clock() - at) * 1000))
+
+    def is_published(self, bid: BlockId) -> bool:
+        return bid in self._published_at
+
+    # ---------------------------------------------------------------- store callbacks
+
+    def announce(self, entry: StoredBlock) -> None:
+        """Publish (or republish, after a tier change) this replica soon."""
+        if self.index is None:
+            return
+        self._seq += 1
+        self._pending[entry.id] = self._seq
+        self._deletes.pop(entry.id, None)
+        if self._wake is not None:
+            self._wake.set()
+
+    async def withdraw(self, entry: StoredBlock) -> None:
+        """DELETE the record now; if that fails, keep retrying it in the background."""
+        bid = entry.id
+        self._pending.pop(bid, None)
+        self._published_at.pop(bid, None)
+        if self.index is None:
+            return
+        record = self.record_for(entry)
+        try:
+            await asyncio.wait_for(self.index.delete(record), self.withdraw_timeout_s)
+        except (KvspError, asyncio.TimeoutError) as e:
+            log.warning("withdrawing %s failed (%s); will retry", bid.path, e or "timeout")
+            self._deletes[bid] = record
+            if self._wake is not None:
+                self._wake.set()
+            return
+        if bid in self._inflight:
+            # A refresh carrying this record is on its way; delete again once it has landed.
+            self._deletes[bid] = record
+
+    # ---------------------------------------------------------------- the loop
+
+    async def start(self) -> None:
+        if self.index is None or self._task is not None:
+            return
+        self._wake = asyncio.Event()
+        self._next_refresh = 0.0
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="kvsp-publisher")
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+
+    async def _run(self) -> None:
+        assert self._wake is not None
+        backoff = self.retry_initial_s
+        while True:
+            self._wake.clear()
+            try:
+                await self.step()
+            except (KvspError, asyncio.TimeoutError) as e:
+                self.failures += 1
+                log.warning("index %s: %s; retrying in %.1fs", self.index.base if self.index
+                            else "-", e or "timeout", backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, self.retry_max_s)
+                continue
+            except Exception:  # never let a bug here stop the holder from serving
+                log.exception("publisher step failed")
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, self.retry_max_s)
+                continue
+            backoff = self.retry_initial_s
+            delay = max(0.0, self._next_refresh - self.clock())
+            try:
+                await asyncio.wait_for(self._wake.wait(), delay)
+            except asyncio.TimeoutError:
+                pass
+
+    async def step(self) -> None:
+        """One round: pending deletes, then a full refresh when due, else new records."""
+        assert self.index is not None
+        for bid, record in list(self._deletes.items()):
+            await self.index.delete(record)
+            if self._deletes.get(bid) is record:
+                del self._deletes[bid]
+        now = self.clock()
+        if now >= self._next_refresh:
+            await self._publish(self.store.blocks(), full=True)
+            self._next_refresh = now + self.refresh_s
+        elif self._pending:
+            entries = [e for bid in list(self._pending) if (e := self.store.get(bid)) is not None]
+            stale = [bid for bid in self._pending if self.store.get(bid) is None]
+            for bid in stale:
+                self._pending.pop(bid, None)
+            await self._publish(entries, full=False)
+
+    async def _publish(self, entries: list[StoredBlock], *, full: bool) -> None:
+        assert self.index is not None
+        if not entries:
+            return
+        records = [self.record_for(e) for e in entries]
+        sent = {e.id: self._pending.get(e.id) for e in entries}
+        self._inflight = set(sent)
+        started = self.clock()
+        try:
+            if len(records) == 1 and not full:
+                await self.index.put(records[0])
+            else:
+                await self.index.put_many(records)
+        finally:
+            self._inflight = set()
+        self.published += len(records)
+        for entry in entries:
+            bid = entry.id
+            if self.store.get(bid) is not entry:
+                continue  # withdrawn meanwhile; a delete is queued
+            self._published_at[bid] = started
+            if bid in self._pending and self._pending[bid] == sent[bid]:
+                del self._pending[bid]
+        if self._deletes and self._wake is not None:
+            self._wake.set()

@@ -1,0 +1,221 @@
+"""`kvsp holder`: the block store as a service, and the same holder in process.
+
+    kvsp holder --listen 127.0.0.1:8801 --data DIR --index http://127.0.0.1:8700/
+
+`Holder` runs the app on a background uvicorn server (127.0.0.1, any free port) for tests and
+the demo; `run()` serves in the foreground for the command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Coroutine, Mapping, TypeVar
+
+import uvicorn
+
+from kvsp_moq.auth import Authenticator
+from kvsp_moq.errors import BadRecord
+from kvsp_moq.holder.app import create_app
+from kvsp_moq.holder.leases import Clock, LeaseLimits
+from kvsp_moq.holder.store import TierRates
+from kvsp_moq.protocol.compat import CompatDescriptor
+from kvsp_moq.web import BackgroundServer, bind_tcp, parse_listen, uvicorn_config
+
+log = logging.getLogger("kvsp.holder")
+T = TypeVar("T")
+DEFAULT_PORT = 8801
+_SIZE = re.compile(r"^(\d+)\s*([kmgt]i?b?|b)?$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+@dataclass
+class HolderSettings:
+    """Everything a holder is configured with; nothing is read from module globals."""
+
+    listen: str = f"127.0.0.1:{DEFAULT_PORT}"
+    #: the directory of the disk tier; without it the holder keeps blocks in memory only
+    data_dir: str | Path | None = None
+    #: the Index Service to publish to; without it nothing is published
+    index_url: str | None = None
+    #: the base URL put in records; by default http://{listen}/
+    public_url: str | None = None
+    host_bytes: int = 1 << 30
+    disk_bytes: int = 16 << 30
+    device_bytes: int = 0
+    #: at most this many leading layers of each block are kept on the device (None: all)
+    device_layers: int | None = None
+    record_ttl_ms: int = 60_000
+    #: the MOQT relay the holder's publisher announces to (kept for the MOQT side)
+    relay: str | None = None
+    principals: str | Path | None = None
+    #: an Authenticator to use instead of reading `principals`
+    auth: Authenticator | None = None
+    #: the bearer token this holder presents to the Index Service
+    index_token: str | None = None
+    max_lease_ttl_ms: int = 600_000
+    max_lease_bytes: int = 16 << 30
+    lease_limits: Mapping[str, LeaseLimits] = field(default_factory=dict)
+    max_block_bytes: int = 1 << 30
+    #: descriptors by compat ID (hex): PUT bodies are checked against their geometry
+    descriptors: Mapping[str, CompatDescriptor] = field(default_factory=dict)
+    rates: TierRates = field(default_factory=TierRates)
+    chunk_bytes: int = 1 << 20
+
+
+class Holder:
+    """A holder running in this process on a background server (tests, the demo).
+
+    The store, lease table and publisher are exposed for inspection; their state belongs
+    to the server's event loop, so changes go through `call()`.
+    """
+
+    def __init__(self, settings: HolderSettings, *, clock: Clock | None = None) -> None:
+        self.settings = settings
+        self.app = create_app(settings, clock=clock)
+        self.store = self.app.state.store
+        self.leases = self.app.state.leases
+        self.publisher = self.app.state.publisher
+        self._server: BackgroundServer | None = None
+
+    def start(self) -> "Holder":
+        host, port = parse_listen(self.settings.listen, DEFAULT_PORT)
+        server = BackgroundServer(self.app, host, port)
+        self.publisher.holder_url = self.settings.public_url or server.url
+        server.start()
+        self._server = server
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
+
+    @property
+    def url(self) -> str:
+        """The holder's base URL (ending in "/")."""
+        return self.publisher.holder_url
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout: float = 30.0) -> T:
+        """Run a coroutine on the server's loop, from another thread, and return its result."""
+        loop = self.app.state.loop
+        if loop is None:
+            coro.close()
+            raise RuntimeError("the holder is not running")
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout)
+
+    def __enter__(self) -> "Holder":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def parse_size(text: str) -> int:
+    """Octets from "1073741824", "512M", "4GiB" and the like (binary units)."""
+    m = _SIZE.match(text.strip())
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 512M, 4G)")
+    unit = (m.group(2) or "").lower()[:1]
+    return int(m.group(1)) * _UNITS[unit]
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError("must be positive")
+    return value
+
+
+def configure_parser(p: argparse.ArgumentParser) -> None:
+    p.description = ("Serve KV blocks over HTTP (KVSP §6.6, §6.7) from host memory and a data "
+                     "directory, and publish their replica records to an Index Service (§6.1).")
+    p.add_argument("--listen", default=f"127.0.0.1:{DEFAULT_PORT}", metavar="HOST:PORT",
+                   help="address to serve on (default %(default)s)")
+    p.add_argument("--data", metavar="DIR",
+                   help="directory of the disk tier; blocks found there are served and "
+                        "published at start (without it, blocks live in memory only)")
+    p.add_argument("--index", metavar="URL",
+                   help="base URL of the Index Service to publish replica records to")
+    p.add_argument("--public-url", metavar="URL",
+                   help="this holder's base URL as clients reach it (default http://LISTEN/)")
+    p.add_argument("--host-bytes", type=parse_size, default=1 << 30, metavar="N",
+                   help="host memory budget, e.g. 4G (default 1G)")
+    p.add_argument("--disk-bytes", type=parse_size, default=16 << 30, metavar="N",
+                   help="disk budget under --data (default 16G)")
+    p.add_argument("--device-bytes", type=parse_size, default=0, metavar="N",
+                   help="accelerator memory budget; used only when CUDA is available")
+    p.add_argument("--device-layers", type=_positive_int, default=None, metavar="N",
+                   help="keep at most the first N layers of each block on the device")
+    p.add_argument("--record-ttl-ms", type=_positive_int, default=60_000, metavar="N",
+                   help="ttl_ms of published records; refreshed every third of it")
+    p.add_argument("--relay", metavar="URI", help="moqt:// URI of the relay to publish to")
+    p.add_argument("--principals", metavar="FILE",
+                   help="principals file (TOML); without it the holder runs open")
+    p.add_argument("--token", metavar="TOKEN",
+                   help="bearer token this holder presents to the Index Service")
+    p.add_argument("--max-lease-ttl-ms", type=_positive_int, default=600_000, metavar="N",
+                   help="longest lease a client may hold (default %(default)s)")
+    p.add_argument("--max-lease-bytes", type=parse_size, default=16 << 30, metavar="N",
+                   help="octets a client may hold under leases (default 16G)")
+    p.add_argument("--descriptor", action="append", default=[], metavar="FILE",
+                   help="compatibility descriptor whose geometry stored blocks must match "
+                        "(repeatable)")
+    p.set_defaults(func=run)
+
+
+def settings_from_args(args: argparse.Namespace) -> HolderSettings:
+    import json  # noqa: PLC0415
+
+    descriptors = {}
+    for path in args.descriptor:
+        try:
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise BadRecord(f"cannot read descriptor {path}: {e}", member="descriptor") from None
+        d = CompatDescriptor.from_dict(data)
+        descriptors[d.compat_hex] = d
+    public_url = args.public_url
+    if public_url and not public_url.endswith("/"):
+        public_url += "/"
+    return HolderSettings(
+        listen=args.listen, data_dir=args.data, index_url=args.index, public_url=public_url,
+        host_bytes=args.host_bytes, disk_bytes=args.disk_bytes, device_bytes=args.device_bytes,
+        device_layers=args.device_layers,
+        record_ttl_ms=args.record_ttl_ms, relay=args.relay, principals=args.principals,
+        index_token=args.token, max_lease_ttl_ms=args.max_lease_ttl_ms,
+        max_lease_bytes=args.max_lease_bytes, descriptors=descriptors,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve in the foreground until interrupted."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    settings = settings_from_args(args)
+    app = create_app(settings)
+    host, port = parse_listen(settings.listen, DEFAULT_PORT)
+    sock = bind_tcp(host, port)
+    bound_port = sock.getsockname()[1]
+    shown = f"[{host}]" if ":" in host else host
+    url = settings.public_url or f"http://{shown}:{bound_port}/"
+    app.state.publisher.holder_url = url
+    if app.state.auth.is_open:
+        log.warning("no principals file: serving without authentication at %s", url)
+    if settings.data_dir is None:
+        log.warning("no --data directory: blocks are kept in memory only")
+    if not settings.index_url:
+        log.warning("no --index: replica records are not published")
+    log.info("holder at %s (host %d octets, disk %d octets)", url, settings.host_bytes,
+             settings.disk_bytes if settings.data_dir else 0)
+    uvicorn.Server(uvicorn_config(app)).run(sockets=[sock])
+    return 0

@@ -1,0 +1,155 @@
+"""Publishing and withdrawing replica records (§6.1) against a recording Index Service."""
+
+from __future__ import annotations
+
+import httpx
+
+from kvsp_moq.protocol.records import ReplicaRecord
+from kvsp_moq.web import BackgroundServer
+from tests.holder.conftest import FakeClock, FakeIndex, make_block, wait_until
+
+PUT = {"If-None-Match": "*"}
+
+
+def put(holder, block) -> httpx.Response:
+    r = httpx.put(holder.url + block.path, content=block.data, headers=PUT, trust_env=False)
+    assert r.status_code == 201, r.text
+    return r
+
+
+def test_records_are_put_with_the_replicas_metadata(start_holder, fake_index) -> None:
+    index, index_url = fake_index
+    holder = start_holder(index_url=index_url, record_ttl_ms=30_000)
+    block = make_block(1, layers=5)
+    put(holder, block)
+    record = wait_until(lambda: index.record(block.bid.block_key), what="the record")
+    parsed = ReplicaRecord.from_json(record)
+    assert parsed.holder == holder.url and holder.url.endswith("/")
+    assert parsed.compat_id == block.bid.compat_id and parsed.scope_id == block.bid.scope_id
+    assert list(parsed.layer_digests) == block.layer_digests
+    assert parsed.size == len(block.data) and parsed.codec == 1 and parsed.ttl_ms == 30_000
+    assert [r.to_json() for r in parsed.residency] == [
+        {"tier": "host", "layers": [0, 4], "read_mbit_per_s": 400_000.0}]
+    # Once published, max-age is bounded by what is left of the record's TTL.
+    r = httpx.get(holder.url + block.path, trust_env=False)
+    max_age = int(r.headers["cache-control"].rsplit("max-age=", 1)[1])
+    assert 25 <= max_age <= 30
+
+
+def test_records_are_refreshed_in_batches(start_holder, fake_index) -> None:
+    index, index_url = fake_index
+    holder = start_holder(index_url=index_url, record_ttl_ms=900)  # refresh every 0.3 s
+    blocks = [make_block(i) for i in range(3)]
+    for b in blocks:
+        put(holder, b)
+    wait_until(lambda: any(n == 3 for n in index.batches), what="a batch of all three")
+    assert index.keys() == {b.bid.block_key for b in blocks}
+
+
+def test_eviction_deletes_the_record_before_dropping_the_data(start_holder, fake_index) -> None:
+    index, index_url = fake_index
+    size = len(make_block(0).data)
+    holder = start_holder(index_url=index_url, host_bytes=2 * size)
+    a, b, c = (make_block(i) for i in range(3))
+    bids = {x.bid.block_key: x.bid for x in (a, b, c)}
+    present_at_delete: dict[str, bool] = {}
+    index.on_delete = lambda key: present_at_delete.setdefault(
+        key, holder.store.holds_data(bids[key]))
+    put(holder, a)
+    put(holder, b)
+    wait_until(lambda: len(index.keys()) == 2, what="two records")
+    put(holder, c)  # evicts a, the least recently used
+    assert index.deleted() == [a.bid.block_key]
+    assert present_at_delete == {a.bid.block_key: True}
+    assert httpx.get(holder.url + a.path, trust_env=False).status_code == 404
+    wait_until(lambda: index.keys() == {b.bid.block_key, c.bid.block_key}, what="records")
+
+
+def test_a_leased_replica_is_not_evicted_until_its_lease_expires(start_holder,
+                                                                 fake_index) -> None:
+    index, index_url = fake_index
+    clock = FakeClock()
+    size = len(make_block(0).data)
+    holder = start_holder(clock=clock, index_url=index_url, host_bytes=3 * size)
+    a, b, c, d, e = (make_block(i) for i in range(5))
+    put(holder, a)
+    r = httpx.post(holder.url + "leases", trust_env=False,
+                   json={"block_keys": [a.bid.block_key], "ttl_ms": 10_000})
+    assert r.status_code == 201
+    for block in (b, c, d):
+        put(holder, block)  # d evicts b, not the leased a
+    assert index.deleted() == [b.bid.block_key]
+    assert holder.store.get(a.bid) is not None
+    clock.advance(10.001)  # the lease has expired: a is fair game again
+    put(holder, e)
+    assert index.deleted() == [b.bid.block_key, a.bid.block_key]
+    assert httpx.get(holder.url + a.path, trust_env=False).status_code == 404
+
+
+def test_all_leased_means_no_room(start_holder) -> None:
+    size = len(make_block(0).data)
+    holder = start_holder(host_bytes=size)
+    a, b = make_block(1), make_block(2)
+    put(holder, a)
+    httpx.post(holder.url + "leases", trust_env=False,
+               json={"block_keys": [a.bid.block_key], "ttl_ms": 10_000})
+    r = httpx.put(holder.url + b.path, content=b.data, headers=PUT, trust_env=False)
+    assert r.status_code == 507
+    assert httpx.get(holder.url + a.path, trust_env=False).content == a.data
+
+
+def test_demotion_to_disk_republishes_the_residency(start_holder, fake_index, tmp_path) -> None:
+    index, index_url = fake_index
+    size = len(make_block(0).data)
+    holder = start_holder(index_url=index_url, host_bytes=size, data_dir=tmp_path,
+                          disk_bytes=10 * size)
+    a, b = make_block(1), make_block(2)
+    put(holder, a)
+    put(holder, b)  # a moves to disk; its replica stays
+    wait_until(lambda: (index.record(a.bid.block_key) or {}).get("residency", [{}])[0]
+               .get("tier") == "disk", what="a disk residency")
+    assert index.deleted() == []
+    assert httpx.get(holder.url + a.path, trust_env=False).content == a.data
+
+
+def test_restart_on_the_same_data_serves_and_republishes(start_holder, fake_index,
+                                                         tmp_path) -> None:
+    index, index_url = fake_index
+    blocks = [make_block(i) for i in range(3)]
+    first = start_holder(index_url=index_url, data_dir=tmp_path)
+    digests = {}
+    for b in blocks:
+        put(first, b)
+        digests[b.bid] = httpx.get(first.url + b.path, trust_env=False).headers["repr-digest"]
+    first.call(first.store.flush())
+    first.stop()
+
+    fresh = FakeIndex()
+    with BackgroundServer(fresh.app()) as server:
+        second = start_holder(index_url=server.url, data_dir=tmp_path)
+        wait_until(lambda: fresh.keys() == {b.bid.block_key for b in blocks},
+                   what="records re-published")
+        assert all(r["holder"] == second.url for r in fresh.records.values())
+        for b in blocks:
+            r = httpx.get(second.url + b.path, trust_env=False)
+            assert r.content == b.data and r.headers["repr-digest"] == digests[b.bid]
+        assert {r["residency"][0]["tier"] for r in fresh.records.values()} <= {"disk", "host"}
+
+
+def test_an_unreachable_index_is_retried_and_refilled_when_back(start_holder) -> None:
+    index = FakeIndex(failing=True)
+    server = BackgroundServer(index.app()).start()
+    port = server.port
+    holder = start_holder(index_url=server.url, record_ttl_ms=1_500)
+    a = make_block(1)
+    put(holder, a)
+    wait_until(lambda: holder.publisher.failures >= 1, what="a failed publish")
+    server.stop()  # the index goes away entirely
+    b = make_block(2)
+    put(holder, b)
+    assert httpx.get(holder.url + "healthz", trust_env=False).status_code == 200
+
+    restarted = FakeIndex()  # comes back on the same address, empty
+    with BackgroundServer(restarted.app(), port=port):
+        wait_until(lambda: restarted.keys() == {a.bid.block_key, b.bid.block_key},
+                   timeout=8, what="everything re-published")
