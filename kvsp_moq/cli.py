@@ -100,7 +100,34 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+#: Service subcommands: name -> (module with configure_parser/run, one-line help).
+SERVICES: dict[str, tuple[str, str]] = {
+    "index": ("index.service", "run the Index Service and Placement Controller (HTTP)"),
+    "holder": ("kvsp_moq.holder.service", "run an HTTP block holder with tiers and leases"),
+    "relay": ("relay.service", "run a MOQT relay with an object cache"),
+    "agent": ("agent.service", "run an inference instance (model, KV pool, holder)"),
+}
+
+#: Benchmarks: name -> module under kvsp_moq.bench.
+BENCHMARKS = ("core", "http", "moqt", "ttft", "route")
+
+
+def _add_services(sub: argparse._SubParsersAction, argv: Sequence[str]) -> None:
+    """Add service subcommands; a service's module is imported only when it is invoked."""
+    import importlib
+
+    for name, (module, summary) in SERVICES.items():
+        p = sub.add_parser(name, help=summary, description=summary)
+        wanted = name in argv[:1] or (len(argv) > 1 and argv[0] == "help" and argv[1] == name)
+        if not wanted:
+            p.set_defaults(func=None, service=module)
+            continue
+        mod = importlib.import_module(module)
+        mod.configure_parser(p)
+        p.set_defaults(func=mod.run)
+
+
+def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvsp",
         description=(
@@ -146,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run a benchmark and print its figures as JSON, with ratios against a "
                     "baseline measured in the same run.",
     )
-    p.add_argument("target", choices=["core"], help="what to measure")
+    p.add_argument("target", choices=BENCHMARKS, help="what to measure")
     p.add_argument("--quick", action="store_true", help="smaller inputs, for a smoke run")
     p.set_defaults(func=cmd_bench)
     p = sub.add_parser(
@@ -156,11 +183,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true", help="print a machine-readable report")
     p.set_defaults(func=cmd_demo)
+    _add_services(sub, list(argv))
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     func: Callable[[argparse.Namespace], int] = args.func
     try:
