@@ -20,12 +20,12 @@ import math
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Awaitable, Callable, Iterator, Mapping, Sequence
 
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Route
 from starlette.types import Receive, Scope, Send
 
 from index.store import (
@@ -373,8 +373,13 @@ def _path_ids(params: Mapping[str, str]) -> tuple[str, str, str, str]:
             v.hexn(params["replica_id"], 16, "replica_id"))
 
 
-def create_app(settings: IndexSettings | None = None) -> Starlette:
-    """The Index Service app; `app.state.index` is the `IndexService` behind it."""
+def create_app(settings: IndexSettings | None = None, *, extra_routes: Sequence[BaseRoute] = (),
+               on_startup: Sequence[Callable[[], Awaitable[None]]] = (),
+               on_shutdown: Sequence[Callable[[], Awaitable[None]]] = ()) -> Starlette:
+    """The Index Service app; `app.state.index` is the `IndexService` behind it.
+
+    `extra_routes` and the hooks let the Placement Controller share the process and port.
+    """
     settings = settings or IndexSettings()
     service = IndexService(settings)
     routes = [
@@ -384,9 +389,12 @@ def create_app(settings: IndexSettings | None = None) -> Starlette:
               methods=["DELETE"]),
         Route("/replicas:batch", service.put_batch, methods=["POST"]),
         Route("/lookup", service.lookup, methods=["POST"]),
+        *extra_routes,
     ]
-    app = build_app(routes, name="kvsp_index", auth=settings.auth, on_startup=[service.start],
-                    on_shutdown=[service.stop], state={"index": service, "settings": settings})
+    app = build_app(routes, name="kvsp_index", auth=settings.auth,
+                    on_startup=[service.start, *on_startup],
+                    on_shutdown=[*on_shutdown, service.stop],
+                    state={"index": service, "settings": settings})
     metrics = app.state.metrics
     service.counters = metrics.counters
     for name in ("replicas_put_total", "replicas_deleted_total", "ttl_capped_total",

@@ -1,4 +1,8 @@
-"""`kvsp index`: run the Index Service (and, later, the Placement Controller in-process)."""
+"""`kvsp index`: the Index Service and the Placement Controller, together or apart.
+
+Together (the default) they share one process and port: the PC reads the IS store directly
+and the IS takes instance status and links from the PC for lookup targets.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ import ipaddress
 import json
 import logging
 import sys
+from typing import TYPE_CHECKING
 from pathlib import Path
 
 from index.app import IndexSettings, create_app
@@ -14,6 +19,9 @@ from kvsp_moq.auth import Authenticator
 from kvsp_moq.errors import KvspError
 from kvsp_moq.protocol.compat import CompatDescriptor
 from kvsp_moq.web import parse_listen, run as serve
+
+if TYPE_CHECKING:
+    from index.pc_app import PCSettings
 
 DEFAULT_PORT = 8700
 log = logging.getLogger("kvsp.index")
@@ -29,8 +37,18 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                    help="principals file (TOML); without it the service runs open, on "
                         "loopback only")
     p.add_argument("--role", choices=("is", "pc", "both"), default="both",
-                   help="which services this process runs (default both; only the Index "
-                        "Service exists so far)")
+                   help="which services this process runs (default both)")
+    p.add_argument("--db", default=None, metavar="FILE",
+                   help="PC: SQLite file of sessions and shard maps (default kvsp-pc.sqlite3 "
+                        "in the current directory)")
+    p.add_argument("--scope-keys", metavar="FILE",
+                   help="PC: keys file (TOML: scope name -> hex key), to route from tokens")
+    p.add_argument("--index", metavar="URL",
+                   help="PC with --role pc: base URL of the Index Service to look up in")
+    p.add_argument("--token-file", metavar="FILE",
+                   help="PC: bearer token presented to instances and to a remote IS")
+    p.add_argument("--max-cost-us", type=float, metavar="US",
+                   help="PC: cost above which a new instance is wanted")
     p.add_argument("--descriptor", action="append", default=[], metavar="DESCRIPTOR.json",
                    help="a Compatibility Descriptor whose block size lets lookups with "
                         "targets estimate recompute_us (repeatable)")
@@ -66,33 +84,66 @@ def settings_from_args(args: argparse.Namespace) -> IndexSettings:
                          default_block_tokens=args.block_tokens)
 
 
+def pc_settings_from_args(args: argparse.Namespace) -> "PCSettings":
+    from index.pc_app import PCSettings
+    from index.placement import PlacementSettings
+
+    token = None
+    if args.token_file:
+        token = Path(args.token_file).read_text(encoding="utf-8").strip()
+    placement = PlacementSettings(block_tokens=args.block_tokens or 16,
+                                  max_cost_us=args.max_cost_us)
+    return PCSettings(database=args.db or "kvsp-pc.sqlite3", principals=args.principals,
+                      scope_keys=args.scope_keys, index_url=args.index, token=token,
+                      placement=placement)
+
+
+def create_combined_app(index_settings: IndexSettings, pc_settings: "PCSettings"):
+    """IS and PC in one app: the PC looks up in the IS store, the IS reads the PC's registry."""
+    from index.pc_app import PlacementController, create_pc_routes
+    from index.placement import replica_store_lookup
+
+    pc = PlacementController(pc_settings,
+                             lookup=replica_store_lookup(index_settings.store, index_settings.clock))
+    index_settings.instances = pc.registry
+    app = create_app(index_settings, extra_routes=create_pc_routes(pc), on_startup=[pc.start],
+                     on_shutdown=[pc.close])
+    app.state.pc = pc
+    return app
+
+
 def run(args: argparse.Namespace) -> int:
     """Serve until interrupted; 2 with one line on stderr when the options are refused."""
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    if args.role == "pc":
-        print("kvsp index: the placement controller is not available yet; use --role is",
-              file=sys.stderr)
-        return 2
     try:
         settings = settings_from_args(args)
+        pc_settings = pc_settings_from_args(args) if args.role != "is" else None
         host, port = parse_listen(args.listen, DEFAULT_PORT)
-    except (KvspError, ValueError) as e:
+    except (KvspError, ValueError, OSError) as e:
         print(f"kvsp index: {getattr(e, 'detail', e)}", file=sys.stderr)
         return 2
     if settings.auth.is_open and not _loopback(host):
         print(f"kvsp index: refusing to run open on {host}; give --principals or listen on "
               "127.0.0.1", file=sys.stderr)
         return 2
-    if args.role == "both":
-        log.info("role both: only the Index Service exists so far; no placement controller")
     if settings.auth.is_open:
         log.warning("running OPEN: no principals file, every request is allowed (loopback only)")
     else:
         log.info("authenticating with principals from %s", args.principals)
     log.info("index service on http://%s:%d/ (max ttl %d ms)", host, port, settings.max_ttl_ms)
+    if args.role == "pc":
+        from index.pc_app import create_pc_app
+
+        app = create_pc_app(pc_settings)
+    elif args.role == "both":
+        app = create_combined_app(settings, pc_settings)
+    else:
+        app = create_app(settings)
+    log.info("roles: %s", {"is": "Index Service", "pc": "Placement Controller",
+                           "both": "Index Service + Placement Controller"}[args.role])
     try:
-        serve(create_app(settings), args.listen, DEFAULT_PORT)
+        serve(app, args.listen, DEFAULT_PORT)
     except OSError as e:
         print(f"kvsp index: cannot listen on {args.listen}: {e.strerror or e}", file=sys.stderr)
         return 2

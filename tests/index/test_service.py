@@ -43,7 +43,7 @@ def test_descriptor_sets_the_block_size(tmp_path):
 
 
 @pytest.mark.parametrize("argv, fragment", [
-    (("--role", "pc"), "placement controller"),
+    (("--token-file", "/nonexistent/token"), "/nonexistent/token"),
     (("--listen", "0.0.0.0:8700"), "refusing to run open"),
     (("--max-ttl-ms", "0"), "--max-ttl-ms"),
     (("--principals", "/nonexistent/p.toml"), "principals"),
