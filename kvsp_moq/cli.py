@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -94,7 +95,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from kvsp_moq.demo import run_core_walkthrough
+    from kvsp_moq.demo.walkthrough import run_core_walkthrough
 
     run_core_walkthrough(as_json=args.json)
     return 0
@@ -198,6 +199,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kvsp {args.command}: {e}", file=sys.stderr)
     except KvspError as e:
         print(f"kvsp {args.command}: {e.detail}", file=sys.stderr)
+    except BrokenPipeError:  # e.g. `kvsp ... | head`: the reader left; not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except KeyboardInterrupt:
         print(f"kvsp {args.command}: interrupted", file=sys.stderr)
         return 130

@@ -1,0 +1,1 @@
+"""`kvsp demo`: the whole system on one machine."""
