@@ -66,7 +66,8 @@ def test_serves_and_says_it_runs_open(tmp_path):
     port = _free_port()
     code = ("import argparse, sys; from index import service; p = argparse.ArgumentParser(); "
             "service.configure_parser(p); sys.exit(service.run(p.parse_args(sys.argv[1:])))")
-    proc = subprocess.Popen([sys.executable, "-c", code, "--listen", f"127.0.0.1:{port}"],
+    proc = subprocess.Popen([sys.executable, "-c", code, "--listen", f"127.0.0.1:{port}",
+                             "--db", str(tmp_path / "pc.sqlite3")],
                             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 15
