@@ -3,7 +3,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test bench clean
+.PHONY: demo test test-unit test-interop bench clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -13,14 +13,26 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[agent,dev]'
 	touch $@
 
+interop/.venv-aiomoqt/.installed: interop/aiomoqt-requirements.txt interop/install-peer.sh
+	bash interop/install-peer.sh
+	touch $@
+
 demo: $(BIN)/.installed
 	$(BIN)/kvsp demo
 
-test: $(BIN)/.installed
+test: test-unit test-interop
+
+test-unit: $(BIN)/.installed
+	bash scripts/system-deps.sh
 	$(BIN)/python -m pytest -q tests
+
+# The independent peer binds wildcard addresses, so the interop suite runs in a private
+# network namespace with only loopback up.
+test-interop: $(BIN)/.installed interop/.venv-aiomoqt/.installed
+	unshare -n sh -c 'ip link set lo up && KVSP_PRIVATE_NETNS=1 $(BIN)/python -m pytest -q interop'
 
 bench: $(BIN)/.installed
 	$(BIN)/kvsp bench core
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) interop/.venv-aiomoqt build *.egg-info

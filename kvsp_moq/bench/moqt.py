@@ -1,0 +1,445 @@
+"""`kvsp bench moqt`: KV blocks through a MOQT relay, against HTTP and aiomoqt, in one run.
+
+Three processes for the MOQT path, as deployed: a holder (its BlockStore served over HTTP
+and, by a BlockPublisher on the same event loop, over MOQT), a relay (`python -m
+relay.service`) and the client (this process). Blocks of 32 layers, 2 MiB and 16 MiB:
+
+    moqt_fetch_cold   MoqtBlockFetcher FETCH through the relay, which asks the holder
+    moqt_fetch_cached the same block again, answered from the relay's cache
+    moqt_subscribe    SUBSCRIBE through the relay (a new feed: the holder streams the block)
+    http              HttpFetcher against the same holder (Repr-Digest and layer digests)
+    aiomoqt           aiomoqt's relay with aiomoqt's publisher and subscriber carrying the
+                      same bytes (SUBSCRIBE, the relay in the path)
+
+The variants run in turns, each repeat on a fresh block for the cold paths, so a machine
+whose speed drifts (shared cores) slows them alike. aiomoqt binds wildcard addresses, so the
+whole measurement runs inside a private network namespace (`unshare -n`, loopback only); when
+that is not possible ours run alone and the JSON says why aiomoqt did not. Every MOQT and HTTP
+layer is verified against its layer digest before it counts. Figures are medians: MB/s (10^6
+octets per second), milliseconds to the first verified layer and to the whole block. The
+ratios compare like with like: ours_vs_aiomoqt divides our SUBSCRIBE rate by aiomoqt's,
+ours_vs_http our cold FETCH by HTTP (ours_cached_vs_http: the relay's cache answering).
+`cpu_parallelism` tells how many cores' worth of work two busy processes got at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+LAYERS = 32
+SIZES = (2 << 20, 16 << 20)
+MB = 1e6
+ROOT = Path(__file__).resolve().parents[2]
+PEER_VENV = ROOT / "interop" / ".venv-aiomoqt"
+PEER_SCRIPT = ROOT / "interop" / "peers" / "aiomoqt_bench.py"
+COMPAT = "c0" * 32
+SCOPE = "5c" * 16
+
+
+def layer_bytes(seed: str, layer: int, size: int) -> bytes:
+    """Layer payloads (K||V) shared with the aiomoqt publisher, so both carry the same bytes."""
+    return hashlib.shake_256(f"{seed}:0:{layer}".encode()).digest(size)
+
+
+def block_bytes(seed: str, size: int) -> bytes:
+    from kvsp_moq.protocol.container import encode
+
+    per = size // LAYERS
+    layers = [layer_bytes(seed, i, per) for i in range(LAYERS)]
+    return encode(0, 256, [(p[:per // 2], p[per // 2:]) for p in layers])
+
+
+def block_seed(base: str, size: int, index: int) -> str:
+    return f"{base}-{size}-{index}"
+
+
+def block_key(seed: str) -> str:
+    return hashlib.sha256(seed.encode()).hexdigest()
+
+
+# --------------------------------------------------------------------------- the holder process
+
+
+def holder_main(args: argparse.Namespace) -> int:
+    """Serve generated blocks over HTTP and MOQT; print one JSON line of records."""
+    from kvsp_moq.holder.service import Holder, HolderSettings
+    from kvsp_moq.holder.store import BlockId
+    from kvsp_moq.moqt_blocks import BlockPublisher
+
+    holder = Holder(HolderSettings(listen="127.0.0.1:0", host_bytes=2 << 30, disk_bytes=0)).start()
+    records: dict[str, list[dict[str, Any]]] = {}
+    for size in args.sizes:
+        records[str(size)] = []
+        for index in range(args.count):
+            seed = block_seed(args.seed, size, index)
+            bid = BlockId(COMPAT, SCOPE, block_key(seed))
+            entry = holder.call(holder.store.put(bid, block_bytes(seed, size)))
+            records[str(size)].append(holder.publisher.record_for(entry).to_json())
+    publisher = BlockPublisher(holder.store, args.relay, holder.url, cafile=args.cafile)
+    holder.call(publisher.start())
+    holder.call(publisher.wait_connected(30))
+    print(json.dumps({"holder": holder.url, "records": records}), flush=True)
+    try:
+        sys.stdin.read()  # until the bench closes our stdin
+    finally:
+        holder.call(publisher.aclose())
+        holder.stop()
+    return 0
+
+
+# --------------------------------------------------------------------------- the client
+
+
+class _Child:
+    """A child process whose output lines are read with a deadline."""
+
+    def __init__(self, argv: list[str], log: Path, stdin: bool = False) -> None:
+        self.log = open(log, "wb")
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=self.log, cwd=str(ROOT),
+                                     stdin=subprocess.PIPE if stdin else subprocess.DEVNULL)
+        self._buffer = b""
+
+    def read_line(self, prefix: str, timeout: float = 60.0) -> str:
+        """The next output line starting with `prefix` (others are skipped)."""
+        import select
+
+        assert self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        deadline = time.monotonic() + timeout
+        while True:
+            while b"\n" in self._buffer:
+                raw, self._buffer = self._buffer.split(b"\n", 1)
+                line = raw.decode(errors="replace")
+                if line.startswith(prefix):
+                    return line.strip()
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RuntimeError(f"no {prefix!r} line from {self.proc.args[:3]} in {timeout}s; see {self.log.name}")
+            ready, _, _ = select.select([fd], [], [], remaining)
+            if ready:
+                chunk = os.read(fd, 1 << 16)
+                if not chunk:
+                    raise RuntimeError(f"{self.proc.args[:3]} exited ({self.proc.wait()}); see {self.log.name}")
+                self._buffer += chunk
+
+    def stop(self) -> None:
+        if self.proc.stdin is not None:
+            try:
+                self.proc.stdin.close()
+            except OSError:
+                pass
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def _summary(size: int, runs: list[tuple[float, float]]) -> dict[str, Any]:
+    totals = [t for _, t in runs]
+    firsts = [f for f, _ in runs]
+    return {
+        "mb_per_s": round(size / _median(totals) / MB, 1),
+        "first_layer_ms": round(_median(firsts) * 1000, 2),
+        "whole_block_ms": round(_median(totals) * 1000, 2),
+        "runs": len(runs),
+    }
+
+
+async def _timed(stream_factory: Callable[[], Any], expected: bytes) -> tuple[float, float]:
+    """(seconds to the first layer, seconds to the whole block) of one verified transfer."""
+    start = time.perf_counter()
+    first = None
+    digest = hashlib.sha256()
+    async for layer in stream_factory():
+        if first is None:
+            first = time.perf_counter() - start
+        digest.update(layer.k)
+        digest.update(layer.v)
+    total = time.perf_counter() - start
+    if digest.digest() != expected:
+        raise RuntimeError("the layers received differ from the block")
+    return first or total, total
+
+
+def _payload_digest(data: bytes) -> bytes:
+    from kvsp_moq.protocol.container import Container
+
+    whole = Container(data)
+    return hashlib.sha256(bytes(whole.payload(0, whole.last_layer))).digest()
+
+
+class _Aiomoqt:
+    """aiomoqt's relay, publisher and a subscriber taking track names on stdin."""
+
+    def __init__(self, work: Path, seed: str) -> None:
+        from kvsp_moq.moqt.certs import generate_self_signed
+
+        py = str(PEER_VENV / "bin" / "python")
+        cert, key = work / "aiomoqt-cert.pem", work / "aiomoqt-key.pem"
+        generate_self_signed().write(cert, key)
+        port = _free_udp_port()
+        url = f"moqt://127.0.0.1:{port}"
+        namespace = f"kvsp-bench/{seed}"
+        self.children: list[_Child] = []
+        self.children.append(_Child(
+            [str(PEER_VENV / "bin" / "moq-interop-relay"), "--quic", "--bind", "127.0.0.1", "--port", str(port),
+             "--cert", str(cert), "--key", str(key), "--draft", "18", "--stream-ring-cap", str(2 << 20),
+             "--max-inflight-bytes", str(1 << 20)], work / "aiomoqt-relay.log"))
+        time.sleep(1.0)
+        pub = _Child([py, str(PEER_SCRIPT), "pub", url, namespace, seed, str(LAYERS),
+                      ",".join(str(x) for x in SIZES)], work / "aiomoqt-pub.log")
+        self.children.append(pub)
+        pub.read_line("READY", 60)
+        self.sub = _Child([py, str(PEER_SCRIPT), "sub", url, namespace, str(LAYERS)], work / "aiomoqt-sub.log",
+                          stdin=True)
+        self.children.append(self.sub)
+        self.sub.read_line("READY", 60)
+        self.count = 0
+
+    def transfer(self, size: int, expected: str) -> tuple[float, float]:
+        """One block of `size` through aiomoqt's relay: (first object s, last object s)."""
+        self.count += 1
+        assert self.sub.proc.stdin is not None
+        self.sub.proc.stdin.write(f"b{size}-{self.count}\n".encode())
+        self.sub.proc.stdin.flush()
+        result = json.loads(self.sub.read_line("{", 120))
+        if result["sha256"] != expected or result["bytes"] != size:
+            raise RuntimeError("aiomoqt delivered other bytes than were sent")
+        return result["first_s"], result["total_s"]
+
+    def stop(self) -> None:
+        for child in reversed(self.children):
+            child.stop()
+
+
+def _free_udp_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+async def _client(relay_url: str, cafile: str, holder_url: str, records: dict[str, list[dict[str, Any]]],
+                  base_seed: str, reps: int, aiomoqt: _Aiomoqt | None) -> dict[str, Any]:
+    """Every variant in turns, each repeat a fresh block for the cold paths."""
+    from kvsp_moq.fetch.http import HttpFetcher
+    from kvsp_moq.moqt_blocks import MoqtBlockFetcher, moqt_record
+    from kvsp_moq.naming import BlockTrack
+    from kvsp_moq.protocol.records import ReplicaRecord
+
+    cadata = Path(cafile).read_bytes()
+    out: dict[str, Any] = {}
+    async with MoqtBlockFetcher(cadata=cadata, timeout=30, layer_timeout=30) as moqt, HttpFetcher() as http:
+        connection = await moqt.connection(relay_url)
+        for size in SIZES:
+            http_records = [ReplicaRecord.from_json(r) for r in records[str(size)]]
+            moqt_records = [moqt_record(r, relay_url) for r in http_records]
+            expected = [_payload_digest(block_bytes(block_seed(base_seed, size, i), size))
+                        for i in range(len(http_records))]
+            theirs = hashlib.sha256(b"".join(layer_bytes(block_seed(base_seed, size, 0), i, size // LAYERS)
+                                             for i in range(LAYERS))).hexdigest()
+            runs: dict[str, list[tuple[float, float]]] = {
+                "moqt_fetch_cold": [], "moqt_fetch_cached": [], "moqt_subscribe": [], "http": []}
+            if aiomoqt is not None:
+                runs["aiomoqt"] = []
+                aiomoqt.transfer(size, theirs)  # warm-up, not counted
+            # A warm-up transfer of each kind (not counted) settles connections and windows.
+            await _timed(lambda: http.layers([holder_url], http_records[0]), expected[0])
+            await _timed(lambda: moqt.layers([], moqt_records[0]), expected[0])
+            for rep in range(reps):
+                fetch_i, sub_i = 1 + 2 * rep, 2 + 2 * rep
+                runs["moqt_fetch_cold"].append(
+                    await _timed(lambda: moqt.layers([], moqt_records[fetch_i]), expected[fetch_i]))
+                runs["moqt_fetch_cached"].append(
+                    await _timed(lambda: moqt.layers([], moqt_records[fetch_i]), expected[fetch_i]))
+                runs["http"].append(
+                    await _timed(lambda: http.layers([holder_url], http_records[fetch_i]), expected[fetch_i]))
+                track = BlockTrack.from_record_namespace(moqt_records[sub_i].moqt_namespace)
+                runs["moqt_subscribe"].append(await _subscribe_timed(connection, track, expected[sub_i]))
+                if aiomoqt is not None:
+                    runs["aiomoqt"].append(aiomoqt.transfer(size, theirs))
+            out[f"{size >> 20}MiB"] = {name: _summary(size, r) for name, r in runs.items()}
+    return out
+
+
+async def _subscribe_timed(connection: Any, track: Any, expected: bytes) -> tuple[float, float]:
+    """A raw SUBSCRIBE of a stored block through the relay; each layer object checked."""
+    start = time.perf_counter()
+    subscription = await connection.subscribe(track.namespace, track.track_name, timeout=30)
+    first = None
+    digest = hashlib.sha256()
+    count = 0
+    async for obj in subscription:
+        if first is None:
+            first = time.perf_counter() - start
+        digest.update(obj.payload)
+        count += 1
+        if count == LAYERS:
+            break
+    total = time.perf_counter() - start
+    await subscription.aclose()
+    if digest.digest() != expected:
+        raise RuntimeError("the subscribed layers differ from the block")
+    return first or total, total
+
+
+def _burn(_: int = 0) -> float:
+    start = time.perf_counter()
+    x = 0
+    for i in range(2_000_000):
+        x += i
+    return time.perf_counter() - start
+
+
+def cpu_parallelism() -> float:
+    """How many cores' worth of work two busy processes get here at once (2.0 on two idle
+    cores; about 1.0 where the cores are shared), to read the figures by."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    alone = min(_burn() for _ in range(3))
+    with ProcessPoolExecutor(2) as pool:
+        together = max(pool.map(_burn, [0, 1]))
+    return round(2 * alone / together, 2)
+
+
+# --------------------------------------------------------------------------- run
+
+
+def measure(reps: int, with_aiomoqt: bool) -> dict[str, Any]:
+    """Start the processes, run every variant in turns, return the figures."""
+    from kvsp_moq.moqt.quic import new_event_loop
+
+    seed = os.urandom(4).hex()
+    work = Path(tempfile.mkdtemp(prefix="kvsp-bench-moqt-"))
+    children: list[_Child] = []
+    aiomoqt: _Aiomoqt | None = None
+    report: dict[str, Any] = {}
+    try:
+        relay = _Child([sys.executable, "-m", "relay.service", "--listen", "127.0.0.1:0", "--cert-dir",
+                        str(work), "--cache-bytes", str(1 << 30), "--subscriber-queue-bytes", str(256 << 20)],
+                       work / "relay.log")
+        children.append(relay)
+        relay_url = relay.read_line("relay listening on ").split()[-1]
+        cafile = str(work / "relay-cert.pem")
+        holder = _Child([sys.executable, "-m", "kvsp_moq.bench.moqt", "holder", "--relay", relay_url,
+                         "--cafile", cafile, "--seed", seed, "--count", str(1 + 2 * reps)],
+                        work / "holder.log", stdin=True)
+        children.append(holder)
+        info = json.loads(holder.read_line("{", 300))
+        if with_aiomoqt:
+            try:
+                aiomoqt = _Aiomoqt(work, seed)
+            except (OSError, RuntimeError) as e:
+                report["aiomoqt_error"] = f"aiomoqt did not start: {e}"
+        with asyncio.Runner(loop_factory=new_event_loop) as runner:
+            report["ours"] = runner.run(_client(relay_url, cafile, info["holder"], info["records"], seed, reps,
+                                                aiomoqt))
+    finally:
+        if aiomoqt is not None:
+            aiomoqt.stop()
+        for child in reversed(children):
+            child.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    return report
+
+
+def _in_namespace(reps: int) -> dict[str, Any] | str:
+    """The measurement in a private network namespace (aiomoqt binds wildcard addresses);
+    the report, or why it could not run."""
+    if not (PEER_VENV / "bin" / "moq-interop-relay").exists():
+        return f"aiomoqt is not installed ({PEER_VENV}); run interop/install-peer.sh"
+    if shutil.which("unshare") is None:
+        return "unshare is not available to isolate aiomoqt's wildcard sockets"
+    inner = f"ip link set lo up && exec {sys.executable} -m kvsp_moq.bench.moqt measure --reps {reps} --aiomoqt"
+    try:
+        done = subprocess.run(["unshare", "-n", "sh", "-c", inner], capture_output=True, timeout=1200,
+                              cwd=str(ROOT))
+    except subprocess.TimeoutExpired:
+        return "the run in a private network namespace timed out"
+    if done.returncode != 0:
+        tail = (done.stderr.decode(errors="replace").strip().splitlines() or ["no output"])[-1]
+        return f"could not run in a private network namespace: {tail}"
+    return json.loads(done.stdout.decode())
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    """Measure and return the JSON-ready report."""
+    reps = 2 if quick else 5
+    report: dict[str, Any] = {
+        "layers": LAYERS, "repeats": reps, "cpus": os.cpu_count(), "cpu_parallelism": cpu_parallelism(),
+        "note": "medians; variants run in turns; MOQT and HTTP layers verified against their digests; "
+                "three processes (holder, relay, client) for MOQT, two (holder, client) for HTTP",
+    }
+    inner = _in_namespace(reps)
+    if isinstance(inner, str):
+        measured = measure(reps, with_aiomoqt=False)
+        measured["aiomoqt_error"] = inner
+    else:
+        measured = inner
+    ours = measured["ours"]
+    report["ours"] = {label: {k: v for k, v in figures.items() if k != "aiomoqt"} for label, figures in ours.items()}
+    if "aiomoqt_error" in measured:
+        report["aiomoqt_relay"] = {"error": measured["aiomoqt_error"]}
+    else:
+        report["aiomoqt_relay"] = {label: figures["aiomoqt"] for label, figures in ours.items()}
+    ratios: dict[str, Any] = {}
+    for label, figures in ours.items():
+        entry: dict[str, Any] = {
+            "ours_vs_http": round(figures["moqt_fetch_cold"]["mb_per_s"] / figures["http"]["mb_per_s"], 3),
+            "ours_cached_vs_http": round(figures["moqt_fetch_cached"]["mb_per_s"] / figures["http"]["mb_per_s"], 3),
+        }
+        if "aiomoqt" in figures:
+            theirs = figures["aiomoqt"]["mb_per_s"]
+            entry["ours_vs_aiomoqt"] = round(figures["moqt_subscribe"]["mb_per_s"] / theirs, 3)
+            entry["ours_fetch_vs_aiomoqt"] = round(figures["moqt_fetch_cold"]["mb_per_s"] / theirs, 3)
+        ratios[label] = entry
+    report["ratios"] = ratios
+    report["targets"] = {"ours_vs_aiomoqt": ">= 1.0", "ours_vs_http": ">= 0.5"}
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvsp_moq.bench.moqt")
+    sub = parser.add_subparsers(dest="mode", required=True)
+    p = sub.add_parser("holder", help="(internal) the holder process")
+    p.add_argument("--relay", required=True)
+    p.add_argument("--cafile", required=True)
+    p.add_argument("--seed", required=True)
+    p.add_argument("--count", type=int, required=True)
+    p.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=list(SIZES))
+    p.set_defaults(func=holder_main)
+    p = sub.add_parser("measure", help="(internal) one measurement, in the current network namespace")
+    p.add_argument("--reps", type=int, required=True)
+    p.add_argument("--aiomoqt", action="store_true")
+    p.set_defaults(func=lambda a: print(json.dumps(measure(a.reps, a.aiomoqt))) or 0)
+    p = sub.add_parser("run", help="the whole benchmark")
+    p.add_argument("--quick", action="store_true")
+    p.set_defaults(func=lambda a: print(json.dumps(run(a.quick), indent=2)) or 0)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

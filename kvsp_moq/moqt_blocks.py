@@ -1,0 +1,844 @@
+"""KV blocks over MOQT (DESIGN §4): a holder's publisher and the verified fetcher.
+
+A replica is the track ("kvsp", compat_id, scope_id, publisher_id, block_key) / "codec"; group
+0 holds the block and Object ID = layer number. The payload of a raw object is exactly the K
+section followed by the V section of its layer, so SHA-256 of the payload is the layer digest
+of §4.3. Every object also carries two application properties (draft-18 Key-Value-Pairs with
+even types, so their values are varints):
+
+    0x3800  KVSP Token Count  the block's token count (a container header field)
+    0x3802  KVSP K Length     octets of the K section; the V section is the rest
+
+so a receiver can split K from V and rebuild a container for codecs whose halves differ.
+
+`BlockPublisher` serves a holder's `BlockStore` through a relay: it announces
+("kvsp", compat, scope, publisher_id) once per compat and scope, answers FETCH of objects a..b
+of group 0 from the store, answers SUBSCRIBE with the layers on one subgroup stream in
+ascending order, and reconnects (with backoff) and re-announces when the relay restarts.
+Blocks still being computed are published with `produce()`: their layers go out to
+subscribers as they are added. It must run on the event loop that owns the store.
+
+A SUBSCRIBE is answered as the draft's filters say, read for a track whose objects the
+publisher holds: SUBSCRIBE_OK carries the largest layer available; without a filter, or with
+AbsoluteStart/AbsoluteRange, every layer from the start location is sent (those already
+available first, then each as it is added); with Largest Object only the layers after it;
+Next Group Start gives nothing, as a block has one group.
+
+`MoqtBlockFetcher.layers()` mirrors `kvsp_moq.fetch.http.HttpFetcher.layers()`: layers a..b
+of a block through a relay, verified against the Replica Record's layer digests before each is
+yielded, in ascending order. It FETCHes the range; when the block is still being produced
+(the FETCH is refused with INVALID_RANGE or ends early) it SUBSCRIBEs for the rest, and a gap
+between the layers it has and the first one the subscription delivers (a subscription
+joined mid-way at a relay) is FETCHed. A digest mismatch raises `DigestMismatch`; the bad
+layer is never yielded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Iterator, Sequence
+
+from kvsp_moq.errors import (
+    BadRecord,
+    DigestMismatch,
+    KvspError,
+    LayersUnavailable,
+    NotFound,
+    PreconditionFailed,
+    TransportError,
+)
+from kvsp_moq.fetch.http import FetchResult
+from kvsp_moq.holder.store import BlockId, BlockRead, BlockStore, StoredBlock
+from kvsp_moq.moqt.errors import (
+    DoesNotExist,
+    InvalidRange,
+    MoqtError,
+    PublishDoneCode,
+    RequestError,
+    RequestErrorCode,
+    SessionClosed,
+    StreamClosed,
+)
+from kvsp_moq.moqt.messages import FilterType, Location, Properties, SubscriptionFilter, property_value
+from kvsp_moq.moqt.quic import (
+    IncomingFetch,
+    IncomingSubscribe,
+    IncomingTrackStatus,
+    MoqtConnection,
+    MoqtObject,
+    PublishedNamespace,
+    QuicSettings,
+    connect,
+)
+from kvsp_moq.naming import GROUP, ROOT, BlockTrack, publisher_id
+from kvsp_moq.protocol.container import Container, Layer, encode, format_digest, layer_digest, replica_digest
+from kvsp_moq.protocol.records import ReplicaRecord
+
+__all__ = [
+    "TOKEN_COUNT_PROPERTY",
+    "K_LENGTH_PROPERTY",
+    "layer_properties",
+    "split_layer",
+    "moqt_record",
+    "BlockPublisher",
+    "LiveBlock",
+    "MoqtBlockFetcher",
+    "MoqtLayerStream",
+]
+
+log = logging.getLogger("kvsp.moqt_blocks")
+
+#: Object property: the block's Token Count (even type: a varint value).
+TOKEN_COUNT_PROPERTY = 0x3800
+#: Object property: octets of the layer's K section (even type: a varint value).
+K_LENGTH_PROPERTY = 0x3802
+
+
+def layer_properties(token_count: int, k_length: int) -> Properties:
+    """The application properties of one layer object (in ascending type order)."""
+    return ((TOKEN_COUNT_PROPERTY, token_count), (K_LENGTH_PROPERTY, k_length))
+
+
+def split_layer(index: int, payload: bytes | memoryview, properties: Properties) -> tuple[Layer, int | None]:
+    """A layer object as (Layer, token count); without a K Length the halves are equal."""
+    view = memoryview(payload)
+    k_length = property_value(properties, K_LENGTH_PROPERTY)
+    if k_length is None:
+        if len(view) % 2:
+            raise BadRecord(f"layer {index}: no K length and an odd payload", member="payload")
+        k_length = len(view) // 2
+    if not 0 <= k_length <= len(view):
+        raise BadRecord(f"layer {index}: K length {k_length} exceeds the payload", member="payload")
+    return Layer(index, view[:k_length], view[k_length:]), property_value(properties, TOKEN_COUNT_PROPERTY)
+
+
+def moqt_record(http_record: ReplicaRecord, relay_url: str) -> ReplicaRecord:
+    """The Replica Record of the MOQT replica behind `relay_url` of a holder's HTTP replica:
+    holder = the relay's moqt:// URI, moqt_namespace = the track's five fields, http_holder =
+    the holder's HTTP base (where leases are taken and where a client falls back)."""
+    if not relay_url.lower().startswith("moqt://"):
+        raise BadRecord("must be a moqt:// URI", member="holder")
+    if http_record.is_moqt:
+        raise BadRecord("the record is already a MOQT replica's", member="holder")
+    track = BlockTrack.for_holder(http_record.compat_id, http_record.scope_id, http_record.block_key,
+                                  http_record.holder, http_record.codec)
+    return dataclasses.replace(http_record, holder=relay_url, moqt_namespace=track.moqt_namespace,
+                               http_holder=http_record.holder)
+
+
+def _http_base(url: str) -> str:
+    return url if url.endswith("/") else url + "/"
+
+
+# =========================================================================== publisher
+
+
+class LiveBlock:
+    """A block whose layers are still being computed: add them in order, then finish().
+
+    Subscribers get each layer as it is added; FETCH serves the layers added so far. finish()
+    stores the whole block, from then on served like any stored block.
+    """
+
+    def __init__(self, publisher: "BlockPublisher", bid: BlockId, layer_count: int, token_count: int,
+                 codec: int = 1) -> None:
+        if layer_count <= 0:
+            raise ValueError("a block has at least one layer")
+        self.publisher = publisher
+        self.id = bid
+        self.layer_count = layer_count
+        self.token_count = token_count
+        self.codec = codec
+        self.payloads: list[bytes] = []
+        self.k_lengths: list[int] = []
+        self.error: str | None = None
+        self._changed = asyncio.Event()
+
+    @property
+    def available(self) -> int:
+        """How many layers (0..available-1) exist."""
+        return len(self.payloads)
+
+    @property
+    def complete(self) -> bool:
+        return len(self.payloads) == self.layer_count
+
+    def add_layer(self, k: bytes | memoryview, v: bytes | memoryview) -> int:
+        """Append the next layer (K and V sections); returns its number."""
+        if self.complete:
+            raise LayersUnavailable(f"the block has only {self.layer_count} layers")
+        if self.error is not None:
+            raise LayersUnavailable(f"the block was abandoned: {self.error}")
+        self.payloads.append(bytes(k) + bytes(v))
+        self.k_lengths.append(len(k))
+        self._wake()
+        return len(self.payloads) - 1
+
+    def properties(self, index: int) -> Properties:
+        return layer_properties(self.token_count, self.k_lengths[index])
+
+    async def wait_for(self, index: int, timeout: float) -> bytes:
+        """Layer `index` once it exists."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while index >= len(self.payloads):
+            if self.error is not None:
+                raise LayersUnavailable(f"the block was abandoned: {self.error}")
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise asyncio.TimeoutError()
+            event = self._changed
+            try:
+                await asyncio.wait_for(event.wait(), remaining)
+            except asyncio.TimeoutError:
+                pass
+        return self.payloads[index]
+
+    def container(self) -> bytes:
+        layers = [(p[:k], p[k:]) for p, k in zip(self.payloads, self.k_lengths)]
+        return encode(0, self.token_count, layers, codec=self.codec)
+
+    async def finish(self) -> StoredBlock | None:
+        """Store the complete block (None when the store already had it)."""
+        if not self.complete:
+            raise LayersUnavailable(f"{self.available} of {self.layer_count} layers were added")
+        try:
+            entry = await self.publisher.store.put(self.id, self.container())
+        except PreconditionFailed:
+            entry = None
+        finally:
+            self.publisher._live.pop(self.id, None)
+        return entry
+
+    def abort(self, reason: str = "production failed") -> None:
+        """Give up: subscribers waiting for more layers are told."""
+        self.error = reason
+        self.publisher._live.pop(self.id, None)
+        self._wake()
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+
+@dataclass
+class PublisherStats:
+    connections: int = 0
+    announces: int = 0
+    subscribes: int = 0
+    fetches: int = 0
+    objects_sent: int = 0
+    bytes_sent: int = 0
+    refused: int = 0
+
+
+def _layer_views(read: BlockRead, lengths: Sequence[tuple[int, int]]) -> Iterator[tuple[int, memoryview]]:
+    """(layer, K||V payload) of a pinned read, without copying within a segment."""
+    segments = list(read.segments)
+    seg, pos = 0, 0
+    for index in range(read.first, read.last + 1):
+        need = lengths[index][0] + lengths[index][1]
+        if seg < len(segments) and len(segments[seg]) - pos >= need:
+            view = segments[seg][pos:pos + need]
+            pos += need
+        else:  # a layer across two segments (not produced by the store today): copy it
+            parts = []
+            while need:
+                if seg >= len(segments):
+                    raise LayersUnavailable("the stored copy ended early")
+                take = min(need, len(segments[seg]) - pos)
+                parts.append(segments[seg][pos:pos + take])
+                pos += take
+                need -= take
+                if pos == len(segments[seg]):
+                    seg, pos = seg + 1, 0
+            view = memoryview(b"".join(parts))
+        if seg < len(segments) and pos == len(segments[seg]):
+            seg, pos = seg + 1, 0
+        yield index, view
+
+
+class BlockPublisher:
+    """Publishes a holder's blocks to a relay and serves its SUBSCRIBEs and FETCHes."""
+
+    def __init__(
+        self,
+        store: BlockStore,
+        relay_url: str,
+        http_holder: str,
+        *,
+        token: str | None = None,
+        settings: QuicSettings | None = None,
+        verify: bool = True,
+        cadata: bytes | None = None,
+        cafile: str | None = None,
+        retry_initial: float = 0.2,
+        retry_max: float = 5.0,
+        rescan_interval: float = 1.0,
+        timeout: float = 10.0,
+        layer_timeout: float = 60.0,
+    ) -> None:
+        self.store = store
+        self.relay_url = relay_url
+        self.http_holder = _http_base(http_holder)
+        self.publisher_id = publisher_id(self.http_holder)
+        self.token = token
+        self.settings = settings or QuicSettings()
+        self.verify, self.cadata, self.cafile = verify, cadata, cafile
+        self.retry_initial, self.retry_max = retry_initial, retry_max
+        self.rescan_interval = rescan_interval
+        self.timeout = timeout
+        self.layer_timeout = layer_timeout
+        self.stats = PublisherStats()
+        self.connection: MoqtConnection | None = None
+        self._live: dict[BlockId, LiveBlock] = {}
+        self._wanted: set[tuple[str, str]] = set()
+        self._announced: dict[tuple[str, str], PublishedNamespace] = {}
+        self._refused: set[tuple[str, str]] = set()
+        self._connected = asyncio.Event()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._closed = False
+
+    # ---------------------------------------------------------------- lifecycle
+
+    async def start(self) -> "BlockPublisher":
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="kvsp-moqt-publisher")
+        return self
+
+    async def aclose(self) -> None:
+        self._closed = True
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+        if self.connection is not None:
+            await self.connection.aclose()
+            self.connection = None
+
+    async def __aenter__(self) -> "BlockPublisher":
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def wait_connected(self, timeout: float = 10.0) -> None:
+        """Wait until a session is up and every known compat and scope is announced."""
+        await asyncio.wait_for(self._connected.wait(), timeout)
+
+    @property
+    def announced(self) -> set[tuple[str, str]]:
+        return set(self._announced)
+
+    def namespace(self, compat_id: str, scope_id: str) -> tuple[bytes, ...]:
+        return (ROOT, bytes.fromhex(compat_id), bytes.fromhex(scope_id), self.publisher_id)
+
+    def track(self, bid: BlockId, codec: int = 1) -> BlockTrack:
+        return BlockTrack.for_holder(bid.compat_id, bid.scope_id, bid.block_key, self.http_holder, codec)
+
+    def announce(self, compat_id: str, scope_id: str) -> None:
+        """Make sure ("kvsp", compat, scope, publisher_id) is announced (soon, and after every
+        reconnection). Blocks in the store are found by a periodic scan anyway."""
+        self._wanted.add((compat_id.lower(), scope_id.lower()))
+        self._wake.set()
+
+    def produce(self, bid: BlockId, *, layer_count: int, token_count: int, codec: int = 1) -> LiveBlock:
+        """Start publishing a block whose layers are still being computed."""
+        if bid in self._live:
+            raise PreconditionFailed("this block is already being produced")
+        live = self._live[bid] = LiveBlock(self, bid, layer_count, token_count, codec)
+        self.announce(bid.compat_id, bid.scope_id)
+        return live
+
+    def record(self, entry: StoredBlock, *, ttl_ms: int = 60_000) -> ReplicaRecord:
+        """The MOQT Replica Record of a stored block, through this publisher's relay."""
+        meta = entry.meta
+        http = ReplicaRecord(
+            block_key=entry.id.block_key, compat_id=entry.id.compat_id, scope_id=entry.id.scope_id,
+            holder=self.http_holder, codec=meta.codec, size=meta.size, digest=format_digest(meta.digest),
+            ttl_ms=ttl_ms, layer_digests=tuple(d.hex() for d in meta.layer_digests),
+            residency=self.store.residency(entry))
+        return moqt_record(http, self.relay_url)
+
+    # ---------------------------------------------------------------- the session
+
+    async def _run(self) -> None:
+        backoff = self.retry_initial
+        while not self._closed:
+            try:
+                connection = await connect(
+                    self.relay_url, settings=self.settings, verify=self.verify, cadata=self.cadata,
+                    cafile=self.cafile, authorization=self.token, timeout=self.timeout,
+                    handlers={"subscribe": self._on_subscribe, "fetch": self._on_fetch,
+                              "track_status": self._on_track_status})
+            except Exception as e:  # any failure to connect: try again later
+                log.info("relay %s unreachable (%s); retrying in %.1fs", self.relay_url, e or "timeout", backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, self.retry_max)
+                continue
+            backoff = self.retry_initial
+            self.connection = connection
+            self.stats.connections += 1
+            self._announced.clear()
+            self._refused.clear()
+            log.info("publishing to relay %s", self.relay_url)
+            try:
+                closed = asyncio.ensure_future(connection.wait_closed())
+                while not closed.done():
+                    await self._announce_pending(connection)
+                    self._connected.set()
+                    self._wake.clear()
+                    wake = asyncio.ensure_future(self._wake.wait())
+                    await asyncio.wait({closed, wake}, timeout=self.rescan_interval,
+                                       return_when=asyncio.FIRST_COMPLETED)
+                    wake.cancel()
+            except (MoqtError, asyncio.TimeoutError, OSError) as e:
+                log.info("session to relay %s failed: %s", self.relay_url, e or "timeout")
+                connection.close()
+            finally:
+                self._connected.clear()
+                self.connection = None
+            log.info("session to relay %s ended; reconnecting", self.relay_url)
+
+    def _pairs(self) -> set[tuple[str, str]]:
+        pairs = {(e.id.compat_id, e.id.scope_id) for e in self.store.blocks()}
+        pairs |= {(b.compat_id, b.scope_id) for b in self._live}
+        return pairs | self._wanted
+
+    async def _announce_pending(self, connection: MoqtConnection) -> None:
+        for pair in sorted(self._pairs() - set(self._announced) - self._refused):
+            try:
+                published = await connection.publish_namespace(
+                    self.namespace(*pair), authorization=self.token, timeout=self.timeout)
+            except RequestError as e:
+                self._refused.add(pair)
+                self.stats.refused += 1
+                log.warning("relay refused the namespace of compat %s scope %s: %s", pair[0], pair[1], e)
+                continue
+            self._announced[pair] = published
+            self.stats.announces += 1
+
+    # ---------------------------------------------------------------- requests
+
+    def _locate(self, namespace: tuple[bytes, ...], track_name: bytes) -> tuple[BlockId, LiveBlock | None,
+                                                                                 StoredBlock | None]:
+        try:
+            track = BlockTrack.from_namespace(tuple(namespace), bytes(track_name))
+        except KvspError:
+            raise DoesNotExist("not a KV block track") from None
+        if track.publisher_id != self.publisher_id:
+            raise DoesNotExist("not a track of this holder")
+        bid = BlockId(track.compat_id.hex(), track.scope_id.hex(), track.block_key.hex())
+        entry = self.store.get(bid)
+        if entry is not None and entry.meta.codec == track.codec:
+            return bid, None, entry
+        live = self._live.get(bid)
+        if live is not None and live.codec == track.codec and live.error is None:
+            return bid, live, None
+        raise DoesNotExist("no such block here")
+
+    async def _on_track_status(self, req: IncomingTrackStatus) -> None:
+        _, live, entry = self._locate(req.namespace, req.track_name)
+        available = entry.meta.layer_count if entry is not None else live.available  # type: ignore[union-attr]
+        req.accept(largest=Location(GROUP, available - 1) if available else None)
+
+    async def _on_fetch(self, req: IncomingFetch) -> None:
+        bid, live, entry = self._locate(req.namespace, req.track_name)
+        self.stats.fetches += 1
+        total = entry.meta.layer_count if entry is not None else live.layer_count  # type: ignore[union-attr]
+        available = total if entry is not None else live.available  # type: ignore[union-attr]
+        first = req.start.object if req.start.group == GROUP else None
+        last = available - 1
+        if req.end.group == GROUP and req.end.object:
+            last = min(last, req.end.object - 1)
+        if first is None or req.start.group > GROUP or first > last:
+            raise InvalidRange(f"layers from {req.start.object} are not available (have {available} of {total})")
+        if entry is not None:
+            read = await self.store.open_read(bid, first, last)
+            try:
+                sender = req.accept(end=(GROUP, last + 1), end_of_track=last == total - 1)
+                meta = entry.meta
+                for index, payload in _layer_views(read, meta.lengths):
+                    await sender.send(GROUP, index, payload,
+                                      properties=layer_properties(meta.token_count, meta.lengths[index][0]))
+                    self._count(payload)
+                sender.close()
+            finally:
+                read.release()
+            return
+        assert live is not None
+        sender = req.accept(end=(GROUP, last + 1), end_of_track=last == total - 1)
+        for index in range(first, last + 1):
+            payload = live.payloads[index]
+            await sender.send(GROUP, index, payload, properties=live.properties(index))
+            self._count(payload)
+        sender.close()
+
+    async def _on_subscribe(self, req: IncomingSubscribe) -> None:
+        bid, live, entry = self._locate(req.namespace, req.track_name)
+        self.stats.subscribes += 1
+        if entry is not None:
+            total = available = entry.meta.layer_count
+        else:
+            assert live is not None
+            total, available = live.layer_count, live.available
+        start = _first_layer(req.subscription_filter, available, total)
+        subscription = req.accept(largest=Location(GROUP, available - 1) if available else None)
+        if start >= total:
+            await subscription.finish(PublishDoneCode.SUBSCRIPTION_ENDED, "no layers after the filter's start")
+            return
+        read = await self.store.open_read(bid, start, total - 1) if entry is not None else None
+        try:
+            sender = subscription.open_subgroup(GROUP, 0, has_properties=True)
+            if read is not None:
+                meta = entry.meta  # type: ignore[union-attr]
+                for index, payload in _layer_views(read, meta.lengths):
+                    await sender.send(index, payload,
+                                      properties=layer_properties(meta.token_count, meta.lengths[index][0]))
+                    self._count(payload)
+            else:
+                assert live is not None
+                for index in range(start, total):
+                    try:
+                        payload = await live.wait_for(index, self.layer_timeout)
+                    except (LayersUnavailable, asyncio.TimeoutError) as e:
+                        sender.reset()
+                        await subscription.finish(PublishDoneCode.INTERNAL_ERROR,
+                                                  f"layer {index} never came: {e or 'timeout'}")
+                        return
+                    await sender.send(index, payload, properties=live.properties(index))
+                    self._count(payload)
+            sender.close()
+            await subscription.finish(PublishDoneCode.TRACK_ENDED)
+        except (StreamClosed, SessionClosed):
+            pass  # the subscriber went away
+        finally:
+            if read is not None:
+                read.release()
+
+    def _count(self, payload: bytes | memoryview) -> None:
+        self.stats.objects_sent += 1
+        self.stats.bytes_sent += len(payload)
+
+
+def _first_layer(subscription_filter: SubscriptionFilter | None, available: int, total: int) -> int:
+    """The first layer a SUBSCRIBE asks for (total when none)."""
+    if subscription_filter is None:
+        return 0
+    kind = subscription_filter.filter_type
+    if kind == FilterType.LARGEST_OBJECT:
+        return available
+    if kind == FilterType.NEXT_GROUP_START:
+        return total
+    start = subscription_filter.start
+    assert start is not None
+    if start.group > GROUP:
+        return total
+    return start.object if start.group == GROUP else 0
+
+
+# =========================================================================== fetcher
+
+
+class _SourceFailed(Exception):
+    def __init__(self, kind: str, reason: str) -> None:
+        super().__init__(reason)
+        self.kind = kind  # "miss", "digest", "refused", "transport", "malformed"
+        self.reason = reason
+
+
+def _failure_of(error: BaseException) -> _SourceFailed:
+    if isinstance(error, _SourceFailed):
+        return error
+    if isinstance(error, DoesNotExist):
+        return _SourceFailed("miss", f"DOES_NOT_EXIST: {error.reason}")
+    if isinstance(error, RequestError):
+        name = RequestErrorCode(error.error_code).name if error.error_code in RequestErrorCode._value2member_map_ \
+            else hex(int(error.error_code))
+        return _SourceFailed("refused", f"{name}: {error.reason}")
+    if isinstance(error, asyncio.TimeoutError):
+        return _SourceFailed("transport", "timed out")
+    if isinstance(error, KvspError):
+        return _SourceFailed("malformed" if isinstance(error, BadRecord) else "transport", str(error))
+    return _SourceFailed("transport", f"{type(error).__name__}: {error}")
+
+
+class MoqtLayerStream:
+    """Verified layers a..b of one block, in ascending order, through MOQT relays."""
+
+    def __init__(self, fetcher: "MoqtBlockFetcher", sources: Sequence[str], record: ReplicaRecord,
+                 layers: tuple[int, int] | None, live: bool | None) -> None:
+        if not record.moqt_namespace:
+            raise BadRecord("a MOQT replica needs moqt_namespace", member="moqt_namespace")
+        self.fetcher = fetcher
+        self.sources = list(sources) or [record.holder]
+        self.record = record
+        self.track = BlockTrack.from_record_namespace(record.moqt_namespace, record.codec)
+        self.live = live
+        self.failures: list[tuple[str, str]] = []
+        self.notes: list[str] = []
+        self.served_by: list[tuple[str, int, int]] = []
+        self.bytes_received = 0
+        self.started = time.perf_counter()
+        self.first_layer_seconds: float | None = None
+        self.token_count: int | None = None
+        n = record.layer_count
+        if layers is None:
+            self.range = (0, n - 1) if n is not None else None
+        else:
+            a, b = layers
+            if a > b or a < 0 or (n is not None and b >= n):
+                raise LayersUnavailable(f"layers {a}-{b} are not in this replica "
+                                        f"({n if n is not None else '?'} layers)")
+            self.range = (a, b)
+        if self.range is None:
+            raise LayersUnavailable("the record lists no layer digests; give the layer range")
+        self._kinds: list[str] = []
+        self._gen = self._run()
+
+    def __aiter__(self) -> "MoqtLayerStream":
+        return self
+
+    async def __anext__(self) -> Layer:
+        return await self._gen.__anext__()
+
+    async def aclose(self) -> None:
+        await self._gen.aclose()
+
+    async def __aenter__(self) -> "MoqtLayerStream":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # ---------------------------------------------------------------- the source loop
+
+    async def _run(self) -> AsyncIterator[Layer]:
+        record = self.record
+        digests = record.layer_digest_bytes() if record.layer_digests is not None else None
+        if digests is not None and replica_digest(digests).hex() != record.digest[8:]:
+            raise DigestMismatch("the record's layer digests do not give its replica digest")
+        assert self.range is not None
+        first, last = self.range
+        next_layer = first
+        for source in self.sources:
+            if next_layer > last:
+                break
+            if not source.lower().startswith("moqt://"):
+                self._fail(source, "refused", "not a moqt:// source")
+                continue
+            start_layer = next_layer
+            try:
+                if digests is None:
+                    layers = [layer async for layer in self._from_source(source, next_layer, last, None)]
+                    self._check_whole(layers)
+                    for layer in layers:
+                        next_layer = layer.index + 1
+                        yield layer
+                else:
+                    async for layer in self._from_source(source, next_layer, last, digests):
+                        if self.first_layer_seconds is None:
+                            self.first_layer_seconds = time.perf_counter() - self.started
+                        next_layer = layer.index + 1
+                        yield layer
+            except _SourceFailed as e:
+                self._fail(source, e.kind, e.reason)
+            except (MoqtError, KvspError, OSError, asyncio.TimeoutError, ConnectionError) as e:
+                failure = _failure_of(e)
+                self._fail(source, failure.kind, failure.reason)
+            finally:
+                if next_layer > start_layer:
+                    self.served_by.append((source, start_layer, next_layer - 1))
+        if next_layer <= last:
+            raise self._exhausted()
+
+    def _check_whole(self, layers: list[Layer]) -> None:
+        """Without layer digests only a whole replica can be checked, by its replica digest."""
+        if not layers or layers[0].index != 0 or len(layers) != layers[-1].index + 1:
+            raise _SourceFailed("digest", "without layer digests only the whole block can be verified")
+        if replica_digest([layer.digest() for layer in layers]).hex() != self.record.digest[8:]:
+            raise _SourceFailed("digest", "the block does not match the replica digest")
+        if self.first_layer_seconds is None:
+            self.first_layer_seconds = time.perf_counter() - self.started
+
+    def _fail(self, source: str, kind: str, reason: str) -> None:
+        self.failures.append((source, reason))
+        self._kinds.append(kind)
+
+    def _exhausted(self) -> KvspError:
+        summary = "; ".join(f"{s}: {r}" for s, r in self.failures) or "no sources"
+        err: KvspError
+        if "digest" in self._kinds:
+            err = DigestMismatch(f"no source delivered verified layers ({summary})")
+        elif not self._kinds or all(k == "miss" for k in self._kinds):
+            err = NotFound(f"no source holds the layers ({summary})")
+        else:
+            err = TransportError(f"no source delivered the layers ({summary})")
+        err.failures = list(self.failures)  # type: ignore[attr-defined]
+        return err
+
+    # ---------------------------------------------------------------- one source
+
+    def _verified(self, obj: MoqtObject, expected: int, digests: list[bytes] | None) -> Layer:
+        if obj.group_id != GROUP or obj.object_id != expected:
+            raise _SourceFailed("malformed", f"object {obj.group_id}/{obj.object_id} where layer {expected} was due")
+        self.bytes_received += len(obj.payload)
+        try:
+            layer, tokens = split_layer(obj.object_id, obj.payload, obj.properties)
+        except BadRecord as e:
+            raise _SourceFailed("malformed", str(e)) from None
+        if digests is not None and layer_digest(layer.k, layer.v) != digests[obj.object_id]:
+            raise _SourceFailed("digest", f"layer {obj.object_id} does not match its layer digest")
+        if tokens is not None:
+            if self.token_count is None:
+                self.token_count = tokens
+            elif tokens != self.token_count:
+                raise _SourceFailed("malformed", f"layer {obj.object_id} has another token count")
+        return layer
+
+    async def _fetch_range(self, connection: MoqtConnection, first: int, last: int,
+                           digests: list[bytes] | None) -> AsyncIterator[Layer]:
+        """Layers first..(at most) last by one standalone FETCH; it may end early."""
+        fetcher = self.fetcher
+        result = await connection.fetch(self.track.namespace, self.track.track_name, (GROUP, first),
+                                        (GROUP, last), authorization=fetcher.token, timeout=fetcher.timeout)
+        try:
+            expected = first
+            iterator = result.__aiter__()
+            while expected <= last:
+                try:
+                    obj = await asyncio.wait_for(iterator.__anext__(), fetcher.layer_timeout)
+                except StopAsyncIteration:
+                    return
+                yield self._verified(obj, expected, digests)
+                expected += 1
+        finally:
+            await result.aclose()
+
+    async def _from_source(self, source: str, first: int, last: int,
+                           digests: list[bytes] | None) -> AsyncIterator[Layer]:
+        fetcher = self.fetcher
+        connection = await fetcher.connection(source)
+        next_layer = first
+        if self.live is not True:
+            try:
+                async for layer in self._fetch_range(connection, next_layer, last, digests):
+                    next_layer = layer.index + 1
+                    yield layer
+            except InvalidRange:
+                pass  # nothing of the range exists yet: the block is being produced
+            if next_layer > last:
+                return
+            self._note(f"{source}: layers from {next_layer} were not there yet; subscribed for them")
+        async for layer in self._subscribe_range(connection, next_layer, last, digests):
+            yield layer
+
+    async def _subscribe_range(self, connection: MoqtConnection, first: int, last: int,
+                               digests: list[bytes] | None) -> AsyncIterator[Layer]:
+        """Layers first..last of a block being produced, by SUBSCRIBE (gaps by FETCH)."""
+        fetcher = self.fetcher
+        subscription = await connection.subscribe(
+            self.track.namespace, self.track.track_name,
+            subscription_filter=SubscriptionFilter.absolute_start(GROUP, first), forward=True,
+            authorization=fetcher.token, timeout=fetcher.timeout)
+        next_layer = first
+        try:
+            iterator = subscription.__aiter__()
+            while next_layer <= last:
+                try:
+                    obj = await asyncio.wait_for(iterator.__anext__(), fetcher.layer_timeout)
+                except StopAsyncIteration:
+                    obj = None
+                if obj is not None and (obj.group_id != GROUP or obj.object_id < next_layer):
+                    continue  # a layer we already have
+                stop = last if obj is None else min(last, obj.object_id - 1)
+                if next_layer <= stop:
+                    # Joined mid-way (or the track ended first): the missing layers by FETCH.
+                    async for layer in self._fetch_range(connection, next_layer, stop, digests):
+                        next_layer = layer.index + 1
+                        yield layer
+                    if next_layer <= stop:
+                        raise _SourceFailed("miss", f"layers {next_layer}-{stop} were not delivered")
+                if obj is None or next_layer > last:
+                    break
+                yield self._verified(obj, next_layer, digests)
+                next_layer += 1
+        finally:
+            await subscription.aclose()
+        if next_layer <= last:
+            raise _SourceFailed("miss", f"the track ended before layer {next_layer}")
+
+    def _note(self, text: str) -> None:
+        if text not in self.notes:
+            self.notes.append(text)
+
+
+@dataclass
+class _Pool:
+    connections: dict[str, MoqtConnection] = field(default_factory=dict)
+    locks: dict[str, asyncio.Lock] = field(default_factory=dict)
+
+
+class MoqtBlockFetcher:
+    """Fetches blocks through MOQT relays over one session per relay."""
+
+    def __init__(self, *, token: str | None = None, settings: QuicSettings | None = None,
+                 verify: bool = True, cadata: bytes | None = None, cafile: str | None = None,
+                 timeout: float = 10.0, layer_timeout: float = 30.0) -> None:
+        self.token = token
+        self.settings = settings or QuicSettings()
+        self.verify, self.cadata, self.cafile = verify, cadata, cafile
+        self.timeout = timeout
+        self.layer_timeout = layer_timeout
+        self._pool = _Pool()
+
+    async def connection(self, url: str) -> MoqtConnection:
+        """The session to a relay, opened on first use and after it was lost."""
+        pool = self._pool
+        lock = pool.locks.setdefault(url, asyncio.Lock())
+        async with lock:
+            connection = pool.connections.get(url)
+            if connection is None or connection.is_closed:
+                connection = await connect(url, settings=self.settings, verify=self.verify, cadata=self.cadata,
+                                           cafile=self.cafile, authorization=self.token, timeout=self.timeout)
+                pool.connections[url] = connection
+            return connection
+
+    async def aclose(self) -> None:
+        connections = list(self._pool.connections.values())
+        self._pool.connections.clear()
+        await asyncio.gather(*(c.aclose() for c in connections), return_exceptions=True)
+
+    async def __aenter__(self) -> "MoqtBlockFetcher":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def layers(self, sources: Sequence[str], record: ReplicaRecord, layers: tuple[int, int] | None = None,
+               *, live: bool | None = None) -> MoqtLayerStream:
+        """Layers a..b (default all) of the record's block, verified, in ascending order.
+
+        `sources` are moqt:// relay URIs (default: the record's holder). `live` True goes
+        straight to SUBSCRIBE (a block known to be in production); None FETCHes first.
+        """
+        return MoqtLayerStream(self, sources, record, layers, live)
+
+    async def fetch_block(self, sources: Sequence[str], record: ReplicaRecord,
+                          layers: tuple[int, int] | None = None) -> FetchResult:
+        """The requested layers as one verified container."""
+        stream = self.layers(sources, record, layers)
+        got = [layer async for layer in stream]
+        container = Container(encode(got[0].index, stream.token_count or 0,
+                                     [(layer.k, layer.v) for layer in got], codec=record.codec))
+        return FetchResult(container, (got[0].index, got[-1].index), stream.served_by, stream.failures,
+                           stream.notes, stream.bytes_received, time.perf_counter() - stream.started,
+                           stream.first_layer_seconds)

@@ -1,0 +1,1042 @@
+"""The MOQT relay (draft-18 "Relays"; DESIGN §4).
+
+A `Relay` accepts MOQT sessions on 127.0.0.1 and connects publishers with subscribers:
+
+* PUBLISH_NAMESPACE registers a route; SUBSCRIBE, FETCH and TRACK_STATUS go to the publisher
+  whose announced namespace is the longest prefix of the track's (routing.py), or else to the
+  upstream relay when one is configured (a chain of relays).
+* One upstream subscription per track is fanned out to every downstream subscriber.
+* A SUBSCRIBE with RENDEZVOUS_TIMEOUT for a track nobody publishes yet waits (up to the
+  relay's own cap) for a PUBLISH_NAMESPACE or PUBLISH that covers it, then proceeds; on
+  expiry it is refused with TIMEOUT, and without the parameter at once with DOES_NOT_EXIST.
+* Every object that passes through is cached (cache.py). A FETCH is answered from the cache
+  as far as the cache can vouch for the range, and the rest is fetched upstream, once,
+  appended to the response and cached in turn.
+* Every request is authorized by its AUTHORIZATION TOKENs and its session's (access.py).
+* A publisher that goes away ends its subscriptions downstream with PUBLISH_DONE
+  (INTERNAL_ERROR, "publisher went away") after what was already received; its FETCH
+  responses in progress are reset. Other tracks are not affected.
+
+Slow subscribers: the upstream subscription is read as fast as it arrives and never waits
+for a subscriber. Each downstream subscriber has its own bounded queue (objects and bytes,
+`subscriber_queue_bytes` / `subscriber_queue_objects`) drained by its own task into its QUIC
+streams, which apply the subscriber's flow control. A subscriber whose queue overflows is
+dropped: its open streams are reset and its subscription ends with PUBLISH_DONE
+TOO_FAR_BEHIND. So one slow subscriber never stalls the others, and the relay holds at most
+one queue's worth (plus QUIC's bounded send buffer) per subscriber. Payloads are shared, not
+copied, between the cache and the queues.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from typing import Any, Awaitable, Callable, Coroutine
+
+from kvsp_moq.auth import Authenticator, Principal
+from kvsp_moq.moqt.certs import SelfSignedCertificate
+from kvsp_moq.moqt.data import ObjectStatus
+from kvsp_moq.moqt.errors import (
+    DoesNotExist,
+    InternalRequestError,
+    InvalidRange,
+    MoqtError,
+    PublishDoneCode,
+    PublishDoneError,
+    RequestError,
+    RequestTimeout,
+    SessionClosed,
+    StreamClosed,
+    StreamResetCode,
+    Uninterested,
+)
+from kvsp_moq.moqt.messages import FilterType, GroupOrder, Location, Properties, SubscriptionFilter
+from kvsp_moq.moqt.quic import (
+    FetchResult,
+    FetchSender,
+    IncomingFetch,
+    IncomingPublish,
+    IncomingPublishNamespace,
+    IncomingRequest,
+    IncomingSubscribe,
+    IncomingSubscribeNamespace,
+    IncomingSubscribeTracks,
+    IncomingTrackStatus,
+    MoqtConnection,
+    MoqtObject,
+    MoqtServer,
+    NamespacePublisher,
+    OutgoingSubscription,
+    PublishedNamespace,
+    QuicSettings,
+    SubgroupSender,
+    Subscription,
+    connect,
+    serve,
+)
+
+from .access import AccessPolicy, Action
+from .cache import CachedObject, ObjectCache, TrackKey
+from .routing import Route, RouteTable, covers
+
+__all__ = ["Relay", "RelaySettings", "RelayStats"]
+
+log = logging.getLogger("kvsp.relay")
+
+MiB = 1 << 20
+#: subgroup streams kept open per subscriber
+OPEN_STREAMS = 8
+
+
+@dataclass
+class RelaySettings:
+    """Everything a relay is configured with."""
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    #: a certificate to serve with; else `certfile`/`keyfile`; else one is generated
+    certificate: SelfSignedCertificate | None = None
+    certfile: str | None = None
+    keyfile: str | None = None
+    #: byte budget of the object cache
+    cache_bytes: int = 256 * MiB
+    #: moqt:// URL of the relay to ask for what no local publisher announced
+    upstream: str | None = None
+    #: token this relay presents in SETUP to its upstream relay
+    upstream_token: str | None = None
+    #: verify the upstream relay's certificate (with `upstream_cadata` / `upstream_cafile`)
+    upstream_verify: bool = True
+    upstream_cadata: bytes | None = None
+    upstream_cafile: str | None = None
+    #: without one the relay runs open
+    authenticator: Authenticator | None = None
+    quic: QuicSettings = field(default_factory=QuicSettings)
+    #: per-subscriber queue limits; a subscriber beyond them is dropped (TOO_FAR_BEHIND)
+    subscriber_queue_bytes: int = 32 * MiB
+    subscriber_queue_objects: int = 4096
+    #: longest RENDEZVOUS_TIMEOUT honoured, in milliseconds
+    max_rendezvous_ms: int = 30_000
+    #: how long an upstream request may take to be answered
+    upstream_timeout: float = 10.0
+    #: how long a subscriber gets to take its queued objects once its track has ended
+    drain_timeout: float = 30.0
+    #: reconnect backoff towards the upstream relay
+    upstream_retry_initial: float = 0.2
+    upstream_retry_max: float = 5.0
+
+
+@dataclass
+class RelayStats:
+    """Counters, for tests and metrics. "in" is from upstream, "out" towards subscribers."""
+
+    objects_in: int = 0
+    bytes_in: int = 0
+    objects_out: int = 0
+    bytes_out: int = 0
+    subscribes: int = 0
+    fetches: int = 0
+    track_statuses: int = 0
+    announces: int = 0
+    publishes: int = 0
+    #: FETCHes answered entirely from the cache, and those that needed upstream
+    cache_hits: int = 0
+    cache_misses: int = 0
+    cache_objects_served: int = 0
+    upstream_requests: int = 0
+    upstream_subscribes: int = 0
+    upstream_fetches: int = 0
+    upstream_track_statuses: int = 0
+    subscribers_dropped: int = 0
+    #: the most octets ever queued for one subscriber
+    subscriber_queue_peak_bytes: int = 0
+    unauthorized: int = 0
+    rendezvous_waits: int = 0
+    rendezvous_timeouts: int = 0
+    publishers_lost: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+# --------------------------------------------------------------------------- sessions
+
+
+class _Peer:
+    """One MOQT session of the relay: a client that connected, or the upstream relay."""
+
+    def __init__(self, ident: int, connection: MoqtConnection | None, *, upstream: bool = False) -> None:
+        self.id = ident
+        self.connection: MoqtConnection = connection  # type: ignore[assignment]
+        self.is_upstream = upstream
+
+    @property
+    def alive(self) -> bool:
+        return self.connection is not None and not self.connection.is_closed
+
+    def tokens(self, request: IncomingRequest) -> list[bytes]:
+        """The request's tokens, then those of the session's SETUP."""
+        out = [t for t in request.authorization if t]
+        setup = self.connection.peer_setup if self.connection is not None else None
+        if setup is not None:
+            out += [t.value for t in setup.authorization_tokens if t.value]
+        return out
+
+    def __repr__(self) -> str:
+        return f"<peer {self.id}{' upstream' if self.is_upstream else ''}>"
+
+
+def _cached(obj: MoqtObject) -> CachedObject:
+    return CachedObject(obj.group_id, obj.object_id, obj.payload, obj.subgroup_id, obj.status,
+                        obj.properties, obj.publisher_priority)
+
+
+# --------------------------------------------------------------------------- fan-out
+
+
+class _Downstream:
+    """One subscriber of a feed: its filter, its bounded queue and the task that drains it."""
+
+    def __init__(self, relay: "Relay", feed: "_Feed", peer: _Peer, outgoing: OutgoingSubscription,
+                 start: Location, end_group: int | None, forward: bool) -> None:
+        self.relay = relay
+        self.feed = feed
+        self.peer = peer
+        self.outgoing = outgoing
+        self.start = start
+        self.end_group = end_group
+        self.forward = forward
+        self.queue: deque[CachedObject] = deque()
+        self.queued_bytes = 0
+        self.closing: tuple[int, str] | None = None
+        self.finished = False
+        self._wake = asyncio.Event()
+        self._senders: dict[tuple[int, int], SubgroupSender] = {}
+        self._drain_timer: asyncio.TimerHandle | None = None
+        self.task = relay._spawn(self._run(), name=f"relay-downstream-{peer.id}")
+        outgoing.cancelled.add_done_callback(lambda _: self._gone())
+
+    def offer(self, obj: CachedObject) -> bool:
+        """Queue an object for this subscriber; False when its queue is full."""
+        if self.finished or self.closing is not None:
+            return True
+        if obj.location < self.start:
+            return True
+        if self.end_group is not None and obj.group_id > self.end_group:
+            self.close(PublishDoneCode.SUBSCRIPTION_ENDED, "end of the subscription filter")
+            return True
+        if not self.forward:
+            return True
+        settings = self.relay.settings
+        if self.queue and (self.queued_bytes + obj.size > settings.subscriber_queue_bytes
+                           or len(self.queue) >= settings.subscriber_queue_objects):
+            return False
+        self.queue.append(obj)
+        self.queued_bytes += obj.size
+        stats = self.relay.stats
+        if self.queued_bytes > stats.subscriber_queue_peak_bytes:
+            stats.subscriber_queue_peak_bytes = self.queued_bytes
+        self._wake.set()
+        return True
+
+    def close(self, code: int, reason: str = "") -> None:
+        """End after the queued objects are sent (or after the drain timeout)."""
+        if self.closing is None and not self.finished:
+            self.closing = (int(code), reason)
+            self._wake.set()
+            loop = asyncio.get_running_loop()
+            self._drain_timer = loop.call_later(
+                self.relay.settings.drain_timeout, self.drop, PublishDoneCode.TOO_FAR_BEHIND,
+                "subscriber did not take the end of the track in time")
+
+    def drop(self, code: int = PublishDoneCode.TOO_FAR_BEHIND, reason: str = "subscriber too slow") -> None:
+        """End now: reset the streams, discard the queue, send PUBLISH_DONE with `code`."""
+        if self.finished:
+            return
+        self._stop()
+        self.task.cancel()
+        for sender in self._senders.values():
+            sender.reset(StreamResetCode.CANCELLED)
+        self._senders.clear()
+        self.relay._spawn(self.outgoing.finish(code, reason), name="relay-publish-done")
+
+    def _gone(self) -> None:
+        """The subscriber unsubscribed, or its session ended."""
+        if not self.finished:
+            self._stop()
+            self.task.cancel()
+
+    def _stop(self) -> None:
+        self.finished = True
+        if self._drain_timer is not None:
+            self._drain_timer.cancel()
+        self.queue.clear()
+        self.queued_bytes = 0
+        self.feed.detach(self)
+
+    async def _run(self) -> None:
+        try:
+            while True:
+                while self.queue:
+                    obj = self.queue.popleft()
+                    self.queued_bytes -= obj.size
+                    await self._send(obj)
+                if self.closing is not None:
+                    break
+                self._wake.clear()
+                await self._wake.wait()
+            code, reason = self.closing
+            self._stop()
+            await self.outgoing.finish(code, reason)
+        except (StreamClosed, SessionClosed):
+            self._gone()
+        except asyncio.CancelledError:
+            raise
+        except (MoqtError, ValueError) as e:
+            log.info("subscriber %s: %s", self.peer, e)
+            self.drop(PublishDoneCode.INTERNAL_ERROR, str(e))
+
+    async def _send(self, obj: CachedObject) -> None:
+        stats = self.relay.stats
+        if obj.subgroup_id is None:
+            self.outgoing.send_datagram(
+                obj.group_id, obj.object_id, obj.payload, publisher_priority=obj.publisher_priority,
+                status=None if obj.status == ObjectStatus.NORMAL else obj.status, properties=obj.properties)
+        else:
+            for attempt in (0, 1):
+                sender = self._sender(obj, reopen=attempt == 1)
+                try:
+                    if obj.status != ObjectStatus.NORMAL:
+                        await sender.send_status(obj.object_id, obj.status)
+                    else:
+                        await sender.send(obj.object_id, obj.payload, properties=obj.properties)
+                    break
+                except ValueError:
+                    # An object that cannot follow the previous one on this stream (late,
+                    # or with properties on a stream opened without): a new stream carries it.
+                    if attempt:
+                        raise
+            if obj.status in (ObjectStatus.END_OF_GROUP, ObjectStatus.END_OF_TRACK):
+                self._close_stream((obj.group_id, obj.subgroup_id))
+        stats.objects_out += 1
+        stats.bytes_out += len(obj.payload)
+
+    def _sender(self, obj: CachedObject, *, reopen: bool) -> SubgroupSender:
+        key = (obj.group_id, obj.subgroup_id or 0)
+        sender = self._senders.get(key)
+        if sender is not None and not reopen:
+            return sender
+        if sender is not None:
+            self._close_stream(key)
+        # At most OPEN_STREAMS subgroup streams stay open per subscriber, the oldest groups'
+        # are finished first: groups arrive on separate streams, so a little reordering is
+        # normal; a later straggler gets a stream of its own.
+        while len(self._senders) >= OPEN_STREAMS:
+            self._close_stream(min(self._senders))
+        sender = self.outgoing.open_subgroup(
+            obj.group_id, obj.subgroup_id or 0, publisher_priority=obj.publisher_priority,
+            has_properties=bool(obj.properties) or reopen)
+        self._senders[key] = sender
+        return sender
+
+    def _close_stream(self, key: tuple[int, int]) -> None:
+        sender = self._senders.pop(key, None)
+        if sender is not None:
+            sender.close()
+
+
+class _Feed:
+    """One upstream subscription to a track and the subscribers it feeds."""
+
+    def __init__(self, relay: "Relay", key: TrackKey, origin: _Peer, *, published: bool = False) -> None:
+        self.relay = relay
+        self.key = key
+        self.origin = origin
+        self.published = published  # opened by the publisher's PUBLISH, not by our SUBSCRIBE
+        self.upstream: Subscription | None = None
+        self.largest: Location | None = None
+        self.track_properties: Properties = ()
+        self.downstreams: list[_Downstream] = []
+        self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.ended = False
+        self.pump: asyncio.Task[None] | None = None
+
+    def start(self, upstream: Subscription) -> None:
+        self.upstream = upstream
+        if upstream.largest is not None:
+            self.largest = upstream.largest
+        self.track_properties = upstream.track_properties
+        if not self.ready.done():
+            self.ready.set_result(None)
+        self.pump = self.relay._spawn(self._pump(), name="relay-feed")
+
+    def fail(self, error: BaseException) -> None:
+        self.ended = True
+        if not self.ready.done():
+            self.ready.set_exception(error)
+            self.ready.exception()  # retrieved: nobody else may be waiting
+
+    def attach(self, downstream: _Downstream) -> None:
+        self.downstreams.append(downstream)
+
+    def detach(self, downstream: _Downstream) -> None:
+        if downstream in self.downstreams:
+            self.downstreams.remove(downstream)
+        if not self.downstreams and not self.published and not self.ended:
+            # Nobody is left: stop the upstream subscription (the pump then ends).
+            self.ended = True
+            self.relay._forget_feed(self)
+            if self.upstream is not None:
+                # A new SUBSCRIBE for the track waits for this to go out first (one upstream
+                # subscription per track at a time).
+                self.relay._closing[self.key] = self.relay._spawn(
+                    self.upstream.aclose(), name="relay-unsubscribe")
+
+    async def _pump(self) -> None:
+        relay = self.relay
+        stats = relay.stats
+        cache = relay.cache
+        origin = self.origin.id
+        code, reason = int(PublishDoneCode.TRACK_ENDED), ""
+        assert self.upstream is not None
+        try:
+            async for obj in self.upstream:
+                stats.objects_in += 1
+                stats.bytes_in += len(obj.payload)
+                cached = _cached(obj)
+                cache.put(self.key, origin, cached)
+                if self.largest is None or cached.location > self.largest:
+                    self.largest = cached.location
+                for downstream in list(self.downstreams):
+                    if not downstream.offer(cached):
+                        stats.subscribers_dropped += 1
+                        log.info("dropping slow subscriber %s of %s", downstream.peer, _name(self.key))
+                        downstream.drop()
+            done = self.upstream.done
+            if done is not None:
+                code, reason = int(done.status_code), done.reason
+        except PublishDoneError as e:
+            code, reason = int(e.error_code), e.reason
+        except SessionClosed:
+            stats.publishers_lost += 1
+            code, reason = int(PublishDoneCode.INTERNAL_ERROR), "publisher went away"
+            log.info("publisher %s of %s went away", self.origin, _name(self.key))
+        except MoqtError as e:
+            code, reason = int(PublishDoneCode.INTERNAL_ERROR), f"upstream failed: {e}"
+        except asyncio.CancelledError:
+            code, reason = int(PublishDoneCode.GOING_AWAY), "relay shutting down"
+            raise
+        finally:
+            self.ended = True
+            relay._forget_feed(self)
+            for downstream in list(self.downstreams):
+                downstream.close(code, reason)
+
+
+def _field(value: bytes) -> str:
+    try:
+        text = value.decode("ascii")
+    except UnicodeDecodeError:
+        return value.hex()
+    return text if text.isprintable() else value.hex()
+
+
+def _name(key: TrackKey) -> str:
+    """A full track name for the log."""
+    ns, name = key
+    return "/".join(_field(f) for f in ns) + (":" + _field(name) if name else "")
+
+
+@dataclass
+class _NamespaceWatcher:
+    peer: _Peer
+    prefix: tuple[bytes, ...]
+    publisher: NamespacePublisher
+    principals: list[Principal]
+    shown: set[tuple[bytes, ...]] = field(default_factory=set)
+
+
+@dataclass
+class _TrackWatcher:
+    peer: _Peer
+    prefix: tuple[bytes, ...]
+    principals: list[Principal]
+
+
+# --------------------------------------------------------------------------- the relay
+
+
+class Relay:
+    """A MOQT relay in this process: `await relay.start()`, then `relay.url`."""
+
+    def __init__(self, settings: RelaySettings | None = None) -> None:
+        self.settings = settings or RelaySettings()
+        self.policy = AccessPolicy(self.settings.authenticator)
+        self.cache = ObjectCache(self.settings.cache_bytes)
+        self.stats = RelayStats()
+        self.routes: RouteTable[_Peer] = RouteTable()
+        self.server: MoqtServer | None = None
+        self._route_tokens: dict[Route[_Peer], list[bytes]] = {}
+        self._forwarded: dict[Route[_Peer], PublishedNamespace] = {}
+        self._feeds: dict[TrackKey, _Feed] = {}
+        self._closing: dict[TrackKey, asyncio.Task[Any]] = {}
+        self._namespace_watchers: list[_NamespaceWatcher] = []
+        self._track_watchers: list[_TrackWatcher] = []
+        self._changed: asyncio.Event | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._next_peer = 0
+        self._upstream_peer: _Peer | None = None
+        self._upstream_ready: asyncio.Event | None = None
+        self._upstream_task: asyncio.Task[None] | None = None
+        self._closed = False
+
+    # ---------------------------------------------------------------- lifecycle
+
+    async def start(self) -> "Relay":
+        s = self.settings
+        certificate = s.certificate
+        if certificate is None and s.certfile is None:
+            from kvsp_moq.moqt.certs import generate_self_signed  # noqa: PLC0415
+
+            certificate = s.certificate = generate_self_signed()
+        self._changed = asyncio.Event()
+        self.server = await serve(s.host, s.port, certificate=certificate, certfile=s.certfile,
+                                  keyfile=s.keyfile, settings=s.quic, on_connection=self._on_connection)
+        if s.upstream:
+            self._upstream_ready = asyncio.Event()
+            self._upstream_task = self._spawn(self._upstream_loop(), name="relay-upstream")
+        log.info("relay at %s (cache %d octets%s)%s", self.url, s.cache_bytes,
+                 f", upstream {s.upstream}" if s.upstream else "",
+                 "; no principals: open to every client" if self.policy.is_open else "")
+        return self
+
+    async def aclose(self) -> None:
+        self._closed = True
+        for task in list(self._tasks):
+            task.cancel()
+        if self._upstream_peer is not None and self._upstream_peer.connection is not None:
+            await self._upstream_peer.connection.aclose()
+        if self.server is not None:
+            await self.server.aclose()
+            await asyncio.sleep(0)  # the UDP transport closes its socket on the next turn
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=2.0)
+
+    async def __aenter__(self) -> "Relay":
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    @property
+    def url(self) -> str:
+        """moqt:// URL of this relay."""
+        if self.server is None:
+            raise RuntimeError("the relay is not started")
+        return self.server.url
+
+    @property
+    def port(self) -> int:
+        assert self.server is not None
+        return self.server.port
+
+    @property
+    def upstream_connected(self) -> bool:
+        return self._upstream_peer is not None and self._upstream_peer.alive
+
+    async def wait_upstream(self, timeout: float = 10.0) -> None:
+        """Wait until the session to the upstream relay is up (tests, the demo)."""
+        assert self._upstream_ready is not None, "no upstream configured"
+        await asyncio.wait_for(self._upstream_ready.wait(), timeout)
+
+    def snapshot(self) -> dict[str, int]:
+        """Counters and cache figures in one flat dict."""
+        out = self.stats.as_dict()
+        out.update(self.cache.stats())
+        out["feeds"] = len(self._feeds)
+        out["routes"] = len(self.routes)
+        out["subscribers"] = sum(len(f.downstreams) for f in self._feeds.values())
+        return out
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any], *, name: str) -> asyncio.Task[Any]:
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            exc = task.exception()
+            if not isinstance(exc, (MoqtError, asyncio.TimeoutError)):
+                log.error("relay task %s failed", task.get_name(), exc_info=exc)
+
+    def _notify(self) -> None:
+        """Wake requests waiting for a publisher (rendezvous)."""
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = asyncio.Event()
+
+    # ---------------------------------------------------------------- sessions
+
+    def _new_peer(self, connection: MoqtConnection | None, *, upstream: bool = False) -> _Peer:
+        self._next_peer += 1
+        return _Peer(self._next_peer, connection, upstream=upstream)
+
+    def _handlers(self, peer: _Peer) -> dict[str, Callable[[Any], Awaitable[None]]]:
+        def bind(method: Callable[[_Peer, Any], Awaitable[None]]) -> Callable[[Any], Awaitable[None]]:
+            async def handler(request: Any) -> None:
+                await self._guarded(method, peer, request)
+            return handler
+
+        return {
+            "publish_namespace": bind(self._on_publish_namespace),
+            "subscribe_namespace": bind(self._on_subscribe_namespace),
+            "subscribe": bind(self._on_subscribe),
+            "fetch": bind(self._on_fetch),
+            "track_status": bind(self._on_track_status),
+            "publish": bind(self._on_publish),
+            "subscribe_tracks": bind(self._on_subscribe_tracks),
+        }
+
+    async def _guarded(self, method: Callable[[_Peer, Any], Awaitable[None]], peer: _Peer, request: Any) -> None:
+        try:
+            await method(peer, request)
+        except RequestError as e:
+            if int(e.error_code) == 0x1:
+                self.stats.unauthorized += 1
+            raise
+
+    def _on_connection(self, connection: MoqtConnection) -> None:
+        peer = self._new_peer(connection)
+        for kind, handler in self._handlers(peer).items():
+            connection.set_handler(kind, handler)
+
+    def _route(self, namespace: tuple[bytes, ...], requester: _Peer) -> _Peer | None:
+        """The session to ask for a track: the longest announced prefix, else upstream."""
+        for route in self.routes.candidates(namespace):
+            if route.owner.alive:
+                return route.owner
+        up = self._upstream_peer
+        if up is not None and up.alive and requester is not up:
+            return up
+        return None
+
+    # ---------------------------------------------------------------- namespaces
+
+    async def _on_publish_namespace(self, peer: _Peer, req: IncomingPublishNamespace) -> None:
+        tokens = peer.tokens(req)
+        self.policy.check(Action.ANNOUNCE, req.namespace, tokens)
+        namespace = tuple(req.namespace)
+        registration = req.accept()
+        route = self.routes.add(namespace, peer)
+        self._route_tokens[route] = tokens
+        self.stats.announces += 1
+        log.info("%s announced %s", peer, _name((namespace, b"")))
+        self._namespace_shown(namespace)
+        self._forward_announce(route)
+        self._notify()
+        try:
+            await registration.closed
+        finally:
+            self.routes.remove(route)
+            self._route_tokens.pop(route, None)
+            forwarded = self._forwarded.pop(route, None)
+            if forwarded is not None and not self._closed:
+                self._spawn(forwarded.withdraw(), name="relay-withdraw-upstream")
+            if not self.routes.is_announced(namespace):
+                self._namespace_withdrawn(namespace)
+            log.info("%s withdrew %s", peer, _name((namespace, b"")))
+
+    def _namespace_shown(self, namespace: tuple[bytes, ...]) -> None:
+        for watcher in list(self._namespace_watchers):
+            if covers(watcher.prefix, namespace) and namespace not in watcher.shown \
+                    and self.policy.may_see(watcher.principals, namespace):
+                try:
+                    watcher.publisher.announce(namespace)
+                    watcher.shown.add(namespace)
+                except (MoqtError, ValueError):
+                    pass
+
+    def _namespace_withdrawn(self, namespace: tuple[bytes, ...]) -> None:
+        for watcher in list(self._namespace_watchers):
+            if namespace in watcher.shown:
+                watcher.shown.discard(namespace)
+                try:
+                    watcher.publisher.withdraw(namespace)
+                except (MoqtError, ValueError):
+                    pass
+
+    async def _on_subscribe_namespace(self, peer: _Peer, req: IncomingSubscribeNamespace) -> None:
+        principals = self.policy.check(Action.DISCOVER, req.namespace_prefix, peer.tokens(req))
+        publisher = req.accept()
+        watcher = _NamespaceWatcher(peer, tuple(req.namespace_prefix), publisher, principals)
+        self._namespace_watchers.append(watcher)
+        try:
+            for namespace in self.routes.under(watcher.prefix):
+                if self.policy.may_see(principals, namespace):
+                    publisher.announce(namespace)
+                    watcher.shown.add(namespace)
+            await publisher.closed
+        finally:
+            self._namespace_watchers.remove(watcher)
+
+    def _forward_announce(self, route: Route[_Peer]) -> None:
+        """Announce a local publisher's namespace to the upstream relay too."""
+        up = self._upstream_peer
+        if up is None or not up.alive or route.owner is up:
+            return
+
+        async def forward() -> None:
+            try:
+                published = await up.connection.publish_namespace(
+                    route.namespace, authorization=self._route_tokens.get(route) or None,
+                    timeout=self.settings.upstream_timeout)
+            except (MoqtError, asyncio.TimeoutError) as e:
+                log.info("upstream refused the announcement of %s: %s", _name((route.namespace, b"")), e)
+                return
+            if route in self._route_tokens:
+                self._forwarded[route] = published
+            else:
+                await published.withdraw()
+
+        self._spawn(forward(), name="relay-announce-upstream")
+
+    # ---------------------------------------------------------------- subscriptions
+
+    async def _on_subscribe(self, peer: _Peer, req: IncomingSubscribe) -> None:
+        tokens = peer.tokens(req)
+        self.policy.check(Action.SUBSCRIBE, req.namespace, tokens)
+        self.stats.subscribes += 1
+        key: TrackKey = (tuple(req.namespace), bytes(req.track_name))
+        feed = await self._feed_for(key, peer, tokens, req.parameters.rendezvous_timeout or 0)
+        start, end_group = _filter_bounds(req.subscription_filter, feed.largest)
+        if end_group is not None and feed.largest is not None and end_group < feed.largest.group:
+            raise InvalidRange("the filter's end group has already been published")
+        outgoing = req.accept(largest=feed.largest, track_properties=feed.track_properties)
+        if feed.ended:
+            await outgoing.finish(PublishDoneCode.TRACK_ENDED, "track ended")
+            return
+        feed.attach(_Downstream(self, feed, peer, outgoing, start, end_group, req.forward))
+
+    async def _feed_for(self, key: TrackKey, requester: _Peer, tokens: list[bytes], rendezvous_ms: int) -> _Feed:
+        """The live feed of a track, opening one upstream (after a rendezvous wait) if needed."""
+        loop = asyncio.get_running_loop()
+        deadline: float | None = None
+        for _ in range(10_000):  # bounded: each turn waits for a change or the deadline
+            feed = self._feeds.get(key)
+            if feed is not None and not feed.ended:
+                if not feed.ready.done():
+                    await asyncio.shield(feed.ready)
+                if not feed.ended:
+                    return feed
+                continue
+            source = self._route(key[0], requester)
+            if source is not None:
+                try:
+                    return await self._open_feed(key, source, tokens)
+                except _SourceGone:
+                    continue  # its session just ended; its routes are gone with it
+            if not rendezvous_ms:
+                raise DoesNotExist("no publisher for this track")
+            if deadline is None:
+                self.stats.rendezvous_waits += 1
+                deadline = loop.time() + min(rendezvous_ms, self.settings.max_rendezvous_ms) / 1000
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                self.stats.rendezvous_timeouts += 1
+                raise RequestTimeout("no publisher appeared within the rendezvous timeout")
+            assert self._changed is not None
+            try:
+                await asyncio.wait_for(self._changed.wait(), remaining)
+            except asyncio.TimeoutError:
+                pass
+        raise InternalRequestError("no stable route for this track")
+
+    async def _open_feed(self, key: TrackKey, source: _Peer, tokens: list[bytes]) -> _Feed:
+        feed = _Feed(self, key, source)
+        self._feeds[key] = feed
+        closing = self._closing.pop(key, None)
+        if closing is not None:
+            await asyncio.wait([closing], timeout=self.settings.upstream_timeout)
+        self.stats.upstream_requests += 1
+        self.stats.upstream_subscribes += 1
+        try:
+            upstream = await source.connection.subscribe(
+                key[0], key[1], forward=True,
+                authorization=tokens if source.is_upstream else None,
+                timeout=self.settings.upstream_timeout)
+        except BaseException as e:
+            self._forget_feed(feed)
+            error = _request_error(e)
+            feed.fail(error)
+            if isinstance(e, asyncio.CancelledError):
+                raise
+            if isinstance(e, SessionClosed) and not source.alive:
+                raise _SourceGone() from None
+            raise error from None
+        log.info("subscribed upstream to %s via %s", _name(key), source)
+        feed.start(upstream)
+        return feed
+
+    def _forget_feed(self, feed: _Feed) -> None:
+        if self._feeds.get(feed.key) is feed:
+            del self._feeds[feed.key]
+
+    async def _on_publish(self, peer: _Peer, req: IncomingPublish) -> None:
+        tokens = peer.tokens(req)
+        self.policy.check(Action.PUBLISH, req.namespace, tokens)
+        key: TrackKey = (tuple(req.namespace), bytes(req.track_name))
+        current = self._feeds.get(key)
+        if current is not None and not current.ended:
+            raise Uninterested("this track already has a publisher here")
+        self.stats.publishes += 1
+        feed = _Feed(self, key, peer, published=True)
+        self._feeds[key] = feed
+        try:
+            upstream = req.accept(forward=True)
+        except BaseException:
+            self._forget_feed(feed)
+            raise
+        feed.start(upstream)
+        self._notify()
+        for watcher in list(self._track_watchers):
+            if watcher.peer is not peer and covers(watcher.prefix, key[0]) \
+                    and self.policy.may_see(watcher.principals, key[0]):
+                self._spawn(self._publish_to(watcher, feed), name="relay-publish-downstream")
+
+    async def _publish_to(self, watcher: _TrackWatcher, feed: _Feed) -> None:
+        """Offer a published track to a SUBSCRIBE_TRACKS subscriber."""
+        try:
+            outgoing = await watcher.peer.connection.publish(
+                feed.key[0], feed.key[1], largest=feed.largest, track_properties=feed.track_properties,
+                timeout=self.settings.upstream_timeout)
+        except (MoqtError, asyncio.TimeoutError) as e:
+            log.info("%s declined %s: %s", watcher.peer, _name(feed.key), e)
+            return
+        if feed.ended:
+            await outgoing.finish(PublishDoneCode.TRACK_ENDED, "track ended")
+            return
+        start, _ = _filter_bounds(SubscriptionFilter.largest_object(), feed.largest)
+        feed.attach(_Downstream(self, feed, watcher.peer, outgoing, start, None, True))
+
+    async def _on_subscribe_tracks(self, peer: _Peer, req: IncomingSubscribeTracks) -> None:
+        principals = self.policy.check(Action.DISCOVER, req.namespace_prefix, peer.tokens(req))
+        publisher = req.accept()
+        watcher = _TrackWatcher(peer, tuple(req.namespace_prefix), principals)
+        self._track_watchers.append(watcher)
+        try:
+            for feed in list(self._feeds.values()):
+                if feed.published and not feed.ended and feed.origin is not peer \
+                        and covers(watcher.prefix, feed.key[0]) and self.policy.may_see(principals, feed.key[0]):
+                    self._spawn(self._publish_to(watcher, feed), name="relay-publish-downstream")
+            await publisher.closed
+        finally:
+            self._track_watchers.remove(watcher)
+
+    async def _on_track_status(self, peer: _Peer, req: IncomingTrackStatus) -> None:
+        tokens = peer.tokens(req)
+        self.policy.check(Action.SUBSCRIBE, req.namespace, tokens)
+        self.stats.track_statuses += 1
+        key: TrackKey = (tuple(req.namespace), bytes(req.track_name))
+        feed = self._feeds.get(key)
+        if feed is not None and not feed.ended and feed.ready.done():
+            req.accept(largest=feed.largest, track_properties=feed.track_properties)
+            return
+        source = self._route(key[0], peer)
+        if source is None:
+            raise DoesNotExist("no publisher for this track")
+        self.stats.upstream_requests += 1
+        self.stats.upstream_track_statuses += 1
+        try:
+            info = await source.connection.track_status(
+                key[0], key[1], authorization=tokens if source.is_upstream else None,
+                timeout=self.settings.upstream_timeout)
+        except BaseException as e:
+            raise _request_error(e) from None
+        req.accept(largest=info.largest, track_properties=info.track_properties)
+
+    # ---------------------------------------------------------------- fetches
+
+    async def _on_fetch(self, peer: _Peer, req: IncomingFetch) -> None:
+        tokens = peer.tokens(req)
+        self.policy.check(Action.FETCH, req.namespace, tokens)
+        self.stats.fetches += 1
+        key: TrackKey = (tuple(req.namespace), bytes(req.track_name))
+        descending = req.group_order == GroupOrder.DESCENDING
+        found = self.cache.lookup(key, req.start, req.end)
+        if found.resume is None:
+            self.stats.cache_hits += 1
+            objects = _ordered(found.objects, descending)
+            sender = req.accept(end=req.end)
+            await self._send_fetched(sender, objects, from_cache=True)
+            sender.close()
+            return
+        self.stats.cache_misses += 1
+        prefix, resume = found.objects, found.resume
+        end = req.end
+        whole = end.object == 0
+        last = Location(end.group, 0) if whole else Location(end.group, end.object - 1)
+        for _ in range(3):  # a route whose session just ended is skipped
+            source = self._route(key[0], peer)
+            if descending or (source is not None and prefix and found.origin != source.id):
+                prefix, resume = [], req.start  # the response must come from one origin, in order
+            if source is None:
+                if prefix:
+                    await self._serve_prefix(req, prefix)
+                    return
+                raise DoesNotExist("no publisher for this track")
+            self.stats.upstream_requests += 1
+            self.stats.upstream_fetches += 1
+            try:
+                upstream = await source.connection.fetch(
+                    key[0], key[1], resume, last, whole_end_group=whole,
+                    group_order=req.parameters.group_order,
+                    authorization=tokens if source.is_upstream else None,
+                    timeout=self.settings.upstream_timeout)
+                break
+            except BaseException as e:
+                if isinstance(e, asyncio.CancelledError):
+                    raise
+                if isinstance(e, SessionClosed) and not source.alive:
+                    continue
+                if prefix:
+                    await self._serve_prefix(req, prefix)
+                    return
+                raise _request_error(e) from None
+        else:
+            raise DoesNotExist("the publishers of this track went away")
+        sender = req.accept(end=upstream.end_location or req.end, end_of_track=upstream.end_of_track,
+                            track_properties=upstream.track_properties)
+        sender.cancelled.add_done_callback(lambda _: self._spawn(upstream.aclose(), name="relay-fetch-cancel"))
+        try:
+            await self._send_fetched(sender, prefix, from_cache=True)
+            await self._relay_fetch(key, source, upstream, req, sender)
+        except (StreamClosed, SessionClosed):
+            await upstream.aclose()  # the subscriber went away
+
+    async def _serve_prefix(self, req: IncomingFetch, prefix: list[CachedObject]) -> None:
+        """Answer with what the cache holds from the start of the range (upstream failed)."""
+        tail = prefix[-1]
+        sender = req.accept(end=Location(tail.group_id, tail.object_id + 1))
+        await self._send_fetched(sender, prefix, from_cache=True)
+        sender.close()
+
+    async def _send_fetched(self, sender: FetchSender, objects: list[CachedObject], *, from_cache: bool) -> None:
+        stats = self.stats
+        for obj in objects:
+            if obj.status != ObjectStatus.NORMAL:
+                continue  # a FETCH response marks no statuses; a gap says "does not exist"
+            await sender.send(obj.group_id, obj.object_id, obj.payload, subgroup_id=obj.subgroup_id,
+                              publisher_priority=obj.publisher_priority, properties=obj.properties)
+            stats.objects_out += 1
+            stats.bytes_out += len(obj.payload)
+            if from_cache:
+                stats.cache_objects_served += 1
+
+    async def _relay_fetch(self, key: TrackKey, source: _Peer, upstream: FetchResult,
+                           req: IncomingFetch, sender: FetchSender) -> None:
+        """Copy an upstream FETCH response downstream, caching each object."""
+        stats = self.stats
+        cache = self.cache
+        last_in_group: dict[int, int] = {}
+        iterator = upstream.__aiter__()
+        while True:
+            try:
+                obj = await iterator.__anext__()
+            except StopAsyncIteration:
+                break
+            except MoqtError as e:
+                log.info("upstream FETCH of %s failed: %s", _name(key), e)
+                sender.reset(StreamResetCode.INTERNAL_ERROR)
+                return
+            stats.objects_in += 1
+            stats.bytes_in += len(obj.payload)
+            cached = _cached(obj)
+            cache.put(key, source.id, cached)
+            last_in_group[obj.group_id] = max(obj.object_id, last_in_group.get(obj.group_id, -1))
+            if req.includes(cached.location):
+                await self._send_fetched(sender, [cached], from_cache=False)
+        # A response ended by FIN lists every object that exists in its range: the end of
+        # each group it covered whole is now known.
+        end = upstream.end_location
+        if end is not None:
+            for group, last in last_in_group.items():
+                if group < end.group or (group == end.group and end.object == 0):
+                    cache.note_group_end(key, source.id, group, last)
+        sender.close()
+
+    # ---------------------------------------------------------------- upstream relay
+
+    async def _upstream_loop(self) -> None:
+        """Keep a session to the upstream relay, re-announcing local namespaces on each."""
+        s = self.settings
+        assert s.upstream is not None and self._upstream_ready is not None
+        backoff = s.upstream_retry_initial
+        while not self._closed:
+            peer = self._new_peer(None, upstream=True)
+            try:
+                connection = await connect(
+                    s.upstream, settings=s.quic, verify=s.upstream_verify, cadata=s.upstream_cadata,
+                    cafile=s.upstream_cafile, authorization=s.upstream_token, handlers=self._handlers(peer),
+                    timeout=s.upstream_timeout)
+            except Exception as e:  # any failure to connect: try again later
+                log.info("upstream relay %s unreachable (%s); retrying in %.1fs", s.upstream, e or "timeout", backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, s.upstream_retry_max)
+                continue
+            backoff = s.upstream_retry_initial
+            peer.connection = connection
+            self._upstream_peer = peer
+            self._upstream_ready.set()
+            log.info("connected to upstream relay %s", s.upstream)
+            for route in list(self.routes):
+                if route.owner is not peer:
+                    self._forward_announce(route)
+            self._notify()
+            try:
+                await connection.wait_closed()
+            finally:
+                self._upstream_ready.clear()
+                self._upstream_peer = None
+                self._forwarded.clear()
+            log.info("session to upstream relay %s ended", s.upstream)
+
+
+class _SourceGone(Exception):
+    """The session a request was routed to ended before answering."""
+
+
+def _filter_bounds(subscription_filter: SubscriptionFilter | None,
+                   largest: Location | None) -> tuple[Location, int | None]:
+    """(first Location passed, last Group passed or None) of a subscription filter."""
+    if subscription_filter is None:
+        return Location(0, 0), None
+    kind = subscription_filter.filter_type
+    if kind == FilterType.LARGEST_OBJECT:
+        return (Location(largest.group, largest.object + 1) if largest else Location(0, 0)), None
+    if kind == FilterType.NEXT_GROUP_START:
+        return (Location(largest.group + 1, 0) if largest else Location(0, 0)), None
+    assert subscription_filter.start is not None
+    return subscription_filter.start, subscription_filter.end_group
+
+
+def _ordered(objects: list[CachedObject], descending: bool) -> list[CachedObject]:
+    if not descending:
+        return objects
+    return sorted(objects, key=lambda o: (-o.group_id, o.object_id))
+
+
+def _request_error(error: BaseException) -> RequestError:
+    """The REQUEST_ERROR to answer downstream when an upstream request failed."""
+    if isinstance(error, RequestError):
+        return type(error)(error.reason, error_code=int(error.error_code),
+                           retry_interval=error.retry_interval)
+    if isinstance(error, asyncio.TimeoutError):
+        return RequestTimeout("the publisher did not answer in time")
+    if isinstance(error, SessionClosed):
+        return DoesNotExist("the publisher went away")
+    if isinstance(error, asyncio.CancelledError):
+        return InternalRequestError("relay shutting down")
+    return InternalRequestError(f"upstream request failed: {error}")

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# System packages the test suite needs beyond Python: redis-server (Index Service on Redis),
+# iproute2 and util-linux (private network namespaces for the interop peer).
+set -euo pipefail
+missing=()
+command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
+command -v ip >/dev/null 2>&1 || missing+=(iproute2)
+command -v unshare >/dev/null 2>&1 || missing+=(util-linux)
+[ ${#missing[@]} -eq 0 ] && exit 0
+if [ "$(id -u)" -ne 0 ]; then
+  echo "system-deps: please install: ${missing[*]} (needs root)" >&2
+  exit 1
+fi
+export DEBIAN_FRONTEND=noninteractive
+apt-get update -qq
+apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
