@@ -406,22 +406,22 @@ def replica_store_lookup(store: Any, clock: Callable[[], float]) -> LookupFn:
     The store answers with the stored JSON octets of each replica; parsed records are kept by
     those octets (bounded), since the same replicas come back on every lookup of a prefix.
     """
-    cache: dict[bytes, ReplicaRecord] = {}
+    cache: dict[bytes, LookupBlock] = {}
     limit = 200_000
 
-    def parse(octets: bytes) -> ReplicaRecord:
-        record = cache.get(octets)
-        if record is None:
+    def parse(octets: bytes) -> LookupBlock:
+        block = cache.get(octets)
+        if block is None:
             if len(cache) >= limit:
                 cache.clear()
-            record = cache[octets] = ReplicaRecord.from_json(json.loads(octets))
-        return record
+            data = json.loads(octets)
+            block = cache[octets] = LookupBlock(
+                data["block_key"], tuple(ReplicaRecord.from_json(r) for r in data["replicas"]))
+        return block
 
     async def lookup(req: LookupRequest) -> LookupResult:
         hits = await store.lookup(req.compat_id, req.scope_id, req.block_keys, clock())
-        blocks = tuple(LookupBlock(key, tuple(parse(o) for o in reps))
-                       for key, reps in zip(req.block_keys, hits.replicas[:hits.matched]))
-        return LookupResult(hits.matched, blocks)
+        return LookupResult(hits.matched, tuple(parse(b) for b in hits.blocks[:hits.matched]))
 
     return lookup
 

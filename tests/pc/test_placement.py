@@ -86,29 +86,26 @@ def test_tier_read_rate_steers_the_source_and_directive_order():
 
 
 async def test_replica_store_adapter():
+    from index.store import MemoryReplicaStore
+
     key = "cd" * 32
-    octets = json.dumps(rec(key, HOLDERS[0], 100).to_json()).encode()
+    store = MemoryReplicaStore()
+    await store.put(rec(key, HOLDERS[0], 100), 42.0)
+    calls = []
+    real_lookup = store.lookup
 
-    @dataclass
-    class Hits:
-        matched: int
-        replicas: list
+    async def counting(*args, **kw):
+        calls.append(args)
+        return await real_lookup(*args, **kw)
 
-    class Store:
-        calls = []
-
-        async def lookup(self, compat, scope, keys, now, *, summaries=False):
-            self.calls.append((compat, scope, tuple(keys), now))
-            return Hits(1, [[octets]])
-
-    store = Store()
+    store.lookup = counting
     lookup = replica_store_lookup(store, lambda: 42.0)
     req = LookupRequest(SCOPE, COMPAT, (key, "ef" * 32))
     first = await lookup(req)
     again = await lookup(req)
     assert first.matched == 1 and first.blocks[0].replicas[0].holder == HOLDERS[0]
     assert again.blocks[0].replicas[0] is first.blocks[0].replicas[0]   # parsed once
-    assert store.calls[0] == (COMPAT, SCOPE, (key, "ef" * 32), 42.0)
+    assert calls[0] == (COMPAT, SCOPE, (key, "ef" * 32), 42.0)
 
 
 async def test_roles_and_scopes(tmp_path):
