@@ -95,10 +95,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from kvsp_moq.demo.walkthrough import run_core_walkthrough
+    if args.core_only:
+        from kvsp_moq.demo.walkthrough import run_core_walkthrough
 
-    run_core_walkthrough(as_json=args.json)
-    return 0
+        run_core_walkthrough(as_json=args.json)
+        return 0
+    from kvsp_moq.demo.run import run_demo
+
+    return run_demo(as_json=args.json, serve=args.serve, report_dir=args.report_dir)
 
 
 #: Service subcommands: name -> (module with configure_parser/run, one-line help).
@@ -183,6 +187,12 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
                     "reused; every figure printed is measured in the run.",
     )
     p.add_argument("--json", action="store_true", help="print a machine-readable report")
+    p.add_argument("--serve", action="store_true",
+                   help="start the system, print its URLs and tokens, and keep it running")
+    p.add_argument("--report-dir", metavar="DIR",
+                   help="where to write the report (default: a new temporary folder)")
+    p.add_argument("--core-only", action="store_true",
+                   help="only show the protocol core (IDs, keys, a container); starts nothing")
     p.set_defaults(func=cmd_demo)
     _add_services(sub, list(argv))
     return parser

@@ -17,7 +17,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -64,7 +64,10 @@ def json_response(data: Any, status: int = 200, headers: dict[str, str] | None =
 
 async def read_json(request: Request, *, max_bytes: int = 64 << 20) -> Any:
     """The request body as JSON; anything else is a 400 problem, never a 500."""
-    body = await request.body()
+    try:
+        body = await request.body()
+    except ClientDisconnect:
+        raise BadRecord("the client went away before the body was complete", member="body") from None
     if len(body) > max_bytes:
         raise BadRecord(f"body exceeds {max_bytes} octets", member="body")
     try:

@@ -62,6 +62,7 @@ class Cluster:
     tenants: list[Tenant] = field(default_factory=list)
     services: dict[str, Service] = field(default_factory=dict)
     tokens: dict[str, str] = field(default_factory=dict)
+    model_dir: Path | None = None
 
     def configure(self) -> None:
         """Write the principals and scope keys files; pick free ports."""
@@ -97,6 +98,7 @@ class Cluster:
         for t in self.tenants:
             principal(t.name, t.token, [t.scope_id], [], [])
         (self.root / "principals.toml").write_text("\n".join(lines))
+        (self.root / "pc.token").write_text(self.tokens["pc"])
         (self.root / "scope-keys.toml").write_text(
             "".join(f'{t.name} = "{t.scope_key.hex()}"\n' for t in self.tenants))
         self.urls = urls
@@ -110,6 +112,7 @@ class Cluster:
         if name == "index":
             return kvsp + ["index", "--listen", listen, "--principals", principals,
                            "--scope-keys", keys, "--db", str(self.root / "pc.sqlite3"),
+                           "--token-file", str(self.root / "pc.token"),
                            "--block-tokens", "16"]
         if name == "relay":
             return kvsp + ["relay", "--listen", listen, "--principals", principals,
@@ -119,7 +122,7 @@ class Cluster:
                            "--index", self.urls["index"], "--principals", principals,
                            "--token", self.tokens["holder"], "--relay", self.urls["relay"],
                            "--disk-bytes", "1G", "--host-bytes", "64M"]
-        return kvsp + ["agent", "--listen", listen, "--model", "tiny",
+        return kvsp + ["agent", "--listen", listen, "--model", str(self.model_dir),
                        "--index", self.urls["index"], "--pc", self.urls["index"],
                        "--relay", self.urls["relay"], "--data", str(self.root / name),
                        "--scope-keys", keys, "--scope", self.tenants[0].name,
