@@ -1,0 +1,29 @@
+"""`kvsp demo` end to end: real processes on 127.0.0.1, the report it prints checked."""
+
+import json
+import subprocess
+import sys
+
+
+def test_demo_runs_the_whole_system_and_reports_measured_results(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "kvsp_moq.cli", "demo", "--json",
+                          "--report-dir", str(tmp_path / "report")],
+                         capture_output=True, text=True, timeout=540)
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout)
+    rows = report["shared_prompt"]
+    assert rows[0]["cached_tokens"] == 0 and rows[0]["matched_blocks"] == 0
+    for row in rows[1:]:
+        assert row["matched_blocks"] == 32 and row["cached_tokens"] == 512, row
+    # The request sent to the other instance loaded the prefix from elsewhere.
+    moved = rows[2]["sources"]
+    assert moved.get("http", 0) + moved.get("moqt", 0) > 0, moved
+    fo = report["failover"]
+    assert fo["every_index_once"] and fo["equals_uninterrupted_run"] and fo["epochs"][-1] > fo["epochs"][0]
+    assert report["other_tenant"]["matched_blocks"] == 0
+    assert report["other_tenant"]["cached_tokens"] == 0
+    saved = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert saved["failover"] == fo
+    # Nothing is left running.
+    left = subprocess.run(["pgrep", "-f", str(tmp_path / "report")], capture_output=True, text=True)
+    assert left.stdout.strip() == ""
