@@ -1,0 +1,356 @@
+"""The inference instance's HTTP resources (DESIGN §3, §6; KVSP §6.3, §6.5, §6.8, §6.9).
+
+    POST  generate                      {"tokens", "max_new_tokens", "sampler", "session"?,
+                                         "stream"?, "scope"?, "timeline"?}
+    GET   sessions/{id}                 the session's state and tokens so far
+    GET   sessions/{id}/stream?from=k   NDJSON {"index", "epoch", "token"}, then {"done": true}
+    POST  sessions/{id}/resume          {"checkpoint", "epoch"} -> 202
+    POST  prefetch                      a Prefetch Directive -> 202, Location prefetch/{directive}
+    GET   prefetch/{directive}          {"directive", "state", "loaded": [keys], "failed"?}
+    PUT   state                         {"state", "epoch"} (epoch: this instance's)
+    GET   status                        the Instance Status Record as it would be sent now
+    POST  reshard                       a reshard plan, commit or abort (§6.9)
+    GET   reshard/{map}                 {"map", "version", "ranges", "pending", "last": {...,
+                                         "fetched": [{"tokens", "from", "bytes"}], ...}}
+    PUT   shards/{map}                  {"version", "tokens", "ranges"}: compute and hold ranges
+    GET   kv?map=M&tokens=a-b           tokens [a, b) of a held range as a KVB1 container
+    GET|HEAD|PUT blocks/{compat}/{scope}/{key}, POST leases, PUT|DELETE leases/{id}: the
+                                        agent's own holder (§6.6, §6.7)
+
+The answer to a generate without "stream" is `{"session", "epoch", "tokens", "prompt_tokens",
+"cached_tokens", "ttft_ms", "sources": {"moqt", "http", "recompute"[, "local"]}, "load"?,
+"timing": {"plan_ms", "load_ms"?, "forward_ms"}, "timeline"?}`. "sources" counts complete prompt
+blocks: loaded over MOQT, over HTTP, from the agent's own store ("local", only when non-zero),
+and computed here ("recompute");
+"cached_tokens" is the number of prompt tokens loaded rather than computed. It is sent once the
+blocks computed for the request are stored and published, so a lookup made after it finds them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import re
+from typing import TYPE_CHECKING, Any, AsyncIterator
+
+import httpx
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from agent.engine import Engine, EngineOptions, GenerateRequest, NotActive, ShardKeeper
+from agent.loader import HttpLayerSource, LeaseClient, LocalLayerSource, MoqtLayerSource, Prefetcher
+from agent.model import ModelAdapter
+from agent.status import Meters, StatusReporter
+from kvsp_moq.auth import Authenticator
+from kvsp_moq.errors import BadRecord, KvspError, NotFound, StaleEpoch
+from kvsp_moq.fetch.http import HttpFetcher
+from kvsp_moq.holder.app import HolderApi, relay_tls, repr_digest
+from kvsp_moq.holder.leases import LeaseLimits, LeaseTable
+from kvsp_moq.holder.publisher import Publisher
+from kvsp_moq.holder.store import BlockStore
+from kvsp_moq.index_client import IndexClient
+from kvsp_moq.moqt_blocks import MoqtBlockFetcher
+from kvsp_moq.protocol import validate as v
+from kvsp_moq.protocol.compat import CompatDescriptor
+from kvsp_moq.protocol.container import MEDIA_TYPE as BLOCK_MEDIA_TYPE
+from kvsp_moq.protocol.keys import scope_id as scope_id_of
+from kvsp_moq.protocol.records import PrefetchDirective
+from kvsp_moq.web import build_app, json_response, principal, read_json
+
+if TYPE_CHECKING:
+    from agent.service import AgentSettings
+
+log = logging.getLogger("kvsp.agent")
+
+NDJSON = "application/x-ndjson"
+_TOKENS = re.compile(r"^(\d{1,10})-(\d{1,10})$")
+
+__all__ = ["AgentContext", "create_app"]
+
+
+class AgentContext:
+    """The parts of one agent, reachable from `app.state.agent` (tests, the demo, the bench)."""
+
+    def __init__(self, settings: "AgentSettings", adapter: ModelAdapter) -> None:
+        self.settings = settings
+        self.adapter = adapter
+        self._url = ""
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(settings.http_timeout_s, connect=min(settings.http_timeout_s, 5.0)),
+            # A small pool: httpcore scans every pooled connection on each request.
+            trust_env=False, limits=httpx.Limits(max_connections=64, max_keepalive_connections=32))
+        self.leases_table = LeaseTable(limits=LeaseLimits(max_ttl_ms=settings.max_lease_ttl_ms,
+                                                          max_octets=settings.max_lease_bytes))
+        self.index = (IndexClient(settings.index_url, token=settings.token, client=self.client)
+                      if settings.index_url else None)
+        compat = CompatDescriptor.from_dict(adapter.descriptor(settings.block_tokens))
+        self.store = BlockStore(host_bytes=settings.host_bytes,
+                                disk_bytes=settings.disk_bytes if settings.data_dir else 0,
+                                data_dir=settings.data_dir, is_protected=self.leases_table.is_protected,
+                                descriptors={compat.compat_hex: compat})
+        self.publisher = Publisher(self.store, self.index, record_ttl_ms=settings.record_ttl_ms)
+        self.store.withdraw = self.publisher.withdraw
+        self.store.on_change = self.publisher.announce
+        self.holder_api = HolderApi(self.store, self.leases_table, self.publisher,
+                                    max_block_bytes=settings.max_block_bytes)
+        self.meters = Meters()
+        self.fetcher = HttpFetcher(client=self.client, token=settings.token)
+        self.lease_client = LeaseClient(self.client, token=settings.token, on_rtt=self.meters.rtt)
+        self.local = LocalLayerSource(self.store, lambda: self.url)
+        sources: list[Any] = list(settings.layer_sources)
+        self.moqt_fetcher: MoqtBlockFetcher | None = None
+        if settings.relay:
+            # MOQT first, HTTP as the fallback, recomputation last (DESIGN §5).
+            self.moqt_fetcher = MoqtBlockFetcher(token=settings.token,
+                                                 **relay_tls(settings.relay, None, False))
+            sources.insert(0, MoqtLayerSource(self.moqt_fetcher, settings.relay))
+        sources.append(HttpLayerSource(self.fetcher))
+        options = EngineOptions(
+            block_tokens=settings.block_tokens, lease_ms=settings.lease_ms,
+            load_concurrency=settings.load_concurrency, layers_per_request=settings.layers_per_request,
+            release_batch=settings.release_batch, max_unacked=settings.max_unacked,
+            token_interval_s=settings.token_interval_s, max_new_tokens=settings.max_new_tokens,
+            replicate_to=tuple(settings.replicate_to))
+        self.engine = Engine(
+            adapter, store=self.store, announce=self.publisher.announce,
+            is_published=self.publisher.is_published, record_for=self.publisher.record_for,
+            client=self.client, index=self.index, leases=self.lease_client, sources=sources,
+            local=self.local, scope_keys=settings.scope_keys, default_scope=settings.scope,
+            self_url=lambda: self.url, pc_url=settings.pc_url, token=settings.token,
+            options=options, meters=self.meters)
+        self.prefetcher = Prefetcher(self.store, self.publisher.announce, self.fetcher,
+                                     self.lease_client, self.index,
+                                     on_transfer=self.meters.transfer)
+        self.shards = ShardKeeper(adapter, self.engine._model, self.client, token=settings.token)
+        self.reporter: StatusReporter | None = None
+        if settings.pc_url:
+            self.reporter = StatusReporter(
+                pc_url=settings.pc_url, instance_url=lambda: self.url, client=self.client,
+                meters=self.meters, running=lambda: self.engine.running,
+                queued=lambda: self.engine.queued, get_state=lambda: self.engine.state,
+                set_state=self._set_state, token=settings.token,
+                ttl_ms=settings.status_ttl_ms, sleep_after_s=settings.sleep_after_s,
+                kv_utilization=self._kv_utilization, epoch=settings.epoch)
+        self.epoch = self.reporter.epoch if self.reporter else (settings.epoch or 0)
+        self.url = settings.public_url or ""
+        self.closed = False
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def url(self) -> str:
+        """The agent's public base URL, ending in "/": its instance URL and holder URL."""
+        return self._url
+
+    @url.setter
+    def url(self, value: str) -> None:
+        self._url = value if not value or value.endswith("/") else value + "/"
+        self.publisher.holder_url = self._url
+
+    @property
+    def compat_id(self) -> str:
+        return self.engine.compat_id
+
+    def _set_state(self, state: str) -> None:
+        self.engine.state = state
+
+    def _kv_utilization(self) -> float:
+        budget = self.store.budget["host"]
+        return self.store.used["host"] / budget if budget else 0.0
+
+    async def startup(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        await self.store.load()
+        if self.index is not None and not self.url:
+            raise BadRecord("the agent's public URL is unknown; records cannot be published",
+                            member="public_url")
+        await self.publisher.start()
+        if self.settings.warmup_tokens:
+            await self.engine.warmup(self.settings.warmup_tokens)
+        if self.reporter is not None:
+            await self.reporter.start()
+
+    async def shutdown(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self.reporter is not None:
+            await self.reporter.stop()
+        await self.prefetcher.close()
+        await self.engine.close()
+        await self.publisher.stop()
+        await self.store.close()
+        if self.moqt_fetcher is not None:
+            await self.moqt_fetcher.aclose()
+        await self.client.aclose()
+
+
+# --------------------------------------------------------------------------- handlers
+
+
+async def _ndjson(lines: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
+    async for line in lines:
+        yield json.dumps(line, separators=(",", ":")).encode() + b"\n"
+
+
+def _routes(ctx: AgentContext) -> list[Route]:
+    engine = ctx.engine
+
+    async def generate(request: Request) -> Response:
+        who = principal(request)
+        req = GenerateRequest.from_json(await read_json(request),
+                                        max_tokens=ctx.settings.max_new_tokens)
+        who.require_scope(scope_id_of(engine.scope_key(req.scope)).hex())
+        session = await engine.generate(req)
+        if req.stream:
+            return StreamingResponse(_ndjson(session.stream(0)), media_type=NDJSON)
+        await session.done.wait()
+        if session.state != "finished":
+            raise KvspError(f"session {session.id} {session.state}: {session.error or ''}".strip())
+        await engine.wait_published(session)
+        out = {"session": session.id, "epoch": session.epoch, "tokens": list(session.generated),
+               "prompt_tokens": len(req.tokens), "cached_tokens": session.cached_tokens,
+               "ttft_ms": session.ttft_ms, "sources": dict(session.sources)}
+        if session.load is not None:
+            out["load"] = session.load
+        out["timing"] = dict(session.timing)
+        if req.timeline and session.timeline is not None:
+            out["timeline"] = session.timeline.to_json()
+        return json_response(out)
+
+    def session_of(request: Request) -> Any:
+        sid = v.uuid_text(request.path_params["session"], "session")
+        session = engine.sessions.get(sid)
+        if session is None:
+            raise NotFound(f"no session {sid} here")
+        principal(request).require_scope(session.scope_id)
+        return session
+
+    async def get_session(request: Request) -> Response:
+        return json_response(session_of(request).summary())
+
+    async def stream(request: Request) -> Response:
+        session = session_of(request)
+        text = request.query_params.get("from", "0")
+        if not text.isdigit():
+            raise BadRecord("must be a non-negative integer", member="from")
+        return StreamingResponse(_ndjson(session.stream(int(text))), media_type=NDJSON)
+
+    async def resume(request: Request) -> Response:
+        principal(request).require_role("pc")
+        sid = v.uuid_text(request.path_params["session"], "session")
+        session = await engine.resume(sid, await read_json(request))
+        return json_response({"session": session.id, "epoch": session.epoch, "state": session.state,
+                              "output_offset": len(session.generated)}, 202)
+
+    async def prefetch(request: Request) -> Response:
+        who = principal(request)
+        who.require_role("pc")
+        directive = PrefetchDirective.from_json(await read_json(request))
+        who.require_scope(directive.scope_id)
+        if directive.compat_id != ctx.compat_id:
+            raise BadRecord("is not this instance's compatibility ID", member="compat_id")
+        if engine.state != "active":
+            raise NotActive(f"this instance is {engine.state}")
+        state = ctx.prefetcher.submit(directive)
+        return json_response(state.to_json(), 202,
+                             headers={"Location": f"{ctx.url}prefetch/{directive.directive}"})
+
+    async def prefetch_status(request: Request) -> Response:
+        principal(request)
+        state = ctx.prefetcher.get(request.path_params["directive"])
+        if state is None:
+            raise NotFound("no such directive here")
+        return json_response(state.to_json())
+
+    async def put_state(request: Request) -> Response:
+        principal(request).require_role("pc")
+        body = v.obj(await read_json(request), "body")
+        state = v.string(v.required(body, "state"), "state", max_len=32)
+        epoch = v.integer(v.required(body, "epoch"), "epoch")
+        if state not in ("active", "draining", "sleeping"):
+            raise BadRecord("must be active, draining or sleeping", member="state")
+        if epoch < ctx.epoch:
+            raise StaleEpoch(f"this instance is at epoch {ctx.epoch}", member="epoch")
+        if epoch > ctx.epoch:
+            raise BadRecord(f"this instance is at epoch {ctx.epoch}, not {epoch}", member="epoch")
+        engine.state = state
+        return json_response({"state": engine.state, "epoch": ctx.epoch})
+
+    async def status(request: Request) -> Response:
+        principal(request)
+        if ctx.reporter is not None:
+            return json_response(ctx.reporter.record().to_json())
+        return json_response({"instance": ctx.url, "epoch": ctx.epoch, "state": engine.state,
+                              "running": engine.running, "queued": engine.queued})
+
+    async def reshard(request: Request) -> Response:
+        principal(request).require_role("pc")
+        code, body = await ctx.shards.handle(await read_json(request))
+        return json_response(body, code)
+
+    async def reshard_status(request: Request) -> Response:
+        principal(request)
+        return json_response(ctx.shards.status(request.path_params["map"]))
+
+    async def seed_shards(request: Request) -> Response:
+        principal(request).require_role("pc")
+        body = await read_json(request)
+        return json_response(await ctx.shards.seed(request.path_params["map"], body))
+
+    async def kv_range(request: Request) -> Response:
+        principal(request)
+        name = request.query_params.get("map")
+        if not name:
+            raise BadRecord("is required", member="map")
+        m = _TOKENS.match(request.query_params.get("tokens", ""))
+        if not m or int(m.group(1)) >= int(m.group(2)):
+            raise BadRecord("must be a-b with a < b (half-open)", member="tokens")
+        body = ctx.shards.container(name, int(m.group(1)), int(m.group(2)))
+        return Response(body, media_type=BLOCK_MEDIA_TYPE,
+                        headers={"Repr-Digest": repr_digest(hashlib.sha256(body).digest()),
+                                 "Cache-Control": "private, no-store"})
+
+    return [
+        Route("/generate", generate, methods=["POST"]),
+        Route("/sessions/{session}", get_session, methods=["GET"]),
+        Route("/sessions/{session}/stream", stream, methods=["GET"]),
+        Route("/sessions/{session}/resume", resume, methods=["POST"]),
+        Route("/prefetch", prefetch, methods=["POST"]),
+        Route("/prefetch/{directive}", prefetch_status, methods=["GET"]),
+        Route("/state", put_state, methods=["PUT"]),
+        Route("/status", status, methods=["GET"]),
+        Route("/reshard", reshard, methods=["POST"]),
+        Route("/reshard/{map}", reshard_status, methods=["GET"]),
+        Route("/shards/{map}", seed_shards, methods=["PUT"]),
+        Route("/kv", kv_range, methods=["GET"]),
+    ]
+
+
+def create_app(settings: "AgentSettings", *, adapter: ModelAdapter | None = None) -> Starlette:
+    """The agent as one Starlette app; its parts are on `app.state.agent` (an AgentContext).
+
+    The public URL must be known before the app starts (records name it); set
+    `app.state.agent.url` first when it is known only once the socket is bound.
+    """
+    if adapter is None:
+        from agent.service import load_model  # noqa: PLC0415 - the service imports this module
+
+        adapter = load_model(settings)
+    ctx = AgentContext(settings, adapter)
+    auth = settings.auth if settings.auth is not None else Authenticator.from_file(settings.principals)
+    app = build_app(_routes(ctx) + ctx.holder_api.routes(), name="kvsp_agent", auth=auth,
+                    on_startup=[ctx.startup], on_shutdown=[ctx.shutdown],
+                    state={"agent": ctx, "store": ctx.store, "publisher": ctx.publisher},
+                    openapi="agent")
+    gauges = app.state.metrics.gauges
+    gauges["sessions_running"] = lambda: ctx.engine.running
+    gauges["sessions_queued"] = lambda: ctx.engine.queued
+    gauges["store_blocks"] = lambda: len(ctx.store)
+    gauges["store_host_bytes"] = lambda: ctx.store.used["host"]
+    gauges["prefill_tokens_per_s"] = lambda: ctx.meters.prefill.value or 0.0
+    gauges["decode_tokens_per_s"] = lambda: ctx.meters.decode.value or 0.0
+    return app

@@ -1,0 +1,711 @@
+"""Loading cached KV blocks into the agent (DESIGN §5; KVSP §6.5, §6.6, §6.7).
+
+`PrefixLoader` fills a `KVPool` with the matched prefix of a prompt while the model already
+runs: every block has an ordered list of candidate replicas (local store, then MOQT, then
+HTTP); a lease is taken at a candidate's holder before the first octet is read from it; the
+layers arrive verified and in ascending order from a `LayerSource`, are copied into the pool,
+and layer ``l`` is marked ready once every block holds it, so the forward pass's pre-hook on
+decoder layer ``l`` can go on. Loading layer ``l + 1`` thus overlaps computing layer ``l``.
+
+Requests go out layer-group-major: group 0 (the first layers) of every block, then group 1 of
+every block, and so on, from a bounded set of workers. A holder streams a whole response at
+once, so one request per whole block would deliver block after block and make layer 0 wait for
+the last block; layer groups make the early layers of the whole prefix arrive first. Groups are
+sized to about 1 MiB per request (at least two groups), since each HTTP request has a fixed
+cost that small requests would pay too often.
+
+Failures: when a source fails mid-block (404, cut body, digest mismatch, dead holder), the
+block continues from the next candidate at its first missing layer; layers already placed are
+verified and stay. A block whose candidates are all exhausted fails the readiness, so the
+forward pass raises instead of reading a partial layer; loading continues for the blocks before
+it, and the caller recomputes everything after the longest fully loaded prefix. A layer is
+marked ready only when every block of the prefix holds it verified, so correctness never rests
+on a partial layer.
+
+`Prefetcher` executes prefetch directives (§6.5): the listed blocks are leased at a listed
+source, fetched and verified whole, stored in the agent's holder store and published as new
+replicas, all on the event loop beside the requests already admitted, until the deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable, Protocol, Sequence, runtime_checkable
+
+import httpx
+
+from agent.model import LayerReadiness
+from agent.pool import KVPool
+from kvsp_moq.errors import KvspError, LayersUnavailable, PreconditionFailed, TransportError
+from kvsp_moq.fetch.http import HttpFetcher
+from kvsp_moq.holder.store import BlockId, BlockStore
+from kvsp_moq.index_client import IndexClient, raise_for_problem
+from kvsp_moq.protocol.container import Buffer, Container
+from kvsp_moq.protocol.records import PrefetchDirective, ReplicaRecord
+
+log = logging.getLogger("kvsp.agent.loader")
+
+__all__ = [
+    "Candidate", "HttpLayerSource", "LayerSource", "LeaseClient", "LoadReport", "LocalLayerSource",
+    "MoqtLayerSource", "Prefetcher", "PrefixLoader", "Timeline", "order_candidates",
+]
+
+#: (layer index, K section, V section) of one verified layer.
+LayerTuple = tuple[int, Buffer, Buffer]
+#: Called with (holder URL, octets, seconds) after each completed transfer: link rates.
+TransferObserver = Callable[[str, int, float], None]
+#: Called with (holder URL, seconds) for each lease round trip: link RTTs.
+RttObserver = Callable[[str, float], None]
+
+
+def _slash(url: str) -> str:
+    return url if url.endswith("/") else url + "/"
+
+
+# --------------------------------------------------------------------------- sources
+
+
+@runtime_checkable
+class LayerSource(Protocol):
+    """One way to read a replica's layers: verified, in ascending order.
+
+    `layers(record, first, last)` yields ``(index, K, V)`` for layers first..last of the
+    replica the record describes, each already checked against the record's layer digest, and
+    raises (any exception) when the source cannot deliver the rest. A MOQT fetcher implements
+    the same interface and is tried before HTTP.
+    """
+
+    kind: str
+    """"local", "moqt" or "http": the name a load is counted under."""
+    needs_lease: bool
+    """Whether a lease must be taken at the record's holder before reading (§6.6)."""
+
+    def accepts(self, record: ReplicaRecord) -> bool: ...
+
+    def layers(self, record: ReplicaRecord, first: int, last: int) -> AsyncIterator[LayerTuple]: ...
+
+
+class HttpLayerSource:
+    """Layers over HTTP (§6.7) from the record's holder, via `HttpFetcher`."""
+
+    kind = "http"
+    needs_lease = True
+
+    def __init__(self, fetcher: HttpFetcher) -> None:
+        self.fetcher = fetcher
+
+    def accepts(self, record: ReplicaRecord) -> bool:
+        return record.holder.lower().startswith(("http://", "https://"))
+
+    async def layers(self, record: ReplicaRecord, first: int, last: int) -> AsyncIterator[LayerTuple]:
+        stream = self.fetcher.layers([record.holder], record, (first, last))
+        try:
+            async for layer in stream:
+                yield layer.index, layer.k, layer.v
+        finally:
+            await stream.aclose()
+
+
+class MoqtLayerSource:
+    """Layers over MOQT (DESIGN §4) through the agent's relay, via
+    `kvsp_moq.moqt_blocks.MoqtBlockFetcher`; leases go to the record's "http_holder".
+
+    Only replicas published through that relay are taken: the fetcher's TLS settings were
+    chosen for it (a loopback relay's self-signed certificate is not verified).
+    """
+
+    kind = "moqt"
+    needs_lease = True
+
+    def __init__(self, fetcher: Any, relay: str) -> None:
+        self.fetcher = fetcher
+        self.relay = relay.rstrip("/").lower()
+
+    def accepts(self, record: ReplicaRecord) -> bool:
+        return (record.is_moqt and bool(record.moqt_namespace) and record.http_holder is not None
+                and record.holder.rstrip("/").lower() == self.relay)
+
+    async def layers(self, record: ReplicaRecord, first: int, last: int) -> AsyncIterator[LayerTuple]:
+        stream = self.fetcher.layers([record.holder], record, (first, last))
+        try:
+            async for layer in stream:
+                yield layer.index, layer.k, layer.v
+        finally:
+            await stream.aclose()
+
+
+class LocalLayerSource:
+    """Layers of replicas in the agent's own holder store, read in place.
+
+    The store computed the layer digests of these octets when it took them, and the agent's
+    records are made from those digests, so the layers are not hashed again here.
+    """
+
+    kind = "local"
+    needs_lease = False
+
+    def __init__(self, store: BlockStore, self_url: Callable[[], str]) -> None:
+        self.store = store
+        self.self_url = self_url
+
+    def accepts(self, record: ReplicaRecord) -> bool:
+        return _slash(record.holder) == _slash(self.self_url())
+
+    def holds(self, bid: BlockId) -> bool:
+        return self.store.get(bid) is not None
+
+    async def layers(self, record: ReplicaRecord, first: int, last: int) -> AsyncIterator[LayerTuple]:
+        bid = BlockId(record.compat_id, record.scope_id, record.block_key)
+        read = await self.store.open_read(bid, first, last)  # pinned: not evicted meanwhile
+        try:
+            host = read.entry.host
+            container = host if host is not None else Container(b"".join(read.chunks()))
+            for index in range(first, last + 1):
+                layer = container.layer(index)
+                yield index, layer.k, layer.v
+        finally:
+            read.release()
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One replica of a block and the source that reads it."""
+
+    source: LayerSource
+    record: ReplicaRecord
+
+    @property
+    def lease_holder(self) -> str:
+        """Where leases are taken: a MOQT replica's HTTP holder, else the holder itself."""
+        return _slash(self.record.http_holder or self.record.holder)
+
+
+def order_candidates(records: Sequence[ReplicaRecord],
+                     sources: Sequence[LayerSource]) -> list[Candidate]:
+    """Replicas ordered by the sources' order (local, MOQT, HTTP), one per holder and kind."""
+    out: list[Candidate] = []
+    seen: set[tuple[str, str]] = set()
+    for source in sources:
+        for record in records:
+            ident = (source.kind, _slash(record.holder))
+            if ident in seen or not source.accepts(record):
+                continue
+            seen.add(ident)
+            out.append(Candidate(source, record))
+    return out
+
+
+async def _close(iterator: AsyncIterator[Any]) -> None:
+    """Close an async generator left early, so its response is released now, not at GC."""
+    aclose = getattr(iterator, "aclose", None)
+    if aclose is not None:
+        try:
+            await aclose()
+        except Exception:  # closing a broken source must not mask the outcome
+            pass
+
+
+# --------------------------------------------------------------------------- leases
+
+
+class LeaseClient:
+    """POST/DELETE {holder}leases (§6.6) with the agent's token."""
+
+    def __init__(self, client: httpx.AsyncClient, *, token: str | None = None,
+                 on_rtt: RttObserver | None = None, timeout: float = 5.0) -> None:
+        self.client = client
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.on_rtt = on_rtt
+        self.timeout = timeout
+
+    async def acquire(self, holder: str, block_keys: Sequence[str], ttl_ms: int) -> str:
+        """A lease id; raises KvspError (e.g. NotFound, LeaseQuota) when refused."""
+        url = _slash(holder) + "leases"
+        started = time.perf_counter()
+        try:
+            r = await self.client.post(url, json={"block_keys": list(block_keys), "ttl_ms": ttl_ms},
+                                       headers=self.headers, timeout=self.timeout)
+        except httpx.HTTPError as e:
+            raise TransportError(f"lease at {holder}: {type(e).__name__} {e}") from None
+        if self.on_rtt is not None:
+            self.on_rtt(_slash(holder), time.perf_counter() - started)
+        raise_for_problem(r)
+        return str(r.json()["lease"])
+
+    async def release(self, holder: str, lease: str) -> None:
+        """Best effort: an unreleased lease only runs out."""
+        try:
+            await self.client.delete(f"{_slash(holder)}leases/{lease}", headers=self.headers,
+                                     timeout=self.timeout)
+        except httpx.HTTPError as e:
+            log.info("releasing lease %s at %s failed: %s", lease, holder, e)
+
+
+# --------------------------------------------------------------------------- timeline
+
+
+@dataclass
+class Timeline:
+    """Per-layer load and compute spans of one pipelined prefill, in perf_counter seconds."""
+
+    layers: int
+    t0: float = field(default_factory=time.perf_counter)
+    load_start: list[float | None] = field(default_factory=list)
+    load_end: list[float | None] = field(default_factory=list)
+    wait_start: list[float | None] = field(default_factory=list)
+    compute_start: list[float | None] = field(default_factory=list)
+    forward_start: float | None = None
+    forward_end: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("load_start", "load_end", "wait_start", "compute_start"):
+            if not getattr(self, name):
+                setattr(self, name, [None] * self.layers)
+
+    def compute_spans(self) -> list[tuple[float, float] | None]:
+        """Layer l computes from the end of its wait until layer l+1 starts waiting."""
+        out: list[tuple[float, float] | None] = []
+        for layer in range(self.layers):
+            start = self.compute_start[layer]
+            end = self.wait_start[layer + 1] if layer + 1 < self.layers else self.forward_end
+            out.append(None if start is None or end is None else (start, end))
+        return out
+
+    def to_json(self) -> list[dict[str, Any]]:
+        """Milliseconds from the start of the request, per layer."""
+        def ms(t: float | None) -> float | None:
+            return None if t is None else round((t - self.t0) * 1000, 3)
+
+        compute = self.compute_spans()
+        return [{"layer": layer,
+                 "load": [ms(self.load_start[layer]), ms(self.load_end[layer])],
+                 "wait": ms(self.wait_start[layer]),
+                 "compute": [ms(compute[layer][0]), ms(compute[layer][1])] if compute[layer] else None}
+                for layer in range(self.layers)]
+
+
+# --------------------------------------------------------------------------- prefix loading
+
+
+@dataclass
+class LoadReport:
+    """What a prefix load achieved."""
+
+    planned: int
+    """Blocks the load set out to bring in."""
+    loaded: int
+    """Leading blocks fully loaded: the prefix the model may use."""
+    by_kind: dict[str, int]
+    """Fully loaded leading blocks per source kind (the kind that delivered most layers)."""
+    failures: list[dict[str, str]]
+    octets: int
+    seconds: float
+
+
+@dataclass(eq=False)
+class _Block:
+    slot: int
+    key: str
+    candidates: list[Candidate]
+    placed: list[bool]
+    current: int = 0
+    leases: dict[str, str] = field(default_factory=dict)  # holder -> lease id
+    layers_by_kind: dict[str, int] = field(default_factory=dict)
+    failed: bool = False
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    @property
+    def complete(self) -> bool:
+        return all(self.placed)
+
+    def first_missing(self, a: int, b: int) -> int | None:
+        for layer in range(a, b + 1):
+            if not self.placed[layer]:
+                return layer
+        return None
+
+
+class PrefixLoader:
+    """Loads the blocks of a prefix into a pool, marking layers ready as they complete.
+
+    `wait_for_layer` is the `KVPrefix.wait_for_layer` of the forward pass; it runs on the
+    model's thread. `run()` runs on the event loop and returns once nothing more can be loaded.
+    """
+
+    def __init__(self, pool: KVPool, blocks: Sequence[Sequence[Candidate]], *,
+                 leases: LeaseClient, lease_ms: int = 10_000, concurrency: int = 8,
+                 layers_per_request: int | None = None, request_bytes: int = 1 << 20,
+                 readiness_timeout: float = 120.0,
+                 on_transfer: TransferObserver | None = None, timeline: Timeline | None = None) -> None:
+        if len(blocks) != len(pool.block_keys):
+            raise ValueError("one candidate list per pool block is needed")
+        self.pool = pool
+        self.leases = leases
+        self.lease_ms = lease_ms
+        self.concurrency = max(1, concurrency)
+        layers = pool.num_layers
+        if layers_per_request is None:
+            # Requests of about `request_bytes`: fewer would pay the per-request cost of HTTP
+            # too often; but at least two groups, or layer 0 would wait for whole blocks.
+            per_layer = max(1, 2 * pool.section_bytes)
+            layers_per_request = min(-(-layers // 2), -(-request_bytes // per_layer))
+        self.group = max(1, layers_per_request)
+        self.readiness = LayerReadiness(layers, timeout=readiness_timeout)
+        self.on_transfer = on_transfer
+        self.timeline = timeline or Timeline(layers)
+        self._blocks = [_Block(i, key, list(c), [False] * layers)
+                        for i, (key, c) in enumerate(zip(pool.block_keys, blocks))]
+        self._counts = [0] * layers
+        self._abort_from = len(self._blocks)
+        self._failures: list[dict[str, str]] = []
+        self._octets = 0
+        self._leases_taken: list[tuple[str, str]] = []
+        self._by_holder: dict[str, list[float]] = {}  # holder -> [octets, first start, last end]
+        self.done = False  #: nothing more will be loaded (set before run() returns)
+        if not self._blocks:
+            self.readiness.mark_all_ready()
+
+    # ---------------------------------------------------------------- model side
+
+    def wait_for_layer(self, layer: int) -> None:
+        """Block the forward pass until ``layer`` of every block is in place."""
+        tl = self.timeline
+        tl.wait_start[layer] = time.perf_counter()
+        self.readiness.wait_for_layer(layer)
+        self.pool.wait_layer(layer)
+        tl.compute_start[layer] = time.perf_counter()
+
+    def fail(self, error: BaseException) -> None:
+        """Release a waiting forward pass with ``error`` (e.g. on shutdown)."""
+        self.readiness.fail(error)
+
+    # ---------------------------------------------------------------- loop side
+
+    async def run(self) -> LoadReport:
+        started = time.perf_counter()
+        if self._blocks:
+            await self._batch_leases()
+            layers = self.pool.num_layers
+            queue = deque((a, blk) for a in range(0, layers, self.group) for blk in self._blocks)
+            count = min(self.concurrency, len(queue))
+            workers = [asyncio.create_task(self._worker(queue)) for _ in range(count)]
+            try:
+                await asyncio.gather(*workers)
+            except BaseException as e:
+                for w in workers:
+                    w.cancel()
+                await asyncio.gather(*workers, return_exceptions=True)
+                self.readiness.fail(e)
+                raise
+        self.done = True
+        if self.on_transfer is not None:
+            # One observation per holder over the whole load: the rate its parallel streams
+            # reached together, which is what a placement estimate for a prefix needs.
+            for holder, (octets, first, last) in self._by_holder.items():
+                self.on_transfer(holder, octets, last - first)
+        loaded = 0
+        for blk in self._blocks:
+            if not blk.complete:
+                break
+            loaded += 1
+        if loaded < len(self._blocks):
+            self.readiness.fail(LayersUnavailable(
+                f"only {loaded} of {len(self._blocks)} blocks loaded"))
+        by_kind: dict[str, int] = {}
+        for blk in self._blocks[:loaded]:
+            kind = max(blk.layers_by_kind.items(), key=lambda kv: kv[1])[0]
+            by_kind[kind] = by_kind.get(kind, 0) + 1
+        return LoadReport(len(self._blocks), loaded, by_kind, list(self._failures), self._octets,
+                          time.perf_counter() - started)
+
+    async def release_leases(self) -> None:
+        """Release every lease this load took (after the loaded layers are in the pool)."""
+        taken, self._leases_taken = self._leases_taken, []
+        await asyncio.gather(*(self.leases.release(h, lease) for h, lease in taken),
+                             return_exceptions=True)
+
+    async def _batch_leases(self) -> None:
+        """One lease per holder for the blocks that start there: one round trip, not one per block."""
+        by_holder: dict[str, list[_Block]] = {}
+        for blk in self._blocks:
+            if blk.candidates and blk.candidates[0].source.needs_lease:
+                by_holder.setdefault(blk.candidates[0].lease_holder, []).append(blk)
+
+        async def one(holder: str, blocks: list[_Block]) -> None:
+            try:
+                lease = await self.leases.acquire(holder, [b.key for b in blocks], self.lease_ms)
+            except KvspError as e:
+                log.info("batch lease at %s refused (%s); leasing block by block", holder, e.detail)
+                return
+            self._leases_taken.append((holder, lease))
+            for b in blocks:
+                b.leases[holder] = lease
+
+        await asyncio.gather(*(one(h, b) for h, b in by_holder.items()))
+
+    async def _worker(self, queue: deque[tuple[int, _Block]]) -> None:
+        while queue:
+            first, blk = queue.popleft()
+            if blk.failed or blk.slot >= self._abort_from:
+                continue
+            await self._load_range(blk, first, min(first + self.group, self.pool.num_layers) - 1)
+
+    async def _candidate(self, blk: _Block) -> Candidate | None:
+        """The block's current candidate, leased; None when every one has failed."""
+        async with blk.lock:
+            while blk.current < len(blk.candidates):
+                cand = blk.candidates[blk.current]
+                holder = cand.lease_holder
+                if not cand.source.needs_lease or holder in blk.leases:
+                    return cand
+                try:
+                    lease = await self.leases.acquire(holder, [blk.key], self.lease_ms)
+                except KvspError as e:
+                    self._note_failure(blk, cand, f"lease refused: {e.detail}")
+                    blk.current += 1
+                    continue
+                blk.leases[holder] = lease
+                self._leases_taken.append((holder, lease))
+                return cand
+            return None
+
+    async def _drop(self, blk: _Block, cand: Candidate) -> None:
+        async with blk.lock:
+            if blk.current < len(blk.candidates) and blk.candidates[blk.current] is cand:
+                blk.current += 1
+
+    def _note_failure(self, blk: _Block, cand: Candidate, reason: str) -> None:
+        self._failures.append({"block_key": blk.key, "source": cand.record.holder,
+                               "kind": cand.source.kind, "reason": reason})
+        log.info("block %s from %s failed: %s", blk.key[:12], cand.record.holder, reason)
+
+    async def _load_range(self, blk: _Block, a: int, b: int) -> None:
+        tl = self.timeline
+        now = time.perf_counter()
+        for layer in range(a, b + 1):
+            if tl.load_start[layer] is None:
+                tl.load_start[layer] = now
+        while True:
+            first = blk.first_missing(a, b)
+            if first is None:
+                return
+            cand = await self._candidate(blk)
+            if cand is None:
+                self._block_failed(blk)
+                return
+            started = time.perf_counter()
+            octets = 0
+            layers = cand.source.layers(cand.record, first, b)
+            try:
+                expected = first
+                async for index, k, v in layers:
+                    if blk.slot >= self._abort_from:
+                        return  # a block before this one failed: these layers are of no use
+                    if index != expected:
+                        raise LayersUnavailable(f"layer {index} arrived, {expected} was expected")
+                    expected += 1
+                    if not blk.placed[index]:
+                        self.pool.place(blk.slot, index, k, v)
+                        octets += len(k) + len(v)
+                        self._placed(blk, index, cand.source.kind)
+                    if index == b:
+                        break
+                if blk.first_missing(a, b) is not None:
+                    raise LayersUnavailable(f"the source ended before layer {b}")
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # any failure of a source moves on to the next one
+                self._octets += octets
+                self._note_failure(blk, cand, getattr(e, "detail", None) or f"{type(e).__name__}: {e}")
+                await self._drop(blk, cand)
+                continue
+            finally:
+                await _close(layers)
+            self._octets += octets
+            if cand.source.kind != "local":
+                seen = self._by_holder.setdefault(cand.lease_holder, [0, started, started])
+                seen[0] += octets
+                seen[1] = min(seen[1], started)
+                seen[2] = max(seen[2], time.perf_counter())
+            return
+
+    def _placed(self, blk: _Block, layer: int, kind: str) -> None:
+        blk.placed[layer] = True
+        blk.layers_by_kind[kind] = blk.layers_by_kind.get(kind, 0) + 1
+        self._counts[layer] += 1
+        if self._counts[layer] == len(self._blocks):
+            self.pool.layer_complete(layer)
+            self.timeline.load_end[layer] = time.perf_counter()
+            self.readiness.mark_ready(layer)
+
+    def _block_failed(self, blk: _Block) -> None:
+        if blk.failed:
+            return
+        blk.failed = True
+        if blk.slot < self._abort_from:
+            self._abort_from = blk.slot
+        # The forward pass must not wait for layers that will never be complete.
+        self.readiness.fail(LayersUnavailable(f"block {blk.slot} ({blk.key[:12]}) could not be loaded"))
+
+
+# --------------------------------------------------------------------------- prefetch (§6.5)
+
+
+@dataclass
+class DirectiveState:
+    """The status resource of one prefetch directive."""
+
+    directive: PrefetchDirective
+    state: str = "pending"
+    loaded: list[str] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
+    started: float = field(default_factory=time.monotonic)
+    finished: float | None = None
+    task: asyncio.Task | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"directive": self.directive.directive, "state": self.state,
+                               "loaded": list(self.loaded)}
+        if self.failed:
+            out["failed"] = list(self.failed)
+        if self.directive.request_ref is not None:
+            out["request_ref"] = self.directive.request_ref
+        if self.finished is not None:
+            out["elapsed_ms"] = round((self.finished - self.started) * 1000, 3)
+        return out
+
+
+class Prefetcher:
+    """Runs prefetch directives into the agent's holder store, each under its deadline."""
+
+    def __init__(self, store: BlockStore, announce: Callable[[Any], None], fetcher: HttpFetcher,
+                 leases: LeaseClient, index: IndexClient | None, *, concurrency: int = 8,
+                 keep: int = 1024, on_transfer: TransferObserver | None = None) -> None:
+        self.store = store
+        self.announce = announce
+        self.fetcher = fetcher
+        self.leases = leases
+        self.index = index
+        self.concurrency = concurrency
+        self.keep = keep
+        self.on_transfer = on_transfer
+        self.directives: dict[str, DirectiveState] = {}
+
+    def submit(self, directive: PrefetchDirective) -> DirectiveState:
+        """Start a directive (a repeated id returns the state of the first)."""
+        known = self.directives.get(directive.directive)
+        if known is not None:
+            return known
+        state = DirectiveState(directive)
+        self.directives[directive.directive] = state
+        while len(self.directives) > self.keep:
+            oldest = next(iter(self.directives))
+            old = self.directives[oldest]
+            if old.task is not None and not old.task.done():
+                break
+            del self.directives[oldest]
+        state.task = asyncio.get_running_loop().create_task(self._run(state),
+                                                           name=f"prefetch-{directive.directive}")
+        return state
+
+    def get(self, directive: str) -> DirectiveState | None:
+        return self.directives.get(directive)
+
+    async def close(self) -> None:
+        tasks = [s.task for s in self.directives.values() if s.task is not None and not s.task.done()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _run(self, state: DirectiveState) -> None:
+        d = state.directive
+        try:
+            await asyncio.wait_for(self._load_all(state), d.deadline_ms / 1000)
+            expired = False
+        except (asyncio.TimeoutError, TimeoutError):
+            expired = True
+        except Exception:  # a bug must still leave a readable status
+            log.exception("prefetch %s failed", d.directive)
+            expired = False
+        total = len(d.blocks)
+        if len(state.loaded) == total:
+            state.state = "complete"
+        elif expired or state.loaded:
+            state.state = "partial"
+        else:
+            state.state = "failed"
+        state.finished = time.monotonic()
+        log.info("prefetch %s: %s, %d of %d blocks", d.directive, state.state, len(state.loaded), total)
+
+    async def _records(self, d: PrefetchDirective) -> dict[str, list[ReplicaRecord]]:
+        """The Replica Records of the directive's blocks: the digests to verify against."""
+        if self.index is None:
+            return {}
+        keys = [b.block_key for b in d.blocks
+                if self.store.get(BlockId(d.compat_id, d.scope_id, b.block_key)) is None]
+        out: dict[str, list[ReplicaRecord]] = {}
+        if not keys:
+            return out
+        result = await self.index.lookup(d.scope_id, d.compat_id, keys)
+        for block in result.blocks[:result.matched]:
+            out[block.block_key] = list(block.replicas)
+        # Keys past the first gap of the chain: asked one by one (the IS stops at a gap).
+        rest = [k for k in keys if k not in out]
+        for key in rest:
+            single = await self.index.lookup(d.scope_id, d.compat_id, [key])
+            if single.matched:
+                out[key] = list(single.blocks[0].replicas)
+        return out
+
+    async def _load_all(self, state: DirectiveState) -> None:
+        d = state.directive
+        records = await self._records(d)
+        gate = asyncio.Semaphore(self.concurrency)
+
+        async def one(key: str, sources: Sequence[str]) -> None:
+            async with gate:
+                if await self._load_one(d, key, sources, records.get(key, [])):
+                    state.loaded.append(key)
+                else:
+                    state.failed.append(key)
+
+        await asyncio.gather(*(one(b.block_key, b.sources) for b in d.blocks))
+
+    async def _load_one(self, d: PrefetchDirective, key: str, sources: Sequence[str],
+                        records: Sequence[ReplicaRecord]) -> bool:
+        bid = BlockId(d.compat_id, d.scope_id, key)
+        if bid in self.store:
+            return True
+        by_holder = {_slash(r.holder): r for r in records if not r.is_moqt}
+        for source in sources:
+            record = by_holder.get(_slash(source))
+            if record is None:
+                log.info("prefetch %s: no record of %s at %s", d.directive, key[:12], source)
+                continue
+            try:
+                lease = await self.leases.acquire(source, [key], d.lease_ms)
+            except KvspError as e:
+                log.info("prefetch %s: lease for %s at %s refused: %s", d.directive, key[:12],
+                         source, e.detail)
+                continue
+            try:
+                result = await self.fetcher.fetch_block([source], record)
+                if self.on_transfer is not None:
+                    self.on_transfer(_slash(source), result.bytes_received, result.seconds)
+                if bid in self.store:
+                    return True
+                entry = await self.store.put(bid, result.container.buffer)
+                self.announce(entry)
+                return True
+            except PreconditionFailed:
+                return True  # stored meanwhile (a request computed or loaded it)
+            except KvspError as e:
+                log.info("prefetch %s: %s from %s failed: %s", d.directive, key[:12], source, e.detail)
+            finally:
+                await self.leases.release(source, lease)
+        return False
+

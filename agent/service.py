@@ -1,0 +1,303 @@
+"""`kvsp agent`: the inference instance as a service, and the same agent in process.
+
+    kvsp agent --listen 127.0.0.1:8900 --model tiny --index http://127.0.0.1:8700/ \\
+               [--pc URL] [--relay URL] [--data DIR] [--scope-keys FILE --scope NAME] \\
+               [--device cpu|cuda] [--public-url URL] [--principals FILE] [--token TOKEN]
+
+`--model tiny` creates the small test model once (under `--data`, else ~/.cache/kvsp-moq) and
+reuses it afterwards. `Agent` runs the app on a background uvicorn server on 127.0.0.1 and a
+free port, for tests, the demo and the benchmarks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import logging
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Coroutine, Mapping, Sequence, TypeVar
+
+import uvicorn
+
+from agent.loader import LayerSource
+from agent.model import ModelAdapter
+from agent.tiny import ensure_tiny_model
+from kvsp_moq.auth import Authenticator
+from kvsp_moq.errors import BadRecord
+from kvsp_moq.protocol.keys import parse_scope_key_hex
+from kvsp_moq.web import BackgroundServer, bind_tcp, parse_listen, uvicorn_config
+
+log = logging.getLogger("kvsp.agent")
+T = TypeVar("T")
+DEFAULT_PORT = 8900
+#: Scope name used when no keys file is given (loopback demos only).
+OPEN_SCOPE = "default"
+#: Derived from a public label: anyone can compute it, so it protects nothing; it only lets
+#: agents started without a keys file on one machine share caches.
+OPEN_SCOPE_KEY = hashlib.sha256(b"kvsp-moq open loopback scope key").digest()
+
+_DTYPES = ("float32", "float16", "bfloat16")
+
+
+@dataclass
+class AgentSettings:
+    """Everything an agent is configured with; nothing is read from module globals."""
+
+    listen: str = f"127.0.0.1:{DEFAULT_PORT}"
+    #: "tiny", or a local model directory (Hugging Face layout, safetensors)
+    model: str = "tiny"
+    #: parameters of `ensure_tiny_model` for --model tiny (the bench makes a larger one)
+    tiny_options: Mapping[str, Any] = field(default_factory=dict)
+    #: where --model tiny is made; default: under data_dir, else ~/.cache/kvsp-moq
+    model_cache: str | Path | None = None
+    device: str = "cpu"
+    dtype: str = "float32"
+    index_url: str | None = None
+    pc_url: str | None = None
+    #: MOQT relay: blocks with MOQT replicas are loaded through it first (HTTP is the fallback)
+    relay: str | None = None
+    data_dir: str | Path | None = None
+    #: scope name -> scope key; empty: the open loopback scope
+    scope_keys: Mapping[str, bytes] = field(default_factory=dict)
+    scope: str | None = None
+    public_url: str | None = None
+    principals: str | Path | None = None
+    auth: Authenticator | None = None
+    #: bearer token presented to the IS, the PC, holders and other instances
+    token: str | None = None
+    block_tokens: int = 16
+    host_bytes: int = 1 << 30
+    disk_bytes: int = 16 << 30
+    max_block_bytes: int = 1 << 30
+    max_lease_ttl_ms: int = 600_000
+    max_lease_bytes: int = 16 << 30
+    record_ttl_ms: int = 60_000
+    status_ttl_ms: int = 3000
+    #: ask the PC to sleep after this long without work; None: never
+    sleep_after_s: float | None = None
+    #: the instance epoch; None: the start time in milliseconds (§6.3)
+    epoch: int | None = None
+    lease_ms: int = 10_000
+    load_concurrency: int = 8
+    layers_per_request: int | None = None
+    release_batch: int = 4
+    max_unacked: int = 64
+    token_interval_s: float = 0.0
+    max_new_tokens: int = 4096
+    replicate_to: Sequence[str] = ()
+    #: tokens of a prefill at start, so the first status report carries measured rates
+    warmup_tokens: int = 32
+    http_timeout_s: float = 10.0
+    #: block sources tried before HTTP, e.g. a MOQT fetcher
+    layer_sources: Sequence[LayerSource] = ()
+
+    def __post_init__(self) -> None:
+        if not self.scope_keys:
+            self.scope_keys = {OPEN_SCOPE: OPEN_SCOPE_KEY}
+        if self.scope is None:
+            self.scope = next(iter(self.scope_keys))
+        if self.scope not in self.scope_keys:
+            raise BadRecord(f"no key for scope {self.scope!r}", member="scope")
+        if self.dtype not in _DTYPES:
+            raise BadRecord(f"must be one of {', '.join(_DTYPES)}", member="dtype")
+
+
+#: Seconds a thread may hold the GIL while another waits for it (Python's default is 0.005).
+SWITCH_INTERVAL_S = 0.0002
+
+
+def tune_interpreter(switch_interval_s: float = SWITCH_INTERVAL_S) -> None:
+    """Hand the GIL over sooner, for a process that runs an agent.
+
+    The model thread needs the GIL only briefly, to dispatch each kernel, but while the event
+    loop parses and verifies arriving blocks it waits up to the whole switch interval for it,
+    once per kernel: with the default 5 ms, layers computed during a load took several times
+    as long as the same layers computed alone (measured on 2 cores). Process-wide, so it is
+    set by the process's entry point (`kvsp agent`, the benchmarks), not by the library.
+    """
+    sys.setswitchinterval(switch_interval_s)
+
+
+def model_cache_dir(settings: AgentSettings) -> Path:
+    if settings.model_cache is not None:
+        return Path(settings.model_cache)
+    if settings.data_dir is not None:
+        return Path(settings.data_dir) / "models"
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "kvsp-moq"
+
+
+def load_model(settings: AgentSettings) -> ModelAdapter:
+    """The model the settings name, on their device; the tiny model is created once."""
+    import torch
+
+    if settings.model == "tiny":
+        suffix = "".join(f"-{k}{v}" for k, v in sorted(settings.tiny_options.items()))
+        directory = ensure_tiny_model(model_cache_dir(settings) / f"tiny{suffix}",
+                                      **settings.tiny_options)
+    else:
+        directory = Path(settings.model)
+        if not directory.is_dir():
+            raise BadRecord(f"{directory} is not a model directory", member="model")
+    if settings.device.startswith("cuda") and not torch.cuda.is_available():
+        raise BadRecord("CUDA is not available on this machine", member="device")
+    return ModelAdapter.load(directory, device=settings.device, dtype=getattr(torch, settings.dtype))
+
+
+class Agent:
+    """An agent running in this process on a background server (tests, the demo, benchmarks).
+
+    Its parts are on `context` (engine, store, publisher, meters); their state belongs to the
+    server's event loop, so work on them goes through `call()`.
+    """
+
+    def __init__(self, settings: AgentSettings, *, adapter: ModelAdapter | None = None) -> None:
+        from agent.app import create_app  # noqa: PLC0415
+
+        self.settings = settings
+        self.app = create_app(settings, adapter=adapter)
+        self.context = self.app.state.agent
+        self._server: BackgroundServer | None = None
+
+    def start(self) -> "Agent":
+        host, port = parse_listen(self.settings.listen, DEFAULT_PORT)
+        server = BackgroundServer(self.app, host, port)
+        self.context.url = self.settings.public_url or server.url
+        server.start(timeout=120.0)
+        self._server = server
+        return self
+
+    def stop(self) -> None:
+        """Stop serving: running sessions end unfinished (the PC fails them over)."""
+        if self._server is None:
+            return
+        loop = self.context.loop
+        if loop is not None and not loop.is_closed():
+            try:
+                asyncio.run_coroutine_threadsafe(self.context.engine.close(), loop).result(10)
+            except Exception as e:  # stopping anyway
+                log.warning("closing the engine: %s", e)
+        self._server.stop()
+        self._server = None
+
+    @property
+    def url(self) -> str:
+        return self.context.url
+
+    @property
+    def engine(self) -> Any:
+        return self.context.engine
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout: float = 60.0) -> T:
+        """Run a coroutine on the agent's loop from another thread and return its result."""
+        loop = self.context.loop
+        if loop is None:
+            coro.close()
+            raise RuntimeError("the agent is not running")
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout)
+
+    def __enter__(self) -> "Agent":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def read_scope_keys(path: str | Path) -> dict[str, bytes]:
+    """A keys file (TOML: scope name = "hex key"), as the PC reads it."""
+    import tomllib
+
+    try:
+        data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise BadRecord(f"cannot read scope keys file {path}: {e}", member="scope_keys") from None
+    keys = {}
+    for name, text in data.items():
+        if not isinstance(text, str):
+            raise BadRecord("must be hex text", member=f"scope_keys.{name}")
+        keys[name] = parse_scope_key_hex(text)
+    if not keys:
+        raise BadRecord("holds no keys", member="scope_keys")
+    return keys
+
+
+def configure_parser(p: argparse.ArgumentParser) -> None:
+    p.description = ("Serve an inference instance: generation with cached prefixes loaded while the "
+                     "model computes (KVSP §6.5-§6.9), and its own KV blocks as a holder.")
+    p.add_argument("--listen", default=f"127.0.0.1:{DEFAULT_PORT}", metavar="HOST:PORT",
+                   help="address to serve on (default %(default)s)")
+    p.add_argument("--model", default="tiny", metavar="tiny|DIR",
+                   help="'tiny' (made once, locally) or a local model directory")
+    p.add_argument("--index", metavar="URL", help="base URL of the Index Service")
+    p.add_argument("--pc", metavar="URL", help="base URL of the Placement Controller")
+    p.add_argument("--relay", metavar="URL", help="moqt:// URI of the MOQT relay")
+    p.add_argument("--data", metavar="DIR", help="directory of the block store's disk tier and models")
+    p.add_argument("--scope-keys", metavar="FILE", help="keys file (TOML: scope name = hex key)")
+    p.add_argument("--scope", metavar="NAME", help="scope of requests that name none")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:n] (default %(default)s)")
+    p.add_argument("--dtype", default="float32", choices=_DTYPES)
+    p.add_argument("--public-url", metavar="URL", help="this agent's base URL as others reach it")
+    p.add_argument("--principals", metavar="FILE", help="principals file (TOML); without it: open")
+    p.add_argument("--token", metavar="TOKEN", help="bearer token presented to other services")
+    p.add_argument("--block-tokens", type=int, default=16, metavar="B")
+    p.add_argument("--status-ttl-ms", type=int, default=3000, metavar="N")
+    p.add_argument("--replicate-to", action="append", default=[], metavar="URL",
+                   help="holder that also stores every new block (repeatable)")
+    p.set_defaults(func=run)
+
+
+def settings_from_args(args: argparse.Namespace) -> AgentSettings:
+    keys = read_scope_keys(args.scope_keys) if args.scope_keys else {}
+    public = args.public_url
+    if public and not public.endswith("/"):
+        public += "/"
+    return AgentSettings(
+        listen=args.listen, model=args.model, device=args.device, dtype=args.dtype,
+        index_url=args.index, pc_url=args.pc, relay=args.relay, data_dir=args.data,
+        scope_keys=keys, scope=args.scope, public_url=public, principals=args.principals,
+        token=args.token, block_tokens=args.block_tokens, status_ttl_ms=args.status_ttl_ms,
+        replicate_to=tuple(args.replicate_to))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve in the foreground until interrupted."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    tune_interpreter()
+    settings = settings_from_args(args)
+    if not args.scope_keys:
+        log.warning("no --scope-keys: using the open loopback scope (its key is public)")
+    if args.relay:
+        log.info("loading MOQT replicas through %s first, HTTP as the fallback", args.relay)
+    from agent.app import create_app  # noqa: PLC0415
+
+    app = create_app(settings)
+    host, port = parse_listen(settings.listen, DEFAULT_PORT)
+    sock = bind_tcp(host, port)
+    shown = f"[{host}]" if ":" in host else host
+    url = settings.public_url or f"http://{shown}:{sock.getsockname()[1]}/"
+    app.state.agent.url = url
+    if app.state.auth.is_open:
+        log.warning("no principals file: serving without authentication at %s", url)
+    log.info("agent at %s (model %s, %s, compat %s)", url, settings.model, settings.device,
+             app.state.agent.compat_id)
+    uvicorn.Server(uvicorn_config(app)).run(sockets=[sock])
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m agent.service`: the same as `kvsp agent`."""
+    parser = argparse.ArgumentParser(prog="kvsp agent")
+    configure_parser(parser)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,328 @@
+"""`kvsp bench ttft`: time to first token with a cached prefix, recomputed, loaded then computed,
+and loaded while computing (DESIGN §5), measured in the same run on the same agent.
+
+A model large enough that both loading and computing take visible time (16 layers, hidden
+1024; made locally like the tiny model) serves prompts whose leading fraction 0, 0.5 or 0.9 is
+cached at a holder running in its own process (so that serving blocks does not share the
+agent's interpreter lock). Per fraction:
+
+    recompute          a prompt with nothing cached: the whole prompt is prefilled
+    load_then_compute  the cached prefix loaded over HTTP first, then the rest computed
+    pipelined          the agent's load path: layer l computes while layer l+1 arrives
+    load_ms            loading alone (from the load_then_compute runs)
+    compute_ms         computing the uncached rest alone (from the same runs)
+
+and two ratios: pipelined / max(load, compute) (target <= 1.15: the overlap hides the shorter
+of the two) and pipelined at 0.9 / recompute (target <= 0.4). A PNG timeline of one pipelined
+run (per layer: load span in blue, compute span in orange) is written and its path reported.
+The variants run in rounds, one of each per round, so that a noisy neighbour slows them alike;
+every figure is the median over the rounds, and each run has a fresh uncached suffix.
+
+Environment: KVSP_BENCH_OUT, the directory of the PNG (default: the temporary directory);
+KVSP_BENCH_BLOCK_TOKENS, the block size B (default 16; larger blocks mean fewer, larger HTTP
+requests, each of which costs ~2-3 ms of client CPU here whatever its size).
+
+On a CPU-only machine the loader (HTTP client, verification, copies) and the model compete for
+the same cores, so overlap hides less than it does when the model runs on an accelerator; the
+figures say how much it hides here.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+import zlib
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+FRACTIONS = (0.0, 0.5, 0.9)
+#: Grouped-query attention 4:1, as in Llama 3: 32 KiB of float32 KV per token.
+MODEL = {"layers": 16, "hidden": 1024, "heads": 16, "kv_heads": 4, "intermediate": 2048}
+B = int(os.environ.get("KVSP_BENCH_BLOCK_TOKENS", "16"))
+
+
+# --------------------------------------------------------------------------- holder process
+
+
+def serve_holder(index_url: str) -> None:
+    """The holder process: prints {"url"} on one line, then serves until terminated."""
+    import uvicorn  # noqa: PLC0415
+
+    from kvsp_moq.holder.app import create_app  # noqa: PLC0415
+    from kvsp_moq.holder.service import HolderSettings  # noqa: PLC0415
+    from kvsp_moq.web import bind_tcp, uvicorn_config  # noqa: PLC0415
+
+    logging.getLogger("kvsp").setLevel(logging.WARNING)
+    app = create_app(HolderSettings(index_url=index_url, host_bytes=4 << 30, record_ttl_ms=600_000))
+    sock = bind_tcp("127.0.0.1", 0)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}/"
+    app.state.publisher.holder_url = url
+    print(json.dumps({"url": url}), flush=True)
+    uvicorn.Server(uvicorn_config(app)).run(sockets=[sock])
+
+
+def _start_holder(index_url: str) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([sys.executable, "-m", "kvsp_moq.bench.ttft", "--serve-holder", index_url],
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line:
+        proc.kill()
+        raise RuntimeError("the holder process did not start")
+    url = json.loads(line)["url"]
+    for _ in range(200):
+        try:
+            if httpx.get(url + "healthz", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError("the holder process does not answer")
+
+
+# --------------------------------------------------------------------------- PNG timeline
+
+_DIGITS = {  # 3x5 glyphs, rows top to bottom
+    "0": ("111", "101", "101", "101", "111"), "1": ("010", "110", "010", "010", "111"),
+    "2": ("111", "001", "111", "100", "111"), "3": ("111", "001", "111", "001", "111"),
+    "4": ("101", "101", "111", "001", "001"), "5": ("111", "100", "111", "001", "111"),
+    "6": ("111", "100", "111", "101", "111"), "7": ("111", "001", "001", "001", "001"),
+    "8": ("111", "101", "111", "101", "111"), "9": ("111", "101", "111", "001", "111"),
+    "m": ("000", "000", "111", "111", "101"), "s": ("000", "011", "010", "001", "110"),
+}
+
+
+def png(width: int, height: int, rgb: bytearray) -> bytes:
+    """An 8-bit RGB PNG of `rgb` (rows top to bottom), with zlib only."""
+    def chunk(tag: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data))
+
+    row = width * 3
+    raw = b"".join(b"\x00" + bytes(rgb[y * row:(y + 1) * row]) for y in range(height))
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
+
+
+def timeline_png(spans: list[dict[str, Any]], path: Path) -> Path:
+    """Per layer a row: its load span (blue, upper half) and compute span (orange, lower half),
+    on a common time axis in ms from the request's arrival, with ticks labelled in ms."""
+    layers = len(spans)
+    row_h, left, top, width = 14, 10, 22, 900
+    height = top + layers * row_h + 24
+    end = max([s["compute"][1] for s in spans if s["compute"]] +
+              [s["load"][1] for s in spans if s["load"][1] is not None] + [1.0])
+    scale = (width - 2 * left) / end
+    img = bytearray(b"\xff" * (width * height * 3))
+
+    def rect(x0: float, y0: int, x1: float, y1: int, color: tuple[int, int, int]) -> None:
+        a, b = max(0, int(x0)), min(width, max(int(x0) + 1, int(x1)))
+        for y in range(max(0, y0), min(height, y1)):
+            base = (y * width + a) * 3
+            img[base:base + (b - a) * 3] = bytes(color) * (b - a)
+
+    def text(x: int, y: int, s: str) -> None:
+        for i, ch in enumerate(s):
+            glyph = _DIGITS.get(ch)
+            for gy, bits in enumerate(glyph or ()):
+                for gx, bit in enumerate(bits):
+                    if bit == "1":
+                        px, py = x + i * 8 + 2 * gx, y + 2 * gy
+                        rect(px, py, px + 2, py + 2, (0, 0, 0))
+
+    blue, orange, grid = (60, 110, 200), (235, 140, 40), (225, 225, 225)
+    rect(left, 4, left + 12, 14, blue)
+    rect(left + 20, 4, left + 32, 14, orange)
+    step = 10 ** max(0, len(str(int(end))) - 1)
+    if end / step < 4:
+        step = max(1, step // 2)
+    t = 0
+    while t <= end:
+        x = left + t * scale
+        rect(x, top, x + 1, top + layers * row_h, grid)
+        text(int(x) - 4, top + layers * row_h + 6, str(int(t)))
+        t += step
+    for i, s in enumerate(spans):
+        y = top + i * row_h
+        if s["load"][0] is not None and s["load"][1] is not None:
+            rect(left + s["load"][0] * scale, y + 1, left + s["load"][1] * scale, y + row_h // 2, blue)
+        if s["compute"]:
+            rect(left + s["compute"][0] * scale, y + row_h // 2, left + s["compute"][1] * scale,
+                 y + row_h - 1, orange)
+    path.write_bytes(png(width, height, img))
+    return path
+
+
+# --------------------------------------------------------------------------- measuring
+
+
+def _tokens(n: int, seed: int, vocab: int) -> list[int]:
+    import random  # noqa: PLC0415
+
+    rng = random.Random(seed)
+    return [rng.randrange(3, vocab) for _ in range(n)]
+
+
+def _generate(url: str, tokens: list[int], *, timeline: bool = False) -> dict[str, Any]:
+    r = httpx.post(url + "generate", json={"tokens": tokens, "max_new_tokens": 1, "timeline": timeline},
+                   timeout=600)
+    r.raise_for_status()
+    return r.json()
+
+
+async def _clear(store: Any) -> None:
+    for entry in list(store.blocks()):
+        await store.discard(entry.id)
+
+
+def run(*, quick: bool = False) -> dict[str, Any]:
+    """Entry point of `kvsp bench ttft`."""
+    from agent.service import Agent, AgentSettings, tune_interpreter  # noqa: PLC0415
+    from index.app import IndexSettings, create_app as create_index_app  # noqa: PLC0415
+    from kvsp_moq.web import BackgroundServer  # noqa: PLC0415
+
+    logging.getLogger("kvsp").setLevel(logging.WARNING)
+    tune_interpreter()
+    n = 512 if quick else 2048
+    repeats = 1 if quick else 3
+    out_dir = Path(os.environ.get("KVSP_BENCH_OUT") or tempfile.gettempdir())
+    index = BackgroundServer(create_index_app(IndexSettings(max_ttl_ms=3_600_000))).start()
+    holder_proc, holder_url = _start_holder(index.url)
+    agent = None
+    try:
+        agent = Agent(AgentSettings(listen="127.0.0.1:0", model="tiny", tiny_options=MODEL,
+                                    index_url=index.url, block_tokens=B, warmup_tokens=128,
+                                    host_bytes=4 << 30, disk_bytes=0)).start()
+        ctx = agent.context
+        vocab = ctx.adapter.vocab_size
+        store = ctx.store
+        seed = iter(range(1, 10_000))
+
+        def fresh(prefix: list[int]) -> list[int]:
+            return prefix + _tokens(n - len(prefix), next(seed), vocab)
+
+        def once(tokens: list[int], *, pipelined: bool = True,
+                 timeline: bool = False) -> dict[str, Any]:
+            ctx.engine.options.pipelined = pipelined
+            try:
+                return _generate(agent.url, tokens, timeline=timeline)
+            finally:
+                agent.call(_clear(store))  # nothing computed here is reused by the next run
+
+        # The prompt whose prefix is cached: computed once, its blocks moved to the holder.
+        base = _tokens(n, 0, vocab)
+        cached_blocks = int(max(FRACTIONS) * n) // B
+        ctx.engine.options.pipelined = True
+        _generate(agent.url, base)
+        from kvsp_moq.holder.store import BlockId  # noqa: PLC0415
+        from kvsp_moq.protocol.keys import BlockKeyChain, scope_id  # noqa: PLC0415
+
+        key = ctx.settings.scope_keys[ctx.settings.scope]
+        sid = scope_id(key).hex()
+        keys = [k.hex() for k in BlockKeyChain(key, bytes.fromhex(ctx.compat_id), B).extend(base)]
+        with httpx.Client(timeout=60) as client:
+            for k in keys[:cached_blocks]:
+                entry = store.get(BlockId(ctx.compat_id, sid, k))
+                body = bytes(entry.host.buffer)
+                r = client.put(f"{holder_url}blocks/{ctx.compat_id}/{sid}/{k}", content=body,
+                               headers={"If-None-Match": "*"})
+                r.raise_for_status()
+        agent.call(_clear(store))
+        for _ in range(400):  # until the holder's records are in the index
+            found = agent.call(ctx.index.lookup(sid, ctx.compat_id, keys[:cached_blocks]))
+            if found.matched == cached_blocks:
+                break
+            time.sleep(0.05)
+        else:
+            raise RuntimeError("the holder's blocks never reached the index")
+
+        # Rounds of every variant in turn, so that a noisy neighbour slows all variants alike.
+        cached = [f for f in FRACTIONS if f > 0]
+        prefixes = {f: base[:int(f * n) // B * B] for f in cached}
+        once(fresh(prefixes[max(cached)]))  # warm-up: connections, allocator, caches
+        recompute: list[dict[str, Any]] = []
+        seq: dict[float, list[dict[str, Any]]] = {f: [] for f in cached}
+        pipe: dict[float, list[dict[str, Any]]] = {f: [] for f in cached}
+        timeline: list[dict[str, Any]] | None = None
+        for _ in range(repeats):
+            recompute.append(once(fresh([])))
+            for f in cached:
+                seq[f].append(once(fresh(prefixes[f]), pipelined=False))
+                pipe[f].append(once(fresh(prefixes[f]), timeline=f == max(cached) and timeline is None))
+                timeline = timeline or pipe[f][-1].get("timeline")
+        recompute_ms = statistics.median(r["ttft_ms"] for r in recompute)
+        rows: list[dict[str, Any]] = [{
+            "cached_fraction": 0.0, "cached_tokens": 0, "sources": recompute[0]["sources"],
+            "recompute_ms": round(recompute_ms, 1),
+            "note": "nothing is cached: every variant is the recompute",
+        }]
+        for f in cached:
+            load_ms = statistics.median(r["timing"].get("load_ms", 0.0) for r in seq[f])
+            compute_ms = statistics.median(r["timing"]["forward_ms"] for r in seq[f])
+            pipelined_ms = statistics.median(r["ttft_ms"] for r in pipe[f])
+            rows.append({
+                "cached_fraction": f,
+                "cached_tokens": pipe[f][0]["cached_tokens"],
+                "sources": pipe[f][0]["sources"],
+                "recompute_ms": round(recompute_ms, 1),
+                "load_then_compute_ms": round(statistics.median(r["ttft_ms"] for r in seq[f]), 1),
+                "pipelined_ms": round(pipelined_ms, 1),
+                "load_ms": round(load_ms, 1),
+                "compute_ms": round(compute_ms, 1),
+                "loaded_mb": round(seq[f][0].get("load", {}).get("octets", 0) / 1e6, 1),
+                "pipelined_over_max_load_compute": round(pipelined_ms / max(load_ms, compute_ms), 3),
+                "pipelined_over_recompute": round(pipelined_ms / recompute_ms, 3),
+                "all_ms": {"load_then_compute": [r["ttft_ms"] for r in seq[f]],
+                           "pipelined": [r["ttft_ms"] for r in pipe[f]]},
+            })
+        png_path = None
+        if timeline:
+            png_path = str(timeline_png(timeline, out_dir / "kvsp-bench-ttft-timeline.png"))
+        adapter = ctx.adapter
+        return {
+            "benchmark": "ttft",
+            "quick": quick,
+            "model": {**MODEL, "kv_dtype": str(adapter.dtype).removeprefix("torch."),
+                      "device": str(adapter.device)},
+            "prompt_tokens": n,
+            "block_tokens": B,
+            "repeats": repeats,
+            "torch_threads": _torch_threads(),
+            "holder": "separate process, HTTP on loopback",
+            "fractions": rows,
+            "timeline_png": png_path,
+            "timeline": timeline,
+            "targets": {"pipelined_over_max_load_compute": "<= 1.15",
+                        "pipelined_0.9_over_recompute": "<= 0.4"},
+        }
+    finally:
+        if agent is not None:
+            agent.stop()
+        holder_proc.terminate()
+        try:
+            holder_proc.wait(10)
+        except subprocess.TimeoutExpired:
+            holder_proc.kill()
+        index.stop()
+
+
+def _torch_threads() -> int:
+    import torch  # noqa: PLC0415
+
+    return torch.get_num_threads()
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--serve-holder"]:
+        serve_holder(sys.argv[2])
+    else:
+        print(json.dumps(run(quick="--quick" in sys.argv), indent=2))

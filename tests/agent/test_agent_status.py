@@ -1,0 +1,116 @@
+"""Instance status (KVSP §6.3): the record sent every ttl/3 with the start time as epoch, measured
+rates and links; the PC's answers followed, from a sleep request to sleeping."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+
+import httpx
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from starlette.applications import Starlette  # noqa: E402
+from starlette.requests import Request  # noqa: E402
+from starlette.responses import JSONResponse, Response  # noqa: E402
+from starlette.routing import Route  # noqa: E402
+
+from agent.service import Agent, AgentSettings  # noqa: E402
+from agent.status import instance_id  # noqa: E402
+from agent.tiny import ensure_tiny_model  # noqa: E402
+from index.app import IndexSettings, create_app as create_index_app  # noqa: E402
+from index.lifecycle import instance_id as pc_instance_id  # noqa: E402
+from kvsp_moq.protocol.records import InstanceStatus  # noqa: E402
+from kvsp_moq.web import BackgroundServer  # noqa: E402
+
+
+class RecordingPC:
+    """Takes status records; answers with what `decide` makes of each."""
+
+    def __init__(self, decide: Callable[[dict], str] = lambda body: body["state"]) -> None:
+        self.decide = decide
+        self.records: list[tuple[str, dict]] = []
+        self.lock = threading.Lock()
+
+    def app(self) -> Starlette:
+        async def status(request: Request) -> Response:
+            body = await request.json()
+            InstanceStatus.from_json(body)  # a valid record, or the test fails on the 500
+            with self.lock:
+                self.records.append((request.path_params["id"], body))
+            return JSONResponse({"state": self.decide(body)})
+
+        return Starlette(routes=[Route("/instances/{id}/status", status, methods=["PUT"])])
+
+    def wait_for(self, predicate: Callable[[dict], bool], timeout: float = 5.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self.lock:
+                for _, body in self.records:
+                    if predicate(body):
+                        return body
+            time.sleep(0.02)
+        raise AssertionError("no such status record arrived")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return ensure_tiny_model(tmp_path_factory.getbasetemp() / "kvsp-tiny" / "tiny")
+
+
+@pytest.fixture(scope="module")
+def index_url() -> Iterator[str]:
+    with BackgroundServer(create_index_app(IndexSettings())) as server:
+        yield server.url
+
+
+def test_status_record_rates_links_and_epoch(model_dir: Path, index_url: str) -> None:
+    pc = RecordingPC()
+    before = int(time.time() * 1000)
+    with BackgroundServer(pc.app()) as server, \
+            Agent(AgentSettings(listen="127.0.0.1:0", model=str(model_dir), index_url=index_url,
+                                warmup_tokens=0)) as a, \
+            Agent(AgentSettings(listen="127.0.0.1:0", model=str(model_dir), index_url=index_url,
+                                pc_url=server.url, status_ttl_ms=300, warmup_tokens=16)) as b:
+        first = pc.wait_for(lambda body: True)
+        assert first["instance"] == b.url
+        assert before <= first["epoch"] <= int(time.time() * 1000)
+        assert first["ttl_ms"] == 300 and first["state"] == "active"
+        assert first["prefill_tokens_per_s"] > 0 and first["decode_tokens_per_s"] > 0
+        path_id = pc.records[0][0]
+        assert path_id == instance_id(b.url) == pc_instance_id(b.url)
+
+        prompt = list(range(3, 3 + 128))
+        assert httpx.post(a.url + "generate", json={"tokens": prompt, "max_new_tokens": 1},
+                          timeout=60).status_code == 200
+        out = httpx.post(b.url + "generate", json={"tokens": prompt + [9, 9], "max_new_tokens": 1},
+                         timeout=60).json()
+        assert out["sources"]["http"] == 8
+        linked = pc.wait_for(lambda body: any(link["holder"] == a.url for link in body["links"]))
+        link = next(link for link in linked["links"] if link["holder"] == a.url)
+        assert link["mbit_per_s"] > 0 and link["rtt_us"] > 0
+        assert all(body["epoch"] == first["epoch"] for _, body in pc.records)
+        times = len(pc.records)
+        time.sleep(0.35)
+        assert len(pc.records) >= times + 2  # every ttl/3
+
+
+def test_sleep_request_drain_and_sleep(model_dir: Path) -> None:
+    def decide(body: dict) -> str:
+        if body["requested_state"] == "sleeping":
+            return "draining"  # accepted (§6.3)
+        return body["state"]
+
+    pc = RecordingPC(decide)
+    with BackgroundServer(pc.app()) as server, \
+            Agent(AgentSettings(listen="127.0.0.1:0", model=str(model_dir), pc_url=server.url,
+                                status_ttl_ms=150, sleep_after_s=0.1, warmup_tokens=0)) as a:
+        pc.wait_for(lambda body: body["requested_state"] == "sleeping")
+        pc.wait_for(lambda body: body["state"] == "sleeping")
+        assert a.engine.state == "sleeping"
+        r = httpx.post(a.url + "generate", json={"tokens": [5, 6], "max_new_tokens": 1})
+        assert r.status_code == 503 and r.json()["type"] == "urn:kvsp:problem:kvsp-not-active"
