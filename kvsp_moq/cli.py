@@ -111,6 +111,10 @@ SERVICES: dict[str, tuple[str, str]] = {
     "holder": ("kvsp_moq.holder.service", "run an HTTP block holder with tiers and leases"),
     "relay": ("relay.service", "run a MOQT relay with an object cache"),
     "agent": ("agent.service", "run an inference instance (model, KV pool, holder)"),
+    "get": ("kvsp_moq.tools.get", "fetch a block from a holder or a relay, verified"),
+    "subscribe": ("kvsp_moq.tools.subscribe", "print the objects of a MOQT track as they arrive"),
+    "put": ("kvsp_moq.tools.put", "store a block container at a holder"),
+    "lookup": ("kvsp_moq.tools.lookup", "ask the Index Service which blocks of tokens are held"),
 }
 
 #: Benchmarks: name -> module under kvsp_moq.bench.
