@@ -12,8 +12,7 @@ from typing import Iterator
 import httpx
 import pytest
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
+import torch  # noqa: E402
 
 from agent.model import ModelAdapter  # noqa: E402
 from agent.service import OPEN_SCOPE_KEY, Agent, AgentSettings  # noqa: E402

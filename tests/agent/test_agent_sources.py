@@ -10,8 +10,7 @@ from typing import Any, AsyncIterator, Iterator
 import httpx
 import pytest
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
+import torch  # noqa: E402
 
 from agent.loader import LayerTuple  # noqa: E402
 from agent.model import ModelAdapter  # noqa: E402
@@ -105,7 +104,7 @@ def test_a_plugged_source_comes_first_and_http_takes_over(model_dir: Path, index
 
 async def test_blocks_load_through_a_relay(model_dir: Path, index_url: str, reference: ModelAdapter,
                                            tmp_path: Path) -> None:
-    relay_mod = pytest.importorskip("relay.relay")
+    import relay.relay as relay_mod
     from kvsp_moq.moqt.certs import generate_self_signed
 
     relay = await relay_mod.Relay(relay_mod.RelaySettings(certificate=generate_self_signed())).start()

@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
+import torch  # noqa: E402
 
 from transformers import LlamaConfig, MistralConfig, Qwen2Config  # noqa: E402
 from transformers import MistralForCausalLM, Qwen2ForCausalLM  # noqa: E402
