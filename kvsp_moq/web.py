@@ -24,6 +24,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvsp_moq.auth import Authenticator, Principal
 from kvsp_moq.errors import BadRecord, KvspError
+from kvsp_moq.openapi import openapi_route
 from kvsp_moq.protocol.problems import MEDIA_TYPE as PROBLEM_MEDIA_TYPE, Problem, problem_for_status
 
 KVSP_JSON = "application/kvsp+json"
@@ -72,7 +73,7 @@ async def read_json(request: Request, *, max_bytes: int = 64 << 20) -> Any:
         raise BadRecord(f"body exceeds {max_bytes} octets", member="body")
     try:
         return json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise BadRecord(f"body is not valid JSON: {e}", member="body") from None
 
 
@@ -157,7 +158,7 @@ def service_routes(metrics: Metrics) -> list[Route]:
 def build_app(routes: list[Route], *, name: str, auth: Authenticator,
               on_startup: list[Callable[[], Awaitable[None]]] | None = None,
               on_shutdown: list[Callable[[], Awaitable[None]]] | None = None,
-              state: dict[str, Any] | None = None) -> Starlette:
+              state: dict[str, Any] | None = None, openapi: str | None = None) -> Starlette:
     """A Starlette app with the shared routes, problem handlers, access log and metrics."""
     metrics = Metrics(name)
 
@@ -171,8 +172,8 @@ def build_app(routes: list[Route], *, name: str, auth: Authenticator,
             for fn in on_shutdown or []:
                 await fn()
 
-    app = Starlette(routes=routes + service_routes(metrics), exception_handlers=EXCEPTION_HANDLERS,
-                    lifespan=lifespan)
+    routes = routes + service_routes(metrics) + ([openapi_route(openapi)] if openapi else [])
+    app = Starlette(routes=routes, exception_handlers=EXCEPTION_HANDLERS, lifespan=lifespan)
     app.state.auth = auth
     app.state.metrics = metrics
     for key, value in (state or {}).items():

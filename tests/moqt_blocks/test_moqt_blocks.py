@@ -265,7 +265,7 @@ async def test_publisher_reannounces_after_a_relay_restart():
             await asyncio.sleep(0.05)
         else:
             pytest.fail("the publisher did not announce again")
-        assert publisher.stats.connections == 2
+        assert publisher.stats.connections >= 2  # a reconnect may need more than one try
         same_layers([layer async for layer in fetcher.layers([], record)], whole, 0, 7)
     finally:
         await fetcher.aclose()
