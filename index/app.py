@@ -394,7 +394,8 @@ def create_app(settings: IndexSettings | None = None, *, extra_routes: Sequence[
     app = build_app(routes, name="kvsp_index", auth=settings.auth,
                     on_startup=[service.start, *on_startup],
                     on_shutdown=[*on_shutdown, service.stop],
-                    state={"index": service, "settings": settings})
+                    state={"index": service, "settings": settings},
+                    openapi="index+pc" if extra_routes else "index")
     metrics = app.state.metrics
     service.counters = metrics.counters
     for name in ("replicas_put_total", "replicas_deleted_total", "ttl_capped_total",

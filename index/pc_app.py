@@ -360,7 +360,7 @@ def create_pc_app(settings: PCSettings, *, lookup: LookupFn | None = None,
     if auth.is_open:
         log.warning("no principals file: the PC runs open")
     return build_app(create_pc_routes(pc), name="kvsp_pc", auth=auth, on_startup=[pc.start],
-                     on_shutdown=[pc.close], state={"pc": pc})
+                     on_shutdown=[pc.close], state={"pc": pc}, openapi="pc")
 
 
 # --------------------------------------------------------------------------- command line
