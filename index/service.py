@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from pathlib import Path
 
 from index.app import IndexSettings, create_app
+from index.store import MemoryReplicaStore, ReplicaStore
 from kvsp_moq.auth import Authenticator
 from kvsp_moq.errors import KvspError
 from kvsp_moq.protocol.compat import CompatDescriptor
@@ -54,6 +55,9 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                         "targets estimate recompute_us (repeatable)")
     p.add_argument("--block-tokens", type=int, metavar="B",
                    help="block size assumed for compat IDs without a --descriptor")
+    p.add_argument("--store", default="memory", metavar="memory|redis://HOST:PORT/DB",
+                   help="where replica records live: in this process (default), or in Redis, "
+                        "shared by every IS process that names the same URL")
 
 
 def _loopback(host: str) -> bool:
@@ -63,6 +67,20 @@ def _loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def store_from_arg(value: str) -> ReplicaStore:
+    """The replica store `--store` names; ValueError for anything else."""
+    if value == "memory":
+        return MemoryReplicaStore()
+    if value.startswith(("redis://", "rediss://", "unix://")):
+        from index.redis_store import RedisReplicaStore
+
+        try:
+            return RedisReplicaStore(value)
+        except RuntimeError as e:  # redis-py missing
+            raise ValueError(f"--store: {e}") from None
+    raise ValueError("--store must be memory or a redis://HOST:PORT/DB URL")
 
 
 def settings_from_args(args: argparse.Namespace) -> IndexSettings:
@@ -79,7 +97,8 @@ def settings_from_args(args: argparse.Namespace) -> IndexSettings:
             raise ValueError(f"cannot read descriptor {path}: {e}") from None
         descriptor = CompatDescriptor.from_dict(data)
         block_tokens[descriptor.compat_hex] = descriptor.block_tokens
-    return IndexSettings(auth=Authenticator.from_file(args.principals),
+    return IndexSettings(store=store_from_arg(args.store),
+                         auth=Authenticator.from_file(args.principals),
                          max_ttl_ms=args.max_ttl_ms, block_tokens=block_tokens,
                          default_block_tokens=args.block_tokens)
 
@@ -132,6 +151,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         log.info("authenticating with principals from %s", args.principals)
     log.info("index service on http://%s:%d/ (max ttl %d ms)", host, port, settings.max_ttl_ms)
+    if args.role != "pc":
+        log.info("replica store: %s", "memory" if args.store == "memory" else settings.store)
     if args.role == "pc":
         from index.pc_app import create_pc_app
 

@@ -8,15 +8,22 @@ A GET streams the container in chunks that are views into the stored buffer, so 
 64 MiB block never copies it. Only codec 1 (raw) exists and the holder does not transcode:
 `codec=n` for a codec it does not hold answers 404 "kvsp-codec-unavailable", which a client
 treats like any other miss (§6.1) and moves to the next source.
+
+With a relay (`HolderSettings.relay`) the same store is also served over MOQT (DESIGN §4): a
+`BlockPublisher` runs on the app's event loop from startup to shutdown, announces every
+compat and scope the store holds, and the index gets a MOQT record beside each HTTP record.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import ipaddress
+import logging
 import re
 import time
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 import httpx
 from starlette.applications import Starlette
@@ -38,6 +45,7 @@ from kvsp_moq.holder.leases import Clock, LeaseLimits, LeaseTable
 from kvsp_moq.holder.publisher import Publisher
 from kvsp_moq.holder.store import CHUNK, BlockId, BlockRead, BlockStore
 from kvsp_moq.index_client import IndexClient
+from kvsp_moq.moqt_blocks import BlockPublisher
 from kvsp_moq.protocol import validate as v
 from kvsp_moq.protocol.container import MEDIA_TYPE as BLOCK_MEDIA_TYPE
 from kvsp_moq.protocol.records import LeaseGrant, LeaseRequest
@@ -46,6 +54,7 @@ from kvsp_moq.web import build_app, json_response, principal, read_json
 if TYPE_CHECKING:
     from kvsp_moq.holder.service import HolderSettings
 
+log = logging.getLogger("kvsp.holder")
 _LAYERS = re.compile(r"^(\d{1,10})-(\d{1,10})$")
 _CODEC = re.compile(r"^\d{1,5}$")
 _LEASE_ID = re.compile(r"^[0-9a-f]{32}$")
@@ -125,6 +134,34 @@ async def read_body(request: Request, limit: int) -> bytearray:
             raise PayloadTooLarge(f"the body exceeds the limit of {limit} octets")
         buf += chunk
     return buf
+
+
+def relay_tls(relay: str, cafile: str | None, insecure: bool) -> dict[str, Any]:
+    """How the relay's certificate is checked: `connect()` keyword arguments.
+
+    With a CA file (or the relay's own self-signed certificate) it is verified against that.
+    Verification is skipped only for a relay at a loopback address (127.0.0.0/8, ::1): when
+    asked to (insecure), or by default, since a relay on this machine usually runs with a
+    generated self-signed certificate. Any other relay is verified against the system's CAs,
+    and asking to skip that is refused.
+    """
+    parts = urlsplit(relay)
+    if parts.scheme.lower() != "moqt" or not parts.hostname:
+        raise BadRecord(f"must be a moqt://host:port URI, not {relay!r}", member="relay")
+    if cafile and insecure:
+        raise BadRecord("give a relay CA or skip verification, not both", member="relay_ca")
+    if cafile:
+        return {"verify": True, "cafile": str(cafile)}
+    try:
+        loopback = ipaddress.ip_address(parts.hostname).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:
+        if insecure:
+            raise BadRecord("the relay certificate may go unverified only for a loopback relay "
+                            f"(127.0.0.1 or ::1), not {parts.hostname}", member="relay_insecure")
+        return {"verify": True}
+    return {"verify": False}
 
 
 # --------------------------------------------------------------------------- responses
@@ -280,33 +317,54 @@ def create_app(settings: "HolderSettings", *, clock: Clock | None = None) -> Sta
     if settings.index_url:
         http_client = httpx.AsyncClient(timeout=5.0, trust_env=False)
         index = IndexClient(settings.index_url, token=settings.index_token, client=http_client)
+    relay = settings.relay or None
+    tls = relay_tls(relay, settings.relay_ca, settings.relay_insecure) if relay else {}
     publisher = Publisher(store, index, holder_url=settings.public_url or "",
-                          record_ttl_ms=settings.record_ttl_ms)
+                          record_ttl_ms=settings.record_ttl_ms, relay_url=relay)
     store.withdraw = publisher.withdraw
-    store.on_change = publisher.announce
+    moqt: list[BlockPublisher] = []  # the MOQT publisher, once started
+
+    def on_change(entry: Any) -> None:
+        publisher.announce(entry)
+        if moqt:
+            moqt[0].announce(entry.id.compat_id, entry.id.scope_id)
+
+    store.on_change = on_change
     auth = settings.auth if settings.auth is not None else Authenticator.from_file(
         settings.principals)
     api = HolderApi(store, leases, publisher, max_block_bytes=settings.max_block_bytes,
                     chunk_bytes=settings.chunk_bytes)
     state: dict[str, Any] = {"store": store, "leases": leases, "publisher": publisher,
-                             "settings": settings, "loop": None}
+                             "settings": settings, "loop": None, "moqt_publisher": None}
 
     async def startup() -> None:
         app.state.loop = asyncio.get_running_loop()
         await store.load()
-        if index is not None and not publisher.holder_url:
+        if (index is not None or relay) and not publisher.holder_url:
             raise BadRecord("the holder's public URL is unknown; records cannot be published",
                             member="public_url")
+        if relay:
+            if not tls.get("verify", True):
+                log.warning("not verifying the certificate of the loopback relay %s "
+                            "(give --relay-ca to check it)", relay)
+            block_publisher = BlockPublisher(store, relay, publisher.holder_url,
+                                             token=settings.index_token, **tls)
+            moqt.append(block_publisher)
+            app.state.moqt_publisher = block_publisher
+            await block_publisher.start()
+            log.info("publishing blocks over MOQT through %s", relay)
         await publisher.start()
 
     async def shutdown() -> None:
         await publisher.stop()
+        if moqt:
+            await moqt.pop().aclose()
         await store.close()
         if http_client is not None:
             await http_client.aclose()
 
     app = build_app(api.routes(), name="kvsp_holder", auth=auth, on_startup=[startup],
-                    on_shutdown=[shutdown], state=state)
+                    on_shutdown=[shutdown], state=state, openapi="holder")
     gauges = app.state.metrics.gauges
     for tier in ("device", "host", "disk"):
         gauges[f"store_{tier}_bytes"] = lambda tier=tier: store.used[tier]

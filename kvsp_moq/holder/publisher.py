@@ -5,6 +5,10 @@ batches well before ttl_ms runs out, and DELETEd before its data is dropped. The
 advisory, so the publisher never lets an unreachable IS stop the holder: it retries with
 backoff, and because each refresh sends every record, an IS that comes back empty is whole
 again after the next one.
+
+A holder that publishes its blocks over MOQT too (`relay_url`) has two records per replica
+(DESIGN §6): the HTTP one and `moqt_record()` of it through the relay. They are put, refreshed
+and deleted together.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import Callable
 from kvsp_moq.errors import KvspError
 from kvsp_moq.holder.store import BlockId, BlockStore, StoredBlock
 from kvsp_moq.index_client import IndexClient
+from kvsp_moq.moqt_blocks import moqt_record
 from kvsp_moq.protocol.container import format_digest
 from kvsp_moq.protocol.records import ReplicaRecord
 
@@ -38,10 +43,12 @@ class Publisher:
         retry_max_s: float = 5.0,
         withdraw_timeout_s: float = 2.0,
         clock: Callable[[], float] = time.monotonic,
+        relay_url: str | None = None,
     ) -> None:
         self.store = store
         self.index = index
         self.holder_url = holder_url
+        self.relay_url = relay_url
         self.record_ttl_ms = record_ttl_ms
         self.refresh_s = record_ttl_ms / 1000 * refresh_fraction
         self.retry_initial_s = retry_initial_s
@@ -53,7 +60,7 @@ class Publisher:
         self._pending: dict[BlockId, int] = {}  # block -> announcement number
         self._seq = 0
         self._published_at: dict[BlockId, float] = {}
-        self._deletes: dict[BlockId, ReplicaRecord] = {}
+        self._deletes: dict[BlockId, list[ReplicaRecord]] = {}
         self._inflight: set[BlockId] = set()
         self._next_refresh = 0.0
         self._wake: asyncio.Event | None = None
@@ -83,6 +90,13 @@ class Publisher:
             layer_digests=tuple(d.hex() for d in meta.layer_digests),
             residency=self.store.residency(entry),
         )
+
+    def records_for(self, entry: StoredBlock) -> list[ReplicaRecord]:
+        """Every record of this replica: the HTTP one, and with a relay the MOQT one."""
+        http = self.record_for(entry)
+        if not self.relay_url:
+            return [http]
+        return [http, moqt_record(http, self.relay_url)]
 
     def remaining_ttl_ms(self, bid: BlockId) -> int:
         """How long the index's record of this replica still lives (the cap on max-age)."""
@@ -115,18 +129,23 @@ class Publisher:
         self._published_at.pop(bid, None)
         if self.index is None:
             return
-        record = self.record_for(entry)
+        records = self.records_for(entry)
         try:
-            await asyncio.wait_for(self.index.delete(record), self.withdraw_timeout_s)
+            await asyncio.wait_for(self._delete_all(records), self.withdraw_timeout_s)
         except (KvspError, asyncio.TimeoutError) as e:
             log.warning("withdrawing %s failed (%s); will retry", bid.path, e or "timeout")
-            self._deletes[bid] = record
+            self._deletes[bid] = records
             if self._wake is not None:
                 self._wake.set()
             return
         if bid in self._inflight:
-            # A refresh carrying this record is on its way; delete again once it has landed.
-            self._deletes[bid] = record
+            # A refresh carrying these records is on its way; delete again once it has landed.
+            self._deletes[bid] = records
+
+    async def _delete_all(self, records: list[ReplicaRecord]) -> None:
+        assert self.index is not None
+        for record in records:
+            await self.index.delete(record)
 
     # ---------------------------------------------------------------- the loop
 
@@ -175,9 +194,9 @@ class Publisher:
     async def step(self) -> None:
         """One round: pending deletes, then a full refresh when due, else new records."""
         assert self.index is not None
-        for bid, record in list(self._deletes.items()):
-            await self.index.delete(record)
-            if self._deletes.get(bid) is record:
+        for bid, records in list(self._deletes.items()):
+            await self._delete_all(records)
+            if self._deletes.get(bid) is records:
                 del self._deletes[bid]
         now = self.clock()
         if now >= self._next_refresh:
@@ -194,7 +213,7 @@ class Publisher:
         assert self.index is not None
         if not entries:
             return
-        records = [self.record_for(e) for e in entries]
+        records = [r for e in entries for r in self.records_for(e)]
         sent = {e.id: self._pending.get(e.id) for e in entries}
         self._inflight = set(sent)
         started = self.clock()

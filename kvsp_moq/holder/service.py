@@ -1,6 +1,14 @@
 """`kvsp holder`: the block store as a service, and the same holder in process.
 
-    kvsp holder --listen 127.0.0.1:8801 --data DIR --index http://127.0.0.1:8700/
+    kvsp holder --listen 127.0.0.1:8801 --data DIR --index http://127.0.0.1:8700/ \
+                [--relay moqt://127.0.0.1:4443 [--relay-ca FILE | --relay-insecure]]
+
+With --relay the blocks are also published over MOQT through that relay (DESIGN §4), and each
+replica gets a second record in the index, the MOQT one. The relay's certificate is checked
+against --relay-ca when given; without it, a relay at a loopback address (127.0.0.1, ::1) is
+not verified (it usually runs with a generated self-signed certificate; a warning is logged),
+and any other relay is verified against the system's CAs. --relay-insecure skips verification
+and is accepted for a loopback relay only.
 
 `Holder` runs the app on a background uvicorn server (127.0.0.1, any free port) for tests and
 the demo; `run()` serves in the foreground for the command line.
@@ -50,12 +58,18 @@ class HolderSettings:
     #: at most this many leading layers of each block are kept on the device (None: all)
     device_layers: int | None = None
     record_ttl_ms: int = 60_000
-    #: the MOQT relay the holder's publisher announces to (kept for the MOQT side)
+    #: the MOQT relay (moqt://host:port) the holder publishes its blocks through; with it, each
+    #: replica also gets a MOQT record in the index
     relay: str | None = None
+    #: CA (or pinned certificate) file the relay's certificate is checked against
+    relay_ca: str | Path | None = None
+    #: skip checking the relay's certificate (accepted for a loopback relay only; without
+    #: relay_ca a loopback relay is not verified anyway, see the module docstring)
+    relay_insecure: bool = False
     principals: str | Path | None = None
     #: an Authenticator to use instead of reading `principals`
     auth: Authenticator | None = None
-    #: the bearer token this holder presents to the Index Service
+    #: the bearer token this holder presents to the Index Service and to the relay
     index_token: str | None = None
     max_lease_ttl_ms: int = 600_000
     max_lease_bytes: int = 16 << 30
@@ -81,6 +95,12 @@ class Holder:
         self.leases = self.app.state.leases
         self.publisher = self.app.state.publisher
         self._server: BackgroundServer | None = None
+
+    @property
+    def moqt_publisher(self) -> Any:
+        """The BlockPublisher serving the store over MOQT (None without a relay, or before
+        the holder started)."""
+        return self.app.state.moqt_publisher
 
     def start(self) -> "Holder":
         host, port = parse_listen(self.settings.listen, DEFAULT_PORT)
@@ -159,11 +179,19 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                    help="keep at most the first N layers of each block on the device")
     p.add_argument("--record-ttl-ms", type=_positive_int, default=60_000, metavar="N",
                    help="ttl_ms of published records; refreshed every third of it")
-    p.add_argument("--relay", metavar="URI", help="moqt:// URI of the relay to publish to")
+    p.add_argument("--relay", metavar="URI",
+                   help="moqt:// URI of a relay to publish the blocks through over MOQT "
+                        "(each replica then also gets a MOQT record)")
+    tls = p.add_mutually_exclusive_group()
+    tls.add_argument("--relay-ca", metavar="FILE",
+                     help="CA (or the relay's own certificate) to verify the relay against; "
+                          "default: none for a loopback relay, the system's CAs otherwise")
+    tls.add_argument("--relay-insecure", action="store_true",
+                     help="do not verify the relay's certificate (loopback relays only)")
     p.add_argument("--principals", metavar="FILE",
                    help="principals file (TOML); without it the holder runs open")
     p.add_argument("--token", metavar="TOKEN",
-                   help="bearer token this holder presents to the Index Service")
+                   help="bearer token this holder presents to the Index Service and the relay")
     p.add_argument("--max-lease-ttl-ms", type=_positive_int, default=600_000, metavar="N",
                    help="longest lease a client may hold (default %(default)s)")
     p.add_argument("--max-lease-bytes", type=parse_size, default=16 << 30, metavar="N",
@@ -192,7 +220,8 @@ def settings_from_args(args: argparse.Namespace) -> HolderSettings:
         listen=args.listen, data_dir=args.data, index_url=args.index, public_url=public_url,
         host_bytes=args.host_bytes, disk_bytes=args.disk_bytes, device_bytes=args.device_bytes,
         device_layers=args.device_layers,
-        record_ttl_ms=args.record_ttl_ms, relay=args.relay, principals=args.principals,
+        record_ttl_ms=args.record_ttl_ms, relay=args.relay, relay_ca=args.relay_ca,
+        relay_insecure=args.relay_insecure, principals=args.principals,
         index_token=args.token, max_lease_ttl_ms=args.max_lease_ttl_ms,
         max_lease_bytes=args.max_lease_bytes, descriptors=descriptors,
     )

@@ -33,6 +33,12 @@ Interpretations of points the draft leaves open:
   UNKNOWN_AUTH_TOKEN_ALIAS: the draft says to "reject the message" with that code,
   but it exists only as a session close code.
 * A GOAWAY on the control stream without its Request ID is accepted.
+* A joining FETCH whose SUBSCRIBE is still pending is held (section 10.12.2 says
+  the publisher buffers it) and released as a FetchReceived event when
+  subscribe_ok() is called; `take_events()` returns it. If the SUBSCRIBE is
+  refused or cancelled instead, the FETCH is refused with
+  INVALID_JOINING_REQUEST_ID. No timer runs here: a held FETCH waits as long as
+  its SUBSCRIBE does, and the caller bounds how long that is.
 """
 
 from __future__ import annotations
@@ -169,6 +175,8 @@ class _Request:
     done_stream_count: int | None = None  # PUBLISH_DONE received: streams the publisher opened
     data_streams_ended: int = 0
     namespaces: set = field(default_factory=set)  # NAMESPACE suffixes announced on this stream
+    held_fetches: list = field(default_factory=list)  # joining FETCHes waiting for this SUBSCRIBE's answer
+    held_by: "_Request | None" = None  # a joining FETCH: the pending SUBSCRIBE it waits for
 
     @property
     def is_subscription(self) -> bool:
@@ -282,6 +290,7 @@ class MoqtSession:
         self._next_alias = 0
 
         self._before_setup: list[QuicEvent] = []
+        self._released: list[ev.MoqtEvent] = []  # events produced by calls outside handle_event()
         self._before_setup_bytes = 0
 
         # Peer token registrations (section 10.2.2); ours are not tracked.
@@ -330,11 +339,19 @@ class MoqtSession:
     # QUIC events
     # ------------------------------------------------------------------
 
+    def take_events(self) -> list[ev.MoqtEvent]:
+        """Events produced by calls of the application rather than by QUIC events: a
+        joining FETCH held until its SUBSCRIBE was accepted is released by
+        subscribe_ok() as a FetchReceived. handle_event() also returns any of these
+        not yet taken, ahead of its own."""
+        out, self._released = self._released, []
+        return out
+
     def handle_event(self, event: QuicEvent) -> list[ev.MoqtEvent]:
         """Process one QUIC event; returns the MOQT events it produced."""
         if self._closed:
             return []
-        out: list[ev.MoqtEvent] = []
+        out: list[ev.MoqtEvent] = self.take_events()
         try:
             if isinstance(event, ConnectionTerminated):
                 self._closed = True
@@ -625,10 +642,16 @@ class MoqtSession:
             self._reject(request, RequestErrorCode.INVALID_JOINING_REQUEST_ID, "no such subscription")
             return
         if not joined.accepted:
-            # Draft-18 lets the publisher buffer a joining fetch until the
-            # subscription is established; answering at once keeps this layer simple.
-            self._reject(request, RequestErrorCode.INVALID_JOINING_REQUEST_ID, "subscription not established")
+            # Section 10.12.2: the subscription is Pending, so the FETCH waits for its answer.
+            request.held_by = joined
+            joined.held_fetches.append((request, message, tokens))
             return
+        self._resolve_joining(request, message, tokens, joined, out)
+
+    def _resolve_joining(
+        self, request: _Request, message: Fetch, tokens: tuple[AuthToken, ...], joined: _Request, out: list[ev.MoqtEvent]
+    ) -> None:
+        """Turn a joining FETCH of an Established subscription into its range."""
         if joined.parameters.forward is False:
             self._reject(request, RequestErrorCode.INVALID_RANGE, "joined subscription has Forward 0")
             return
@@ -655,6 +678,27 @@ class MoqtSession:
                 tokens,
             )
         )
+
+    def _release_held_fetches(self, joined: _Request) -> None:
+        """SUBSCRIBE_OK went out: resolve the joining FETCHes that waited for it."""
+        held, joined.held_fetches = joined.held_fetches, []
+        for request, message, tokens in held:
+            request.held_by = None
+            if request.closed or self._closed:
+                continue
+            self._resolve_joining(request, message, tokens, joined, self._released)
+
+    def _refuse_held_fetches(self, joined: _Request, reason: str) -> None:
+        """The SUBSCRIBE was refused or cancelled: so are the FETCHes joining it."""
+        held, joined.held_fetches = joined.held_fetches, []
+        for request, _, _ in held:
+            request.held_by = None
+            if request.closed or request.answered or self._closed:
+                continue
+            try:
+                self._reject(request, RequestErrorCode.INVALID_JOINING_REQUEST_ID, reason)
+            except StreamClosed:
+                request.closed = True
 
     def _on_request_message(self, request: _Request, message: Message, out: list[ev.MoqtEvent]) -> None:
         if request.closed:
@@ -858,7 +902,8 @@ class MoqtSession:
         request.fin_received = True
         if not request.closed:
             request.closed = True
-            out.append(ev.RequestCancelled(request.request_id, event.error_code, request.local))
+            if not self._forget_held(request):
+                out.append(ev.RequestCancelled(request.request_id, event.error_code, request.local))
             if request.local and request.kind is SubscribeNamespace:
                 prefix = request.message.namespace_prefix  # type: ignore[attr-defined]
                 for suffix in sorted(request.namespaces):
@@ -866,6 +911,16 @@ class MoqtSession:
                 request.namespaces.clear()
             self._abort_stream(request, StreamResetCode.CANCELLED)
         self._forget_if_done(request)
+
+    def _forget_held(self, request: _Request) -> bool:
+        """A held joining FETCH was cancelled by its requester: drop it quietly (the
+        application never saw it). Returns whether it was held."""
+        joined = request.held_by
+        if joined is None:
+            return False
+        request.held_by = None
+        joined.held_fetches = [entry for entry in joined.held_fetches if entry[0] is not request]
+        return True
 
     def _on_stop_sending(self, event: StopSendingReceived, out: list[ev.MoqtEvent]) -> None:
         sid = event.stream_id
@@ -885,7 +940,8 @@ class MoqtSession:
         request.fin_sent = True  # the stream was reset by the transport
         if not request.closed:
             request.closed = True
-            out.append(ev.RequestCancelled(request.request_id, event.error_code, request.local))
+            if not self._forget_held(request):
+                out.append(ev.RequestCancelled(request.request_id, event.error_code, request.local))
             self._abort_stream(request, event.error_code)
         self._forget_if_done(request)
 
@@ -1332,6 +1388,8 @@ class MoqtSession:
             track_properties, TrackPropertyType.DEFAULT_PUBLISHER_PRIORITY, DEFAULT_PUBLISHER_PRIORITY
         )
         self._aliases_out[alias] = request
+        if request.held_fetches:
+            self._release_held_fetches(request)
         return alias
 
     def fetch_ok(
@@ -1420,7 +1478,11 @@ class MoqtSession:
         request.answered = True
         request.closed = True
         message = RequestErrorMessage(error_code, retry_interval, reason, redirect)
-        self._send_on_request(request, message, end_stream=True)
+        try:
+            self._send_on_request(request, message, end_stream=True)
+        finally:
+            if request.held_fetches:
+                self._refuse_held_fetches(request, "subscription refused")
 
     def publish_done(self, request_id: int, status_code: int = PublishDoneCode.TRACK_ENDED, reason: str = "") -> None:
         """End a subscription this endpoint publishes: FIN its open data streams, send
@@ -1754,6 +1816,8 @@ class MoqtSession:
         self._forget_if_done(request)
 
     def _abort_stream(self, request: _Request, error_code: int) -> None:
+        if request.held_fetches:
+            self._refuse_held_fetches(request, "subscription cancelled")
         for sid in list(request.open_data_streams):
             if sid in self._outgoing_data:
                 self.reset_data_stream(sid, error_code)

@@ -1,19 +1,26 @@
-"""Index Service test fixtures: principals, records, a movable clock and real servers."""
+"""Index Service test fixtures: principals, records, a movable clock and real servers.
+
+Every test that starts a server runs once per replica store, "memory" and "redis" (a real
+redis-server, see tests/index_redis/redis_server.py), except those marked `memory_store`:
+they move the fake clock past records' expiry, and Redis expires records by its own clock
+(tests/index_redis/ tests the same behaviour with real, short TTLs).
+"""
 
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import pytest
 
 from index.app import IndexSettings, create_app
-from index.store import MemoryInstanceDirectory, MemoryReplicaStore
+from index.store import MemoryInstanceDirectory, ReplicaStore
 from kvsp_moq.auth import Authenticator
 from kvsp_moq.protocol.records import replica_id
 from kvsp_moq.web import BackgroundServer
+from tests.index_redis.redis_server import redis_server, redis_url  # noqa: F401 (fixtures)
 
 COMPAT = "c0" * 32
 SCOPE = "5c" * 16
@@ -100,9 +107,22 @@ class Index:
     instances: MemoryInstanceDirectory
 
     @property
-    def store(self) -> MemoryReplicaStore:
-        assert isinstance(self.settings.store, MemoryReplicaStore)
+    def store(self) -> ReplicaStore:
         return self.settings.store
+
+
+STORES = ("memory", "redis")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "memory_store: runs against the in-memory store only, "
+                                       "since it moves the fake clock past records' expiry")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "store_kind" in metafunc.fixturenames:
+        only_memory = metafunc.definition.get_closest_marker("memory_store") is not None
+        metafunc.parametrize("store_kind", STORES[:1] if only_memory else STORES)
 
 
 @pytest.fixture
@@ -111,9 +131,11 @@ def clock() -> Clock:
 
 
 @pytest.fixture
-def serve(clock: Clock) -> Iterator[Any]:
+async def serve(clock: Clock, store_kind: str, request: pytest.FixtureRequest) -> Any:
     """Start an Index Service on 127.0.0.1 with test settings; stopped after the test."""
     servers: list[BackgroundServer] = []
+    stores: list[Any] = []
+    url = request.getfixturevalue("redis_url") if store_kind == "redis" else None
 
     def start(**overrides: Any) -> Index:
         instances = MemoryInstanceDirectory(clock)
@@ -121,15 +143,25 @@ def serve(clock: Clock) -> Iterator[Any]:
             "auth": Authenticator.from_mapping(PRINCIPALS), "clock": clock,
             "instances": instances, "sweep_interval_s": None,
         }
+        if url is not None:
+            from index.redis_store import RedisReplicaStore
+
+            fields["store"] = RedisReplicaStore(url)
         fields.update(overrides)
         settings = IndexSettings(**fields)
-        server = BackgroundServer(create_app(settings)).start()
+        hooks = []
+        if hasattr(settings.store, "aclose"):  # a store with connections: close them
+            stores.append(settings.store)
+            hooks.append(settings.store.aclose)  # those of the server's loop
+        server = BackgroundServer(create_app(settings, on_shutdown=hooks)).start()
         servers.append(server)
         return Index(server.url, settings, clock, instances)
 
     yield start
     for server in servers:
         server.stop()
+    for store in stores:
+        await store.aclose()  # the test loop's, when the test used the store itself
 
 
 @pytest.fixture

@@ -56,6 +56,7 @@ async def test_matched_stops_at_the_first_key_without_a_replica(serve, http):
     assert await lookup(http, ix, []) == {"matched": 0, "blocks": []}
 
 
+@pytest.mark.memory_store
 async def test_a_key_whose_replicas_all_expired_ends_the_match(serve, http):
     ix = serve()
     await publish(http, ix, [record(key(0)), record(key(1), ttl_ms=500), record(key(2))])

@@ -100,6 +100,7 @@ async def test_unauthenticated_requests_are_refused(serve, http, headers, status
     assert ix.store.records == 0
 
 
+@pytest.mark.memory_store
 async def test_ttl_is_capped_and_the_record_expires(serve, http):
     ix = serve(max_ttl_ms=2_000)
     rec = record(key(0), ttl_ms=60_000)
@@ -115,6 +116,7 @@ async def test_ttl_is_capped_and_the_record_expires(serve, http):
     assert "kvsp_index_ttl_capped_total 1" in text
 
 
+@pytest.mark.memory_store
 async def test_ttl_below_the_cap_is_kept(serve, http):
     ix = serve(max_ttl_ms=2_000)
     rec = record(key(0), ttl_ms=500)
@@ -124,6 +126,7 @@ async def test_ttl_below_the_cap_is_kept(serve, http):
     assert (await lookup(http, ix, [key(0)]))["matched"] == 0
 
 
+@pytest.mark.memory_store
 async def test_refresh_extends_expiry_and_a_lapsed_record_is_created_anew(serve, http):
     ix = serve()
     rec = record(key(0), ttl_ms=1_000)
@@ -137,6 +140,7 @@ async def test_refresh_extends_expiry_and_a_lapsed_record_is_created_anew(serve,
     assert (await http.put(ix.url + path(rec), json=rec, headers=auth("t-h1"))).status_code == 201
 
 
+@pytest.mark.memory_store
 async def test_expired_records_are_swept_from_memory(serve, http):
     ix = serve()
     recs = [record(key(i), ttl_ms=1_000, layers=1) for i in range(50)]
@@ -149,6 +153,7 @@ async def test_expired_records_are_swept_from_memory(serve, http):
     assert "kvsp_index_replica_records 0" in (await http.get(ix.url + "metrics")).text
 
 
+@pytest.mark.memory_store
 async def test_background_sweeper_runs(serve, http):
     ix = serve(sweep_interval_s=0.02)
     rec = record(key(0), ttl_ms=1_000)
@@ -198,6 +203,7 @@ async def test_delete_outside_the_scope_reveals_nothing(serve, http):
     assert ix.store.records == 1
 
 
+@pytest.mark.memory_store
 async def test_delete_of_an_expired_record_is_not_found(serve, http):
     ix = serve()
     rec = record(key(0), ttl_ms=100)
