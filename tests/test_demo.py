@@ -20,6 +20,10 @@ def test_demo_runs_the_whole_system_and_reports_measured_results(tmp_path):
     assert moved.get("http", 0) + moved.get("moqt", 0) > 0, moved
     fo = report["failover"]
     assert fo["every_index_once"] and fo["equals_uninterrupted_run"] and fo["epochs"][-1] > fo["epochs"][0]
+    rs = report["reshard"]
+    assert rs["committed"] is True and rs["agent1_ranges"] == [[512, 1024]]
+    assert rs["agent2_ranges"] == [[0, 512]]
+    assert rs["bytes_moved_for_retained_range"] == 0 and rs["bytes_moved_to_agent1"] > 0
     assert report["other_tenant"]["matched_blocks"] == 0
     assert report["other_tenant"]["cached_tokens"] == 0
     saved = json.loads((tmp_path / "report" / "report.json").read_text())

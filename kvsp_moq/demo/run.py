@@ -206,6 +206,39 @@ class Demo:
                 "every_index_once": indices == list(range(n)),
                 "equals_uninterrupted_run": [t for _, _, t in received] == reference}
 
+    def reshard(self) -> dict[str, Any]:
+        """A long context held by one agent is split across both (KVSP §6.9), driven by the PC."""
+        self.progress.step("restarting agent1 for the reshard")
+        self.cluster.start_one("agent1")
+        self.cluster.wait_healthy("agent1")
+        self._wait(lambda: self._active_instances() >= 2, 60, "agent1 reporting again")
+        a, b = self.cluster.services["agent2"].url, self.cluster.services["agent1"].url
+        n = 1024
+        context = _tokens(n, 4242)
+        admin = self._auth("admin")
+        self.progress.step(f"computing a {n}-token context on agent2")
+        for url, ranges in ((a, [[0, n]]), (b, [])):
+            r = self.http.put(url + "shards/long", headers=admin,
+                              json={"version": 1, "tokens": context, "ranges": ranges})
+            r.raise_for_status()
+        pc = self.cluster.urls["index"]
+        v1 = {"map": "long", "version": 1, "shards": [{"tokens": [0, n], "instance": a}]}
+        self.http.post(pc + "reshard/long", headers=admin, json=v1).raise_for_status()
+        v2 = {"map": "long", "version": 2, "deadline_ms": 30000, "shards": [
+            {"tokens": [0, n // 2], "instance": a}, {"tokens": [n // 2, n], "instance": b}]}
+        self.progress.step("resharding: agent2 keeps [0, 512), agent1 takes [512, 1024)")
+        r = self.http.post(pc + "reshard/long", headers=admin, json=v2, timeout=120)
+        r.raise_for_status()
+        outcome = r.json()
+        kept = self.http.get(a + "reshard/long", headers=admin).json()
+        took = self.http.get(b + "reshard/long", headers=admin).json()
+        self.progress.end()
+        moved = sum(f.get("bytes", 0) for f in took.get("last", {}).get("fetched", []))
+        return {"map": "long", "tokens": n, "committed": outcome.get("committed"),
+                "agent2_ranges": kept.get("ranges"), "agent1_ranges": took.get("ranges"),
+                "bytes_moved_to_agent1": moved,
+                "bytes_moved_for_retained_range": kept.get("last", {}).get("transferred_bytes")}
+
     def other_tenant(self) -> dict[str, Any]:
         prompt = _tokens(SYSTEM_TOKENS, 1) + _tokens(SUFFIX_TOKENS, 100)
         decision = self.route("tenant-b", prompt)
@@ -239,6 +272,13 @@ class Demo:
             print(f"\nFailover: agent1 killed (SIGKILL) at token {fo['at_index']} of {fo['tokens']}; "
                   f"epochs seen {fo['epochs']}; every index delivered once: {fo['every_index_once']}; "
                   f"output equals an uninterrupted run: {fo['equals_uninterrupted_run']}")
+        rs = self.reshard()
+        self.report["reshard"] = rs
+        if not self.as_json:
+            print(f"\nReshard of a {rs['tokens']}-token context: committed {rs['committed']}; "
+                  f"agent2 keeps {rs['agent2_ranges']} (moved {rs['bytes_moved_for_retained_range']} "
+                  f"octets), agent1 holds {rs['agent1_ranges']} ({rs['bytes_moved_to_agent1']} "
+                  f"octets fetched from agent2)")
         other = self.other_tenant()
         self.report["other_tenant"] = other
         if not self.as_json:
