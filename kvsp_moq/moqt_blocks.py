@@ -76,6 +76,7 @@ from kvsp_moq.moqt.quic import (
 )
 from kvsp_moq.naming import GROUP, ROOT, BlockTrack, publisher_id
 from kvsp_moq.protocol.container import Container, Layer, encode, format_digest, layer_digest, replica_digest
+from kvsp_moq.fetch.stream import VerifiedLayerStream, record_layer_digests
 from kvsp_moq.protocol.records import ReplicaRecord
 
 __all__ = [
@@ -571,7 +572,7 @@ def _failure_of(error: BaseException) -> _SourceFailed:
     return _SourceFailed("transport", f"{type(error).__name__}: {error}")
 
 
-class MoqtLayerStream:
+class MoqtLayerStream(VerifiedLayerStream):
     """Verified layers a..b of one block, in ascending order, through MOQT relays."""
 
     def __init__(self, fetcher: "MoqtBlockFetcher", sources: Sequence[str], record: ReplicaRecord,
@@ -602,30 +603,13 @@ class MoqtLayerStream:
         if self.range is None:
             raise LayersUnavailable("the record lists no layer digests; give the layer range")
         self._kinds: list[str] = []
-        self._gen = self._run()
-
-    def __aiter__(self) -> "MoqtLayerStream":
-        return self
-
-    async def __anext__(self) -> Layer:
-        return await self._gen.__anext__()
-
-    async def aclose(self) -> None:
-        await self._gen.aclose()
-
-    async def __aenter__(self) -> "MoqtLayerStream":
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
+        self._start()
 
     # ---------------------------------------------------------------- the source loop
 
     async def _run(self) -> AsyncIterator[Layer]:
         record = self.record
-        digests = record.layer_digest_bytes() if record.layer_digests is not None else None
-        if digests is not None and replica_digest(digests).hex() != record.digest[8:]:
-            raise DigestMismatch("the record's layer digests do not give its replica digest")
+        digests = record_layer_digests(record)
         assert self.range is not None
         first, last = self.range
         next_layer = first

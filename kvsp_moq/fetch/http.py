@@ -59,6 +59,7 @@ from kvsp_moq.protocol.container import (
     layer_digest,
     replica_digest,
 )
+from kvsp_moq.fetch.stream import VerifiedLayerStream, record_layer_digests
 from kvsp_moq.protocol.records import ReplicaRecord
 
 #: Octets hashed per worker call for the Repr-Digest; fewer calls, same cache behaviour.
@@ -264,7 +265,7 @@ class FetchResult:
         return self.served_by[-1][0]
 
 
-class LayerStream:
+class LayerStream(VerifiedLayerStream):
     """Verified layers a..b of one block, in ascending order, from a list of sources."""
 
     def __init__(self, fetcher: "HttpFetcher", sources: Sequence[str], record: ReplicaRecord,
@@ -291,30 +292,13 @@ class LayerStream:
         self._kinds: list[str] = []
         self._current: ContainerAssembler | None = None
         self._delivered: list[ContainerAssembler] = []
-        self._gen = self._run()
-
-    def __aiter__(self) -> "LayerStream":
-        return self
-
-    async def __anext__(self) -> Layer:
-        return await self._gen.__anext__()
-
-    async def aclose(self) -> None:
-        await self._gen.aclose()
-
-    async def __aenter__(self) -> "LayerStream":
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
+        self._start()
 
     # ---------------------------------------------------------------- the source loop
 
     async def _run(self) -> AsyncIterator[Layer]:
         record = self.record
-        digests = record.layer_digest_bytes() if record.layer_digests is not None else None
-        if digests is not None and replica_digest(digests).hex() != record.digest[8:]:
-            raise DigestMismatch("the record's layer digests do not give its replica digest")
+        digests = record_layer_digests(record)
         want = self.range
         next_layer = want[0] if want else 0
         for source in self.sources:
