@@ -161,3 +161,11 @@ async def _wait_for_moqt(url: str, timeout: float = 20.0) -> None:
             continue
         await connection.aclose()
         return
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The small test model, made once per run and shared by every agent of the suite."""
+    from agent.tiny import ensure_tiny_model
+
+    return ensure_tiny_model(tmp_path_factory.getbasetemp() / "kvsp-tiny")
