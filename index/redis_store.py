@@ -319,17 +319,16 @@ class RedisReplicaStore(ReplicaStore):
             calls.append(args)
         client = self.client()
         with _unavailable(self._where):
-            for attempt in range(2):
-                async with client.pipeline(transaction=False) as pipe:
-                    for args in calls:
-                        pipe.evalsha(_put.sha, 1, space + "n", *args)
-                    pipe.sadd(self.spaces_key, f"{compat_id}:{scope_id}")
-                    replies = (await pipe.execute(raise_on_error=False))[:-1]
-                if attempt or not any(isinstance(r, redis_errors.NoScriptError)
-                                      for r in replies):
-                    break
-                # Redis lost its scripts (a restart): nothing ran; load and run again.
-                await client.script_load(_put.source)
+            async with client.pipeline(transaction=False) as pipe:
+                # The script goes first on every pipeline. Retrying after NOSCRIPT could run the
+                # calls out of order: when another client loads the script while this pipeline
+                # runs, its first calls fail and its later ones succeed, and a key whose
+                # replicas straddle two calls would be filed in the wrong publication order.
+                pipe.script_load(_put.source)
+                for args in calls:
+                    pipe.evalsha(_put.sha, 1, space + "n", *args)
+                pipe.sadd(self.spaces_key, f"{compat_id}:{scope_id}")
+                replies = (await pipe.execute(raise_on_error=False))[1:-1]
             for reply in replies:
                 if isinstance(reply, Exception):
                     raise reply

@@ -405,6 +405,18 @@ def _wait_ready(client: httpx.Client, url: str, body: bytes) -> None:
             time.sleep(0.05)
 
 
+def _check_same(url: str, got: httpx.Response, want: httpx.Response) -> None:
+    """Raise, saying where and how, when `got` is not the octets of the in-memory answer."""
+    if got.status_code == want.status_code and got.content == want.content:
+        return
+    a, b = got.content, want.content
+    at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    raise RuntimeError(
+        f"{url} answered otherwise than the in-memory index: status {got.status_code} "
+        f"(in-memory {want.status_code}), {len(a)} octets ({len(b)}), first difference at "
+        f"{at}: {a[max(0, at - 80):at + 120]!r} against {b[max(0, at - 80):at + 120]!r}")
+
+
 def _summary(latencies: list[float]) -> dict[str, Any]:
     ordered = sorted(latencies)
     return {
@@ -474,9 +486,8 @@ def run_lookup(quick: bool = False, *, records: int | None = None, requests: int
                     raise RuntimeError(f"index matched {doc['matched']} of {keys_per_lookup}")
                 sizes.append(len(r.content))
                 for url in urls.values():  # every store answers the same octets
-                    if url != urls["index"] and client.post(url, content=body,
-                                                            headers=headers).content != r.content:
-                        raise RuntimeError(f"{url} answered otherwise than the in-memory index")
+                    if url != urls["index"]:
+                        _check_same(url, client.post(url, content=body, headers=headers), r)
             body_len = round(statistics.mean(sizes))
             proc, bare_info = _start(_bare_server, body_len)
             procs.append(proc)

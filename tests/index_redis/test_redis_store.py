@@ -332,3 +332,42 @@ async def test_prefixes_keep_two_indexes_apart(redis_url):
     finally:
         await a.aclose()
         await b.aclose()
+
+
+async def test_publication_order_holds_when_the_script_is_loaded_mid_pipeline(redis_url):
+    """Batches that straddle several script calls, sent while the server has lost the PUT
+    script and another client loads it: every key keeps its replicas in batch order."""
+    from index.redis_store import _PUT_CHUNK, _put
+
+    def big(i: int, holder: str) -> ReplicaRecord:  # 32 layer digests: calls of ~300 kB
+        return ReplicaRecord.from_json(record(key(i), holder=holder, layers=32))
+
+    stores = [RedisReplicaStore(redis_url) for _ in range(4)]
+    admin = stores[3].client()
+    try:
+        for round_ in range(10):
+            await admin.script_flush()
+            batches = []
+            for b in range(3):
+                records = []
+                # Two replicas per key, so that every call boundary splits one key's pair.
+                for i in range(3 * _PUT_CHUNK + 1):
+                    k = 100_000 * round_ + 10_000 * b + i
+                    records += [big(k, H1), big(k, H2)]
+                batches.append(records[1:])  # odd offset: pairs straddle the boundaries
+
+            async def load_soon(delay: float) -> None:
+                await asyncio.sleep(delay)
+                await admin.script_load(_put.source)
+
+            await asyncio.gather(*(s.put_many(batch, 0.0) for s, batch in zip(stores, batches)),
+                                 load_soon(0.003 * round_))
+            for batch in batches:
+                keys = list(dict.fromkeys(r.block_key for r in batch))[1:]
+                hits = await stores[0].lookup(COMPAT, SCOPE, keys, 0.0)
+                assert hits.matched == len(keys)
+                assert all([r["holder"] for r in reps] == [H1, H2] for reps in replicas(hits)), \
+                    f"replicas out of publication order in round {round_}"
+    finally:
+        for s in stores:
+            await s.aclose()
