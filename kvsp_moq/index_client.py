@@ -45,10 +45,15 @@ def raise_for_problem(response: httpx.Response) -> None:
     """Turn an error response into the project's exception for its problem type."""
     if response.status_code < 400:
         return
-    try:
-        doc = response.json()
-    except ValueError:
-        doc = {"detail": response.text[:512]}
+    doc = None
+    if "json" in response.headers.get("content-type", ""):
+        try:
+            doc = response.json()
+        except ValueError:
+            pass
+    if not isinstance(doc, dict):
+        # Not a problem document (a plain web server, a proxy): its status line says enough.
+        doc = {"detail": f"HTTP {response.status_code} {response.reason_phrase}".rstrip()}
     raise Problem.from_json(doc, status=response.status_code).to_error()
 
 

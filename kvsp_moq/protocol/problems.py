@@ -86,6 +86,8 @@ class Problem:
         err = cls.__new__(cls)
         errors.KvspError.__init__(err, self.detail or self.title,
                                   member=self.extensions.get("member"))
+        if cls is errors.KvspError and self.status:
+            err.status = self.status  # no class of ours for it: keep the status it came with
         return err
 
 
