@@ -16,6 +16,18 @@ each status PUT (and from PUT {ii}state when the PC changes it):
 - sleeping -> active only through `set_state` (the PC's word);
 - any -> failed when the last record expires (ttl_ms after it arrived). A failed instance
   comes back only by restarting with a higher epoch: its sessions have already moved on.
+
+Two things the PC knows before the instance says so:
+
+- Routed requests: between `POST route` choosing an instance and that instance's next status
+  record, the request is in no record yet. The registry counts it in the instance's "queued"
+  (`note_routed`) until a record arrives that was sent after the request could have reached
+  the instance, or until `routed_hold_ms` passes, so that a burst of routes spreads by the §6.4
+  cost instead of piling onto the instance that looked idle.
+- Started instances: an instance the start hook launched is registered at once
+  (`register_started`), active, so that it can take its prefetch directive while it starts
+  (§6.4). Its first status record replaces the provisional one whatever its epoch (above the
+  epoch of a failed incarnation at the same URL); without one within `start_grace_ms` it fails.
 """
 
 from __future__ import annotations
@@ -100,6 +112,13 @@ class LifecycleSettings:
     """An instance may sleep once (running + queued) / batch_size stayed below this..."""
     sleep_after_ms: int = 60_000
     """...for this long."""
+    routed_settle_ms: int = 100
+    """A status record accounts for a routed request only when it arrives at least this long
+    after the route: the client still has to reach the instance with the request."""
+    routed_hold_ms: int = 10_000
+    """A routed request no record has accounted for is forgotten after this long."""
+    start_grace_ms: int = 120_000
+    """How long a started instance may take to send its first status record."""
 
 
 @dataclass
@@ -109,6 +128,12 @@ class _Entry:
     expires_at: float
     low_since: float | None
     reported_at: float
+    routed: list[float] = dataclasses.field(default_factory=list)
+    """Clock times of requests routed here that no status record has accounted for yet."""
+    provisional: bool = False
+    """Registered by the start hook; no record from the instance yet."""
+    floor_epoch: int | None = None
+    """For a provisional entry: the epoch of the failed incarnation it replaced."""
 
 
 @dataclass(frozen=True)
@@ -147,6 +172,19 @@ class InstanceRegistry:
         expires = now + record.ttl_ms / 1000.0
         low = load_of(record) < self.settings.sleep_load_threshold
         events: list[Event] = []
+        if entry is not None and entry.provisional:
+            if entry.floor_epoch is not None and record.epoch <= entry.floor_epoch:
+                raise StaleEpoch(f"instance {url} has reported epoch {entry.floor_epoch}; "
+                                 f"epoch {record.epoch} is stale", member="epoch")
+            # The started instance speaks for the first time: its record replaces the
+            # provisional one, and it keeps what was routed to it meanwhile.
+            state = record.state
+            routed = self._settled(entry.routed, now)
+            self._entries[url] = _Entry(record, state, expires, now if low else None, now, routed)
+            events.append(StateChanged(url, record.epoch, entry.state, state))
+            if state == "failed":
+                events.append(InstanceFailed(url, record.epoch, "reported"))
+            return Reply(state, tuple(events))
         if entry is not None and record.epoch < entry.record.epoch:
             raise StaleEpoch(f"instance {url} has reported epoch {entry.record.epoch}; "
                              f"epoch {record.epoch} is stale", member="epoch")
@@ -168,6 +206,7 @@ class InstanceRegistry:
         old = entry.state
         entry.record = record
         entry.reported_at = now
+        entry.routed = self._settled(entry.routed, now)
         entry.low_since = (entry.low_since if entry.low_since is not None else now) if low else None
         if old == "failed":
             return Reply("failed", tuple(events))
@@ -185,6 +224,11 @@ class InstanceRegistry:
             entry.state = new
             events.insert(0, StateChanged(url, record.epoch, old, new))
         return Reply(new, tuple(events))
+
+    def _settled(self, routed: list[float], now: float) -> list[float]:
+        """Routed requests a record arriving now cannot account for yet (recent ones)."""
+        cutoff = now - self.settings.routed_settle_ms / 1000.0
+        return [t for t in routed if t > cutoff]
 
     def _quiet_long_enough(self, entry: _Entry, now: float) -> bool:
         return (entry.low_since is not None
@@ -217,6 +261,55 @@ class InstanceRegistry:
             entry.low_since = None
         return StateChanged(entry.record.instance, entry.record.epoch, old, state, by_pc=True)
 
+    def note_routed(self, instance: str) -> None:
+        """A request was just routed to the instance: count it in its queue until a status
+        record accounts for it (or `routed_hold_ms` passes)."""
+        entry = self._entries.get(normalize_url(instance))
+        if entry is not None:
+            entry.routed.append(self.clock())
+
+    def pending(self, instance: str) -> int:
+        """Routed requests not yet accounted for by a status record of the instance."""
+        entry = self._entries.get(normalize_url(instance))
+        return 0 if entry is None else self._pending(entry, self.clock())
+
+    def _pending(self, entry: _Entry, now: float) -> int:
+        if entry.routed:
+            oldest = now - self.settings.routed_hold_ms / 1000.0
+            if entry.routed[0] <= oldest:
+                entry.routed = [t for t in entry.routed if t > oldest]
+        return len(entry.routed)
+
+    def register_started(self, started: str | InstanceStatus) -> bool:
+        """Make an instance the start hook launched known, active, before its first record.
+
+        `started` is its base URL, or a record with what the hook knows of it (rates, links);
+        its state and ttl_ms are set here (active, `start_grace_ms`). An instance that already
+        reports is left as it is. Returns whether the instance may now get requests.
+        """
+        now = self.clock()
+        if isinstance(started, str):
+            url = normalize_url(started)
+            record = InstanceStatus(instance=url, epoch=0, state="active",
+                                    ttl_ms=self.settings.start_grace_ms)
+        else:
+            url = normalize_url(started.instance)
+            record = dataclasses.replace(started, instance=url, state="active",
+                                         ttl_ms=self.settings.start_grace_ms,
+                                         requested_state=None)
+        entry = self._entries.get(url)
+        if entry is not None and entry.state != "failed":
+            if entry.provisional:  # started again before it spoke: wait for it longer
+                entry.expires_at = now + record.ttl_ms / 1000.0
+            return self.is_active(url)
+        floor = None if entry is None else (entry.floor_epoch if entry.provisional
+                                            else entry.record.epoch)
+        if floor is not None and record.epoch <= floor:
+            record = dataclasses.replace(record, epoch=floor)
+        self._entries[url] = _Entry(record, "active", now + record.ttl_ms / 1000.0, None, now,
+                                    provisional=True, floor_epoch=floor)
+        return True
+
     def known(self, instance_url: str) -> bool:
         return normalize_url(instance_url) in self._entries
 
@@ -225,13 +318,16 @@ class InstanceRegistry:
 
     # ------------------------------------------------------------------ queries
 
-    def _view(self, entry: _Entry, now: float) -> InstanceStatus:
+    def _view(self, entry: _Entry, now: float, *, routed: bool = True) -> InstanceStatus:
+        """The record as the PC sees it: its state, and (with `routed`) the requests routed
+        there since counted in "queued"."""
         state = entry.state
         if state != "failed" and now >= entry.expires_at:
             state = "failed"  # expired but not swept yet: never offered as active
-        if state == entry.record.state:
+        extra = self._pending(entry, now) if routed else 0
+        if state == entry.record.state and not extra:
             return entry.record
-        return dataclasses.replace(entry.record, state=state)
+        return dataclasses.replace(entry.record, state=state, queued=entry.record.queued + extra)
 
     def get(self, instance_url: str) -> InstanceStatus | None:
         """`InstanceDirectory.get` of the Index Service: the unexpired record of an instance,
@@ -276,10 +372,12 @@ class InstanceRegistry:
         now = self.clock()
         out = []
         for url, entry in sorted(self._entries.items()):
-            view = self._view(entry, now)
+            view = self._view(entry, now, routed=False)
             item = view.to_json()
             item["id"] = instance_id(url)
-            item["reported_state"] = entry.record.state
+            item["reported_state"] = None if entry.provisional else entry.record.state
+            item["routed"] = self._pending(entry, now)
+            item["provisional"] = entry.provisional
             item["expires_in_ms"] = max(0, round((entry.expires_at - now) * 1000))
             out.append(item)
         return out

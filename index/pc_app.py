@@ -9,7 +9,10 @@ Resources (all JSON, `application/kvsp+json`; errors are problem documents):
   URL with its trailing slash (the percent-encoded URL is accepted too). The body's "instance"
   member is authoritative; an `{id}` naming another instance is refused (400, member
   "instance"). Role "instance".
-- `GET /instances`: `{"instances": [record + "id", "reported_state", "expires_in_ms"]}`.
+- `GET /instances`: `{"instances": [record + "id", "reported_state", "expires_in_ms",
+  "routed", "provisional"]}`: "queued" as reported; "routed" counts requests routed there that
+  no record has accounted for yet; "provisional" marks an instance the start hook launched
+  that has not reported yet ("reported_state" null).
 - `PUT /instances/{id}/state`: `{"state": "active" | "draining" | "sleeping"}`; the PC records it
   and forwards `PUT {ii}state` with `{"state": ..., "epoch": <instance epoch>}`. Role "pc".
 - `PUT /sessions/{session}/checkpoint`, `GET /sessions/{session}`, `DELETE /sessions/{session}`
@@ -25,7 +28,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
+import os
+import subprocess
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -46,8 +53,8 @@ from kvsp_moq.web import build_app, json_response, principal, read_json
 
 from index.lifecycle import (InstanceFailed, InstanceRegistry, LifecycleSettings, StateChanged,
                              id_matches)
-from index.placement import (LookupFn, MemoryIndex, PlacementSettings, Router, ScopeKeys,
-                             StartHook, index_client_lookup)
+from index.placement import (LookupFn, MemoryIndex, PlacementSettings, RouteRequest, Router,
+                             ScopeKeys, StartHook, index_client_lookup)
 from index.reshard import Resharder, ReshardSettings, ShardMapStore
 from index.sessions import (Failover, FailoverSettings, SessionState, SessionStore,
                             open_database)
@@ -78,6 +85,9 @@ class PCSettings:
     startup_grace_ms: int = 10_000
     """After a start, sessions whose instance has not reported within this are failed over."""
     http_timeout_s: float = 5.0
+    start_command: str | None = None
+    """Shell command of the start hook (see `command_start_hook`); None: no hook."""
+    start_command_timeout_s: float = 60.0
 
 
 class InstanceClient:
@@ -125,6 +135,58 @@ class InstanceClient:
         return (await self._call("POST", instance + "reshard", body, timeout)).status_code
 
 
+def _drain_and_reap(proc: subprocess.Popen) -> None:
+    assert proc.stdout is not None
+    try:
+        for _ in proc.stdout:
+            pass
+    finally:
+        proc.stdout.close()
+        proc.wait()
+
+
+def command_start_hook(command: str, *, timeout_s: float = 60.0) -> StartHook:
+    """A start hook that runs a shell command to launch an instance (§6.4).
+
+    The command finds the request in its environment (KVSP_SCOPE_ID, KVSP_COMPAT_ID,
+    KVSP_REQUEST_REF, KVSP_TOKEN_COUNT) and prints, as the first line of its output, the new
+    instance's base URL or a JSON Instance Status Record of what is known of it (rates,
+    links); an empty line means none was started. Only that line is waited for, so the
+    command may keep running while the instance starts: the directive then overlaps the start.
+    """
+
+    async def start(request: RouteRequest) -> str | InstanceStatus | None:
+        env = dict(os.environ, KVSP_SCOPE_ID=request.scope_id, KVSP_COMPAT_ID=request.compat_id,
+                   KVSP_REQUEST_REF=request.request_ref or "",
+                   KVSP_TOKEN_COUNT=str(request.token_count))
+        proc = subprocess.Popen(command, shell=True, stdout=subprocess.PIPE,
+                                stdin=subprocess.DEVNULL, env=env)
+        assert proc.stdout is not None
+        loop = asyncio.get_running_loop()
+        try:
+            line = await asyncio.wait_for(loop.run_in_executor(None, proc.stdout.readline),
+                                          timeout_s)
+        except (asyncio.TimeoutError, TimeoutError):
+            proc.kill()
+            raise TransportError(f"start command printed nothing within {timeout_s} s") from None
+        finally:
+            # The rest of its output is read (a closed pipe would kill a command that keeps
+            # logging) and it is reaped whenever it ends, without holding up the request.
+            threading.Thread(target=_drain_and_reap, args=(proc,), daemon=True).start()
+        text = line.decode("utf-8", "replace").strip()
+        if not text:
+            return None
+        if text.startswith("{"):
+            data = json.loads(text)
+            data.setdefault("state", "active")
+            data.setdefault("ttl_ms", 1)  # replaced by the start grace period
+            data.setdefault("epoch", 0)
+            return InstanceStatus.from_json(data)
+        return v.url(text, "instance", schemes=("http", "https"))
+
+    return start
+
+
 class PlacementController:
     """Lifecycle, sessions, routing and resharding of one PC, and the tasks that tie them."""
 
@@ -149,6 +211,9 @@ class PlacementController:
                 log.warning("no Index Service configured: routing sees no cached blocks")
                 lookup = MemoryIndex().lookup
         self.keys = keys if keys is not None else ScopeKeys.from_file(settings.scope_keys)
+        if start_hook is None and settings.start_command:
+            start_hook = command_start_hook(settings.start_command,
+                                            timeout_s=settings.start_command_timeout_s)
         self.router = Router(self.registry, lookup, self.instances.prefetch, settings.placement,
                              keys=self.keys, start_hook=start_hook)
         self.failover = Failover(self.sessions, self._choose_for, self.instances.resume,
@@ -379,6 +444,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-tokens", type=int, default=16, metavar="B")
     parser.add_argument("--max-cost-us", type=float, metavar="US",
                         help="cost above which a new instance is wanted")
+    parser.add_argument("--start-command", metavar="CMD",
+                        help="shell command that starts an instance and prints its base URL")
 
 
 def settings_from_args(args: argparse.Namespace) -> PCSettings:
@@ -387,7 +454,7 @@ def settings_from_args(args: argparse.Namespace) -> PCSettings:
         with open(args.token_file, encoding="utf-8") as f:
             token = f.read().strip()
     return PCSettings(database=args.db, principals=args.principals, scope_keys=args.scope_keys,
-                      index_url=args.index, token=token,
+                      index_url=args.index, token=token, start_command=args.start_command,
                       placement=PlacementSettings(block_tokens=args.block_tokens,
                                                   max_cost_us=args.max_cost_us))
 

@@ -28,6 +28,11 @@ Answer:
 start hook supplied a new instance (no active one, or none under `max_cost_us`), and
 "over-threshold" when the best active instance was chosen although its cost exceeds the
 threshold because no instance could be started.
+
+A started instance is registered with the lifecycle registry before its directive goes out
+(it is active from then on, provisionally until its first status record), and every chosen
+instance has the request counted in its queue until its status records account for it, so
+that the next route already sees it (`InstanceRegistry.note_routed`).
 """
 
 from __future__ import annotations
@@ -60,8 +65,9 @@ log = logging.getLogger("kvsp.pc.placement")
 LookupFn = Callable[[LookupRequest], Awaitable[LookupResult]]
 #: Sends POST {ii}prefetch; raises on anything but 202 (or 2xx).
 PrefetchSender = Callable[[str, PrefetchDirective], Awaitable[None]]
-#: Starts an instance for a request and returns its base URL (None when it cannot).
-StartHook = Callable[["RouteRequest"], Awaitable[str | None]]
+#: Starts an instance for a request and returns its base URL, or a record of what is known of
+#: it (rates, links) to rank it by until it reports; None when it cannot. The PC registers it.
+StartHook = Callable[["RouteRequest"], Awaitable["str | InstanceStatus | None"]]
 
 
 class NoActiveInstance(KvspError):
@@ -503,10 +509,13 @@ class Router:
             # Never a prefetch to an instance that is not active: check again, right before.
             for cand in ranked:
                 if self.registry.is_active(cand.instance):
-                    target, status = cand.instance, self.registry.get(cand.instance)
+                    target = cand.instance
                     break
             if target is None:
                 raise NoActiveInstance("every candidate left the active state")
+        # No await between the ranking and this: concurrent routes each see the ones before.
+        self.registry.note_routed(target)
+        status = self.registry.get(target)
         directive = directive_for(result, request, status, self.settings, request_ref=ref,
                                   grouping=grouping)
         prefetch = "none"
@@ -521,6 +530,9 @@ class Router:
                              tuple(ranked), reason, prefetch)
 
     async def _start(self, request: RouteRequest) -> str | None:
+        """Ask the start hook for an instance and register it, so that it is active for its
+        directive and known to the next routes; None when none was started or it may not
+        take requests (e.g. the hook named an instance that is draining)."""
         if self.start_hook is None:
             return None
         try:
@@ -528,7 +540,21 @@ class Router:
         except Exception as e:  # a failing hook must not fail the request
             log.warning("start hook failed: %s", e)
             return None
-        return normalize_url(started) if started else None
+        if not started:
+            return None
+        if not isinstance(started, (str, InstanceStatus)):
+            log.warning("start hook returned %r, not a URL or a status record", started)
+            return None
+        try:
+            usable = self.registry.register_started(started)
+        except (KvspError, ValueError) as e:
+            log.warning("start hook returned an unusable instance: %s", e)
+            return None
+        url = normalize_url(started if isinstance(started, str) else started.instance)
+        if not usable:
+            log.warning("start hook named %s, which may not take requests now", url)
+            return None
+        return url
 
     async def choose(self, scope_id: str, compat_id: str, keys: Sequence[str], *,
                      token_count: int, block_tokens: int | None = None,
@@ -539,9 +565,13 @@ class Router:
                                                                     self.settings.block_tokens)
         request = RouteRequest(scope_id, compat_id, tuple(keys), token_count, b)
         _, _, ranked = await self._ranked(request, exclude)
+        chosen: str | None
         if ranked and self._acceptable(ranked[0]):
-            return ranked[0].instance
-        started = await self._start(request)
-        if started is not None:
-            return started
-        return ranked[0].instance if ranked else None
+            chosen = ranked[0].instance
+        else:
+            chosen = await self._start(request)
+            if chosen is None and ranked:
+                chosen = ranked[0].instance
+        if chosen is not None:
+            self.registry.note_routed(chosen)  # the resumed session is work it has not reported
+        return chosen

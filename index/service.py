@@ -50,6 +50,9 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                    help="PC: bearer token presented to instances and to a remote IS")
     p.add_argument("--max-cost-us", type=float, metavar="US",
                    help="PC: cost above which a new instance is wanted")
+    p.add_argument("--start-command", metavar="CMD",
+                   help="PC: shell command that starts an instance when none has acceptable "
+                        "cost and prints its base URL (see index.pc_app.command_start_hook)")
     p.add_argument("--descriptor", action="append", default=[], metavar="DESCRIPTOR.json",
                    help="a Compatibility Descriptor whose block size lets lookups with "
                         "targets estimate recompute_us (repeatable)")
@@ -114,7 +117,7 @@ def pc_settings_from_args(args: argparse.Namespace) -> "PCSettings":
                                   max_cost_us=args.max_cost_us)
     return PCSettings(database=args.db or "kvsp-pc.sqlite3", principals=args.principals,
                       scope_keys=args.scope_keys, index_url=args.index, token=token,
-                      placement=placement)
+                      placement=placement, start_command=args.start_command)
 
 
 def create_combined_app(index_settings: IndexSettings, pc_settings: "PCSettings"):
