@@ -34,6 +34,8 @@ class CachedObject:
     status: ObjectStatus = ObjectStatus.NORMAL
     properties: Properties = ()
     publisher_priority: int = DEFAULT_PUBLISHER_PRIORITY
+    #: event-loop time its first byte arrived, from which delivery timeouts count
+    received_at: float | None = field(default=None, compare=False)
 
     @property
     def location(self) -> Location:

@@ -12,6 +12,16 @@ A `Relay` accepts MOQT sessions on 127.0.0.1 and connects publishers with subscr
 * Every object that passes through is cached (cache.py). A FETCH is answered from the cache
   as far as the cache can vouch for the range, and the rest is fetched upstream, once,
   appended to the response and cached in turn.
+* A subscriber's REQUEST_UPDATE changes its filter, Forward State and priority here; what
+  matters upstream (Forward 1 while any subscriber forwards, the most urgent priority, a
+  NEW_GROUP_REQUEST) is sent upstream as a REQUEST_UPDATE of the one upstream subscription.
+  An update that cannot be honoured (an End Group already published) is refused and ends
+  that subscription with PUBLISH_DONE UPDATE_FAILED.
+* Delivery timeouts are per subscriber: an object that waited in a subscriber's queue past
+  its timeout is not sent, its subgroup stream is reset with DELIVERY_TIMEOUT.
+* SUBSCRIBE_NAMESPACE is answered with the namespaces announced here, those of tracks
+  PUBLISHed here and, with an upstream relay, those the upstream relay reports: the relay
+  keeps one SUBSCRIBE_NAMESPACE there for every prefix its watchers need.
 * Every request is authorized by its AUTHORIZATION TOKENs and its session's (access.py).
 * A publisher that goes away ends its subscriptions downstream with PUBLISH_DONE
   (INTERNAL_ERROR, "publisher went away") after what was already received; its FETCH
@@ -52,7 +62,15 @@ from kvsp_moq.moqt.errors import (
     StreamResetCode,
     Uninterested,
 )
-from kvsp_moq.moqt.messages import FilterType, GroupOrder, Location, Properties, SubscriptionFilter
+from kvsp_moq.moqt.messages import (
+    FilterType,
+    GroupOrder,
+    Location,
+    Properties,
+    SubscriptionFilter,
+    TrackPropertyType,
+    property_value,
+)
 from kvsp_moq.moqt.quic import (
     FetchResult,
     FetchSender,
@@ -64,10 +82,12 @@ from kvsp_moq.moqt.quic import (
     IncomingSubscribeNamespace,
     IncomingSubscribeTracks,
     IncomingTrackStatus,
+    IncomingUpdate,
     MoqtConnection,
     MoqtObject,
     MoqtServer,
     NamespacePublisher,
+    NamespaceSubscription,
     OutgoingSubscription,
     PublishedNamespace,
     QuicSettings,
@@ -155,6 +175,16 @@ class RelayStats:
     rendezvous_waits: int = 0
     rendezvous_timeouts: int = 0
     publishers_lost: int = 0
+    #: REQUEST_UPDATEs from subscribers accepted and refused, and those sent upstream
+    updates: int = 0
+    updates_refused: int = 0
+    upstream_updates: int = 0
+    #: objects not forwarded because they outlived a subscriber's delivery timeout
+    objects_expired: int = 0
+    #: SUBSCRIBE_NAMESPACEs forwarded to the upstream relay
+    upstream_namespace_subscribes: int = 0
+    #: MOQT sessions clients opened
+    sessions_accepted: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -177,29 +207,39 @@ class _Peer:
 
     def tokens(self, request: IncomingRequest) -> list[bytes]:
         """The request's tokens, then those of the session's SETUP."""
-        out = [t for t in request.authorization if t]
+        return [t for t in request.authorization if t] + self.tokens_of_session()
+
+    def tokens_of_session(self) -> list[bytes]:
+        """The tokens of the session's SETUP."""
         setup = self.connection.peer_setup if self.connection is not None else None
-        if setup is not None:
-            out += [t.value for t in setup.authorization_tokens if t.value]
-        return out
+        if setup is None:
+            return []
+        return [t.value for t in setup.authorization_tokens if t.value]
 
     def __repr__(self) -> str:
         return f"<peer {self.id}{' upstream' if self.is_upstream else ''}>"
 
 
-def _cached(obj: MoqtObject) -> CachedObject:
+def _cached(obj: MoqtObject, received_at: float | None = None) -> CachedObject:
     return CachedObject(obj.group_id, obj.object_id, obj.payload, obj.subgroup_id, obj.status,
-                        obj.properties, obj.publisher_priority)
+                        obj.properties, obj.publisher_priority, received_at)
 
 
 # --------------------------------------------------------------------------- fan-out
 
 
 class _Downstream:
-    """One subscriber of a feed: its filter, its bounded queue and the task that drains it."""
+    """One subscriber of a feed: its filter, its bounded queue and the task that drains it.
+
+    Its REQUEST_UPDATEs change the filter, the Forward State, the priority and the
+    delivery timeouts; the feed then reconsiders what its upstream subscription needs.
+    Objects that outlived the subscriber's delivery timeout while queued are not sent:
+    their subgroup stream is reset with DELIVERY_TIMEOUT and the rest of that subgroup
+    is skipped (draft-18 "Delivery Timeouts and Data Reliability").
+    """
 
     def __init__(self, relay: "Relay", feed: "_Feed", peer: _Peer, outgoing: OutgoingSubscription,
-                 start: Location, end_group: int | None, forward: bool) -> None:
+                 start: Location, end_group: int | None, forward: bool, priority: int | None = None) -> None:
         self.relay = relay
         self.feed = feed
         self.peer = peer
@@ -207,6 +247,9 @@ class _Downstream:
         self.start = start
         self.end_group = end_group
         self.forward = forward
+        self.priority = priority
+        self._expired: set[tuple[int, int]] = set()
+        outgoing.on_update = self._on_update
         self.queue: deque[CachedObject] = deque()
         self.queued_bytes = 0
         self.closing: tuple[int, str] | None = None
@@ -240,6 +283,34 @@ class _Downstream:
         self._wake.set()
         return True
 
+    def _on_update(self, update: IncomingUpdate) -> None:
+        """A REQUEST_UPDATE of this subscription (draft-18 "Updating Subscriptions")."""
+        relay = self.relay
+        feed = self.feed
+        parameters = update.parameters
+        try:
+            if parameters.authorization_tokens:
+                tokens = [t for t in update.authorization if t] + self.peer.tokens_of_session()
+                relay.policy.check(Action.SUBSCRIBE, feed.key[0], tokens)
+            start, end_group = self.start, self.end_group
+            if parameters.subscription_filter is not None:
+                start, end_group = _filter_bounds(parameters.subscription_filter, feed.largest)
+                if end_group is not None and feed.largest is not None and end_group < feed.largest.group:
+                    raise InvalidRange("the filter's end group has already been published")
+            if self.finished or self.closing is not None:
+                raise InvalidRange("the subscription is ending")
+        except RequestError:
+            relay.stats.updates_refused += 1
+            raise
+        self.start, self.end_group = start, end_group
+        if parameters.forward is not None:
+            self.forward = parameters.forward
+        if parameters.subscriber_priority is not None:
+            self.priority = parameters.subscriber_priority
+        relay.stats.updates += 1
+        update.accept(largest=feed.largest)
+        feed.reconsider(new_group_request=parameters.new_group_request)
+
     def close(self, code: int, reason: str = "") -> None:
         """End after the queued objects are sent (or after the drain timeout)."""
         if self.closing is None and not self.finished:
@@ -269,6 +340,7 @@ class _Downstream:
 
     def _stop(self) -> None:
         self.finished = True
+        self.outgoing.on_update = None
         if self._drain_timer is not None:
             self._drain_timer.cancel()
         self.queue.clear()
@@ -300,17 +372,28 @@ class _Downstream:
     async def _send(self, obj: CachedObject) -> None:
         stats = self.relay.stats
         if obj.subgroup_id is None:
-            self.outgoing.send_datagram(
-                obj.group_id, obj.object_id, obj.payload, publisher_priority=obj.publisher_priority,
-                status=None if obj.status == ObjectStatus.NORMAL else obj.status, properties=obj.properties)
+            if not self.outgoing.send_datagram(
+                    obj.group_id, obj.object_id, obj.payload, publisher_priority=obj.publisher_priority,
+                    status=None if obj.status == ObjectStatus.NORMAL else obj.status, properties=obj.properties,
+                    received_at=obj.received_at):
+                stats.objects_expired += 1
+                return
         else:
+            key = (obj.group_id, obj.subgroup_id)
+            if key in self._expired:
+                stats.objects_expired += 1  # the rest of a subgroup given up on a delivery timeout
+                return
             for attempt in (0, 1):
                 sender = self._sender(obj, reopen=attempt == 1)
                 try:
                     if obj.status != ObjectStatus.NORMAL:
                         await sender.send_status(obj.object_id, obj.status)
-                    else:
-                        await sender.send(obj.object_id, obj.payload, properties=obj.properties)
+                    elif not await sender.send(obj.object_id, obj.payload, properties=obj.properties,
+                                               received_at=obj.received_at):
+                        self._expired.add(key)
+                        self._senders.pop(key, None)
+                        stats.objects_expired += 1
+                        return
                     break
                 except ValueError:
                     # An object that cannot follow the previous one on this stream (late,
@@ -361,6 +444,10 @@ class _Feed:
         self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.ended = False
         self.pump: asyncio.Task[None] | None = None
+        #: what the upstream subscription was last asked for
+        self.upstream_forward = True
+        self.upstream_priority: int | None = None
+        self.new_group_requested: int | None = None
 
     def start(self, upstream: Subscription) -> None:
         self.upstream = upstream
@@ -379,10 +466,56 @@ class _Feed:
 
     def attach(self, downstream: _Downstream) -> None:
         self.downstreams.append(downstream)
+        if downstream.forward and not self.upstream_forward:
+            self.reconsider()
+
+    def reconsider(self, *, new_group_request: int | None = None) -> None:
+        """Update the upstream subscription after a downstream change (draft-18
+        REQUEST_UPDATE): Forward 1 while any subscriber forwards, the most urgent subscriber
+        priority, and a NEW_GROUP_REQUEST as its "Relay Handling" says. Delivery
+        timeouts stay per subscriber and are not sent upstream (their parameter definitions)."""
+        upstream = self.upstream
+        if upstream is None or self.ended:
+            return
+        changes: dict[str, Any] = {}
+        if self.downstreams:
+            forward = any(d.forward for d in self.downstreams)
+            if forward != self.upstream_forward:
+                changes["forward"] = self.upstream_forward = forward
+            priorities = [d.priority for d in self.downstreams if d.priority is not None]
+            priority = min(priorities) if priorities else None
+            if priority is not None and priority != self.upstream_priority:
+                changes["subscriber_priority"] = self.upstream_priority = priority
+        if new_group_request is not None and self._wants_new_group(new_group_request):
+            changes["new_group_request"] = self.new_group_requested = new_group_request
+        if not changes:
+            return
+        relay = self.relay
+        relay.stats.upstream_updates += 1
+
+        async def send() -> None:
+            try:
+                await upstream.update(**changes, timeout=relay.settings.upstream_timeout)
+            except (MoqtError, asyncio.TimeoutError) as e:
+                log.info("upstream refused an update of %s: %s", _name(self.key), e)
+
+        relay._spawn(send(), name="relay-update-upstream")
+
+    def _wants_new_group(self, value: int) -> bool:
+        """Whether a downstream NEW_GROUP_REQUEST goes upstream (its "Relay Handling")."""
+        if property_value(self.track_properties, TrackPropertyType.DYNAMIC_GROUPS) != 1:
+            return False
+        largest_group = self.largest.group if self.largest is not None else None
+        if value != 0 and largest_group is not None and value <= largest_group:
+            return False
+        outstanding = self.new_group_requested
+        return outstanding is None or outstanding < value
 
     def detach(self, downstream: _Downstream) -> None:
         if downstream in self.downstreams:
             self.downstreams.remove(downstream)
+            if self.downstreams:
+                self.reconsider()
         if not self.downstreams and not self.published and not self.ended:
             # Nobody is left: stop the upstream subscription (the pump then ends).
             self.ended = True
@@ -401,12 +534,15 @@ class _Feed:
         code, reason = int(PublishDoneCode.TRACK_ENDED), ""
         assert self.upstream is not None
         try:
+            loop = asyncio.get_running_loop()
             async for obj in self.upstream:
                 stats.objects_in += 1
                 stats.bytes_in += len(obj.payload)
-                cached = _cached(obj)
+                cached = _cached(obj, loop.time())
                 cache.put(self.key, origin, cached)
                 if self.largest is None or cached.location > self.largest:
+                    if self.largest is not None and cached.group_id > self.largest.group:
+                        self.new_group_requested = None  # the outstanding request is met
                     self.largest = cached.location
                 for downstream in list(self.downstreams):
                     if not downstream.offer(cached):
@@ -432,6 +568,8 @@ class _Feed:
             relay._forget_feed(self)
             for downstream in list(self.downstreams):
                 downstream.close(code, reason)
+            if self.published and not relay._closed:
+                relay._count_namespace(relay._published_namespaces, self.key[0], -1)
 
 
 def _field(value: bytes) -> str:
@@ -455,6 +593,18 @@ class _NamespaceWatcher:
     publisher: NamespacePublisher
     principals: list[Principal]
     shown: set[tuple[bytes, ...]] = field(default_factory=set)
+    upstream: "_UpstreamWatch | None" = None
+
+
+@dataclass(eq=False)
+class _UpstreamWatch:
+    """A SUBSCRIBE_NAMESPACE this relay keeps at its upstream relay for its own watchers."""
+
+    prefix: tuple[bytes, ...]
+    tokens: list[bytes]
+    users: int = 0
+    namespaces: set[tuple[bytes, ...]] = field(default_factory=set)
+    task: asyncio.Task[None] | None = None
 
 
 @dataclass
@@ -483,9 +633,15 @@ class Relay:
         self._closing: dict[TrackKey, asyncio.Task[Any]] = {}
         self._namespace_watchers: list[_NamespaceWatcher] = []
         self._track_watchers: list[_TrackWatcher] = []
+        # Namespaces known besides announced routes: of tracks PUBLISHed here, and those the
+        # upstream relay reported (NAMESPACE); each with how many sources say so.
+        self._published_namespaces: dict[tuple[bytes, ...], int] = {}
+        self._upstream_namespaces: dict[tuple[bytes, ...], int] = {}
+        self._upstream_watches: dict[tuple[bytes, ...], _UpstreamWatch] = {}
         self._changed: asyncio.Event | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._next_peer = 0
+        self._peers: list[_Peer] = []
         self._upstream_peer: _Peer | None = None
         self._upstream_ready: asyncio.Event | None = None
         self._upstream_task: asyncio.Task[None] | None = None
@@ -557,6 +713,8 @@ class Relay:
         out["feeds"] = len(self._feeds)
         out["routes"] = len(self.routes)
         out["subscribers"] = sum(len(f.downstreams) for f in self._feeds.values())
+        self._peers = [p for p in self._peers if p.alive]
+        out["sessions"] = len(self._peers) + (1 if self.upstream_connected else 0)
         return out
 
     def _spawn(self, coro: Coroutine[Any, Any, Any], *, name: str) -> asyncio.Task[Any]:
@@ -610,6 +768,9 @@ class Relay:
 
     def _on_connection(self, connection: MoqtConnection) -> None:
         peer = self._new_peer(connection)
+        self.stats.sessions_accepted += 1
+        self._peers = [p for p in self._peers if p.alive]
+        self._peers.append(peer)
         for kind, handler in self._handlers(peer).items():
             connection.set_handler(kind, handler)
 
@@ -645,8 +806,7 @@ class Relay:
             forwarded = self._forwarded.pop(route, None)
             if forwarded is not None and not self._closed:
                 self._spawn(forwarded.withdraw(), name="relay-withdraw-upstream")
-            if not self.routes.is_announced(namespace):
-                self._namespace_withdrawn(namespace)
+            self._namespace_gone(namespace)
             log.info("%s withdrew %s", peer, _name((namespace, b"")))
 
     def _namespace_shown(self, namespace: tuple[bytes, ...]) -> None:
@@ -659,6 +819,30 @@ class Relay:
                 except (MoqtError, ValueError):
                     pass
 
+    def _known_namespaces(self, prefix: tuple[bytes, ...]) -> list[tuple[bytes, ...]]:
+        """Every namespace under `prefix` this relay can tell a SUBSCRIBE_NAMESPACE about."""
+        known = dict.fromkeys(self.routes.under(prefix))
+        for source in (self._published_namespaces, self._upstream_namespaces):
+            known.update(dict.fromkeys(ns for ns in source if covers(prefix, ns)))
+        return list(known)
+
+    def _namespace_gone(self, namespace: tuple[bytes, ...]) -> None:
+        """One source of a namespace went away: NAMESPACE_DONE if it was the last."""
+        if not (self.routes.is_announced(namespace) or namespace in self._published_namespaces
+                or namespace in self._upstream_namespaces):
+            self._namespace_withdrawn(namespace)
+
+    def _count_namespace(self, table: dict[tuple[bytes, ...], int], namespace: tuple[bytes, ...],
+                         delta: int) -> None:
+        count = table.get(namespace, 0) + delta
+        if count > 0:
+            table[namespace] = count
+            if delta > 0:
+                self._namespace_shown(namespace)
+        else:
+            table.pop(namespace, None)
+            self._namespace_gone(namespace)
+
     def _namespace_withdrawn(self, namespace: tuple[bytes, ...]) -> None:
         for watcher in list(self._namespace_watchers):
             if namespace in watcher.shown:
@@ -669,18 +853,92 @@ class Relay:
                     pass
 
     async def _on_subscribe_namespace(self, peer: _Peer, req: IncomingSubscribeNamespace) -> None:
-        principals = self.policy.check(Action.DISCOVER, req.namespace_prefix, peer.tokens(req))
+        tokens = peer.tokens(req)
+        principals = self.policy.check(Action.DISCOVER, req.namespace_prefix, tokens)
         publisher = req.accept()
         watcher = _NamespaceWatcher(peer, tuple(req.namespace_prefix), publisher, principals)
         self._namespace_watchers.append(watcher)
         try:
-            for namespace in self.routes.under(watcher.prefix):
+            for namespace in self._known_namespaces(watcher.prefix):
                 if self.policy.may_see(principals, namespace):
                     publisher.announce(namespace)
                     watcher.shown.add(namespace)
+            self._watch_upstream(watcher, tokens)
             await publisher.closed
         finally:
             self._namespace_watchers.remove(watcher)
+            self._unwatch_upstream(watcher)
+
+    # ---------------------------------------------------------------- namespaces upstream
+
+    def _watch_upstream(self, watcher: _NamespaceWatcher, tokens: list[bytes]) -> None:
+        """Forward a watcher's SUBSCRIBE_NAMESPACE to the upstream relay, so that namespaces
+        announced (or tracks published) there reach it too. One upstream subscription serves
+        every watcher whose prefix it covers."""
+        if self.settings.upstream is None or watcher.peer.is_upstream or self._closed:
+            return
+        for prefix, watch in self._upstream_watches.items():
+            if covers(prefix, watcher.prefix):
+                watch.users += 1
+                watcher.upstream = watch
+                return
+        watch = _UpstreamWatch(watcher.prefix, tokens, users=1)
+        self._upstream_watches[watcher.prefix] = watch
+        watcher.upstream = watch
+        watch.task = self._spawn(self._run_upstream_watch(watch), name="relay-namespaces-upstream")
+
+    def _unwatch_upstream(self, watcher: _NamespaceWatcher) -> None:
+        watch, watcher.upstream = watcher.upstream, None
+        if watch is None:
+            return
+        watch.users -= 1
+        if watch.users <= 0:
+            if self._upstream_watches.get(watch.prefix) is watch:
+                del self._upstream_watches[watch.prefix]
+            if watch.task is not None:
+                watch.task.cancel()
+
+    async def _run_upstream_watch(self, watch: _UpstreamWatch) -> None:
+        """Keep one SUBSCRIBE_NAMESPACE at the upstream relay (again after each reconnection)
+        and mirror its NAMESPACE / NAMESPACE_DONE into what this relay knows."""
+        assert self._upstream_ready is not None
+        s = self.settings
+        while not self._closed:
+            await self._upstream_ready.wait()
+            up = self._upstream_peer
+            if up is None or not up.alive:
+                await asyncio.sleep(s.upstream_retry_initial)
+                continue
+            subscription: NamespaceSubscription | None = None
+            try:
+                self.stats.upstream_requests += 1
+                self.stats.upstream_namespace_subscribes += 1
+                subscription = await up.connection.subscribe_namespace(
+                    watch.prefix, authorization=watch.tokens or None, timeout=s.upstream_timeout)
+                async for item in subscription:
+                    namespace = tuple(item.namespace)
+                    if item.active and namespace not in watch.namespaces:
+                        watch.namespaces.add(namespace)
+                        self._count_namespace(self._upstream_namespaces, namespace, +1)
+                    elif not item.active and namespace in watch.namespaces:
+                        watch.namespaces.discard(namespace)
+                        self._count_namespace(self._upstream_namespaces, namespace, -1)
+                log.info("upstream ended the namespace subscription to %s", _name((watch.prefix, b"")))
+                return
+            except RequestError as e:
+                log.info("upstream refused the namespace subscription to %s: %s", _name((watch.prefix, b"")), e)
+                return
+            except (MoqtError, asyncio.TimeoutError):
+                pass  # the upstream session ended: subscribe again on the next one
+            finally:
+                # A subscription that ended counts as NAMESPACE_DONE for each of its namespaces.
+                for namespace in list(watch.namespaces):
+                    self._count_namespace(self._upstream_namespaces, namespace, -1)
+                watch.namespaces.clear()
+                if subscription is not None and not self._closed:
+                    self._spawn(subscription.cancel(), name="relay-namespaces-upstream-cancel")
+            if up.alive:
+                await up.connection.wait_closed()
 
     def _forward_announce(self, route: Route[_Peer]) -> None:
         """Announce a local publisher's namespace to the upstream relay too."""
@@ -710,7 +968,8 @@ class Relay:
         self.policy.check(Action.SUBSCRIBE, req.namespace, tokens)
         self.stats.subscribes += 1
         key: TrackKey = (tuple(req.namespace), bytes(req.track_name))
-        feed = await self._feed_for(key, peer, tokens, req.parameters.rendezvous_timeout or 0)
+        feed = await self._feed_for(key, peer, tokens, req.parameters.rendezvous_timeout or 0,
+                                    req.parameters.new_group_request)
         start, end_group = _filter_bounds(req.subscription_filter, feed.largest)
         if end_group is not None and feed.largest is not None and end_group < feed.largest.group:
             raise InvalidRange("the filter's end group has already been published")
@@ -718,9 +977,11 @@ class Relay:
         if feed.ended:
             await outgoing.finish(PublishDoneCode.TRACK_ENDED, "track ended")
             return
-        feed.attach(_Downstream(self, feed, peer, outgoing, start, end_group, req.forward))
+        feed.attach(_Downstream(self, feed, peer, outgoing, start, end_group, req.forward,
+                                req.parameters.subscriber_priority))
 
-    async def _feed_for(self, key: TrackKey, requester: _Peer, tokens: list[bytes], rendezvous_ms: int) -> _Feed:
+    async def _feed_for(self, key: TrackKey, requester: _Peer, tokens: list[bytes], rendezvous_ms: int,
+                        new_group_request: int | None = None) -> _Feed:
         """The live feed of a track, opening one upstream (after a rendezvous wait) if needed."""
         loop = asyncio.get_running_loop()
         deadline: float | None = None
@@ -735,7 +996,7 @@ class Relay:
             source = self._route(key[0], requester)
             if source is not None:
                 try:
-                    return await self._open_feed(key, source, tokens)
+                    return await self._open_feed(key, source, tokens, new_group_request)
                 except _SourceGone:
                     continue  # its session just ended; its routes are gone with it
             if not rendezvous_ms:
@@ -754,7 +1015,8 @@ class Relay:
                 pass
         raise InternalRequestError("no stable route for this track")
 
-    async def _open_feed(self, key: TrackKey, source: _Peer, tokens: list[bytes]) -> _Feed:
+    async def _open_feed(self, key: TrackKey, source: _Peer, tokens: list[bytes],
+                         new_group_request: int | None = None) -> _Feed:
         feed = _Feed(self, key, source)
         self._feeds[key] = feed
         closing = self._closing.pop(key, None)
@@ -763,8 +1025,10 @@ class Relay:
         self.stats.upstream_requests += 1
         self.stats.upstream_subscribes += 1
         try:
+            # Forward 1 whatever the subscriber asked ("Forward Handling"); a NEW_GROUP_REQUEST
+            # for a track without an Established subscription goes along (its "Relay Handling").
             upstream = await source.connection.subscribe(
-                key[0], key[1], forward=True,
+                key[0], key[1], forward=True, new_group_request=new_group_request,
                 authorization=tokens if source.is_upstream else None,
                 timeout=self.settings.upstream_timeout)
         except BaseException as e:
@@ -800,6 +1064,7 @@ class Relay:
             self._forget_feed(feed)
             raise
         feed.start(upstream)
+        self._count_namespace(self._published_namespaces, key[0], +1)
         self._notify()
         for watcher in list(self._track_watchers):
             if watcher.peer is not peer and covers(watcher.prefix, key[0]) \

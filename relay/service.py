@@ -2,11 +2,13 @@
 
     kvsp relay --listen 127.0.0.1:4443 [--cert CERT --key KEY] [--cache-bytes 1G]
                [--upstream moqt://127.0.0.1:4444] [--principals FILE]
+               [--metrics 127.0.0.1:9464]
 
 Without --cert a self-signed certificate is generated and written to a fresh directory; its
 location and SHA-256 fingerprint are printed so that clients can pin it. Without
 --principals the relay runs open and says so at start. The first line on stdout is
-"relay listening on moqt://HOST:PORT".
+"relay listening on moqt://HOST:PORT"; with --metrics, the line after the notes is
+"metrics at http://HOST:PORT/metrics" (GET /metrics in Prometheus text, GET /healthz).
 """
 
 from __future__ import annotations
@@ -86,6 +88,9 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                    help="objects queued for one subscriber before it is dropped as too slow (default 32M)")
     p.add_argument("--max-rendezvous-ms", type=int, default=30_000, metavar="MS",
                    help="longest RENDEZVOUS_TIMEOUT honoured (default %(default)s)")
+    p.add_argument("--metrics", type=parse_listen, default=None, metavar="HOST:PORT",
+                   help="serve GET /metrics (Prometheus text) and GET /healthz over HTTP on this "
+                        "TCP address (default: no metrics server)")
     p.set_defaults(func=run)
 
 
@@ -119,11 +124,23 @@ def settings_from_args(args: argparse.Namespace) -> tuple[RelaySettings, list[st
     return settings, notes
 
 
-async def serve_forever(settings: RelaySettings, notes: Sequence[str] = ()) -> None:
+async def serve_forever(settings: RelaySettings, notes: Sequence[str] = (),
+                        metrics: tuple[str, int] | None = None) -> None:
+    """Run the relay (and its metrics server, given an address) until SIGINT or SIGTERM."""
+    from .metrics import start_metrics_server  # noqa: PLC0415  (web stack only when asked for)
+
     relay = await Relay(settings).start()
     print(f"relay listening on {relay.url}", flush=True)
     for note in notes:
         print(note, flush=True)
+    metrics_server = None
+    if metrics is not None:
+        try:
+            metrics_server = await start_metrics_server(relay, *metrics)
+        except BaseException:
+            await relay.aclose()
+            raise
+        print(f"metrics at {metrics_server.url}metrics", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -134,6 +151,8 @@ async def serve_forever(settings: RelaySettings, notes: Sequence[str] = ()) -> N
     try:
         await stop.wait()
     finally:
+        if metrics_server is not None:
+            await loop.run_in_executor(None, metrics_server.stop)
         await relay.aclose()
 
 
@@ -142,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("quic").setLevel(logging.WARNING)  # aioquic logs every connection event
     settings, notes = settings_from_args(args)
-    run_loop(serve_forever(settings, notes), settings=settings.quic)
+    run_loop(serve_forever(settings, notes, getattr(args, "metrics", None)), settings=settings.quic)
     return 0
 
 

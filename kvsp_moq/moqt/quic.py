@@ -9,7 +9,11 @@ and offers an awaitable API on top of it:
   SUBSCRIBE, FETCH, TRACK_STATUS, PUBLISH_NAMESPACE, SUBSCRIBE_NAMESPACE, PUBLISH
   and SUBSCRIBE_TRACKS requests (`on_subscribe()`, `on_fetch()`, ...);
 * subscriber side: `subscribe()` and `fetch()` return async iterators of
-  `MoqtObject`; `track_status()`, `subscribe_namespace()`.
+  `MoqtObject`; `Subscription.update()` sends REQUEST_UPDATE (filter, Forward
+  State, priority, delivery timeouts); `track_status()`, `subscribe_namespace()`;
+* the peer's REQUEST_UPDATEs reach `OutgoingSubscription.on_update` (else they
+  are checked and accepted); delivery timeouts are enforced where objects are
+  handed to QUIC (`SubgroupSender`, `OutgoingSubscription.send_datagram()`).
 
 Backpressure, both ways:
 
@@ -63,6 +67,7 @@ from .errors import (
     DataStreamReset,
     DoesNotExist,
     InternalRequestError,
+    InvalidRange,
     MoqtError,
     NotSupported,
     PublishDoneCode,
@@ -86,7 +91,9 @@ from .messages import (
     Setup,
     SubscriptionFilter,
     TrackNamespace,
+    TrackPropertyType,
     namespace_of,
+    property_value,
 )
 from .session import UNKNOWN_STREAM_COUNT, MoqtSession, alpn_for_draft
 
@@ -114,6 +121,7 @@ __all__ = [
     "IncomingSubscribeNamespace",
     "IncomingPublish",
     "IncomingSubscribeTracks",
+    "IncomingUpdate",
     "NamespaceRegistration",
     "NamespacePublisher",
     "connect",
@@ -482,6 +490,12 @@ class MoqtObject:
 _END = object()
 
 
+def _smaller_timeout(*values: int | None) -> int | None:
+    """The smaller of the non-zero timeouts given (0 or None: no timeout)."""
+    set_values = [v for v in values if v]
+    return min(set_values) if set_values else None
+
+
 class _ObjectQueue:
     """Objects waiting for the application, with the flow-control bytes they hold."""
 
@@ -558,6 +572,10 @@ class Subscription:
         self.largest: Location | None = None
         self.expires: int | None = None
         self.track_properties: Properties = ()
+        #: the subscription's parameters as the subscriber set them, with accepted updates
+        self.parameters = Parameters()
+        #: subgroup streams the publisher reset because their objects outlived a delivery timeout
+        self.streams_timed_out = 0
         self.done: ev.PublishDoneReceived | None = None
         self._queue = _ObjectQueue(connection)
         self._streams_ended = 0
@@ -574,6 +592,53 @@ class Subscription:
     async def unsubscribe(self) -> None:
         """Cancel the subscription (STOP_SENDING / reset of its request stream)."""
         self._finish(None, cancel=True)
+
+    async def update(
+        self,
+        *,
+        subscription_filter: SubscriptionFilter | None = None,
+        forward: bool | None = None,
+        subscriber_priority: int | None = None,
+        object_delivery_timeout: int | None = None,
+        subgroup_delivery_timeout: int | None = None,
+        new_group_request: int | None = None,
+        authorization: Any = None,
+        parameters: Parameters | None = None,
+        timeout: float | None = None,
+    ) -> Parameters:
+        """REQUEST_UPDATE the subscription (draft-18 "Updating Subscriptions") and wait for the answer.
+
+        Only what is given changes. Returns the REQUEST_UPDATE_OK parameters (its
+        LARGEST_OBJECT tells what a widened filter may have missed, for a FETCH). A
+        refused update raises its RequestError; the publisher then ends the
+        subscription with PUBLISH_DONE UPDATE_FAILED, which ends iteration.
+        """
+        connection = self.connection
+        if self._finished:
+            raise StreamClosed(f"subscription {self.request_id} has ended")
+        if parameters is None:
+            parameters = Parameters(
+                authorization_tokens=_token_parameters(authorization),
+                subscription_filter=subscription_filter,
+                forward=forward,
+                subscriber_priority=subscriber_priority,
+                object_delivery_timeout=object_delivery_timeout,
+                subgroup_delivery_timeout=subgroup_delivery_timeout,
+                new_group_request=new_group_request,
+            )
+        session = connection._live_session()
+        update_id = session.request_update(self.request_id, parameters)
+        future = connection._begin(update_id)
+        try:
+            accepted = await asyncio.wait_for(future, timeout)
+        finally:
+            connection._pending.pop(update_id, None)
+        self.parameters = self.parameters.merged(parameters)
+        if accepted.parameters.largest_object is not None:
+            self.largest = accepted.parameters.largest_object
+        if accepted.parameters.expires is not None:
+            self.expires = accepted.parameters.expires
+        return accepted.parameters
 
     async def aclose(self) -> None:
         """Stop iterating: cancel the subscription if it is live and return the
@@ -613,6 +678,12 @@ class Subscription:
         if event.stream_id in self._open_streams:  # not already counted as stopped
             self._open_streams.discard(event.stream_id)
             self._streams_ended += 1
+        if event.reset and event.error_code == StreamResetCode.DELIVERY_TIMEOUT:
+            # Objects that outlived a delivery timeout are dropped, the
+            # subscription goes on.
+            self.streams_timed_out += 1
+            self._check_complete()
+            return
         if event.reset and not self._finished:
             self._finish(DataStreamReset(f"stream {event.stream_id} reset", error_code=event.error_code or 0))
             return
@@ -835,23 +906,71 @@ class PublishedNamespace:
 
 
 class SubgroupSender:
-    """Writes the objects of one subgroup stream, waiting on backpressure."""
+    """Writes the objects of one subgroup stream, waiting on backpressure.
 
-    def __init__(self, connection: "MoqtConnection", stream_id: int):
+    Delivery timeouts (draft-18 "Delivery Timeouts") of its subscription apply: an object
+    whose first byte is older than OBJECT_DELIVERY_TIMEOUT when it would be handed
+    to QUIC resets the stream with DELIVERY_TIMEOUT instead, and the subgroup sends
+    nothing more (`timed_out`); after `close()`, a stream not fully acknowledged
+    within SUBGROUP_DELIVERY_TIMEOUT is reset the same way.
+    """
+
+    def __init__(self, connection: "MoqtConnection", stream_id: int, subscription: "OutgoingSubscription | None" = None):
         self.connection = connection
         self.stream_id = stream_id
+        self.subscription = subscription
+        self.timed_out = False
+        self.group_id = 0
+
+    def _deadline(self, received_at: float | None) -> float | None:
+        timeout = self.subscription.object_delivery_timeout if self.subscription is not None else None
+        if not timeout:
+            return None
+        start = self.connection._loop.time() if received_at is None else received_at
+        return start + timeout / 1000
+
+    def _expire(self) -> None:
+        if self.timed_out:
+            return
+        self.timed_out = True
+        if self.subscription is not None:
+            self.subscription.objects_timed_out += 1
+        self.reset(StreamResetCode.DELIVERY_TIMEOUT)
 
     async def send(
-        self, object_id: int, payload: bytes | bytearray | memoryview, *, properties: Properties = ()
-    ) -> None:
-        """Send a Normal object; returns once aioquic holds all of it."""
+        self,
+        object_id: int,
+        payload: bytes | bytearray | memoryview,
+        *,
+        properties: Properties = (),
+        received_at: float | None = None,
+    ) -> bool:
+        """Send a Normal object; returns once aioquic holds all of it.
+
+        `received_at` is the event-loop time the object's first byte arrived (a
+        relay's upstream); by default, now. Returns False, having reset the stream,
+        when the object outlived the OBJECT_DELIVERY_TIMEOUT (or the stream already
+        timed out).
+        """
+        if self.timed_out:
+            return False
         connection = self.connection
+        deadline = self._deadline(received_at)
+        if not await connection._wait_writable_until(self.stream_id, deadline):
+            self._expire()
+            return False
         session = connection._live_session()
-        await connection._wait_writable(self.stream_id)
         session.begin_object(self.stream_id, object_id, len(payload), properties=properties)
-        await connection._write_payload(self.stream_id, payload)
+        if not await connection._write_payload(self.stream_id, payload, deadline=deadline):
+            self._expire()
+            return False
+        if self.subscription is not None:
+            self.subscription._sent(Location(self.group_id, object_id))
+        return True
 
     async def send_status(self, object_id: int, status: ObjectStatus) -> None:
+        if self.timed_out:
+            return
         connection = self.connection
         await connection._wait_writable(self.stream_id)
         connection._live_session().write_object_status(self.stream_id, object_id, status)
@@ -860,9 +979,18 @@ class SubgroupSender:
     def close(self) -> None:
         """FIN the stream: the subgroup is complete."""
         session = self.connection.session
-        if session is not None and not session.closed:
+        if session is not None and not session.closed and not self.timed_out:
             session.close_data_stream(self.stream_id)
             self.connection._transmit_soon()
+            timeout = self.subscription.subgroup_delivery_timeout if self.subscription is not None else None
+            if timeout:
+                self.connection._loop.call_later(timeout / 1000, self._subgroup_deadline)
+
+    def _subgroup_deadline(self) -> None:
+        """SUBGROUP_DELIVERY_TIMEOUT after the FIN: reset a stream QUIC has not fully delivered."""
+        if self.connection._expire_stream(self.stream_id) and self.subscription is not None:
+            self.timed_out = True
+            self.subscription.objects_timed_out += 1
 
     def reset(self, error_code: int = StreamResetCode.CANCELLED) -> None:
         session = self.connection.session
@@ -878,13 +1006,68 @@ class OutgoingSubscription:
         self.connection = connection
         self.request_id = request_id
         self.track_alias = track_alias
+        #: the subscriber's parameters (SUBSCRIBE or PUBLISH_OK), with accepted updates
         self.parameters = Parameters()
+        #: the Track Properties this endpoint sent for the track
+        self.track_properties: Properties = ()
+        #: the largest Location sent or announced, for REQUEST_UPDATE_OK
+        self.largest: Location | None = None
+        #: objects and subgroups given up on a delivery timeout
+        self.objects_timed_out = 0
+        #: answers the subscriber's REQUEST_UPDATEs; without it they are checked and accepted
+        self.on_update: Callable[["IncomingUpdate"], Any] | None = None
         self.cancelled: asyncio.Future[int] = connection._loop.create_future()
         self._done = False
 
     @property
     def active(self) -> bool:
         return not self._done and not self.cancelled.done()
+
+    @property
+    def forward(self) -> bool:
+        """The Forward State: objects are sent only while it is 1 (draft-18 "Subscriptions")."""
+        return self.parameters.forward is not False
+
+    @property
+    def object_delivery_timeout(self) -> int | None:
+        """OBJECT_DELIVERY_TIMEOUT in force, ms: the smaller non-zero of the
+        subscriber's parameter and our Track Property (draft-18 "Delivery Timeouts")."""
+        return _smaller_timeout(
+            self.parameters.object_delivery_timeout,
+            property_value(self.track_properties, TrackPropertyType.OBJECT_DELIVERY_TIMEOUT),
+        )
+
+    @property
+    def subgroup_delivery_timeout(self) -> int | None:
+        """SUBGROUP_DELIVERY_TIMEOUT in force, ms (as object_delivery_timeout)."""
+        return _smaller_timeout(
+            self.parameters.subgroup_delivery_timeout,
+            property_value(self.track_properties, TrackPropertyType.SUBGROUP_DELIVERY_TIMEOUT),
+        )
+
+    def _sent(self, location: Location) -> None:
+        if self.largest is None or location > self.largest:
+            self.largest = location
+
+    def check_update(self, parameters: Parameters) -> None:
+        """Refuse an update this publisher cannot satisfy: a filter whose End Group
+        was already published (INVALID_RANGE, draft-18 "Subscription Filters")."""
+        subscription_filter = parameters.subscription_filter
+        if subscription_filter is None or subscription_filter.end_group is None or self.largest is None:
+            return
+        if subscription_filter.end_group < self.largest.group:
+            raise InvalidRange("the filter's end group has already been published")
+
+    def _apply_update(self, parameters: Parameters) -> None:
+        self.parameters = self.parameters.merged(parameters)
+
+    def _update_failed(self) -> None:
+        """A refused update ended the subscription with PUBLISH_DONE UPDATE_FAILED."""
+        self._done = True
+        self.connection._outgoing.pop(self.request_id, None)
+        if not self.cancelled.done():
+            self.cancelled.set_result(PublishDoneCode.UPDATE_FAILED)
+        self.connection._wake_writers()
 
     def open_subgroup(
         self,
@@ -910,11 +1093,23 @@ class OutgoingSubscription:
         )
         connection._writing.add(stream_id)
         connection._transmit_soon()
-        return SubgroupSender(connection, stream_id)
+        sender = SubgroupSender(connection, stream_id, self)
+        sender.group_id = group_id
+        return sender
 
-    def send_datagram(self, group_id: int, object_id: int, payload: bytes, **kwargs: Any) -> None:
+    def send_datagram(
+        self, group_id: int, object_id: int, payload: bytes, *, received_at: float | None = None, **kwargs: Any
+    ) -> bool:
+        """Send an object as a datagram; False when it outlived a delivery timeout
+        (for datagrams, the smaller of both applies) and was dropped."""
+        timeout = _smaller_timeout(self.object_delivery_timeout, self.subgroup_delivery_timeout)
+        if timeout and received_at is not None and self.connection._loop.time() - received_at > timeout / 1000:
+            self.objects_timed_out += 1
+            return False
         self.connection._live_session().send_datagram(self.request_id, group_id, object_id, payload, **kwargs)
+        self._sent(Location(group_id, object_id))
         self.connection._transmit_soon()
+        return True
 
     async def finish(self, status_code: int = PublishDoneCode.TRACK_ENDED, reason: str = "") -> None:
         """Send PUBLISH_DONE (after closing the open subgroup streams)."""
@@ -1071,6 +1266,8 @@ class IncomingRequest:
         if self.answered:
             return
         self.answered = True
+        self.connection._unanswered.discard(self.request_id)
+        self.connection._held_updates.pop(self.request_id, None)
         if isinstance(error, RequestError):
             code, reason, retry_interval = int(error.error_code), reason or error.reason, error.retry_interval
         else:
@@ -1088,7 +1285,12 @@ class IncomingRequest:
         if self.answered:
             raise ValueError(f"request {self.request_id} was already answered")
         self.answered = True
-        return self.connection._live_session()
+        self.connection._unanswered.discard(self.request_id)
+        session = self.connection._live_session()
+        if self.request_id in self.connection._held_updates:
+            # REQUEST_UPDATEs that arrived while the request was pending follow the answer.
+            self.connection._loop.call_soon(self.connection._release_updates, self.request_id)
+        return session
 
 
 class IncomingSubscribe(IncomingRequest):
@@ -1126,6 +1328,8 @@ class IncomingSubscribe(IncomingRequest):
         )
         outgoing = OutgoingSubscription(self.connection, self.request_id, alias)
         outgoing.parameters = self.parameters
+        outgoing.track_properties = track_properties
+        outgoing.largest = None if largest is None else Location(*largest)
         self.connection._outgoing[self.request_id] = outgoing
         # Joining FETCHes that waited for this SUBSCRIBE_OK go to the fetch handler now.
         self.connection._dispatch_released()
@@ -1276,12 +1480,83 @@ class IncomingPublish(IncomingRequest):
         if parameters is None:
             parameters = Parameters(forward=forward)
         session.request_ok(self.request_id, parameters)
+        self.subscription.parameters = parameters
         self.connection._transmit_soon()
         return self.subscription
 
     def reject(self, error: RequestError | int = RequestErrorCode.UNINTERESTED, reason: str = "", **kw: Any) -> None:
         self.connection._subscriptions.pop(self.request_id, None)
         super().reject(error, reason, **kw)
+
+
+class IncomingUpdate:
+    """A REQUEST_UPDATE from the peer (draft-18 "REQUEST_UPDATE"): answer it exactly once.
+
+    `target` is what it updates: an OutgoingSubscription (a subscription we
+    publish), a Subscription (a PUBLISH the peer sent us), a FetchSender, a
+    NamespaceRegistration or a NamespacePublisher. Refusing an update of a
+    subscription we publish ends it with PUBLISH_DONE UPDATE_FAILED; of a FETCH,
+    resets its stream; of a namespace request, closes it.
+    """
+
+    def __init__(self, connection: "MoqtConnection", event: ev.RequestUpdateReceived, target: Any):
+        self.connection = connection
+        self.request_id = event.request_id
+        self.existing_request_id = event.existing_request_id
+        self.parameters: Parameters = event.parameters
+        self.authorization_tokens: tuple[AuthToken, ...] = event.authorization_tokens
+        self.target = target
+        self.answered = False
+
+    @property
+    def authorization(self) -> list[bytes]:
+        """The token values sent with the update."""
+        return [t.value or b"" for t in self.authorization_tokens]
+
+    def accept(self, *, largest: Location | tuple[int, int] | None = None, expires: int | None = None) -> None:
+        """Send REQUEST_UPDATE_OK and apply the update; `largest` defaults to the
+        largest Location a subscription we publish has sent."""
+        if self.answered:
+            raise ValueError(f"REQUEST_UPDATE {self.request_id} was already answered")
+        self.answered = True
+        session = self.connection._live_session()
+        if largest is None and isinstance(self.target, OutgoingSubscription):
+            largest = self.target.largest
+        parameters = Parameters(largest_object=None if largest is None else Location(*largest), expires=expires)
+        try:
+            session.request_ok(self.request_id, parameters)
+        except StreamClosed:
+            return
+        apply = getattr(self.target, "_apply_update", None)
+        if apply is not None:
+            apply(self.parameters)
+        self.connection._transmit_soon()
+
+    def reject(self, error: RequestError | int = RequestErrorCode.INTERNAL_ERROR, reason: str = "") -> None:
+        if self.answered:
+            return
+        self.answered = True
+        if isinstance(error, RequestError):
+            code, reason = int(error.error_code), reason or error.reason
+        else:
+            code = int(error)
+        session = self.connection.session
+        if session is None or session.closed:
+            return
+        target = self.target
+        if isinstance(target, FetchSender):
+            target.reset(StreamResetCode.CANCELLED)
+        try:
+            session.request_error(self.request_id, code, reason)
+        except StreamClosed:
+            pass
+        if isinstance(target, OutgoingSubscription):
+            target._update_failed()
+        elif isinstance(target, (NamespaceRegistration, NamespacePublisher)):
+            target._on_cancelled(StreamResetCode.CANCELLED)
+        elif isinstance(target, FetchSender) and not target.cancelled.done():
+            target.cancelled.set_result(StreamResetCode.CANCELLED)
+        self.connection._transmit_soon()
 
 
 _INCOMING: dict[type, tuple[str, type[IncomingRequest]]] = {
@@ -1356,6 +1631,8 @@ class MoqtConnection(QuicConnectionProtocol):
         self._fetch_senders: dict[int, FetchSender] = {}
         self._registrations: dict[int, NamespaceRegistration | NamespacePublisher] = {}
         self._drain_waiters: list[tuple[int, asyncio.Future[None]]] = []
+        self._held_updates: dict[int, list[ev.RequestUpdateReceived]] = {}
+        self._unanswered: set[int] = set()
         self._writing: set[int] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._owns_transport = False
@@ -1512,6 +1789,8 @@ class MoqtConnection(QuicConnectionProtocol):
             fetch = self._fetches.get(event.request_id)  # type: ignore[attr-defined]
             if fetch is not None:
                 fetch.ranges.append(event)  # type: ignore[arg-type]
+        elif kind is ev.RequestUpdateReceived:
+            self._on_update(event)  # type: ignore[arg-type]
         elif kind is ev.DataStreamStopped:
             self._writing.discard(event.stream_id)  # type: ignore[attr-defined]
             self._wake_writers()
@@ -1594,6 +1873,69 @@ class MoqtConnection(QuicConnectionProtocol):
         if subscription is not None:
             subscription._finish(PublishDoneError("publication cancelled", error_code=event.error_code))
 
+    def _update_target(self, request_id: int) -> Any:
+        for table in (self._outgoing, self._subscriptions, self._fetch_senders, self._registrations):
+            target = table.get(request_id)  # type: ignore[attr-defined]
+            if target is not None:
+                return target
+        return None
+
+    def _on_update(self, event: ev.RequestUpdateReceived) -> None:
+        rid = event.existing_request_id
+        if rid in self._unanswered:
+            self._held_updates.setdefault(rid, []).append(event)  # answered after the request
+            return
+        target = self._update_target(rid)
+        update = IncomingUpdate(self, event, target)
+        handler = getattr(target, "on_update", None)
+        if handler is None:
+            self._default_update(update)
+            return
+        task = self._loop.create_task(self._run_update_handler(handler, update))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _release_updates(self, request_id: int) -> None:
+        for event in self._held_updates.pop(request_id, []):
+            self._on_update(event)
+
+    def _default_update(self, update: IncomingUpdate) -> None:
+        """Without a handler: refuse what cannot be honoured, accept the rest."""
+        target = update.target
+        try:
+            if isinstance(target, OutgoingSubscription):
+                target.check_update(update.parameters)
+            if update.parameters.track_namespace_prefix is not None:
+                raise NotSupported("changing the namespace prefix is not supported")
+        except RequestError as exc:
+            update.reject(exc)
+            return
+        except (SessionClosed, StreamClosed):
+            return
+        try:
+            update.accept()
+        except (SessionClosed, StreamClosed):
+            pass
+
+    async def _run_update_handler(self, handler: Callable[[IncomingUpdate], Any], update: IncomingUpdate) -> None:
+        try:
+            result = handler(update)
+            if inspect.isawaitable(result):
+                await result
+        except RequestError as exc:
+            update.reject(exc)
+        except (SessionClosed, StreamClosed):
+            pass
+        except asyncio.CancelledError:
+            update.reject(InternalRequestError("update handler cancelled"))
+            raise
+        except Exception:
+            logger.exception("update handler failed")
+            update.reject(InternalRequestError("update handler failed"))
+        else:
+            if not update.answered:
+                self._default_update(update)
+
     def _dispatch_request(self, event: Any) -> None:
         kind, cls = _INCOMING[type(event)]
         request = cls(self, event)
@@ -1601,11 +1943,20 @@ class MoqtConnection(QuicConnectionProtocol):
         if handler is None:
             request.reject(request.default_error(f"no {kind} handler"))
             return
+        self._unanswered.add(request.request_id)
         task = self._loop.create_task(self._run_handler(handler, request))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
     async def _run_handler(self, handler: Handler, request: IncomingRequest) -> None:
+        try:
+            await self._handle(handler, request)
+        finally:
+            self._unanswered.discard(request.request_id)
+            if not request.answered:
+                self._held_updates.pop(request.request_id, None)
+
+    async def _handle(self, handler: Handler, request: IncomingRequest) -> None:
         try:
             result = handler(request)
             if inspect.isawaitable(result):
@@ -1692,6 +2043,21 @@ class MoqtConnection(QuicConnectionProtocol):
             self._drain_waiters.append((stream_id, waiter))
             await waiter
 
+    async def _wait_writable_until(self, stream_id: int, deadline: float | None) -> bool:
+        """_wait_writable(), giving up (False) at `deadline`, event-loop time: a delivery
+        timeout ends the wait of a writer that a blocked subscriber would hold forever."""
+        if deadline is None:
+            await self._wait_writable(stream_id)
+            return True
+        remaining = deadline - self._loop.time()
+        if remaining <= 0:
+            return False
+        try:
+            await asyncio.wait_for(self._wait_writable(stream_id), remaining)
+        except asyncio.TimeoutError:
+            return False
+        return self._loop.time() <= deadline
+
     def _wake_writers(self) -> None:
         waiters = self._drain_waiters
         if not waiters:
@@ -1707,7 +2073,11 @@ class MoqtConnection(QuicConnectionProtocol):
                 keep.append((stream_id, waiter))
         self._drain_waiters = keep
 
-    async def _write_payload(self, stream_id: int, payload: bytes | bytearray | memoryview) -> None:
+    async def _write_payload(
+        self, stream_id: int, payload: bytes | bytearray | memoryview, *, deadline: float | None = None
+    ) -> bool:
+        """Write an object's payload in pieces as the stream drains; False (with the
+        object unfinished) when `deadline` passes before a piece is handed to QUIC."""
         session = self._live_session()
         view = payload if isinstance(payload, memoryview) else memoryview(payload)
         size = len(view)
@@ -1716,15 +2086,33 @@ class MoqtConnection(QuicConnectionProtocol):
             if size:
                 session.write_payload(stream_id, view)
             self._transmit_soon()
-            return
+            return True
         offset = 0
         while offset < size:
             if offset:
-                await self._wait_writable(stream_id)
+                if not await self._wait_writable_until(stream_id, deadline):
+                    return False
                 session = self._live_session()
             session.write_payload(stream_id, view[offset : offset + chunk])
             offset += chunk
             self.transmit()
+        return True
+
+    def _expire_stream(self, stream_id: int) -> bool:
+        """Reset a data stream QUIC has not fully delivered (its FIN may be sent) with
+        DELIVERY_TIMEOUT; False when everything was already acknowledged."""
+        stream = self._quic._streams.get(stream_id)
+        if stream is None or stream.sender.is_finished or self._error is not None:
+            return False
+        session = self.session
+        if session is not None:
+            session.reset_data_stream(stream_id, StreamResetCode.DELIVERY_TIMEOUT)
+        try:
+            self._quic.reset_stream(stream_id, StreamResetCode.DELIVERY_TIMEOUT)
+        except (ValueError, AssertionError):
+            return False
+        self._transmit_soon()
+        return True
 
     def _consumed(self, stream_id: int, size: int) -> None:
         quic = self._quic
@@ -1762,10 +2150,16 @@ class MoqtConnection(QuicConnectionProtocol):
         group_order: GroupOrder | None = None,
         authorization: Any = None,
         rendezvous_timeout: int | None = None,
+        object_delivery_timeout: int | None = None,
+        subgroup_delivery_timeout: int | None = None,
+        new_group_request: int | None = None,
         parameters: Parameters | None = None,
         timeout: float | None = None,
     ) -> Subscription:
-        """SUBSCRIBE and wait for SUBSCRIBE_OK; raises the RequestError of a REQUEST_ERROR."""
+        """SUBSCRIBE and wait for SUBSCRIBE_OK; raises the RequestError of a REQUEST_ERROR.
+
+        The delivery timeouts (ms) let the publisher give up on objects that would
+        arrive too late for this subscriber (draft-18 "Delivery Timeouts")."""
         session = self._live_session()
         namespace = namespace_of(namespace)
         name = track_name.encode() if isinstance(track_name, str) else bytes(track_name)
@@ -1777,9 +2171,13 @@ class MoqtConnection(QuicConnectionProtocol):
                 subscriber_priority=subscriber_priority,
                 group_order=group_order,
                 rendezvous_timeout=rendezvous_timeout,
+                object_delivery_timeout=object_delivery_timeout,
+                subgroup_delivery_timeout=subgroup_delivery_timeout,
+                new_group_request=new_group_request,
             )
         request_id = session.subscribe(namespace, name, parameters)
         subscription = Subscription(self, request_id, namespace, name)
+        subscription.parameters = parameters
         self._subscriptions[request_id] = subscription
         future = self._begin(request_id)
         try:
@@ -1923,6 +2321,8 @@ class MoqtConnection(QuicConnectionProtocol):
         )
         request_id = session.publish(namespace_of(namespace), name, parameters=parameters, track_properties=track_properties)
         outgoing = OutgoingSubscription(self, request_id, session.track_alias_of(request_id))  # type: ignore[arg-type]
+        outgoing.track_properties = track_properties
+        outgoing.largest = parameters.largest_object
         self._outgoing[request_id] = outgoing
         try:
             accepted = await self._await_answer(request_id, self._begin(request_id), timeout)

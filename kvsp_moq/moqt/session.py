@@ -141,6 +141,19 @@ _TOKEN_ENTRY_OVERHEAD = 16  # section 9.3.3: 16 bytes + the Token Value
 _RESERVED_FIRST_FIELDS = (b".", b".session")
 _REQUEST_TYPES = (TrackStatus, Subscribe, Publish, Fetch, PublishNamespace, SubscribeNamespace, SubscribeTracks)
 
+# Parameters a REQUEST_UPDATE may carry, by the kind of request it updates ("Parameter Scope":
+# each parameter names the messages it may appear in, "REQUEST_UPDATE (for a
+# subscription)" and the like; any other is a PROTOCOL_VIOLATION).
+_SUBSCRIPTION_UPDATE_SCOPE = frozenset({0x02, 0x03, 0x06, 0x10, 0x20, 0x21, 0x32})
+_UPDATE_SCOPE: dict[type, frozenset[int]] = {
+    Subscribe: _SUBSCRIPTION_UPDATE_SCOPE,
+    Publish: _SUBSCRIPTION_UPDATE_SCOPE,
+    Fetch: frozenset({0x03, 0x20}),
+    SubscribeNamespace: frozenset({0x03, 0x34}),
+    SubscribeTracks: frozenset({0x03, 0x34}),
+    PublishNamespace: frozenset({0x03}),
+}
+
 
 def alpn_for_draft(draft: int) -> str:
     """ALPN of a draft (section 3.1): "moqt-" and the draft number."""
@@ -277,6 +290,7 @@ class MoqtSession:
         self._stream_requests: dict[int, _Request] = {}
         self._request_parsers: dict[int, ControlStreamParser] = {}
         self._update_parent: dict[int, _Request] = {}
+        self._update_parameters: dict[int, Parameters] = {}  # REQUEST_UPDATEs not yet answered
 
         self._peer_control_stream_id: int | None = None
         self._control_parser = ControlStreamParser(draft)
@@ -722,6 +736,9 @@ class MoqtSession:
                 raise ProtocolViolation(f"unexpected {message.NAME}")
             update_id = request.our_updates.popleft()
             self._update_parent.pop(update_id, None)
+            sent = self._update_parameters.pop(update_id, None)
+            if isinstance(message, RequestOk) and sent is not None:
+                self._apply_update(request, sent, message.parameters)
             if isinstance(message, RequestOk):
                 out.append(ev.RequestAccepted(update_id, message.parameters, message.track_properties))
             else:
@@ -837,8 +854,13 @@ class MoqtSession:
         # The requester updates its request; for a PUBLISH the subscriber may too.
         if request.local and request.kind is not Publish:
             raise ProtocolViolation(f"REQUEST_UPDATE from the responder of {request.kind.NAME}")
+        allowed = _UPDATE_SCOPE.get(request.kind, frozenset())
+        for ptype in message.parameters.types():
+            if ptype not in allowed:
+                raise ProtocolViolation(f"REQUEST_UPDATE of {request.kind.NAME} with parameter 0x{ptype:x}")
         request.peer_updates.append(message.request_id)
         self._update_parent[message.request_id] = request
+        self._update_parameters[message.request_id] = message.parameters
         tokens = self._resolve_tokens(message.parameters.authorization_tokens)
         out.append(ev.RequestUpdateReceived(message.request_id, request.request_id, message.parameters, tokens))
 
@@ -1285,11 +1307,16 @@ class MoqtSession:
             raise StreamClosed(f"request {request_id} is closed")
         if not request.local and request.kind is not Publish:
             raise ValueError("only the requester updates a request (or the subscriber of a PUBLISH)")
+        allowed = _UPDATE_SCOPE.get(request.kind, frozenset())
+        for ptype in parameters.types():
+            if ptype not in allowed:
+                raise ValueError(f"parameter 0x{ptype:x} cannot update a {request.kind.NAME}")
         update_id = self._next_request_id
         data = RequestUpdate(update_id, parameters).encode(self.draft)
         self._next_request_id += 2
         request.our_updates.append(update_id)
         self._update_parent[update_id] = request
+        self._update_parameters[update_id] = parameters
         self._quic.send_stream_data(request.stream_id, data)
         return update_id
 
@@ -1413,8 +1440,11 @@ class MoqtSession:
         self._check_open()
         parent = self._update_parent.get(request_id)
         if parent is not None and request_id in parent.peer_updates:
-            self._answer_update(parent, request_id)
             _check_scope(parameters, SCOPE_REQUEST_UPDATE_OK, "REQUEST_UPDATE_OK")
+            self._answer_update(parent, request_id)
+            update = self._update_parameters.pop(request_id, None)
+            if update is not None:
+                self._apply_update(parent, update, parameters)
             self._send_on_request(parent, RequestOk(parameters, ()))
             return
         request = self._peer_request(
@@ -1436,6 +1466,15 @@ class MoqtSession:
         if final:
             request.closed = True
             self._forget_if_done(request)
+
+    def _apply_update(self, request: _Request, update: Parameters, answer: Parameters) -> None:
+        """An accepted REQUEST_UPDATE changes the request's parameters; one that turns
+        the Forward State from 0 to 1 sets the Joining Location to the LARGEST_OBJECT of
+        its REQUEST_UPDATE_OK (draft-18 "Subscriptions")."""
+        resumed = request.parameters.forward is False and update.forward is True
+        request.parameters = request.parameters.merged(update)
+        if resumed and request.is_subscription:
+            request.largest_at_ok = answer.largest_object
 
     def _answer_update(self, request: _Request, update_id: int) -> None:
         if not request.peer_updates or request.peer_updates[0] != update_id:
@@ -1462,6 +1501,7 @@ class MoqtSession:
         parent = self._update_parent.get(request_id)
         if parent is not None and request_id in parent.peer_updates:
             self._answer_update(parent, request_id)
+            self._update_parameters.pop(request_id, None)
             self._send_on_request(parent, message)
             if parent.is_subscription and parent.publisher_is_local and parent.accepted:
                 self.publish_done(parent.request_id, PublishDoneCode.UPDATE_FAILED, "update failed")
@@ -1849,6 +1889,7 @@ class MoqtSession:
                 self._requests.pop(request.request_id, None)
                 for update_id in (*request.our_updates, *request.peer_updates):
                     self._update_parent.pop(update_id, None)
+                    self._update_parameters.pop(update_id, None)
                 if request.track_alias is not None and self._aliases_out.get(request.track_alias) is request:
                     del self._aliases_out[request.track_alias]
 
