@@ -6,7 +6,8 @@
     GET   sessions/{id}/stream?from=k   NDJSON {"index", "epoch", "token"}, then {"done": true}
     POST  sessions/{id}/resume          {"checkpoint", "epoch"} -> 202
     POST  prefetch                      a Prefetch Directive -> 202, Location prefetch/{directive}
-    GET   prefetch/{directive}          {"directive", "state", "loaded": [keys], "failed"?}
+    GET   prefetch/{directive}          {"directive", "state", "loaded": [keys], "failed"?,
+                                         "sources"?}
     PUT   state                         {"state", "epoch"} (epoch: this instance's)
     GET   status                        the Instance Status Record as it would be sent now
     POST  reshard                       a reshard plan, commit or abort (§6.9)
@@ -24,6 +25,11 @@ blocks: loaded over MOQT, over HTTP, from the agent's own store ("local", only w
 and computed here ("recompute");
 "cached_tokens" is the number of prompt tokens loaded rather than computed. It is sent once the
 blocks computed for the request are stored and published, so a lookup made after it finds them.
+
+With a relay (`AgentSettings.relay`) the agent is a MOQT publisher too, as a holder with a relay
+is (`kvsp_moq.holder`): its store is served through the relay by a `BlockPublisher`, and each of
+its replicas gets a MOQT record in the index beside the HTTP one. The status of a prefetch
+directive counts the blocks loaded per transport under "sources" ({"moqt", "http"}).
 """
 
 from __future__ import annotations
@@ -51,9 +57,9 @@ from kvsp_moq.fetch.http import HttpFetcher
 from kvsp_moq.holder.app import HolderApi, relay_tls, repr_digest
 from kvsp_moq.holder.leases import LeaseLimits, LeaseTable
 from kvsp_moq.holder.publisher import Publisher
-from kvsp_moq.holder.store import BlockStore
+from kvsp_moq.holder.store import BlockId, BlockStore, StoredBlock
 from kvsp_moq.index_client import IndexClient
-from kvsp_moq.moqt_blocks import MoqtBlockFetcher
+from kvsp_moq.moqt_blocks import BlockPublisher, MoqtBlockFetcher
 from kvsp_moq.protocol import validate as v
 from kvsp_moq.protocol.compat import CompatDescriptor
 from kvsp_moq.protocol.container import MEDIA_TYPE as BLOCK_MEDIA_TYPE
@@ -92,9 +98,13 @@ class AgentContext:
                                 disk_bytes=settings.disk_bytes if settings.data_dir else 0,
                                 data_dir=settings.data_dir, is_protected=self.leases_table.is_protected,
                                 descriptors={compat.compat_hex: compat})
-        self.publisher = Publisher(self.store, self.index, record_ttl_ms=settings.record_ttl_ms)
+        # With a relay every replica has two records, HTTP and MOQT (as a holder's), and the
+        # store is served over MOQT by a BlockPublisher from startup on.
+        self.publisher = Publisher(self.store, self.index, record_ttl_ms=settings.record_ttl_ms,
+                                   relay_url=settings.relay)
+        self.moqt_publisher: BlockPublisher | None = None
         self.store.withdraw = self.publisher.withdraw
-        self.store.on_change = self.publisher.announce
+        self.store.on_change = self._stored
         self.holder_api = HolderApi(self.store, self.leases_table, self.publisher,
                                     max_block_bytes=settings.max_block_bytes)
         self.meters = Meters()
@@ -103,11 +113,14 @@ class AgentContext:
         self.local = LocalLayerSource(self.store, lambda: self.url)
         sources: list[Any] = list(settings.layer_sources)
         self.moqt_fetcher: MoqtBlockFetcher | None = None
+        self.moqt_source: MoqtLayerSource | None = None
+        self.relay_tls = relay_tls(settings.relay, None, False) if settings.relay else {}
         if settings.relay:
             # MOQT first, HTTP as the fallback, recomputation last (DESIGN §5).
             self.moqt_fetcher = MoqtBlockFetcher(token=settings.token,
-                                                 **relay_tls(settings.relay, None, False))
-            sources.insert(0, MoqtLayerSource(self.moqt_fetcher, settings.relay))
+                                                 timeout=settings.relay_timeout_s, **self.relay_tls)
+            self.moqt_source = MoqtLayerSource(self.moqt_fetcher, settings.relay)
+            sources.insert(0, self.moqt_source)
         sources.append(HttpLayerSource(self.fetcher))
         options = EngineOptions(
             block_tokens=settings.block_tokens, lease_ms=settings.lease_ms,
@@ -117,14 +130,14 @@ class AgentContext:
             replicate_to=tuple(settings.replicate_to))
         self.engine = Engine(
             adapter, store=self.store, announce=self.publisher.announce,
-            is_published=self.publisher.is_published, record_for=self.publisher.record_for,
+            is_published=self._is_published, record_for=self.publisher.record_for,
             client=self.client, index=self.index, leases=self.lease_client, sources=sources,
             local=self.local, scope_keys=settings.scope_keys, default_scope=settings.scope,
             self_url=lambda: self.url, pc_url=settings.pc_url, token=settings.token,
             options=options, meters=self.meters)
         self.prefetcher = Prefetcher(self.store, self.publisher.announce, self.fetcher,
                                      self.lease_client, self.index,
-                                     on_transfer=self.meters.transfer)
+                                     on_transfer=self.meters.transfer, moqt=self.moqt_source)
         self.shards = ShardKeeper(adapter, self.engine._model, self.client, token=settings.token)
         self.reporter: StatusReporter | None = None
         if settings.pc_url:
@@ -157,6 +170,22 @@ class AgentContext:
     def _set_state(self, state: str) -> None:
         self.engine.state = state
 
+    def _stored(self, entry: StoredBlock) -> None:
+        """A replica was stored or changed tier: its records to the IS, its namespace to the relay."""
+        self.publisher.announce(entry)
+        if self.moqt_publisher is not None:
+            self.moqt_publisher.announce(entry.id.compat_id, entry.id.scope_id)
+
+    def _is_published(self, bid: BlockId) -> bool:
+        """In the index and, while the relay is reachable, announced there: a client that
+        reads the records can then fetch the block over either transport."""
+        if not self.publisher.is_published(bid):
+            return False
+        moqt = self.moqt_publisher
+        if moqt is None or moqt.connection is None:
+            return True
+        return (bid.compat_id.lower(), bid.scope_id.lower()) in moqt.announced
+
     def _kv_utilization(self) -> float:
         budget = self.store.budget["host"]
         return self.store.used["host"] / budget if budget else 0.0
@@ -167,6 +196,17 @@ class AgentContext:
         if self.index is not None and not self.url:
             raise BadRecord("the agent's public URL is unknown; records cannot be published",
                             member="public_url")
+        if self.settings.relay:
+            if not self.url:
+                raise BadRecord("the agent's public URL is unknown; its MOQT tracks cannot be "
+                                "named", member="public_url")
+            if not self.relay_tls.get("verify", True):
+                log.warning("not verifying the certificate of the loopback relay %s",
+                            self.settings.relay)
+            self.moqt_publisher = BlockPublisher(self.store, self.settings.relay, self.url,
+                                                 token=self.settings.token, **self.relay_tls)
+            await self.moqt_publisher.start()
+            log.info("publishing blocks over MOQT through %s", self.settings.relay)
         await self.publisher.start()
         if self.settings.warmup_tokens:
             await self.engine.warmup(self.settings.warmup_tokens)
@@ -182,6 +222,9 @@ class AgentContext:
         await self.prefetcher.close()
         await self.engine.close()
         await self.publisher.stop()
+        if self.moqt_publisher is not None:
+            await self.moqt_publisher.aclose()
+            self.moqt_publisher = None
         await self.store.close()
         if self.moqt_fetcher is not None:
             await self.moqt_fetcher.aclose()

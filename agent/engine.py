@@ -543,7 +543,10 @@ class Engine:
         me = self.self_url().rstrip("/") + "/"
         plan: list[list[Candidate]] = []
         for i in range(limit):
-            records = [r for r in remote.get(i, []) if (r.holder.rstrip("/") + "/") != me]
+            # Not this agent's own replicas, over HTTP or (through the relay) over MOQT.
+            records = [r for r in remote.get(i, [])
+                       if (r.holder.rstrip("/") + "/") != me
+                       and (r.http_holder or "").rstrip("/") + "/" != me]
             if local[i] is not None:
                 records.insert(0, local[i])  # type: ignore[arg-type]
             candidates = order_candidates(records, [self.local, *self.sources])
@@ -648,9 +651,9 @@ class Engine:
                 raise
             finally:
                 self._loaders.discard(loader)
+                self._spawn(loader.release_leases())
             if forward is None:  # the baseline: the whole prefix first, then the computation
                 forward = asyncio.ensure_future(run_forward())
-            self._spawn(loader.release_leases())
             loaded = report.loaded
             try:
                 state, token = await forward

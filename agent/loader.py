@@ -22,9 +22,15 @@ it, and the caller recomputes everything after the longest fully loaded prefix. 
 marked ready only when every block of the prefix holds it verified, so correctness never rests
 on a partial layer.
 
+Leases: a load that outlasts a lease's term renews it (PUT {holder}leases/{id}) each third of
+the term, and releases it when done (`LeaseKeeper`), so a slow load never reads from a replica
+its holder is free to evict.
+
 `Prefetcher` executes prefetch directives (§6.5): the listed blocks are leased at a listed
-source, fetched and verified whole, stored in the agent's holder store and published as new
-replicas, all on the event loop beside the requests already admitted, until the deadline.
+source, fetched and verified whole (over MOQT through the agent's relay when the source
+publishes the block there, over HTTP from the source otherwise or when MOQT fails), stored in
+the agent's holder store and published as new replicas, all on the event loop beside the
+requests already admitted, until the deadline.
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ import httpx
 from agent.model import LayerReadiness
 from agent.pool import KVPool
 from kvsp_moq.errors import KvspError, LayersUnavailable, PreconditionFailed, TransportError
-from kvsp_moq.fetch.http import HttpFetcher
+from kvsp_moq.fetch.http import FetchResult, HttpFetcher
 from kvsp_moq.holder.store import BlockId, BlockStore
 from kvsp_moq.index_client import IndexClient, raise_for_problem
 from kvsp_moq.protocol.container import Buffer, Container
@@ -50,8 +56,9 @@ from kvsp_moq.protocol.records import PrefetchDirective, ReplicaRecord
 log = logging.getLogger("kvsp.agent.loader")
 
 __all__ = [
-    "Candidate", "HttpLayerSource", "LayerSource", "LeaseClient", "LoadReport", "LocalLayerSource",
-    "MoqtLayerSource", "Prefetcher", "PrefixLoader", "Timeline", "order_candidates",
+    "Candidate", "HttpLayerSource", "LayerSource", "LeaseClient", "LeaseKeeper", "LoadReport",
+    "LocalLayerSource", "MoqtLayerSource", "Prefetcher", "PrefixLoader", "Timeline",
+    "order_candidates",
 ]
 
 #: (layer index, K section, V section) of one verified layer.
@@ -116,26 +123,74 @@ class MoqtLayerSource:
 
     Only replicas published through that relay are taken: the fetcher's TLS settings were
     chosen for it (a loopback relay's self-signed certificate is not verified).
+
+    A relay that cannot be reached, or whose requests time out, is skipped for `down_s`:
+    every block would otherwise wait for its own connection attempt (one at a time, as the
+    fetcher keeps one session per relay) before falling back to HTTP. Concurrent reads share
+    one connection attempt.
     """
 
     kind = "moqt"
     needs_lease = True
 
-    def __init__(self, fetcher: Any, relay: str) -> None:
+    def __init__(self, fetcher: Any, relay: str, *, down_s: float = 5.0) -> None:
         self.fetcher = fetcher
         self.relay = relay.rstrip("/").lower()
+        self.down_s = down_s
+        self._down_until = 0.0
+        self._probes: dict[str, asyncio.Future] = {}
 
     def accepts(self, record: ReplicaRecord) -> bool:
         return (record.is_moqt and bool(record.moqt_namespace) and record.http_holder is not None
                 and record.holder.rstrip("/").lower() == self.relay)
 
+    @property
+    def reachable(self) -> bool:
+        """False while the relay is taken to be down (after a failed connection or a timeout)."""
+        return time.monotonic() >= self._down_until
+
+    def _mark_down(self, reason: object) -> None:
+        if self.reachable:
+            log.info("relay %s unusable (%s); HTTP only for %.1fs", self.relay, reason, self.down_s)
+        self._down_until = time.monotonic() + self.down_s
+
+    async def _ready(self, url: str) -> None:
+        """A session to the relay, or TransportError at once while it is known to be down."""
+        if not self.reachable:
+            raise TransportError(f"the relay {self.relay} is unreachable")
+        probe = self._probes.get(url)
+        if probe is None or probe.done():
+            probe = asyncio.ensure_future(self.fetcher.connection(url))
+            probe.add_done_callback(lambda f: f.cancelled() or f.exception())
+            self._probes[url] = probe
+        try:
+            await asyncio.shield(probe)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            self._mark_down(getattr(e, "detail", None) or repr(e))
+            raise TransportError(f"the relay {self.relay} is unreachable: {e!r}") from None
+
     async def layers(self, record: ReplicaRecord, first: int, last: int) -> AsyncIterator[LayerTuple]:
+        await self._ready(record.holder)
         stream = self.fetcher.layers([record.holder], record, (first, last))
         try:
             async for layer in stream:
                 yield layer.index, layer.k, layer.v
+        except TransportError as e:  # timed out or cut off, not a miss or a bad layer
+            self._mark_down(e.detail)
+            raise
         finally:
             await stream.aclose()
+
+    async def fetch_block(self, record: ReplicaRecord) -> FetchResult:
+        """The whole block as one verified container (prefetch), under the same health gate."""
+        await self._ready(record.holder)
+        try:
+            return await self.fetcher.fetch_block([record.holder], record)
+        except TransportError as e:
+            self._mark_down(e.detail)
+            raise
 
 
 class LocalLayerSource:
@@ -236,6 +291,18 @@ class LeaseClient:
         raise_for_problem(r)
         return str(r.json()["lease"])
 
+    async def renew(self, holder: str, lease: str, ttl_ms: int) -> int:
+        """PUT {holder}leases/{id}: the term granted from now (ms); raises KvspError (NotFound
+        once the lease has expired) when refused."""
+        url = f"{_slash(holder)}leases/{lease}"
+        try:
+            r = await self.client.put(url, json={"ttl_ms": ttl_ms}, headers=self.headers,
+                                      timeout=self.timeout)
+        except httpx.HTTPError as e:
+            raise TransportError(f"renewing lease at {holder}: {type(e).__name__} {e}") from None
+        raise_for_problem(r)
+        return int(r.json().get("ttl_ms", ttl_ms))
+
     async def release(self, holder: str, lease: str) -> None:
         """Best effort: an unreleased lease only runs out."""
         try:
@@ -243,6 +310,67 @@ class LeaseClient:
                                      timeout=self.timeout)
         except httpx.HTTPError as e:
             log.info("releasing lease %s at %s failed: %s", lease, holder, e)
+
+
+class LeaseKeeper:
+    """The leases of one load: renewed before their term runs out, released at its end.
+
+    A lease protects its blocks only for its term (§6.6), and a load can take longer (a slow
+    link, a long prefix, a prefetch with a distant deadline); the holder could then evict a
+    block being read. So every lease held is renewed each third of its term until
+    `release()`. A renewal refused outright (the lease expired, or the holder restarted and
+    lost it) drops that lease: the read goes on unprotected, as it would have anyway; a holder
+    that cannot be reached is tried again at the next renewal.
+    """
+
+    def __init__(self, client: LeaseClient, ttl_ms: int, *, fraction: float = 1 / 3) -> None:
+        self.client = client
+        self.ttl_ms = ttl_ms
+        self.period_s = max(0.005, ttl_ms / 1000 * fraction)
+        self.leases: list[tuple[str, str]] = []  # (holder, lease id), in the order taken
+        self.renewals = 0
+        self._task: asyncio.Task | None = None
+
+    def add(self, holder: str, lease: str) -> None:
+        """Keep this lease alive from now on (the renewing task starts with the first one)."""
+        self.leases.append((holder, lease))
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._renew_loop(),
+                                                                name="kvsp-lease-renewal")
+
+    async def _renew_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.period_s)
+            held = list(self.leases)
+            results = await asyncio.gather(
+                *(self.client.renew(h, lease, self.ttl_ms) for h, lease in held),
+                return_exceptions=True)
+            for (holder, lease), result in zip(held, results):
+                if isinstance(result, BaseException):
+                    if isinstance(result, TransportError) or not isinstance(result, KvspError):
+                        log.info("renewing lease %s at %s failed (%s); trying again", lease, holder,
+                                 result)
+                        continue
+                    log.info("lease %s at %s is gone (%s); the load goes on without it", lease,
+                             holder, result.detail)
+                    if (holder, lease) in self.leases:
+                        self.leases.remove((holder, lease))
+                else:
+                    self.renewals += 1
+
+    async def stop(self) -> None:
+        """Stop renewing (the leases then run out on their own unless released)."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    async def release(self) -> None:
+        """Stop renewing and release every lease still held."""
+        await self.stop()
+        taken, self.leases = self.leases, []
+        await asyncio.gather(*(self.client.release(h, lease) for h, lease in taken),
+                             return_exceptions=True)
 
 
 # --------------------------------------------------------------------------- timeline
@@ -363,7 +491,7 @@ class PrefixLoader:
         self._abort_from = len(self._blocks)
         self._failures: list[dict[str, str]] = []
         self._octets = 0
-        self._leases_taken: list[tuple[str, str]] = []
+        self._keeper = LeaseKeeper(leases, lease_ms)
         self._by_holder: dict[str, list[float]] = {}  # holder -> [octets, first start, last end]
         self.done = False  #: nothing more will be loaded (set before run() returns)
         if not self._blocks:
@@ -386,6 +514,13 @@ class PrefixLoader:
     # ---------------------------------------------------------------- loop side
 
     async def run(self) -> LoadReport:
+        """Load until nothing more can be; the leases are renewed meanwhile (not released)."""
+        try:
+            return await self._run()
+        finally:
+            await self._keeper.stop()
+
+    async def _run(self) -> LoadReport:
         started = time.perf_counter()
         if self._blocks:
             await self._batch_leases()
@@ -424,9 +559,12 @@ class PrefixLoader:
 
     async def release_leases(self) -> None:
         """Release every lease this load took (after the loaded layers are in the pool)."""
-        taken, self._leases_taken = self._leases_taken, []
-        await asyncio.gather(*(self.leases.release(h, lease) for h, lease in taken),
-                             return_exceptions=True)
+        await self._keeper.release()
+
+    @property
+    def lease_renewals(self) -> int:
+        """Leases renewed because the load outlasted their term."""
+        return self._keeper.renewals
 
     async def _batch_leases(self) -> None:
         """One lease per holder for the blocks that start there: one round trip, not one per block."""
@@ -441,7 +579,7 @@ class PrefixLoader:
             except KvspError as e:
                 log.info("batch lease at %s refused (%s); leasing block by block", holder, e.detail)
                 return
-            self._leases_taken.append((holder, lease))
+            self._keeper.add(holder, lease)
             for b in blocks:
                 b.leases[holder] = lease
 
@@ -469,7 +607,7 @@ class PrefixLoader:
                     blk.current += 1
                     continue
                 blk.leases[holder] = lease
-                self._leases_taken.append((holder, lease))
+                self._keeper.add(holder, lease)
                 return cand
             return None
 
@@ -563,6 +701,8 @@ class DirectiveState:
     state: str = "pending"
     loaded: list[str] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
+    #: blocks loaded per transport ("moqt", "http")
+    sources: dict[str, int] = field(default_factory=dict)
     started: float = field(default_factory=time.monotonic)
     finished: float | None = None
     task: asyncio.Task | None = None
@@ -572,6 +712,8 @@ class DirectiveState:
                                "loaded": list(self.loaded)}
         if self.failed:
             out["failed"] = list(self.failed)
+        if self.sources:
+            out["sources"] = dict(self.sources)
         if self.directive.request_ref is not None:
             out["request_ref"] = self.directive.request_ref
         if self.finished is not None:
@@ -580,11 +722,17 @@ class DirectiveState:
 
 
 class Prefetcher:
-    """Runs prefetch directives into the agent's holder store, each under its deadline."""
+    """Runs prefetch directives into the agent's holder store, each under its deadline.
+
+    `moqt` is the agent's MOQT source (None without a relay): a block whose listed source
+    also publishes it through that relay is fetched over MOQT first, as requests load it.
+    `stats` counts the blocks loaded per transport.
+    """
 
     def __init__(self, store: BlockStore, announce: Callable[[Any], None], fetcher: HttpFetcher,
                  leases: LeaseClient, index: IndexClient | None, *, concurrency: int = 8,
-                 keep: int = 1024, on_transfer: TransferObserver | None = None) -> None:
+                 keep: int = 1024, on_transfer: TransferObserver | None = None,
+                 moqt: MoqtLayerSource | None = None) -> None:
         self.store = store
         self.announce = announce
         self.fetcher = fetcher
@@ -593,6 +741,8 @@ class Prefetcher:
         self.concurrency = concurrency
         self.keep = keep
         self.on_transfer = on_transfer
+        self.moqt = moqt
+        self.stats: dict[str, int] = {"moqt": 0, "http": 0}
         self.directives: dict[str, DirectiveState] = {}
 
     def submit(self, directive: PrefetchDirective) -> DirectiveState:
@@ -668,22 +818,46 @@ class Prefetcher:
 
         async def one(key: str, sources: Sequence[str]) -> None:
             async with gate:
-                if await self._load_one(d, key, sources, records.get(key, [])):
+                kind = await self._load_one(d, key, sources, records.get(key, []))
+                if kind is not None:
                     state.loaded.append(key)
+                    if kind != "held":
+                        state.sources[kind] = state.sources.get(kind, 0) + 1
                 else:
                     state.failed.append(key)
 
         await asyncio.gather(*(one(b.block_key, b.sources) for b in d.blocks))
 
+    def _attempts(self, source: str,
+                  records: Sequence[ReplicaRecord]) -> list[tuple[str, ReplicaRecord]]:
+        """How to read a block from one listed source, in order: (kind, record).
+
+        MOQT first when the source publishes the block through the agent's relay, then HTTP
+        from the source itself.
+        """
+        out: list[tuple[str, ReplicaRecord]] = []
+        base = _slash(source)
+        if self.moqt is not None and self.moqt.reachable:
+            for r in records:
+                if (r.is_moqt and r.http_holder is not None and _slash(r.http_holder) == base
+                        and self.moqt.accepts(r)):
+                    out.append(("moqt", r))
+                    break
+        for r in records:
+            if not r.is_moqt and _slash(r.holder) == base:
+                out.append(("http", r))
+                break
+        return out
+
     async def _load_one(self, d: PrefetchDirective, key: str, sources: Sequence[str],
-                        records: Sequence[ReplicaRecord]) -> bool:
+                        records: Sequence[ReplicaRecord]) -> str | None:
+        """The transport the block was loaded over ("held" when it already was), or None."""
         bid = BlockId(d.compat_id, d.scope_id, key)
         if bid in self.store:
-            return True
-        by_holder = {_slash(r.holder): r for r in records if not r.is_moqt}
+            return "held"
         for source in sources:
-            record = by_holder.get(_slash(source))
-            if record is None:
+            attempts = self._attempts(source, records)
+            if not attempts:
                 log.info("prefetch %s: no record of %s at %s", d.directive, key[:12], source)
                 continue
             try:
@@ -692,20 +866,38 @@ class Prefetcher:
                 log.info("prefetch %s: lease for %s at %s refused: %s", d.directive, key[:12],
                          source, e.detail)
                 continue
+            keeper = LeaseKeeper(self.leases, d.lease_ms)
+            keeper.add(source, lease)
             try:
-                result = await self.fetcher.fetch_block([source], record)
-                if self.on_transfer is not None:
-                    self.on_transfer(_slash(source), result.bytes_received, result.seconds)
-                if bid in self.store:
-                    return True
-                entry = await self.store.put(bid, result.container.buffer)
-                self.announce(entry)
-                return True
-            except PreconditionFailed:
-                return True  # stored meanwhile (a request computed or loaded it)
-            except KvspError as e:
-                log.info("prefetch %s: %s from %s failed: %s", d.directive, key[:12], source, e.detail)
+                for kind, record in attempts:
+                    try:
+                        if kind == "moqt":
+                            assert self.moqt is not None
+                            result = await self.moqt.fetch_block(record)
+                        else:
+                            result = await self.fetcher.fetch_block([source], record)
+                    except asyncio.CancelledError:
+                        raise
+                    except PreconditionFailed:
+                        return "held"
+                    except Exception as e:  # any failure of a transport moves on to the next
+                        log.info("prefetch %s: %s over %s from %s failed: %s", d.directive, key[:12],
+                                 kind, record.holder, getattr(e, "detail", None) or repr(e))
+                        continue
+                    if self.on_transfer is not None:
+                        self.on_transfer(_slash(source), result.bytes_received, result.seconds)
+                    if bid in self.store:
+                        return "held"
+                    try:
+                        entry = await self.store.put(bid, result.container.buffer)
+                    except PreconditionFailed:
+                        return "held"  # stored meanwhile (a request computed or loaded it)
+                    except KvspError as e:
+                        log.info("prefetch %s: %s not stored: %s", d.directive, key[:12], e.detail)
+                        continue
+                    self.announce(entry)
+                    self.stats[kind] += 1
+                    return kind
             finally:
-                await self.leases.release(source, lease)
-        return False
-
+                await keeper.release()
+        return None

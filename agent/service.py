@@ -58,8 +58,11 @@ class AgentSettings:
     dtype: str = "float32"
     index_url: str | None = None
     pc_url: str | None = None
-    #: MOQT relay: blocks with MOQT replicas are loaded through it first (HTTP is the fallback)
+    #: MOQT relay: blocks with MOQT replicas are loaded through it first (HTTP is the fallback),
+    #: and the agent's own blocks are published through it, each with a MOQT record too
     relay: str | None = None
+    #: how long a MOQT request through the relay may go unanswered before HTTP takes over
+    relay_timeout_s: float = 10.0
     data_dir: str | Path | None = None
     #: scope name -> scope key; empty: the open loopback scope
     scope_keys: Mapping[str, bytes] = field(default_factory=dict)
@@ -237,7 +240,9 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                    help="'tiny' (made once, locally) or a local model directory")
     p.add_argument("--index", metavar="URL", help="base URL of the Index Service")
     p.add_argument("--pc", metavar="URL", help="base URL of the Placement Controller")
-    p.add_argument("--relay", metavar="URL", help="moqt:// URI of the MOQT relay")
+    p.add_argument("--relay", metavar="URL",
+                   help="moqt:// URI of the MOQT relay: blocks are loaded through it first and "
+                        "this agent's blocks are published through it")
     p.add_argument("--data", metavar="DIR", help="directory of the block store's disk tier and models")
     p.add_argument("--scope-keys", metavar="FILE", help="keys file (TOML: scope name = hex key)")
     p.add_argument("--scope", metavar="NAME", help="scope of requests that name none")
@@ -274,7 +279,8 @@ def run(args: argparse.Namespace) -> int:
     if not args.scope_keys:
         log.warning("no --scope-keys: using the open loopback scope (its key is public)")
     if args.relay:
-        log.info("loading MOQT replicas through %s first, HTTP as the fallback", args.relay)
+        log.info("loading MOQT replicas through %s first, HTTP as the fallback; publishing "
+                 "this agent's blocks there too", args.relay)
     from agent.app import create_app  # noqa: PLC0415
 
     app = create_app(settings)
