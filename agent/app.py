@@ -205,6 +205,8 @@ class AgentContext:
                             self.settings.relay)
             self.moqt_publisher = BlockPublisher(self.store, self.settings.relay, self.url,
                                                  token=self.settings.token, **self.relay_tls)
+            moqt = self.moqt_publisher
+            self.publisher.moqt_ready = lambda c, s: (c.lower(), s.lower()) in moqt.announced
             await self.moqt_publisher.start()
             log.info("publishing blocks over MOQT through %s", self.settings.relay)
         await self.publisher.start()

@@ -239,6 +239,17 @@ class Candidate:
         return _slash(self.record.http_holder or self.record.holder)
 
 
+def lease_unavailable(error: KvspError) -> bool:
+    """Whether a refused lease says nothing of the block: the holder's lease endpoint is
+    unreachable, overloaded, or not implemented (a static web server).
+
+    The request path may then read the replica without a lease: every layer is verified, and
+    a replica evicted meanwhile is a miss like any other (§6.1). A 404 or a quota refusal is
+    an answer about the block or the client, and moves on to the next candidate.
+    """
+    return isinstance(error, TransportError) or getattr(error, "status", 0) in (405, 501, 503)
+
+
 def order_candidates(records: Sequence[ReplicaRecord],
                      sources: Sequence[LayerSource]) -> list[Candidate]:
     """Replicas ordered by the sources' order (local, MOQT, HTTP), one per holder and kind."""
@@ -441,7 +452,8 @@ class _Block:
     candidates: list[Candidate]
     placed: list[bool]
     current: int = 0
-    leases: dict[str, str] = field(default_factory=dict)  # holder -> lease id
+    #: holder -> lease id; None where no lease could be had and the block is read without one
+    leases: dict[str, str | None] = field(default_factory=dict)
     layers_by_kind: dict[str, int] = field(default_factory=dict)
     failed: bool = False
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -603,6 +615,13 @@ class PrefixLoader:
                 try:
                     lease = await self.leases.acquire(holder, [blk.key], self.lease_ms)
                 except KvspError as e:
+                    if lease_unavailable(e):
+                        # No lease to be had there, yet the replica may well be readable (its
+                        # relay is up, or a static server holds it): read it unprotected.
+                        blk.leases[holder] = None
+                        log.info("block %s: no lease at %s (%s); reading it without one",
+                                 blk.key[:12], holder, e.detail)
+                        return cand
                     self._note_failure(blk, cand, f"lease refused: {e.detail}")
                     blk.current += 1
                     continue

@@ -6,9 +6,9 @@ replicates the prompt's blocks to two holders, each publishing to its own Index 
 
 - holder H1 serves HTTP only (no relay). Agent B has a relay, so it prefers MOQT, but all it
   finds are HTTP replicas: it loads every block over HTTP.
-- holder H2 publishes through the relay, and its HTTP base serves no blocks: a front at the
-  base URL its records name answers leases (§6.6, passed on to H2) and refuses every block
-  GET. Agent C loads every block over MOQT through the relay and reads nothing over HTTP.
+- holder H2 publishes through the relay, and its HTTP base is down: its records name a base
+  URL nothing listens on, so neither a block nor a lease (§6.6) can be had there. Agent C
+  loads every block over MOQT through the relay, without a lease.
 
 Both must produce, greedily and in float32 on the CPU, exactly the producer's tokens. The
 agents run in this process (one model import instead of three); everything they talk to is a
@@ -18,21 +18,14 @@ separate process.
 from __future__ import annotations
 
 import asyncio
-import threading
 from pathlib import Path
 from typing import Any
 
 import httpx
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
-
 from agent.service import OPEN_SCOPE_KEY, Agent, AgentSettings
 from kvsp_moq.protocol.keys import block_keys, scope_id
-from kvsp_moq.web import BackgroundServer
 
-from .helpers import Service, by_kind, eventually, healthy, lookup, relay_up, services
+from .helpers import Service, by_kind, eventually, free_port, healthy, lookup, relay_up, services
 
 B = 16
 PROMPT = 96
@@ -46,38 +39,6 @@ def prompt_tokens(n: int, seed: int) -> list[int]:
 
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, 4096, (n,), generator=g).tolist()
-
-
-class LeaseOnlyFront:
-    """An HTTP base that passes leases on to a holder and refuses every block GET (503)."""
-
-    def __init__(self) -> None:
-        self.upstream = ""
-        self.leases = 0
-        self.block_requests = 0
-        self.lock = threading.Lock()
-
-    def app(self) -> Starlette:
-        async def lease(request: Request) -> Response:
-            with self.lock:
-                self.leases += 1
-            async with httpx.AsyncClient(timeout=5, trust_env=False) as c:
-                r = await c.request(request.method, self.upstream + request.url.path.lstrip("/"),
-                                    content=await request.body(),
-                                    headers={"content-type": request.headers.get("content-type", "")})
-            return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
-
-        async def block(request: Request) -> Response:
-            with self.lock:
-                self.block_requests += 1
-            return JSONResponse({"type": "about:blank", "title": "blocks are not served here", "status": 503},
-                                503, media_type="application/problem+json")
-
-        return Starlette(routes=[
-            Route("/leases", lease, methods=["POST"]),
-            Route("/leases/{lease}", lease, methods=["PUT", "DELETE"]),
-            Route("/{path:path}", block, methods=["GET", "HEAD"]),
-        ])
 
 
 async def start_agent(tmp_path: Path, name: str, model: Path, **settings: Any) -> Agent:
@@ -99,61 +60,62 @@ async def generate(client: httpx.AsyncClient, agent: Agent, tokens: list[int]) -
 
 async def test_an_agent_loads_over_http_or_moqt_as_the_replicas_allow(tmp_path: Path, tiny_model: Path) -> None:
     tokens = prompt_tokens(PROMPT, 91) + prompt_tokens(8, 92)
-    front = LeaseOnlyFront()
+    dead_base = f"http://127.0.0.1:{free_port()}/"  # nothing listens there
     agents: list[Agent] = []
-    with BackgroundServer(front.app()) as front_server:
-        async with services(tmp_path) as run, httpx.AsyncClient(timeout=10, trust_env=False) as client:
-            relay = await run.relay()
-            index1, index2 = await run.index("index1"), await run.index("index2")
-            h1 = await run.holder("h1", "--index", index1.url)
-            h2 = await run.holder("h2", "--index", index2.url, "--relay", relay.url,
-                                  "--public-url", front_server.url)
-            front.upstream = h2.url
+    async with services(tmp_path) as run, httpx.AsyncClient(timeout=10, trust_env=False) as client:
+        relay = await run.relay()
+        index1, index2 = await run.index("index1"), await run.index("index2")
+        h1 = await run.holder("h1", "--index", index1.url)
+        h2 = await run.holder("h2", "--index", index2.url, "--relay", relay.url,
+                              "--public-url", dead_base)
+        try:
+            producer, b, c = await asyncio.gather(
+                start_agent(tmp_path, "producer", tiny_model, replicate_to=[h1.url, h2.url]),
+                start_agent(tmp_path, "agent-b", tiny_model, index_url=index1.url, relay=relay.url),
+                start_agent(tmp_path, "agent-c", tiny_model, index_url=index2.url, relay=relay.url))
+            agents += [producer, b, c]
+            await relay_up(relay)
+            for service in (index1, index2, h1, h2):
+                await healthy(client, service)
+
+            cold = await generate(client, producer, tokens)
+            assert cold["cached_tokens"] == 0, cold
+            assert cold["sources"] == {"moqt": 0, "http": 0, "recompute": BLOCKS}, cold
+            reference = cold["tokens"]
+            assert len(reference) == NEW
+
+            compat = producer.context.compat_id
+            scope = scope_id(OPEN_SCOPE_KEY).hex()
+            keys = [k.hex() for k in block_keys(OPEN_SCOPE_KEY, bytes.fromhex(compat), tokens, B)][:BLOCKS]
+
+            async def published(index: Service, http: int, moqt: int) -> bool:
+                found = await lookup(client, index, compat, scope, keys)
+                return len(found) == BLOCKS and all(
+                    [len(x) for x in by_kind(found[key]).values()] == [http, moqt] for key in keys)
+
+            await eventually(lambda: published(index1, 1, 0), "H1's HTTP records in index 1", service=h1)
+            await eventually(lambda: published(index2, 1, 1), "H2's HTTP and MOQT records in index 2",
+                             service=h2)
+
+            # B prefers MOQT; with HTTP replicas only, it loads over HTTP.
+            out_b = await generate(client, b, tokens)
+            assert out_b["cached_tokens"] == PROMPT, out_b
+            assert out_b["sources"] == {"moqt": 0, "http": BLOCKS, "recompute": 0}, out_b
+            assert out_b["load"]["failures"] == [], out_b["load"]
+            assert out_b["tokens"] == reference
+
+            # C: H2's HTTP base is down; every block comes over MOQT, read without a lease.
+            out_c = await generate(client, c, tokens)
+            assert out_c["cached_tokens"] == PROMPT, out_c
+            assert out_c["sources"] == {"moqt": BLOCKS, "http": 0, "recompute": 0}, out_c
+            assert out_c["load"]["failures"] == [], out_c["load"]
+            assert out_c["tokens"] == reference
             try:
-                producer, b, c = await asyncio.gather(
-                    start_agent(tmp_path, "producer", tiny_model, replicate_to=[h1.url, h2.url]),
-                    start_agent(tmp_path, "agent-b", tiny_model, index_url=index1.url, relay=relay.url),
-                    start_agent(tmp_path, "agent-c", tiny_model, index_url=index2.url, relay=relay.url))
-                agents += [producer, b, c]
-                await relay_up(relay)
-                for service in (index1, index2, h1, h2):
-                    await healthy(client, service)
-
-                cold = await generate(client, producer, tokens)
-                assert cold["cached_tokens"] == 0, cold
-                assert cold["sources"] == {"moqt": 0, "http": 0, "recompute": BLOCKS}, cold
-                reference = cold["tokens"]
-                assert len(reference) == NEW
-
-                compat = producer.context.compat_id
-                scope = scope_id(OPEN_SCOPE_KEY).hex()
-                keys = [k.hex() for k in block_keys(OPEN_SCOPE_KEY, bytes.fromhex(compat), tokens, B)][:BLOCKS]
-
-                async def published(index: Service, http: int, moqt: int) -> bool:
-                    found = await lookup(client, index, compat, scope, keys)
-                    return len(found) == BLOCKS and all(
-                        [len(x) for x in by_kind(found[key]).values()] == [http, moqt] for key in keys)
-
-                await eventually(lambda: published(index1, 1, 0), "H1's HTTP records in index 1", service=h1)
-                await eventually(lambda: published(index2, 1, 1), "H2's HTTP and MOQT records in index 2",
-                                 service=h2)
-
-                # B prefers MOQT; with HTTP replicas only, it loads over HTTP.
-                out_b = await generate(client, b, tokens)
-                assert out_b["cached_tokens"] == PROMPT, out_b
-                assert out_b["sources"] == {"moqt": 0, "http": BLOCKS, "recompute": 0}, out_b
-                assert out_b["load"]["failures"] == [], out_b["load"]
-                assert out_b["tokens"] == reference
-
-                # C: H2's HTTP base serves no blocks; every block comes over MOQT.
-                out_c = await generate(client, c, tokens)
-                assert out_c["cached_tokens"] == PROMPT, out_c
-                assert out_c["sources"] == {"moqt": BLOCKS, "http": 0, "recompute": 0}, out_c
-                assert out_c["load"]["failures"] == [], out_c["load"]
-                assert out_c["tokens"] == reference
-                assert front.leases >= 1 and front.block_requests == 0
-                probe = await client.get(front_server.url + f"blocks/{compat}/{scope}/{keys[0]}")
-                assert probe.status_code == 503
-            finally:
-                for agent in agents:
-                    await asyncio.to_thread(agent.stop)
+                await client.get(dead_base + f"blocks/{compat}/{scope}/{keys[0]}", timeout=2)
+            except httpx.TransportError:
+                pass
+            else:
+                raise AssertionError(f"{dead_base} answered; the HTTP base was to be down")
+        finally:
+            for agent in agents:
+                await asyncio.to_thread(agent.stop)

@@ -351,6 +351,7 @@ def create_app(settings: "HolderSettings", *, clock: Clock | None = None) -> Sta
                                              token=settings.index_token, **tls)
             moqt.append(block_publisher)
             app.state.moqt_publisher = block_publisher
+            publisher.moqt_ready = lambda c, s: (c.lower(), s.lower()) in block_publisher.announced
             await block_publisher.start()
             log.info("publishing blocks over MOQT through %s", relay)
         await publisher.start()

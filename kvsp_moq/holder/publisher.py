@@ -7,8 +7,10 @@ backoff, and because each refresh sends every record, an IS that comes back empt
 again after the next one.
 
 A holder that publishes its blocks over MOQT too (`relay_url`) has two records per replica
-(DESIGN §6): the HTTP one and `moqt_record()` of it through the relay. They are put, refreshed
-and deleted together.
+(DESIGN §6): the HTTP one and `moqt_record()` of it through the relay. They are refreshed and
+deleted together; the MOQT record is first put only once `moqt_ready` says the relay has
+accepted the namespace, since a client that found it earlier would ask the relay for a track
+nobody serves there yet.
 """
 
 from __future__ import annotations
@@ -65,6 +67,9 @@ class Publisher:
         self._next_refresh = 0.0
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
+        #: (compat_id, scope_id) -> whether the relay has accepted that namespace; None: always
+        self.moqt_ready: Callable[[str, str], bool] | None = None
+        self._moqt_waiting: set[BlockId] = set()  # HTTP record put, MOQT one held back
 
     @property
     def holder_url(self) -> str:
@@ -98,6 +103,15 @@ class Publisher:
             return [http]
         return [http, moqt_record(http, self.relay_url)]
 
+    def _records_to_put(self, entry: StoredBlock) -> list[ReplicaRecord]:
+        records = self.records_for(entry)
+        if len(records) > 1 and self.moqt_ready is not None and not self.moqt_ready(
+                entry.id.compat_id, entry.id.scope_id):
+            self._moqt_waiting.add(entry.id)
+            return records[:1]
+        self._moqt_waiting.discard(entry.id)
+        return records
+
     def remaining_ttl_ms(self, bid: BlockId) -> int:
         """How long the index's record of this replica still lives (the cap on max-age)."""
         if self.index is None:
@@ -108,7 +122,8 @@ class Publisher:
         return max(0, int(self.record_ttl_ms - (self.clock() - at) * 1000))
 
     def is_published(self, bid: BlockId) -> bool:
-        return bid in self._published_at
+        """Every record of the replica is in the index (the MOQT one too, with a relay)."""
+        return bid in self._published_at and bid not in self._moqt_waiting
 
     # ---------------------------------------------------------------- store callbacks
 
@@ -186,6 +201,8 @@ class Publisher:
                 continue
             backoff = self.retry_initial_s
             delay = max(0.0, self._next_refresh - self.clock())
+            if self._moqt_waiting:
+                delay = min(delay, 0.05)  # soon after the relay accepts the namespace
             try:
                 await asyncio.wait_for(self._wake.wait(), delay)
             except asyncio.TimeoutError:
@@ -198,6 +215,14 @@ class Publisher:
             await self._delete_all(records)
             if self._deletes.get(bid) is records:
                 del self._deletes[bid]
+        if self._moqt_waiting and self.moqt_ready is not None:
+            for bid in list(self._moqt_waiting):
+                if self.store.get(bid) is None:
+                    self._moqt_waiting.discard(bid)
+                elif self.moqt_ready(bid.compat_id, bid.scope_id):
+                    self._moqt_waiting.discard(bid)
+                    self._seq += 1
+                    self._pending.setdefault(bid, self._seq)
         now = self.clock()
         if now >= self._next_refresh:
             await self._publish(self.store.blocks(), full=True)
@@ -213,7 +238,7 @@ class Publisher:
         assert self.index is not None
         if not entries:
             return
-        records = [r for e in entries for r in self.records_for(e)]
+        records = [r for e in entries for r in self._records_to_put(e)]
         sent = {e.id: self._pending.get(e.id) for e in entries}
         self._inflight = set(sent)
         started = self.clock()

@@ -153,3 +153,55 @@ def test_an_unreachable_index_is_retried_and_refilled_when_back(start_holder) ->
     with BackgroundServer(restarted.app(), port=port):
         wait_until(lambda: restarted.keys() == {a.bid.block_key, b.bid.block_key},
                    timeout=8, what="everything re-published")
+
+
+async def test_the_moqt_record_waits_for_the_relay_to_accept_the_namespace() -> None:
+    """A MOQT record found before the relay knows the namespace would send clients to a track
+    nobody serves there yet: it is put only once the announcement is accepted."""
+    import asyncio
+
+    from kvsp_moq.holder.publisher import Publisher
+    from kvsp_moq.holder.store import BlockStore
+
+    class RecordingIndex:
+        base = "http://index.invalid/"
+
+        def __init__(self) -> None:
+            self.put_records: list[ReplicaRecord] = []
+
+        async def put(self, record: ReplicaRecord) -> None:
+            self.put_records.append(record)
+
+        async def put_many(self, records: list[ReplicaRecord]) -> None:
+            self.put_records.extend(records)
+
+        async def delete(self, record: ReplicaRecord) -> None:
+            pass
+
+    async def until(predicate, what: str) -> None:
+        for _ in range(200):
+            if predicate():
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"{what} did not happen within 2 s")
+
+    index = RecordingIndex()
+    store = BlockStore(is_protected=lambda k: False, host_bytes=1 << 20)
+    publisher = Publisher(store, index, holder_url="http://holder.invalid/",  # type: ignore[arg-type]
+                          relay_url="moqt://relay.invalid:4443", record_ttl_ms=60_000)
+    accepted: set[tuple[str, str]] = set()
+    publisher.moqt_ready = lambda c, s: (c, s) in accepted
+    await publisher.start()
+    try:
+        block = make_block(7)
+        publisher.announce(await store.put(block.bid, bytearray(block.data)))
+        await until(lambda: index.put_records, "the HTTP record")
+        await asyncio.sleep(0.2)
+        assert [r.is_moqt for r in index.put_records] == [False]
+        accepted.add((block.bid.compat_id, block.bid.scope_id))
+        await until(lambda: any(r.is_moqt for r in index.put_records), "the MOQT record")
+        moqt = [r for r in index.put_records if r.is_moqt]
+        assert moqt[0].http_holder == "http://holder.invalid/"
+        assert moqt[0].block_key == block.bid.block_key
+    finally:
+        await publisher.stop()
