@@ -203,7 +203,13 @@ SCHEMAS: dict[str, dict[str, Any]] = {
                       "properties": {"directive": {"type": "string"},
                                      "state": {"type": "string"},
                                      "loaded": {"type": "array", "items": _hex(32)},
-                                     "failed": {"type": "array", "items": _OBJ}}},
+                                     "failed": {"type": "array", "items": _hex(32)},
+                                     "sources": {
+                                         "description": "blocks loaded per transport",
+                                         "type": "object",
+                                         "additionalProperties": {"type": "integer"}},
+                                     "request_ref": {"type": "string"},
+                                     "elapsed_ms": {"type": "number"}}},
     "LeaseRequest": {
         "description": "KVSP §6.6 lease request.",
         "type": "object", "required": ["block_keys", "ttl_ms"],
