@@ -118,7 +118,7 @@ SERVICES: dict[str, tuple[str, str]] = {
 }
 
 #: Benchmarks: name -> module under kvsp_moq.bench.
-BENCHMARKS = ("core", "http", "moqt", "ttft", "route")
+BENCHMARKS = ("core", "http", "moqt", "ttft", "route", "load")
 
 
 def _add_services(sub: argparse._SubParsersAction, argv: Sequence[str]) -> None:

@@ -282,6 +282,8 @@ class BlockPublisher:
         rescan_interval: float = 1.0,
         timeout: float = 10.0,
         layer_timeout: float = 60.0,
+        probe_interval: float = 2.0,
+        probe_timeout: float = 5.0,
     ) -> None:
         self.store = store
         self.relay_url = relay_url
@@ -294,6 +296,11 @@ class BlockPublisher:
         self.rescan_interval = rescan_interval
         self.timeout = timeout
         self.layer_timeout = layer_timeout
+        #: A relay that dies without closing (SIGKILL, a lost machine) leaves the session open
+        #: until the QUIC idle timeout; a PING unanswered for probe_timeout ends it sooner, so
+        #: a relay restarted on the same address gets its announcements back within seconds.
+        self.probe_interval = probe_interval
+        self.probe_timeout = probe_timeout
         self.stats = PublisherStats()
         self.connection: MoqtConnection | None = None
         self._live: dict[BlockId, LiveBlock] = {}
@@ -391,20 +398,32 @@ class BlockPublisher:
             self._announced.clear()
             self._refused.clear()
             log.info("publishing to relay %s", self.relay_url)
+            probe: asyncio.Future[None] | None = None
             try:
                 closed = asyncio.ensure_future(connection.wait_closed())
+                next_probe = time.monotonic() + self.probe_interval
                 while not closed.done():
                     await self._announce_pending(connection)
                     self._connected.set()
+                    if probe is None and time.monotonic() >= next_probe:
+                        probe = asyncio.ensure_future(
+                            asyncio.wait_for(connection.ping(), self.probe_timeout))
+                    elif probe is not None and probe.done():
+                        probe.result()  # TimeoutError: the relay is gone
+                        probe = None
+                        next_probe = time.monotonic() + self.probe_interval
                     self._wake.clear()
                     wake = asyncio.ensure_future(self._wake.wait())
-                    await asyncio.wait({closed, wake}, timeout=self.rescan_interval,
+                    waits = {closed, wake} | ({probe} if probe is not None else set())
+                    await asyncio.wait(waits, timeout=self.rescan_interval,
                                        return_when=asyncio.FIRST_COMPLETED)
                     wake.cancel()
             except (MoqtError, asyncio.TimeoutError, OSError) as e:
-                log.info("session to relay %s failed: %s", self.relay_url, e or "timeout")
+                log.info("session to relay %s failed: %s", self.relay_url, e or "no answer to a PING")
                 connection.close()
             finally:
+                if probe is not None:
+                    probe.cancel()
                 self._connected.clear()
                 self.connection = None
             log.info("session to relay %s ended; reconnecting", self.relay_url)
@@ -638,6 +657,8 @@ class MoqtLayerStream(VerifiedLayerStream):
             except (MoqtError, KvspError, OSError, asyncio.TimeoutError, ConnectionError) as e:
                 failure = _failure_of(e)
                 self._fail(source, failure.kind, failure.reason)
+                if failure.kind == "transport":
+                    await self.fetcher.drop_if_dead(source)
             finally:
                 if next_layer > start_layer:
                     self.served_by.append((source, start_layer, next_layer - 1))
@@ -776,8 +797,9 @@ class MoqtBlockFetcher:
 
     def __init__(self, *, token: str | None = None, settings: QuicSettings | None = None,
                  verify: bool = True, cadata: bytes | None = None, cafile: str | None = None,
-                 timeout: float = 10.0, layer_timeout: float = 30.0) -> None:
+                 timeout: float = 10.0, layer_timeout: float = 30.0, probe_timeout: float = 2.0) -> None:
         self.token = token
+        self.probe_timeout = probe_timeout
         self.settings = settings or QuicSettings()
         self.verify, self.cadata, self.cafile = verify, cadata, cafile
         self.timeout = timeout
@@ -795,6 +817,26 @@ class MoqtBlockFetcher:
                                            cafile=self.cafile, authorization=self.token, timeout=self.timeout)
                 pool.connections[url] = connection
             return connection
+
+    async def drop_if_dead(self, url: str) -> bool:
+        """After a transport failure: forget the session to `url` unless it answers a PING.
+
+        A relay that died without closing leaves the session open until the QUIC idle timeout
+        (30 s); without this, every request until then would fail on it. True when dropped.
+        """
+        connection = self._pool.connections.get(url)
+        if connection is None or connection.is_closed:
+            self._pool.connections.pop(url, None)
+            return connection is not None
+        try:
+            await asyncio.wait_for(connection.ping(), self.probe_timeout)
+            return False
+        except (asyncio.TimeoutError, MoqtError, OSError, ConnectionError):
+            pass
+        if self._pool.connections.get(url) is connection:
+            del self._pool.connections[url]
+        connection.close()
+        return True
 
     async def aclose(self) -> None:
         connections = list(self._pool.connections.values())

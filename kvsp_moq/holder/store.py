@@ -14,6 +14,7 @@ block visible, and a restarted store finds every block it had completed.
 from __future__ import annotations
 
 import asyncio
+import errno
 import hashlib
 import logging
 import mmap
@@ -45,6 +46,8 @@ TIERS = ("device", "host", "disk")
 CHUNK = 1 << 20
 _HEX = re.compile(r"^[0-9a-f]+$")
 _RANGE_DIGESTS_KEPT = 32
+#: write errors that mean "no room": a full filesystem, a quota, a file size limit
+_NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 
 _pool: ThreadPoolExecutor | None = None
 
@@ -620,6 +623,13 @@ class BlockStore:
         self.used["disk"] += entry.size
         try:
             await asyncio.to_thread(write_block_file, path, data)
+        except OSError as e:
+            if e.errno not in _NO_SPACE:
+                raise
+            # The filesystem is fuller than the disk budget assumed (shared disk, quota): a
+            # PUT answers 507 with a problem document, not a 500; the partial file is gone.
+            raise StoreFull(f"the disk tier could not take {entry.size} octets: "
+                            f"{os.strerror(e.errno)}") from None
         finally:
             self.used["disk"] -= entry.size
         return path
