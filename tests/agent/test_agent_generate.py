@@ -7,26 +7,24 @@ from __future__ import annotations
 import asyncio
 import threading
 from pathlib import Path
-from typing import Iterator
 
 import httpx
 import pytest
 
-import torch  # noqa: E402
+import torch
 
-from starlette.applications import Starlette  # noqa: E402
-from starlette.requests import Request  # noqa: E402
-from starlette.responses import Response, StreamingResponse  # noqa: E402
-from starlette.routing import Route  # noqa: E402
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
 
-from agent.model import ModelAdapter  # noqa: E402
-from agent.pool import KVPool, block_container  # noqa: E402
-from agent.service import Agent, AgentSettings  # noqa: E402
-from agent.tiny import ensure_tiny_model  # noqa: E402
-from index.app import IndexSettings, create_app as create_index_app  # noqa: E402
-from kvsp_moq.holder.service import Holder, HolderSettings  # noqa: E402
-from kvsp_moq.protocol.container import Container  # noqa: E402
-from kvsp_moq.web import BackgroundServer  # noqa: E402
+from agent.model import ModelAdapter
+from agent.pool import KVPool, block_container
+from agent.service import Agent, AgentSettings
+from kvsp_moq.holder.service import Holder, HolderSettings
+from kvsp_moq.protocol.container import Container
+from kvsp_moq.web import BackgroundServer
+from tests.agent.conftest import tokens
 
 B = 16
 PROMPT = 128
@@ -34,25 +32,12 @@ SUFFIX = 40
 NEW = 8
 
 
-def tokens(n: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 4096, (n,), generator=g).tolist()
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return ensure_tiny_model(tmp_path_factory.getbasetemp() / "kvsp-tiny" / "tiny")
 
 
 @pytest.fixture(scope="module")
 def reference(model_dir: Path) -> ModelAdapter:
     return ModelAdapter.load(model_dir)
 
-
-@pytest.fixture(scope="module")
-def index_url() -> Iterator[str]:
-    with BackgroundServer(create_index_app(IndexSettings())) as server:
-        yield server.url
 
 
 def settings(model_dir: Path, index_url: str, **kw: object) -> AgentSettings:

@@ -14,31 +14,23 @@ from typing import Any, Callable, Iterator
 import httpx
 import pytest
 
-import torch  # noqa: E402
-
-from agent.service import OPEN_SCOPE_KEY, Agent, AgentSettings  # noqa: E402
-from agent.tiny import ensure_tiny_model  # noqa: E402
-from index.app import IndexSettings, create_app as create_index_app  # noqa: E402
-from kvsp_moq.fetch.http import HttpFetcher  # noqa: E402
-from kvsp_moq.holder.store import BlockId  # noqa: E402
-from kvsp_moq.index_client import IndexClient  # noqa: E402
-from kvsp_moq.moqt_blocks import MoqtBlockFetcher  # noqa: E402
-from kvsp_moq.naming import BlockTrack  # noqa: E402
-from kvsp_moq.protocol.keys import scope_id  # noqa: E402
-from kvsp_moq.protocol.records import ReplicaRecord  # noqa: E402
-from kvsp_moq.web import BackgroundServer  # noqa: E402
-from relay.relay import RelaySettings  # noqa: E402
-from relay.service import BackgroundRelay  # noqa: E402
+from agent.service import OPEN_SCOPE_KEY, Agent, AgentSettings
+from kvsp_moq.fetch.http import HttpFetcher
+from kvsp_moq.holder.store import BlockId
+from kvsp_moq.index_client import IndexClient
+from kvsp_moq.moqt_blocks import MoqtBlockFetcher
+from kvsp_moq.naming import BlockTrack
+from kvsp_moq.protocol.keys import scope_id
+from kvsp_moq.protocol.records import ReplicaRecord
+from relay.relay import RelaySettings
+from relay.service import BackgroundRelay
+from tests.agent.conftest import tokens
 
 B = 16
 PROMPT = 128
 SCOPE = scope_id(OPEN_SCOPE_KEY).hex()
 STEP = 20.0
 
-
-def tokens(n: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 4096, (n,), generator=g).tolist()
 
 
 def eventually(predicate: Callable[[], Any], what: str, timeout: float = STEP) -> Any:
@@ -52,15 +44,6 @@ def eventually(predicate: Callable[[], Any], what: str, timeout: float = STEP) -
         time.sleep(0.02)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return ensure_tiny_model(tmp_path_factory.getbasetemp() / "kvsp-tiny" / "tiny")
-
-
-@pytest.fixture(scope="module")
-def index_url() -> Iterator[str]:
-    with BackgroundServer(create_index_app(IndexSettings())) as server:
-        yield server.url
 
 
 @pytest.fixture

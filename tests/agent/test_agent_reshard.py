@@ -13,22 +13,14 @@ import torch  # noqa: E402
 
 from agent.model import ModelAdapter  # noqa: E402
 from agent.service import Agent, AgentSettings  # noqa: E402
-from agent.tiny import ensure_tiny_model  # noqa: E402
 from index.pc_app import PCSettings, create_pc_app  # noqa: E402
 from index.placement import MemoryIndex  # noqa: E402
 from kvsp_moq.web import BackgroundServer  # noqa: E402
+from tests.agent.conftest import tokens
 
 N = 96
 
 
-def tokens(n: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 4096, (n,), generator=g).tolist()
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return ensure_tiny_model(tmp_path_factory.getbasetemp() / "kvsp-tiny" / "tiny")
 
 
 @pytest.fixture()

@@ -12,7 +12,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-import torch  # noqa: E402,F401
 
 from agent.service import OPEN_SCOPE, configure_parser, read_scope_keys, settings_from_args  # noqa: E402
 from kvsp_moq.errors import BadRecord  # noqa: E402

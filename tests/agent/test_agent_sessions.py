@@ -10,53 +10,36 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Iterator
 
 import httpx
 import pytest
 
-import torch  # noqa: E402
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
-from starlette.applications import Starlette  # noqa: E402
-from starlette.requests import Request  # noqa: E402
-from starlette.responses import JSONResponse, Response  # noqa: E402
-from starlette.routing import Route  # noqa: E402
-
-from agent.model import ModelAdapter  # noqa: E402
-from agent.service import OPEN_SCOPE, OPEN_SCOPE_KEY, Agent, AgentSettings  # noqa: E402
-from agent.tiny import ensure_tiny_model  # noqa: E402
-from index.app import IndexSettings, create_app as create_index_app  # noqa: E402
-from index.lifecycle import LifecycleSettings  # noqa: E402
-from index.pc_app import PCSettings, create_pc_app  # noqa: E402
-from index.placement import ScopeKeys  # noqa: E402
-from kvsp_moq.frontend import FrontEnd  # noqa: E402
-from kvsp_moq.holder.service import Holder, HolderSettings  # noqa: E402
-from kvsp_moq.web import BackgroundServer  # noqa: E402
+from agent.model import ModelAdapter
+from agent.service import OPEN_SCOPE, OPEN_SCOPE_KEY, Agent, AgentSettings
+from index.lifecycle import LifecycleSettings
+from index.pc_app import PCSettings, create_pc_app
+from index.placement import ScopeKeys
+from kvsp_moq.frontend import FrontEnd
+from kvsp_moq.holder.service import Holder, HolderSettings
+from kvsp_moq.web import BackgroundServer
+from tests.agent.conftest import tokens
 
 B = 16
 PROMPT = 72  # 4 complete blocks and a tail of 8
 NEW = 40
 
 
-def tokens(n: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 4096, (n,), generator=g).tolist()
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return ensure_tiny_model(tmp_path_factory.getbasetemp() / "kvsp-tiny" / "tiny")
 
 
 @pytest.fixture(scope="module")
 def reference(model_dir: Path) -> ModelAdapter:
     return ModelAdapter.load(model_dir)
 
-
-@pytest.fixture(scope="module")
-def index_url() -> Iterator[str]:
-    with BackgroundServer(create_index_app(IndexSettings())) as server:
-        yield server.url
 
 
 def settings(model_dir: Path, **kw: object) -> AgentSettings:

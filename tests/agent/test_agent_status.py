@@ -6,12 +6,10 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import httpx
-import pytest
 
-import torch  # noqa: E402
 
 from starlette.applications import Starlette  # noqa: E402
 from starlette.requests import Request  # noqa: E402
@@ -20,8 +18,6 @@ from starlette.routing import Route  # noqa: E402
 
 from agent.service import Agent, AgentSettings  # noqa: E402
 from agent.status import instance_id  # noqa: E402
-from agent.tiny import ensure_tiny_model  # noqa: E402
-from index.app import IndexSettings, create_app as create_index_app  # noqa: E402
 from index.lifecycle import instance_id as pc_instance_id  # noqa: E402
 from kvsp_moq.protocol.records import InstanceStatus  # noqa: E402
 from kvsp_moq.web import BackgroundServer  # noqa: E402
@@ -56,15 +52,6 @@ class RecordingPC:
         raise AssertionError("no such status record arrived")
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return ensure_tiny_model(tmp_path_factory.getbasetemp() / "kvsp-tiny" / "tiny")
-
-
-@pytest.fixture(scope="module")
-def index_url() -> Iterator[str]:
-    with BackgroundServer(create_index_app(IndexSettings())) as server:
-        yield server.url
 
 
 def test_status_record_rates_links_and_epoch(model_dir: Path, index_url: str) -> None:
