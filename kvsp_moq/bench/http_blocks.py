@@ -5,10 +5,12 @@ The holder (uvicorn) and the raw TCP server run in a separate process, so the se
 client do not share one interpreter lock. The variants run in turns and every figure is the
 median of the repeats.
 
-    fetch        HttpFetcher.fetch_block: GET, Repr-Digest and layer digests verified
-    range        the same for layers 8-15 of 32
+    fetch        HttpFetcher.layers: GET, Repr-Digest and layer digests verified (plain
+                 http:// goes through the lean HTTP/1.1 client, kvsp_moq.fetch.http1)
+    range        HttpFetcher.fetch_block for layers 8-15 of 32
     first_layer  time from the request to the first verified layer of a whole-block fetch
-    unverified   the same GET read with httpx alone (no parsing, no hashing): the transport
+    httpx_fetch  the verified whole-block fetch through httpx instead (HttpFetcher(lean=False))
+    unverified   the same GET read with httpx alone (no parsing, no hashing)
     raw_tcp      asyncio streams: one request line, the same container octets back
 """
 
@@ -150,6 +152,7 @@ async def _measure(url: str, raw_port: int, sizes: list[int], repeat: int) -> li
     out = []
     tune_httpcore_reads()
     fetcher = HttpFetcher(timeout=30.0)
+    via_httpx = HttpFetcher(timeout=30.0, lean=False)
     plain = httpx.AsyncClient(trust_env=False, timeout=30.0)
     reader, writer = await asyncio.open_connection("127.0.0.1", raw_port)
     try:
@@ -169,6 +172,13 @@ async def _measure(url: str, raw_port: int, sizes: list[int], repeat: int) -> li
                     n += 1
                 assert n == LAYERS and not stream.failures
                 first_layer.append(stream.first_layer_seconds or 0.0)
+
+            async def fetch_httpx() -> None:
+                stream = via_httpx.layers([url], record)
+                n = 0
+                async for _ in stream:
+                    n += 1
+                assert n == LAYERS and not stream.failures
 
             async def fetch_range() -> None:
                 result = await fetcher.fetch_block([url], record, RANGE)
@@ -197,7 +207,8 @@ async def _measure(url: str, raw_port: int, sizes: list[int], repeat: int) -> li
                 return go
 
             t = await _interleaved({
-                "fetch": fetch_whole, "range": fetch_range, "unverified": unverified,
+                "fetch": fetch_whole, "range": fetch_range, "httpx_fetch": fetch_httpx,
+                "unverified": unverified,
                 "raw": raw(0, LAYERS - 1, len(data)), "raw_range": raw(*RANGE, len(ranged)),
             }, repeat)
             t_fetch, t_range, t_plain, t_raw, t_raw_range = (
@@ -213,6 +224,7 @@ async def _measure(url: str, raw_port: int, sizes: list[int], repeat: int) -> li
                 "range": f"{RANGE[0]}-{RANGE[1]}",
                 "range_bytes": len(ranged),
                 "range_mb_per_s": mb(len(ranged), t_range),
+                "httpx_fetch_mb_per_s": mb(len(data), t["httpx_fetch"]),
                 "unverified_httpx_mb_per_s": mb(len(data), t_plain),
                 "raw_tcp_mb_per_s": mb(len(data), t_raw),
                 "raw_tcp_range_mb_per_s": mb(len(ranged), t_raw_range),
@@ -223,6 +235,7 @@ async def _measure(url: str, raw_port: int, sizes: list[int], repeat: int) -> li
     finally:
         writer.close()
         await fetcher.aclose()
+        await via_httpx.aclose()
         await plain.aclose()
     return out
 

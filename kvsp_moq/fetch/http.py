@@ -9,10 +9,21 @@ source that delivers them.
 The body is parsed as it arrives: once the header, the length table and a layer's octets are
 in, that layer is checked against the Replica Record's layer digest and handed out, so a
 caller can start on layer l while l+1 is still on the wire. The Repr-Digest of the whole
-response is computed alongside on a worker thread (hashlib releases the GIL) and checked
-before the response's last layer is handed out. Layer digests run inline: a worker would
-have to win the GIL back from the busy receive loop, which measured as milliseconds of
-extra latency to the first layer.
+response is computed alongside and checked before the response's last layer is handed out:
+layer digests do not cover the container header (Token Count, codec, the K/V split of each
+layer), and §6.7 requires clients to verify Repr-Digest. No layer is handed out before its
+own digest has been checked.
+
+Verifying thus means two SHA-256 passes over the body, which cost more CPU than receiving it,
+so they run side by side while the next octets arrive (hashlib releases the GIL): the
+Repr-Digest on a hash worker, piece by piece in order. Layer digests of bodies under
+INLINE_BODY_BELOW are computed on the event loop thread; for larger bodies they go to the
+hash workers in one batch per receive, except the first layer, which is hashed inline so that
+it comes out without a thread hop.
+
+Plain http:// sources are read with the lean HTTP/1.1 client in `http1` (the body goes
+straight from the socket into the container's buffer); https://, and fetchers given their own
+httpx client, use httpx.
 
 A 404, a timeout, a broken connection or a digest mismatch moves on to the next source, which
 is asked only for the layers still missing. A plain static web server works as a source: it
@@ -33,6 +44,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Sequence
+from urllib.parse import urlsplit
 
 import httpcore
 import httpx
@@ -59,6 +71,7 @@ from kvsp_moq.protocol.container import (
     layer_digest,
     replica_digest,
 )
+from kvsp_moq.fetch import http1
 from kvsp_moq.fetch.stream import VerifiedLayerStream, record_layer_digests
 from kvsp_moq.protocol.records import ReplicaRecord
 
@@ -66,6 +79,10 @@ from kvsp_moq.protocol.records import ReplicaRecord
 HASH_STEP = 1 << 20
 #: Pieces smaller than this are hashed on the event loop thread.
 INLINE_HASH_BELOW = 256 << 10
+#: Layer digests of bodies smaller than this are computed on the event loop thread: handing
+#: their layers to the workers cost more in thread hops than it saved (measured on two busy
+#: cores), while the Repr-Digest beside them still runs on a worker.
+INLINE_BODY_BELOW = 4 << 20
 #: httpcore reads at most 64 KiB per call, and anyio splits each larger socket read by copying
 #: its tail, so a 16 MiB body is copied many times over; 1 MiB reads measured ~1.5x faster.
 READ_BYTES = 1 << 20
@@ -117,6 +134,7 @@ class ContainerAssembler:
         self.total: int | None = None
         self.codec = self.first_layer = self.layer_count = self.token_count = 0
         self._head = bytearray()
+        self._given: bytearray | None = None
         self._bounds: list[int] = []  # k start of each layer, then the end of the last
         self._k_ends: list[int] = []
         self._next = 0
@@ -125,13 +143,29 @@ class ContainerAssembler:
     def header_parsed(self) -> bool:
         return self.total is not None
 
+    def attach(self, buffer: bytearray) -> None:
+        """Receive in place: the octets will be written into `buffer` by someone else, and
+        `advance()` told how many have arrived. The header must announce len(buffer) octets."""
+        self._given = buffer
+
+    def advance(self, received: int) -> list[Layer]:
+        """`received` octets of the attached buffer are in; returns the layers completed."""
+        self.received = received
+        if self.buffer is None:
+            given = self._given
+            assert given is not None
+            self._parse_head(memoryview(given)[:received], given)
+            if self.buffer is None:
+                return []
+        return self._complete()
+
     def feed(self, piece: bytes | memoryview) -> list[Layer]:
         """Add octets; returns the layers completed by them, in order."""
         n = len(piece)
         if self.buffer is None:
             self._head += piece
             self.received += n
-            self._parse_head()
+            self._parse_head(self._head)
             if self.buffer is None:
                 return []
         else:
@@ -142,8 +176,7 @@ class ContainerAssembler:
             self.received = end
         return self._complete()
 
-    def _parse_head(self) -> None:
-        head = self._head
+    def _parse_head(self, head: bytearray | memoryview, given: bytearray | None = None) -> None:
         if len(head) < HEADER_SIZE:
             if head[:len(MAGIC)] != MAGIC[:len(head)]:
                 raise _Bad("not a KVB1 container (bad magic)")
@@ -171,10 +204,15 @@ class ContainerAssembler:
         self.codec, self.first_layer, self.layer_count, self.token_count = codec, first, count, tokens
         self.total = pos
         self._bounds, self._k_ends = bounds, k_ends
-        if len(head) > pos:
-            raise _Bad(f"more than the {pos} octets the header announced")
-        self.buffer = bytearray(pos)
-        self.buffer[:len(head)] = head
+        if given is not None:
+            if len(given) != pos:
+                raise _Bad(f"a body of {len(given)} octets, but the header announced {pos}")
+            self.buffer = given
+        else:
+            if len(head) > pos:
+                raise _Bad(f"more than the {pos} octets the header announced")
+            self.buffer = bytearray(pos)
+            self.buffer[:len(head)] = head
         self.view = memoryview(self.buffer)
         self._head = bytearray()
 
@@ -320,9 +358,9 @@ class LayerStream(VerifiedLayerStream):
                     next_layer = want[1] + 1 if want else 0
             except _SourceFailed as e:
                 self._fail(source, e.kind, e.reason)
-            except httpx.TimeoutException as e:
+            except (httpx.TimeoutException, http1.ReadTimeout, http1.ConnectTimeout) as e:
                 self._fail(source, "transport", f"timed out ({type(e).__name__})")
-            except (httpx.HTTPError, OSError) as e:
+            except (httpx.HTTPError, http1.Http1Error, OSError) as e:
                 self._fail(source, "transport", f"{type(e).__name__}: {e}")
             finally:
                 if next_layer > start_layer:
@@ -359,79 +397,122 @@ class LayerStream(VerifiedLayerStream):
         if want is not None and digests is not None and (first, want[1]) != (0, len(digests) - 1):
             url += f"?layers={first}-{want[1]}"
         fetcher = self.fetcher
+        if fetcher.pool is not None and fetcher.lean_for(base):
+            async with await fetcher.pool.get(url, fetcher.headers) as resp:
+                async for layer in self._from_response(base, first, digests, resp, True):
+                    yield layer
+            return
         async with fetcher.client.stream("GET", fetcher.url(url),
-                                         headers=fetcher.headers) as resp:
-            if resp.status_code != 200:
-                raise _SourceFailed(*await _describe_refusal(resp))
-            expected_repr = parse_repr_digest(resp.headers.get("repr-digest"))
-            if expected_repr is None:
-                self._note(f"{base} sent no usable Repr-Digest; layers were checked against "
-                           f"the record's digests only")
-            ctype = resp.headers.get("content-type", "").split(";")[0].strip().lower()
-            if ctype != MEDIA_TYPE:
-                self._note(f"{base} labelled the block {ctype or 'without a media type'}")
-            max_size = record.size if record.size else fetcher.max_block_bytes
-            declared = resp.headers.get("content-length")
-            if declared is not None and declared.isdigit() and int(declared) > max_size:
-                raise _SourceFailed("malformed", f"a body of {declared} octets is larger than "
-                                                 f"the replica's {max_size}")
-            assembler = ContainerAssembler(max_size=max_size)
-            self._current = assembler
-            stream_hash = _SerialHash() if expected_repr is not None else None
-            hashed = 0
-            last_wanted: int | None = None
-            held: Layer | None = None  # the last wanted layer waits for the Repr-Digest check
-            done = False
+                                         headers=fetcher.headers) as hresp:
+            async for layer in self._from_response(base, first, digests, hresp, False):
+                yield layer
+
+    async def _from_response(self, base: str, first: int, digests: list[bytes] | None,
+                             resp: "httpx.Response | http1.Response",
+                             lean: bool) -> AsyncIterator[Layer]:
+        """Layers from one response, whichever client received it."""
+        record = self.record
+        if resp.status_code != 200:
+            raise _SourceFailed(*await _describe_refusal(resp))
+        expected_repr = parse_repr_digest(resp.headers.get("repr-digest"))
+        if expected_repr is None:
+            self._note(f"{base} sent no usable Repr-Digest; layers were checked against "
+                       f"the record's digests only")
+        ctype = resp.headers.get("content-type", "").split(";")[0].strip().lower()
+        if ctype != MEDIA_TYPE:
+            self._note(f"{base} labelled the block {ctype or 'without a media type'}")
+        max_size = record.size if record.size else self.fetcher.max_block_bytes
+        declared = resp.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > max_size:
+            raise _SourceFailed("malformed", f"a body of {declared} octets is larger than "
+                                             f"the replica's {max_size}")
+        assembler = ContainerAssembler(max_size=max_size)
+        self._current = assembler
+        if lean and resp.content_length is not None:  # type: ignore[union-attr]
+            steps = self._steps_in_place(assembler, resp)  # type: ignore[arg-type]
+        else:
+            steps = self._steps_fed(assembler, resp.aiter_raw())
+        small = declared is not None and declared.isdigit() and int(declared) < INLINE_BODY_BELOW
+        stream_hash = _SerialHash() if expected_repr is not None else None
+        hashed = 0
+        last_wanted: int | None = None
+        held: Layer | None = None  # the last wanted layer waits for the Repr-Digest check
+        checks = _LayerChecks(digests, inline=small) if digests is not None else None
+        done = False
+        try:
+            async for completed in steps:
+                if assembler.view is None:
+                    continue
+                if last_wanted is None:
+                    last_wanted = self._check_response(base, assembler, first, digests)
+                if stream_hash is not None and (
+                        small or assembler.received - hashed >= HASH_STEP
+                        or assembler.complete):
+                    stream_hash.update(assembler.view[hashed:assembler.received])
+                    hashed = assembler.received
+                if checks is None:
+                    continue  # only the whole replica can be checked, at the end
+                checks.submit([layer for layer in completed
+                               if first <= layer.index <= last_wanted])
+                for layer in checks.ready():
+                    if stream_hash is not None and layer.index == last_wanted:
+                        held = layer
+                    else:
+                        yield layer
+                if stream_hash is None and assembler.last_complete_layer >= last_wanted:
+                    done = True  # nothing after the wanted layers can be checked anyway
+                    break
+            if checks is not None:
+                async for layer in checks.rest():
+                    if stream_hash is not None and layer.index == last_wanted:
+                        held = layer
+                    else:
+                        yield layer
+        except _Bad as e:
+            raise _SourceFailed("malformed", f"{base}: {e}") from None
+        finally:
+            await steps.aclose()
+        if not done:
             try:
-                async for piece in resp.aiter_raw():
-                    self.bytes_received += len(piece)
-                    completed = assembler.feed(piece)
-                    if assembler.view is None:
-                        continue
-                    if last_wanted is None:
-                        last_wanted = self._check_response(base, assembler, first, digests)
-                    if stream_hash is not None and (
-                            assembler.received - hashed >= HASH_STEP or assembler.complete):
-                        stream_hash.update(assembler.view[hashed:assembler.received])
-                        hashed = assembler.received
-                    if digests is None:
-                        continue  # only the whole replica can be checked, at the end
-                    for layer in completed:
-                        if not first <= layer.index <= last_wanted:
-                            continue
-                        _verify_layer(layer, digests)
-                        if stream_hash is not None and layer.index == last_wanted:
-                            held = layer
-                        else:
-                            yield layer
-                    if stream_hash is None and assembler.last_complete_layer >= last_wanted:
-                        done = True  # nothing after the wanted layers can be checked anyway
-                        break
+                whole = assembler.container()
             except _Bad as e:
-                raise _SourceFailed("malformed", f"{base}: {e}") from None
-            if not done:
-                try:
-                    whole = assembler.container()
-                except _Bad as e:
-                    raise _SourceFailed("transport", str(e)) from None
-                if stream_hash is not None:
-                    if hashed < assembler.received:
-                        stream_hash.update(assembler.view[hashed:assembler.received])
-                    if await stream_hash.digest() != expected_repr:
-                        raise _SourceFailed("digest", "Repr-Digest does not match the body")
-                if digests is None:
-                    self.token_count = whole.token_count
-                    computed = whole.layer_digests()
-                    if whole.first_layer != 0 or replica_digest(computed).hex() != record.digest[8:]:
-                        raise _SourceFailed("digest", "the block does not match the replica digest")
-                    self.range = (0, whole.layer_count - 1) if self.range is None else self.range
-                    for layer in whole.layers():
-                        if self.range[0] <= layer.index <= self.range[1]:
-                            yield layer
-                    return
-            self.token_count = assembler.token_count
-            if held is not None:
-                yield held
+                raise _SourceFailed("transport", str(e)) from None
+            if stream_hash is not None:
+                if hashed < assembler.received:
+                    stream_hash.update(assembler.view[hashed:assembler.received])
+                if await stream_hash.digest() != expected_repr:
+                    raise _SourceFailed("digest", "Repr-Digest does not match the body")
+            if digests is None:
+                self.token_count = whole.token_count
+                computed = whole.layer_digests()
+                if whole.first_layer != 0 or replica_digest(computed).hex() != record.digest[8:]:
+                    raise _SourceFailed("digest", "the block does not match the replica digest")
+                self.range = (0, whole.layer_count - 1) if self.range is None else self.range
+                for layer in whole.layers():
+                    if self.range[0] <= layer.index <= self.range[1]:
+                        yield layer
+                return
+        self.token_count = assembler.token_count
+        if held is not None:
+            yield held
+
+    async def _steps_fed(self, assembler: ContainerAssembler,
+                         pieces: AsyncIterator[bytes]) -> AsyncIterator[list[Layer]]:
+        """Feed the assembler each piece received; the layers each one completed."""
+        async for piece in pieces:
+            self.bytes_received += len(piece)
+            yield assembler.feed(piece)
+
+    async def _steps_in_place(self, assembler: ContainerAssembler,
+                              resp: http1.Response) -> AsyncIterator[list[Layer]]:
+        """Receive straight into the assembler's buffer; the layers each socket read completed."""
+        buffer = bytearray(resp.content_length)  # type: ignore[arg-type]
+        assembler.attach(buffer)
+        before = 0
+        async for received in resp.body_into(buffer):
+            self.bytes_received += received - before
+            before = received
+            yield assembler.advance(received)
 
     def _check_response(self, base: str, asm: ContainerAssembler, first: int,
                         digests: list[bytes] | None) -> int:
@@ -467,7 +548,65 @@ def _verify_layer(layer: Layer, digests: list[bytes]) -> None:
         raise _SourceFailed("digest", f"layer {layer.index} does not match its layer digest")
 
 
-async def _describe_refusal(resp: httpx.Response) -> tuple[str, str]:
+def _layer_digests(layers: list[Layer]) -> list[bytes]:
+    return [layer_digest(layer.k, layer.v) for layer in layers]
+
+
+class _LayerChecks:
+    """Layer digests checked as layers complete; layers come out verified and in order.
+
+    With `inline`, every layer is hashed on the event loop. Otherwise only the first is, so
+    that it is handed out without a thread hop; later ones go to the workers in one batch per
+    receive, leaving the event loop free to keep the socket drained.
+    """
+
+    def __init__(self, digests: list[bytes], *, inline: bool = False) -> None:
+        self.digests = digests
+        self.inline = inline
+        self._pending: list[tuple[list[Layer], Future]] = []
+        self._verified: list[Layer] = []
+        self._started = False
+
+    def submit(self, layers: list[Layer]) -> None:
+        if not layers:
+            return
+        if self.inline or not self._started:
+            self._started = True
+            n = len(layers) if self.inline else 1
+            for layer in layers[:n]:
+                _verify_layer(layer, self.digests)
+            self._verified += layers[:n]
+            layers = layers[n:]
+            if not layers:
+                return
+        self._pending.append((layers, hash_pool().submit(_layer_digests, layers)))
+
+    def ready(self) -> list[Layer]:
+        """The layers verified so far and not yet handed out (without waiting)."""
+        out, self._verified = self._verified, []
+        while self._pending and self._pending[0][1].done():
+            layers, fut = self._pending.pop(0)
+            out += self._check(layers, fut.result())
+        return out
+
+    async def rest(self) -> AsyncIterator[Layer]:
+        """Every remaining layer, waiting for the workers."""
+        for layer in self.ready():
+            yield layer
+        while self._pending:
+            layers, fut = self._pending.pop(0)
+            for layer in self._check(layers, await asyncio.wrap_future(fut)):
+                yield layer
+
+    def _check(self, layers: list[Layer], computed: list[bytes]) -> list[Layer]:
+        for layer, digest in zip(layers, computed):
+            if digest != self.digests[layer.index]:
+                raise _SourceFailed("digest", f"layer {layer.index} does not match its "
+                                              f"layer digest")
+        return layers
+
+
+async def _describe_refusal(resp: "httpx.Response | http1.Response") -> tuple[str, str]:
     """(kind, reason) for a non-200 answer, naming its problem type when it has one."""
     body = b""
     async for piece in resp.aiter_raw():
@@ -491,16 +630,36 @@ class HttpFetcher:
 
     def __init__(self, *, client: httpx.AsyncClient | None = None, token: str | None = None,
                  timeout: float = 10.0, max_block_bytes: int = 1 << 30,
-                 large_reads: bool = True) -> None:
+                 large_reads: bool = True, lean: bool | None = None) -> None:
         if large_reads:
             tune_httpcore_reads()
         self._own = client is None
+        #: Plain http:// GETs go through the lean client (`http1`). By default only when the
+        #: fetcher owns its httpx client: one handed in may carry a transport or limits of
+        #: its own that the caller wants used; lean=True uses the lean client even then.
+        if lean is None:
+            lean = client is None
+        self.pool = (http1.Http1Pool(timeout=timeout, connect_timeout=min(timeout, 5.0))
+                     if lean else None)
         self.client = client or httpx.AsyncClient(
             timeout=httpx.Timeout(timeout, connect=min(timeout, 5.0)), trust_env=False,
             limits=httpx.Limits(max_connections=128, max_keepalive_connections=64))
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.max_block_bytes = max_block_bytes
         self._urls: dict[str, httpx.URL] = {}
+        self._lean: dict[str, bool] = {}
+
+    def lean_for(self, base: str) -> bool:
+        """Whether a source is read with the lean client: plain http://, no credentials."""
+        ok = self._lean.get(base)
+        if ok is None:
+            parts = urlsplit(base)
+            ok = (parts.scheme.lower() == "http" and parts.username is None
+                  and parts.password is None)
+            if len(self._lean) >= 4096:
+                self._lean.clear()
+            self._lean[base] = ok
+        return ok
 
     def url(self, text: str) -> httpx.URL:
         """A parsed URL, cached: httpx checks every character of our long hex paths."""
@@ -512,6 +671,8 @@ class HttpFetcher:
         return url
 
     async def aclose(self) -> None:
+        if self.pool is not None:
+            await self.pool.aclose()
         if self._own:
             await self.client.aclose()
 
