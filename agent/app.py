@@ -108,7 +108,9 @@ class AgentContext:
         self.holder_api = HolderApi(self.store, self.leases_table, self.publisher,
                                     max_block_bytes=settings.max_block_bytes)
         self.meters = Meters()
-        self.fetcher = HttpFetcher(client=self.client, token=settings.token)
+        # Blocks over plain http:// go through the fetcher's lean client; the shared httpx
+        # client carries everything else (leases, the IS, https:// sources).
+        self.fetcher = HttpFetcher(client=self.client, token=settings.token, lean=True)
         self.lease_client = LeaseClient(self.client, token=settings.token, on_rtt=self.meters.rtt)
         self.local = LocalLayerSource(self.store, lambda: self.url)
         sources: list[Any] = list(settings.layer_sources)
@@ -230,6 +232,7 @@ class AgentContext:
         await self.store.close()
         if self.moqt_fetcher is not None:
             await self.moqt_fetcher.aclose()
+        await self.fetcher.aclose()
         await self.client.aclose()
 
 
