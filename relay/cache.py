@@ -16,42 +16,22 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from kvsp_moq.moqt.data import DEFAULT_PUBLISHER_PRIORITY, ObjectStatus
-from kvsp_moq.moqt.messages import Location, Properties, TrackNamespace
+from kvsp_moq.moqt.data import ObjectStatus
+from kvsp_moq.moqt.messages import Location, TrackNamespace
+from kvsp_moq.moqt.objects import MoqtObject
 
 TrackKey = tuple[TrackNamespace, bytes]
 """A full track name: (namespace fields, track name)."""
 
 
-@dataclass(frozen=True, slots=True)
-class CachedObject:
-    """Every field of an object that the draft requires a cache to keep."""
-
-    group_id: int
-    object_id: int
-    payload: bytes
-    subgroup_id: int | None = 0
-    status: ObjectStatus = ObjectStatus.NORMAL
-    properties: Properties = ()
-    publisher_priority: int = DEFAULT_PUBLISHER_PRIORITY
-    #: event-loop time its first byte arrived, from which delivery timeouts count
-    received_at: float | None = field(default=None, compare=False)
-
-    @property
-    def location(self) -> Location:
-        return Location(self.group_id, self.object_id)
-
-    @property
-    def size(self) -> int:
-        # Payload plus a fixed allowance for the entry itself, so that a flood of empty
-        # objects is bounded too.
-        return len(self.payload) + 64
+CachedObject = MoqtObject
+"""What the cache keeps of an object: the object as received (kept for compatibility)."""
 
 
 @dataclass
 class _Track:
     origin: int
-    objects: dict[tuple[int, int], CachedObject] = field(default_factory=dict)
+    objects: dict[tuple[int, int], MoqtObject] = field(default_factory=dict)
     #: group -> its last Object ID, once an upstream FETCH has shown the whole group
     group_end: dict[int, int] = field(default_factory=dict)
 
@@ -65,7 +45,7 @@ class CacheLookup:
     the whole range was answered); `origin` is the upstream session they all came from.
     """
 
-    objects: list[CachedObject]
+    objects: list[MoqtObject]
     resume: Location | None
     origin: int | None
 
@@ -78,7 +58,7 @@ class ObjectCache:
         self.bytes = 0
         self.evictions = 0
         self.invalidations = 0
-        self._lru: OrderedDict[tuple[TrackKey, int, int], CachedObject] = OrderedDict()
+        self._lru: OrderedDict[tuple[TrackKey, int, int], MoqtObject] = OrderedDict()
         self._tracks: dict[TrackKey, _Track] = {}
 
     def __len__(self) -> int:
@@ -93,7 +73,7 @@ class ObjectCache:
 
     # ---------------------------------------------------------------- writing
 
-    def put(self, track: TrackKey, origin: int, obj: CachedObject) -> bool:
+    def put(self, track: TrackKey, origin: int, obj: MoqtObject) -> bool:
         """Cache an object received from `origin`; False when it is not kept.
 
         A duplicate keeps the first copy (the draft lets a relay ignore later ones).
@@ -147,7 +127,7 @@ class ObjectCache:
 
     # ---------------------------------------------------------------- reading
 
-    def get(self, track: TrackKey, location: Location | tuple[int, int]) -> CachedObject | None:
+    def get(self, track: TrackKey, location: Location | tuple[int, int]) -> MoqtObject | None:
         entry = self._tracks.get(track)
         if entry is None:
             return None
@@ -156,7 +136,7 @@ class ObjectCache:
             self._lru.move_to_end((track, location[0], location[1]))
         return obj
 
-    def objects(self, track: TrackKey) -> Iterator[CachedObject]:
+    def objects(self, track: TrackKey) -> Iterator[MoqtObject]:
         """The track's cached objects in ascending Location order (no LRU effect)."""
         entry = self._tracks.get(track)
         if entry is None:
@@ -175,7 +155,7 @@ class ObjectCache:
         if entry is None:
             return CacheLookup([], start, None)
         whole_last_group = end.object == 0
-        out: list[CachedObject] = []
+        out: list[MoqtObject] = []
         group, obj = start
         while group <= end.group:
             last: int | None

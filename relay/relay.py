@@ -42,7 +42,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Awaitable, Callable, Coroutine
 
 from kvsp_moq.auth import Authenticator, Principal
@@ -53,6 +53,7 @@ from kvsp_moq.moqt.errors import (
     InternalRequestError,
     InvalidRange,
     MoqtError,
+    PrefixOverlap,
     PublishDoneCode,
     PublishDoneError,
     RequestError,
@@ -98,7 +99,7 @@ from kvsp_moq.moqt.quic import (
 )
 
 from .access import AccessPolicy, Action
-from .cache import CachedObject, ObjectCache, TrackKey
+from .cache import ObjectCache, TrackKey
 from .routing import Route, RouteTable, covers
 
 __all__ = ["Relay", "RelaySettings", "RelayStats"]
@@ -220,9 +221,12 @@ class _Peer:
         return f"<peer {self.id}{' upstream' if self.is_upstream else ''}>"
 
 
-def _cached(obj: MoqtObject, received_at: float | None = None) -> CachedObject:
-    return CachedObject(obj.group_id, obj.object_id, obj.payload, obj.subgroup_id, obj.status,
-                        obj.properties, obj.publisher_priority, received_at)
+def _cached(obj: MoqtObject, received_at: float | None = None) -> MoqtObject:
+    """The object as the cache and the subscriber queues keep it: itself, stamped with
+    the time it arrived when that matters for delivery timeouts."""
+    if received_at is None or obj.received_at is not None:
+        return obj
+    return replace(obj, received_at=received_at)
 
 
 # --------------------------------------------------------------------------- fan-out
@@ -250,8 +254,10 @@ class _Downstream:
         self.priority = priority
         self._expired: set[tuple[int, int]] = set()
         outgoing.on_update = self._on_update
-        self.queue: deque[CachedObject] = deque()
+        self.queue: deque[MoqtObject] = deque()
         self.queued_bytes = 0
+        #: sending an object taken from its queue
+        self.busy = False
         self.closing: tuple[int, str] | None = None
         self.finished = False
         self._wake = asyncio.Event()
@@ -260,7 +266,7 @@ class _Downstream:
         self.task = relay._spawn(self._run(), name=f"relay-downstream-{peer.id}")
         outgoing.cancelled.add_done_callback(lambda _: self._gone())
 
-    def offer(self, obj: CachedObject) -> bool:
+    def offer(self, obj: MoqtObject) -> bool:
         """Queue an object for this subscriber; False when its queue is full."""
         if self.finished or self.closing is not None:
             return True
@@ -351,9 +357,13 @@ class _Downstream:
         try:
             while True:
                 while self.queue:
+                    self.busy = True
                     obj = self.queue.popleft()
                     self.queued_bytes -= obj.size
-                    await self._send(obj)
+                    if self.forward:  # objects queued before Forward turned 0 are not sent
+                        await self._send(obj)
+                self.busy = False
+                self.feed.drained.set()
                 if self.closing is not None:
                     break
                 self._wake.clear()
@@ -369,7 +379,7 @@ class _Downstream:
             log.info("subscriber %s: %s", self.peer, e)
             self.drop(PublishDoneCode.INTERNAL_ERROR, str(e))
 
-    async def _send(self, obj: CachedObject) -> None:
+    async def _send(self, obj: MoqtObject) -> None:
         stats = self.relay.stats
         if obj.subgroup_id is None:
             if not self.outgoing.send_datagram(
@@ -405,7 +415,7 @@ class _Downstream:
         stats.objects_out += 1
         stats.bytes_out += len(obj.payload)
 
-    def _sender(self, obj: CachedObject, *, reopen: bool) -> SubgroupSender:
+    def _sender(self, obj: MoqtObject, *, reopen: bool) -> SubgroupSender:
         key = (obj.group_id, obj.subgroup_id or 0)
         sender = self._senders.get(key)
         if sender is not None and not reopen:
@@ -441,6 +451,8 @@ class _Feed:
         self.largest: Location | None = None
         self.track_properties: Properties = ()
         self.downstreams: list[_Downstream] = []
+        #: set when a subscriber's queue empties or a subscriber leaves
+        self.drained = asyncio.Event()
         self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.ended = False
         self.pump: asyncio.Task[None] | None = None
@@ -512,6 +524,7 @@ class _Feed:
         return outstanding is None or outstanding < value
 
     def detach(self, downstream: _Downstream) -> None:
+        self.drained.set()
         if downstream in self.downstreams:
             self.downstreams.remove(downstream)
             if self.downstreams:
@@ -549,6 +562,16 @@ class _Feed:
                         stats.subscribers_dropped += 1
                         log.info("dropping slow subscriber %s of %s", downstream.peer, _name(self.key))
                         downstream.drop()
+                # With several subscribers the feed reads the upstream no faster than the
+                # fastest of them takes objects. Objects that arrived together are otherwise
+                # all taken from the upstream before any subscriber runs, and when the relay
+                # itself is the bottleneck every subscriber would be found too slow; this
+                # way QUIC flow control slows the publisher instead, and one subscriber that
+                # falls behind the others still is dropped. A single subscriber is served
+                # in bursts (its queue limit bounds what it holds).
+                while len(self.downstreams) > 1 and all(d.busy or d.queue for d in self.downstreams):
+                    self.drained.clear()
+                    await self.drained.wait()
             done = self.upstream.done
             if done is not None:
                 code, reason = int(done.status_code), done.reason
@@ -605,6 +628,8 @@ class _UpstreamWatch:
     users: int = 0
     namespaces: set[tuple[bytes, ...]] = field(default_factory=set)
     task: asyncio.Task[None] | None = None
+    #: the upstream subscription in force, cancelled at once when a wider watch replaces this one
+    subscription: NamespaceSubscription | None = None
 
 
 @dataclass
@@ -612,6 +637,14 @@ class _TrackWatcher:
     peer: _Peer
     prefix: tuple[bytes, ...]
     principals: list[Principal]
+
+
+def _check_overlap(watchers: list[Any], peer: _Peer, prefix: tuple[bytes, ...]) -> None:
+    """Refuse a prefix that overlaps one the same session already watches (draft-18
+    SUBSCRIBE_NAMESPACE / SUBSCRIBE_TRACKS: the receiver MUST answer PREFIX_OVERLAP)."""
+    for watcher in watchers:
+        if watcher.peer is peer and (covers(watcher.prefix, prefix) or covers(prefix, watcher.prefix)):
+            raise PrefixOverlap(f"the session already subscribes to {_name((watcher.prefix, b''))}")
 
 
 # --------------------------------------------------------------------------- the relay
@@ -855,6 +888,7 @@ class Relay:
     async def _on_subscribe_namespace(self, peer: _Peer, req: IncomingSubscribeNamespace) -> None:
         tokens = peer.tokens(req)
         principals = self.policy.check(Action.DISCOVER, req.namespace_prefix, tokens)
+        _check_overlap(self._namespace_watchers, peer, tuple(req.namespace_prefix))
         publisher = req.accept()
         watcher = _NamespaceWatcher(peer, tuple(req.namespace_prefix), publisher, principals)
         self._namespace_watchers.append(watcher)
@@ -874,7 +908,9 @@ class Relay:
     def _watch_upstream(self, watcher: _NamespaceWatcher, tokens: list[bytes]) -> None:
         """Forward a watcher's SUBSCRIBE_NAMESPACE to the upstream relay, so that namespaces
         announced (or tracks published) there reach it too. One upstream subscription serves
-        every watcher whose prefix it covers."""
+        every watcher whose prefix it covers, and the upstream subscriptions never overlap
+        (the upstream would refuse with PREFIX_OVERLAP): a wider prefix replaces the
+        narrower ones it covers, taking over their watchers and namespaces."""
         if self.settings.upstream is None or watcher.peer.is_upstream or self._closed:
             return
         for prefix, watch in self._upstream_watches.items():
@@ -883,8 +919,23 @@ class Relay:
                 watcher.upstream = watch
                 return
         watch = _UpstreamWatch(watcher.prefix, tokens, users=1)
-        self._upstream_watches[watcher.prefix] = watch
         watcher.upstream = watch
+        for prefix, narrower in list(self._upstream_watches.items()):
+            if not covers(watcher.prefix, prefix):
+                continue
+            del self._upstream_watches[prefix]
+            watch.users += narrower.users
+            watch.namespaces |= narrower.namespaces  # still known: no NAMESPACE_DONE in between
+            narrower.namespaces.clear()
+            for other in self._namespace_watchers:
+                if other.upstream is narrower:
+                    other.upstream = watch
+            if narrower.subscription is not None:
+                # Cancelled before the wider SUBSCRIBE_NAMESPACE is sent.
+                self._spawn(narrower.subscription.cancel(), name="relay-namespaces-upstream-cancel")
+            if narrower.task is not None:
+                narrower.task.cancel()
+        self._upstream_watches[watcher.prefix] = watch
         watch.task = self._spawn(self._run_upstream_watch(watch), name="relay-namespaces-upstream")
 
     def _unwatch_upstream(self, watcher: _NamespaceWatcher) -> None:
@@ -913,8 +964,19 @@ class Relay:
             try:
                 self.stats.upstream_requests += 1
                 self.stats.upstream_namespace_subscribes += 1
-                subscription = await up.connection.subscribe_namespace(
-                    watch.prefix, authorization=watch.tokens or None, timeout=s.upstream_timeout)
+                for attempt in range(_OVERLAP_RETRIES + 1):
+                    try:
+                        subscription = await up.connection.subscribe_namespace(
+                            watch.prefix, authorization=watch.tokens or None, timeout=s.upstream_timeout)
+                        break
+                    except PrefixOverlap:
+                        # The narrower subscription this one replaces may not be gone upstream
+                        # yet (request streams are not ordered): ask again shortly.
+                        if attempt == _OVERLAP_RETRIES:
+                            raise
+                        await asyncio.sleep(_OVERLAP_RETRY_DELAY * (attempt + 1))
+                assert subscription is not None
+                watch.subscription = subscription
                 async for item in subscription:
                     namespace = tuple(item.namespace)
                     if item.active and namespace not in watch.namespaces:
@@ -931,6 +993,7 @@ class Relay:
             except (MoqtError, asyncio.TimeoutError):
                 pass  # the upstream session ended: subscribe again on the next one
             finally:
+                watch.subscription = None
                 # A subscription that ended counts as NAMESPACE_DONE for each of its namespaces.
                 for namespace in list(watch.namespaces):
                     self._count_namespace(self._upstream_namespaces, namespace, -1)
@@ -1088,6 +1151,7 @@ class Relay:
 
     async def _on_subscribe_tracks(self, peer: _Peer, req: IncomingSubscribeTracks) -> None:
         principals = self.policy.check(Action.DISCOVER, req.namespace_prefix, peer.tokens(req))
+        _check_overlap(self._track_watchers, peer, tuple(req.namespace_prefix))
         publisher = req.accept()
         watcher = _TrackWatcher(peer, tuple(req.namespace_prefix), principals)
         self._track_watchers.append(watcher)
@@ -1181,14 +1245,14 @@ class Relay:
         except (StreamClosed, SessionClosed):
             await upstream.aclose()  # the subscriber went away
 
-    async def _serve_prefix(self, req: IncomingFetch, prefix: list[CachedObject]) -> None:
+    async def _serve_prefix(self, req: IncomingFetch, prefix: list[MoqtObject]) -> None:
         """Answer with what the cache holds from the start of the range (upstream failed)."""
         tail = prefix[-1]
         sender = req.accept(end=Location(tail.group_id, tail.object_id + 1))
         await self._send_fetched(sender, prefix, from_cache=True)
         sender.close()
 
-    async def _send_fetched(self, sender: FetchSender, objects: list[CachedObject], *, from_cache: bool) -> None:
+    async def _send_fetched(self, sender: FetchSender, objects: list[MoqtObject], *, from_cache: bool) -> None:
         stats = self.stats
         for obj in objects:
             if obj.status != ObjectStatus.NORMAL:
@@ -1269,6 +1333,12 @@ class Relay:
             log.info("session to upstream relay %s ended", s.upstream)
 
 
+#: how often, and after how long (s, growing), a refused wider upstream namespace
+#: subscription is asked again while the narrower one it replaces is being cancelled
+_OVERLAP_RETRIES = 5
+_OVERLAP_RETRY_DELAY = 0.05
+
+
 class _SourceGone(Exception):
     """The session a request was routed to ended before answering."""
 
@@ -1287,7 +1357,7 @@ def _filter_bounds(subscription_filter: SubscriptionFilter | None,
     return subscription_filter.start, subscription_filter.end_group
 
 
-def _ordered(objects: list[CachedObject], descending: bool) -> list[CachedObject]:
+def _ordered(objects: list[MoqtObject], descending: bool) -> list[MoqtObject]:
     if not descending:
         return objects
     return sorted(objects, key=lambda o: (-o.group_id, o.object_id))

@@ -19,7 +19,7 @@ CERT = generate_self_signed()
 NS = ("kvsp", "long-frames")
 MIB = 1024 * 1024
 STEP = 10.0
-LARGE = 32_000
+LARGE = 60_000
 
 pinned = pytest.mark.skipif(not aioquic.__version__.startswith("1.7."),
                             reason=f"shows a bug of aioquic 1.7.x; installed: {aioquic.__version__}")

@@ -15,6 +15,7 @@ from kvsp_moq.moqt.errors import (
     PublishDoneError,
     RequestErrorCode,
     SessionCloseCode,
+    StreamClosed,
     Unauthorized,
 )
 from kvsp_moq.moqt.messages import Location, SubscriptionFilter
@@ -143,6 +144,65 @@ async def test_subscriber_pauses_and_resumes_a_subscription():
         resumed.set()
         rest = await collect(subscription)
         assert [o.payload for o in rest] == [b"second"]
+    finally:
+        await client.aclose()
+        await server.aclose()
+
+
+async def test_objects_are_held_back_while_the_forward_state_is_0():
+    """draft-18 "Subscriptions": the publisher does not send objects while Forward is 0;
+    SubgroupSender.send() waits, datagrams are dropped, and sending resumes at Forward 1."""
+    published = asyncio.get_running_loop().create_future()
+    sent: list[int] = []
+    datagram_sent: list[bool] = []
+
+    async def on_subscribe(request):
+        outgoing = request.accept()
+        published.set_result(outgoing)
+        sender = outgoing.open_subgroup(0)
+        datagram_sent.append(outgoing.send_datagram(1, 0, b"datagram"))
+        for object_id in range(2):
+            await sender.send(object_id, b"object %d" % object_id)
+            sent.append(object_id)
+        sender.close()
+        await outgoing.finish()
+
+    server = await start({"subscribe": on_subscribe})
+    client = await dial(server)
+    try:
+        subscription = await asyncio.wait_for(client.subscribe(NS, "1", forward=False), STEP)
+        outgoing = await asyncio.wait_for(published, STEP)
+        await asyncio.sleep(0.2)
+        assert not outgoing.forward and sent == [] and datagram_sent == [False]
+        await subscription.update(forward=True, timeout=STEP)
+        rest = await collect(subscription)
+        assert [o.payload for o in rest] == [b"object 0", b"object 1"] and sent == [0, 1]
+    finally:
+        await client.aclose()
+        await server.aclose()
+
+
+async def test_a_held_back_send_ends_with_the_subscription():
+    outcome = asyncio.get_running_loop().create_future()
+
+    async def on_subscribe(request):
+        outgoing = request.accept()
+        sender = outgoing.open_subgroup(0)
+        try:
+            await sender.send(0, b"never")
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            outcome.set_result(e)
+        else:
+            outcome.set_result(None)
+
+    server = await start({"subscribe": on_subscribe})
+    client = await dial(server)
+    try:
+        subscription = await asyncio.wait_for(client.subscribe(NS, "1", forward=False), STEP)
+        await asyncio.sleep(0.1)
+        await subscription.aclose()
+        error = await asyncio.wait_for(outcome, STEP)
+        assert isinstance(error, StreamClosed)
     finally:
         await client.aclose()
         await server.aclose()

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
+from kvsp_moq.moqt.errors import PrefixOverlap
 from kvsp_moq.moqt.quic import NamespaceUpdate
 
 from .conftest import CERT, STEP, dial, running_relay
@@ -86,3 +89,66 @@ async def test_upstream_namespace_subscription_ends_with_its_last_watcher():
             assert not relay_a._namespace_watchers and not relay_b._upstream_watches
         finally:
             await watcher.aclose()
+
+
+async def subscribe_tracks(connection, prefix) -> None:
+    """SUBSCRIBE_TRACKS, answered (the asyncio API has no call for it)."""
+    request_id = connection.session.subscribe_tracks(prefix)
+    connection.transmit()
+    await connection._await_answer(request_id, connection._begin(request_id), STEP)
+
+
+async def test_overlapping_namespace_prefixes_in_one_session_are_refused():
+    """draft-18 SUBSCRIBE_NAMESPACE / SUBSCRIBE_TRACKS: PREFIX_OVERLAP within a session;
+    another session, or the other request type, may use the same prefixes."""
+    async with running_relay() as relay:
+        first = await dial(relay.url)
+        second = await dial(relay.url)
+        try:
+            await asyncio.wait_for(first.subscribe_namespace(NS[:2]), STEP)
+            for prefix in (NS[:2], NS[:1], NS[:3]):
+                with pytest.raises(PrefixOverlap):
+                    await asyncio.wait_for(first.subscribe_namespace(prefix), STEP)
+            await asyncio.wait_for(first.subscribe_namespace((b"other",)), STEP)  # disjoint
+            await asyncio.wait_for(second.subscribe_namespace(NS[:3]), STEP)  # another session
+            await subscribe_tracks(first, NS[:3])  # another overlap space
+            with pytest.raises(PrefixOverlap):
+                await subscribe_tracks(first, NS[:2])
+        finally:
+            await first.aclose()
+            await second.aclose()
+
+
+async def test_a_wider_prefix_downstream_replaces_the_narrower_upstream_subscription():
+    """The relay's own upstream namespace subscriptions never overlap: a wider prefix
+    replaces the narrower one at the upstream, whose watcher keeps its namespaces."""
+    async with running_relay() as relay_a, running_relay(
+            upstream=relay_a.url, upstream_cadata=CERT.certificate_pem) as relay_b:
+        await relay_b.wait_upstream()
+        narrow = await dial(relay_b.url)
+        wide = await dial(relay_b.url)
+        publisher = await dial(relay_a.url)
+        try:
+            announced = await asyncio.wait_for(publisher.publish_namespace(NS), STEP)
+            narrow_updates = await asyncio.wait_for(narrow.subscribe_namespace(NS[:3]), STEP)
+            assert await next_update(narrow_updates) == NamespaceUpdate(NS, True)
+            wide_updates = await asyncio.wait_for(wide.subscribe_namespace(NS[:2]), STEP)
+            assert await next_update(wide_updates) == NamespaceUpdate(NS, True)
+            for _ in range(100):
+                prefixes = [w.prefix for w in relay_a._namespace_watchers]
+                if prefixes == [NS[:2]]:
+                    break
+                await asyncio.sleep(0.02)
+            assert [w.prefix for w in relay_a._namespace_watchers] == [NS[:2]]
+            assert list(relay_b._upstream_watches) == [NS[:2]]
+            other = await asyncio.wait_for(publisher.publish_namespace(OTHER_NS), STEP)
+            assert await next_update(narrow_updates) == NamespaceUpdate(OTHER_NS, True)
+            assert await next_update(wide_updates) == NamespaceUpdate(OTHER_NS, True)
+            await announced.withdraw()
+            assert await next_update(narrow_updates) == NamespaceUpdate(NS, False)
+            assert await next_update(wide_updates) == NamespaceUpdate(NS, False)
+            await other.withdraw()
+        finally:
+            await publisher.aclose()
+            await narrow.aclose()
+            await wide.aclose()

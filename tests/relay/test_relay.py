@@ -60,7 +60,9 @@ async def test_slow_subscriber_is_dropped_without_stalling_the_others():
     objects = make_objects(1, 64, 64 * 1024)  # 4 MiB
     gate = asyncio.Event()
     publisher = TrackPublisher(objects, gate=gate)
-    limit = 256 * 1024
+    # A few objects of jitter between equally fast subscribers, each sent 60,000-byte
+    # datagrams in turn; far below the 4 MiB the slow subscriber would need.
+    limit = 1024 * 1024
     slow_settings = QuicSettings(max_stream_data=64 * 1024, max_data=128 * 1024)
     async with running_relay(subscriber_queue_bytes=limit) as relay, publishing(relay.url, NS, publisher):
         fast = [await dial(relay.url) for _ in range(3)]

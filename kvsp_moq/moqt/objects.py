@@ -1,0 +1,44 @@
+"""MOQT objects as endpoints and relays hold them (sans-I/O).
+
+One type serves a subscriber's iterators (`quic.Subscription`, `quic.FetchResult`) and a
+relay's cache and queues, so that an object received upstream is cached and forwarded as
+it came, without being copied into another record.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .data import DEFAULT_PUBLISHER_PRIORITY, ObjectStatus
+from .messages import Location, Properties
+
+__all__ = ["MoqtObject", "ENTRY_OVERHEAD"]
+
+#: bytes counted for holding an object besides its payload, so that a flood of empty
+#: objects is bounded too
+ENTRY_OVERHEAD = 64
+
+
+@dataclass(frozen=True, slots=True)
+class MoqtObject:
+    """An object received by a subscription or a fetch: every field of it that the draft
+    requires a cache to keep (draft-18 "Caching Relays")."""
+
+    group_id: int
+    object_id: int
+    payload: bytes
+    subgroup_id: int | None = 0
+    status: ObjectStatus = ObjectStatus.NORMAL
+    properties: Properties = ()
+    publisher_priority: int = DEFAULT_PUBLISHER_PRIORITY
+    #: event-loop time its first byte arrived, from which a relay counts delivery timeouts
+    received_at: float | None = field(default=None, compare=False)
+
+    @property
+    def location(self) -> Location:
+        return Location(self.group_id, self.object_id)
+
+    @property
+    def size(self) -> int:
+        """What holding it costs: its payload plus ENTRY_OVERHEAD."""
+        return len(self.payload) + ENTRY_OVERHEAD
