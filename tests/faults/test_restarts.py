@@ -9,6 +9,7 @@ recover within one refresh interval (a third of --record-ttl-ms).
 from __future__ import annotations
 
 import asyncio
+import signal
 import socket
 import time
 
@@ -84,10 +85,18 @@ def test_index_restart_holders_republish_within_refresh(procs: Processes, ttl_ms
         assert time.monotonic() < deadline, "records were never published"
         time.sleep(0.05)
 
-    index.kill()
-    index.start()
+    # The holders are paused across the restart, so that the restarted index is seen empty
+    # before any refresh can reach it; the interval is counted from when they go on.
+    for h in (h1, h2):
+        h.process.send_signal(signal.SIGSTOP)
+    try:
+        index.kill()
+        index.start()
+        assert not any(lookup(index.url, keys).values()), "an in-memory index comes back empty"
+    finally:
+        for h in (h1, h2):
+            h.process.send_signal(signal.SIGCONT)
     restarted = time.monotonic()
-    assert not any(lookup(index.url, keys).values()), "an in-memory index comes back empty"
     refresh_s = ttl_ms / 1000 / 3
     while not complete():
         assert time.monotonic() - restarted < refresh_s + 2.0, (
