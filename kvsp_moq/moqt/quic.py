@@ -1,9 +1,15 @@
 """MOQT over raw QUIC with asyncio: the only module here that touches sockets.
 
 `connect()` opens a client session to a ``moqt://host:port/path`` URL and `serve()`
-accepts sessions; both negotiate ALPN ``moqt-18`` (draft-18 section 3.1.2, and what
-aiomoqt offers for ``--draft 18``). A `MoqtConnection` drives one `MoqtSession`
-and offers an awaitable API on top of it:
+accepts sessions. A server offers ALPN ``moqt-18`` (draft-18 section 3.1.2) and,
+unless `QuicSettings.draft14_fallback` is off, ``moq-00`` after it (draft-14, whose
+ALPN names no version); it picks the first of its own list that the client
+offers, so draft-18 stays preferred. A client offers ``moqt-18`` only, unless
+`connect(drafts=...)` says otherwise (``(18, 14)`` also reaches draft-14-only
+servers, ``(14,)`` offers only ``moq-00``): a client of ours must not be moved to
+the weaker draft just because a server lists it first. A `MoqtConnection` drives
+one `MoqtSession` (``moqt-18``) or `MoqtSession14` (``moq-00``), chosen when ALPN
+is negotiated, and offers an awaitable API on top of it:
 
 * publisher side: `publish_namespace()`, `publish()`, and handlers for incoming
   SUBSCRIBE, FETCH, TRACK_STATUS, PUBLISH_NAMESPACE, SUBSCRIBE_NAMESPACE, PUBLISH
@@ -29,6 +35,30 @@ Backpressure, both ways:
 
 A QUIC connection that is lost ends every iterator and pending call with
 `SessionClosed`, never with a silent end of data.
+
+On a draft-14 session (``moq-00``) the API is the same, but draft-14 has no wire
+form for some of it (see session14.py), so these are lost or weakened:
+
+* `Subscription.update()` sends SUBSCRIBE_UPDATE, which has no answer: it returns
+  at once with no LARGEST_OBJECT / EXPIRES, a publisher cannot refuse it except by
+  ending the subscription, and only FORWARD, SUBSCRIBER_PRIORITY,
+  OBJECT_DELIVERY_TIMEOUT, tokens and an absolute start / end group can change
+  (anything else raises NotSupported); only subscriptions can be updated;
+* delivery timeouts: only OBJECT_DELIVERY_TIMEOUT travels (as DELIVERY_TIMEOUT);
+  SUBGROUP_DELIVERY_TIMEOUT, RENDEZVOUS_TIMEOUT and the delivery-timeout Track
+  Properties are not sent, so the peer enforces no subgroup deadline of ours;
+* GOAWAY carries no timeout (it arrives as 0) and no Request ID; per-request
+  GOAWAY, SUBSCRIBE_TRACKS, PUBLISH_BLOCKED and padding streams raise NotSupported;
+* REQUEST_ERROR retry intervals and REQUEST_OK EXPIRES do not exist; error codes
+  are renumbered to the closest draft-14 code (INTERNAL_ERROR when none);
+* FETCH end-of-range markers are not written, and fetched objects that are not
+  Normal produce no object;
+* namespaces matched by a SUBSCRIBE_NAMESPACE travel as PUBLISH_NAMESPACE /
+  PUBLISH_NAMESPACE_DONE; a peer's SUBSCRIBE_NAMESPACE, which in draft-14 also asks
+  for a PUBLISH of every matching track, reaches both the ``subscribe_namespace``
+  and the ``subscribe_tracks`` handler (the latter's answer sends nothing).
+
+The negotiated draft is `MoqtConnection.draft`.
 """
 
 from __future__ import annotations
@@ -63,6 +93,7 @@ from aioquic.quic.packet_builder import QuicDeliveryState
 from aioquic.quic.recovery import QuicPacketPacer
 from aioquic.quic.stream import QuicStream, QuicStreamFrame, QuicStreamSender
 
+from . import draft14
 from . import events as ev
 from .certs import SelfSignedCertificate
 from .data import DEFAULT_PUBLISHER_PRIORITY, ObjectStatus
@@ -100,6 +131,7 @@ from .messages import (
 )
 from .objects import MoqtObject
 from .session import UNKNOWN_STREAM_COUNT, MoqtSession, alpn_for_draft
+from .session14 import MoqtSession14
 
 __all__ = [
     "QuicSettings",
@@ -128,6 +160,8 @@ __all__ = [
     "IncomingUpdate",
     "NamespaceRegistration",
     "NamespacePublisher",
+    "SUPPORTED_DRAFTS",
+    "alpn_of",
     "connect",
     "serve",
     "new_event_loop",
@@ -141,6 +175,28 @@ MiB = 1024 * 1024
 
 T = TypeVar("T")
 Handler = Callable[[Any], "Awaitable[None] | None"]
+
+#: MOQT drafts this module can speak, most preferred first.
+SUPPORTED_DRAFTS: tuple[int, ...] = (18, 14)
+
+
+def alpn_of(draft: int) -> str:
+    """The ALPN of a supported draft: "moqt-18", or "moq-00" for draft-14."""
+    if draft not in SUPPORTED_DRAFTS:
+        raise ValueError(f"unsupported MOQT draft {draft!r}; supported: {SUPPORTED_DRAFTS}")
+    return draft14.ALPN if draft == 14 else alpn_for_draft(draft)
+
+
+def _check_drafts(drafts: Iterable[int]) -> tuple[int, ...]:
+    """The drafts as a tuple, each supported and listed once, at least one."""
+    result = tuple(drafts)
+    if not result:
+        raise ValueError("no MOQT draft to offer")
+    if len(set(result)) != len(result):
+        raise ValueError(f"a draft is listed twice in {result}")
+    for draft in result:
+        alpn_of(draft)
+    return result
 
 
 # ---------------------------------------------------------------------------
@@ -175,6 +231,10 @@ class QuicSettings:
     max_streams: concurrent streams of each direction the peer may open.
     max_object_size: largest object accepted from the peer.
     use_uvloop: `run()` / `new_event_loop()` use uvloop when it is installed.
+    draft14_fallback: a server also accepts draft-14 clients (ALPN "moq-00",
+        offered after "moqt-18", so a client offering both gets draft-18). Off,
+        a client offering only "moq-00" fails the TLS handshake (no common ALPN).
+        Clients choose with `connect(drafts=...)`.
     """
 
     max_datagram_size: int = field(default_factory=lambda: _default_datagram_size())
@@ -193,12 +253,23 @@ class QuicSettings:
     handshake_timeout: float = 10.0
     publish_done_grace: float = 2.0
     use_uvloop: bool = True
+    draft14_fallback: bool = True
 
-    def quic_configuration(self, *, is_client: bool, draft: int = 18, **kwargs: Any) -> QuicConfiguration:
+    def default_drafts(self, *, is_client: bool) -> tuple[int, ...]:
+        """The drafts offered when none are given, most preferred first."""
+        if is_client or not self.draft14_fallback:
+            return (18,)
+        return SUPPORTED_DRAFTS
+
+    def quic_configuration(
+        self, *, is_client: bool, drafts: Iterable[int] | None = None, **kwargs: Any
+    ) -> QuicConfiguration:
+        """The QUIC configuration, offering the ALPNs of `drafts` (default: `default_drafts()`)."""
         _check_datagram_size(self.max_datagram_size)
+        offered = _check_drafts(self.default_drafts(is_client=is_client) if drafts is None else drafts)
         configuration = QuicConfiguration(
             is_client=is_client,
-            alpn_protocols=[alpn_for_draft(draft)],
+            alpn_protocols=[alpn_of(draft) for draft in offered],
             congestion_control_algorithm=self.congestion_control,
             idle_timeout=self.idle_timeout,
             max_data=self.max_data,
@@ -761,7 +832,9 @@ class Subscription:
         Only what is given changes. Returns the REQUEST_UPDATE_OK parameters (its
         LARGEST_OBJECT tells what a widened filter may have missed, for a FETCH). A
         refused update raises its RequestError; the publisher then ends the
-        subscription with PUBLISH_DONE UPDATE_FAILED, which ends iteration.
+        subscription with PUBLISH_DONE UPDATE_FAILED, which ends iteration. On a
+        draft-14 session the update (SUBSCRIBE_UPDATE) has no answer: this returns
+        empty parameters at once, and a refusal shows only as that PUBLISH_DONE.
         """
         connection = self.connection
         if self._finished:
@@ -779,6 +852,8 @@ class Subscription:
         session = connection._live_session()
         update_id = session.request_update(self.request_id, parameters)
         future = connection._begin(update_id)
+        # draft-14's SUBSCRIBE_UPDATE has no answer: its session accepts it at once.
+        connection._dispatch_released()
         try:
             accepted = await asyncio.wait_for(future, timeout)
         finally:
@@ -1467,7 +1542,7 @@ class IncomingRequest:
             return
         self.connection._transmit_soon()
 
-    def _answer(self) -> MoqtSession:
+    def _answer(self) -> MoqtSession | MoqtSession14:
         if self.answered:
             raise ValueError(f"request {self.request_id} was already answered")
         self.answered = True
@@ -1793,18 +1868,23 @@ class MoqtConnection(QuicConnectionProtocol):
         accept_path: Iterable[str] | None = None,
         max_auth_token_cache_size: int = 0,
         on_session: Callable[["MoqtConnection"], None] | None = None,
-        draft: int = 18,
+        drafts: Iterable[int] | None = None,
     ) -> None:
         super().__init__(quic, stream_handler)
         self.settings = settings or QuicSettings()
         self._quic = _prepare_quic(quic, self.settings)
         self.is_client = quic.configuration.is_client if is_client is None else is_client
-        self.draft = draft
+        #: the drafts this endpoint accepts, most preferred first
+        if drafts is None:
+            drafts = self.settings.default_drafts(is_client=self.is_client)
+        self.drafts = _check_drafts(drafts)
+        #: the negotiated draft once ALPN is negotiated (until then the preferred one)
+        self.draft = self.drafts[0]
         self._setup = setup
         self._accept_path = accept_path
         self._max_auth_token_cache_size = max_auth_token_cache_size
         self._on_session = on_session
-        self.session: MoqtSession | None = None
+        self.session: MoqtSession | MoqtSession14 | None = None
         self._ready: asyncio.Future[Setup] = self._loop.create_future()
         self._error: MoqtError | None = None
         self._handlers: dict[str, Handler] = dict(handlers or {})
@@ -1871,7 +1951,7 @@ class MoqtConnection(QuicConnectionProtocol):
         """Wait for the peer's SETUP."""
         return await asyncio.wait_for(asyncio.shield(self._ready), timeout)
 
-    def _live_session(self) -> MoqtSession:
+    def _live_session(self) -> MoqtSession | MoqtSession14:
         if self._error is not None:
             raise self._error
         if self.session is None:
@@ -1883,22 +1963,9 @@ class MoqtConnection(QuicConnectionProtocol):
     def quic_event_received(self, event: QuicEvent) -> None:
         if self.session is None:
             if isinstance(event, ProtocolNegotiated):
-                expected = alpn_for_draft(self.draft)
-                if event.alpn_protocol != expected:
-                    self._quic.close(
-                        error_code=SessionCloseCode.VERSION_NEGOTIATION_FAILED,
-                        reason_phrase=f"ALPN {event.alpn_protocol!r}, expected {expected!r}",
-                    )
+                self.session = self._new_session(event.alpn_protocol)
+                if self.session is None:
                     return
-                self.session = MoqtSession(
-                    self._quic,
-                    is_client=self.is_client,
-                    draft=self.draft,
-                    setup=self._setup,
-                    max_object_size=self.settings.max_object_size,
-                    max_auth_token_cache_size=self._max_auth_token_cache_size,
-                    accept_path=self._accept_path,
-                )
                 if self._on_session is not None:
                     self._on_session(self)
             elif isinstance(event, ConnectionTerminated):
@@ -1910,9 +1977,33 @@ class MoqtConnection(QuicConnectionProtocol):
             except Exception:  # a bug in a callback must not break the connection
                 logger.exception("error handling %s", type(moqt_event).__name__)
 
+    def _new_session(self, alpn: str | None) -> MoqtSession | MoqtSession14 | None:
+        """The session of the negotiated ALPN, or None after closing the connection
+        when it is none of the drafts offered."""
+        by_alpn = {alpn_of(draft): draft for draft in self.drafts}
+        draft = by_alpn.get(alpn or "")
+        if draft is None:
+            self._quic.close(
+                error_code=SessionCloseCode.VERSION_NEGOTIATION_FAILED,
+                reason_phrase=f"ALPN {alpn!r}, expected one of {', '.join(repr(a) for a in by_alpn)}",
+            )
+            return None
+        self.draft = draft
+        session_class = MoqtSession14 if draft == 14 else MoqtSession
+        return session_class(
+            self._quic,
+            is_client=self.is_client,
+            draft=draft,
+            setup=self._setup,
+            max_object_size=self.settings.max_object_size,
+            max_auth_token_cache_size=self._max_auth_token_cache_size,
+            accept_path=self._accept_path,
+        )
+
     def _dispatch_released(self) -> None:
         """Handle the events the session produced outside handle_event() (a joining
-        FETCH released by SUBSCRIBE_OK)."""
+        FETCH released by SUBSCRIBE_OK; on draft-14, the local acceptance of a
+        SUBSCRIBE_UPDATE, which has no answer on the wire)."""
         session = self.session
         if session is None:
             return
@@ -2606,8 +2697,14 @@ async def connect(
     handlers: dict[str, Handler] | None = None,
     implementation: str | None = None,
     timeout: float | None = None,
+    drafts: Iterable[int] | None = None,
 ) -> MoqtConnection:
     """Open a MOQT session to ``moqt://host[:port][/path][?query]`` over raw QUIC.
+
+    `drafts` are the MOQT drafts offered, most preferred first: draft-18 only by
+    default; ``(18, 14)`` falls back to draft-14 (ALPN "moq-00") with a server
+    that lacks draft-18, ``(14,)`` offers only "moq-00". The server's choice is
+    `MoqtConnection.draft`.
 
     The socket is bound to the loopback address for a loopback peer (aioquic's own
     connect() binds every interface). PATH and AUTHORITY Setup Options come from the
@@ -2615,6 +2712,7 @@ async def connect(
     SETUP arrived.
     """
     settings = settings or QuicSettings()
+    offered = _check_drafts(settings.default_drafts(is_client=True) if drafts is None else drafts)
     parts = urlsplit(url)
     if parts.scheme != "moqt":
         raise ValueError(f"not a moqt:// URL: {url!r}")
@@ -2636,12 +2734,14 @@ async def connect(
     family, _, _, _, address = infos[0]
     sock = _udp_socket(family, _local_bind_address(family, address[0]), settings)
     configuration = settings.quic_configuration(
-        is_client=True, server_name=server_name or host, **_ssl_verify_settings(verify, cadata, cafile)
+        is_client=True, drafts=offered, server_name=server_name or host, **_ssl_verify_settings(verify, cadata, cafile)
     )
     quic = _connection_class(settings)(configuration=configuration)
     try:
         _, protocol = await loop.create_datagram_endpoint(
-            lambda: MoqtConnection(quic, settings=settings, is_client=True, setup=setup, handlers=handlers),
+            lambda: MoqtConnection(
+                quic, settings=settings, is_client=True, setup=setup, handlers=handlers, drafts=offered
+            ),
             sock=sock,
         )
     except BaseException:
@@ -2711,12 +2811,16 @@ async def serve(
     on_connection: Callable[[MoqtConnection], None] | None = None,
     accept_path: Iterable[str] | None = None,
     max_auth_token_cache_size: int = 0,
+    drafts: Iterable[int] | None = None,
 ) -> MoqtServer:
     """Listen for MOQT sessions on `host`:`port` (loopback and an ephemeral port by
     default). `handlers` apply to every connection; `on_connection` is called once a
-    connection's session exists, to set per-connection handlers."""
+    connection's session exists, to set per-connection handlers. `drafts` are the
+    drafts accepted, most preferred first (default: 18, then 14 unless
+    `settings.draft14_fallback` is off); `MoqtConnection.draft` is each one's."""
     settings = settings or QuicSettings()
-    configuration = settings.quic_configuration(is_client=False)
+    accepted = _check_drafts(settings.default_drafts(is_client=False) if drafts is None else drafts)
+    configuration = settings.quic_configuration(is_client=False, drafts=accepted)
     if certificate is not None:
         configuration.certificate = certificate.certificate
         configuration.private_key = certificate.private_key
@@ -2746,6 +2850,7 @@ async def serve(
             accept_path=accept_path,
             max_auth_token_cache_size=max_auth_token_cache_size,
             on_session=on_session,
+            drafts=accepted,
         )
 
     try:

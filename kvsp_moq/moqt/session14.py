@@ -41,6 +41,14 @@ What has no draft-14 form, and what happens instead:
   application to answer. When the peer sends UNSUBSCRIBE_NAMESPACE (or this side
   cancels its SUBSCRIBE_NAMESPACE), the namespaces announced under it are
   withdrawn with PUBLISH_NAMESPACE_DONE, so neither side keeps their state.
+* SUBSCRIBE_TRACKS: a draft-14 SUBSCRIBE_NAMESPACE also asks for a PUBLISH of
+  every matching track (section "Subscribing to Namespaces"), which draft-18 asks
+  with SUBSCRIBE_TRACKS. So a peer's SUBSCRIBE_NAMESPACE is reported twice:
+  SubscribeNamespaceReceived with its Request ID, then SubscribeTracksReceived
+  with that ID plus 2**62 (above every varint, so never on the wire). Answering
+  or cancelling that second request sends nothing; it ends (RequestCancelled)
+  with its SUBSCRIBE_NAMESPACE. The PUBLISHes made for it are ordinary requests.
+  Sending SUBSCRIBE_TRACKS raises NotSupported.
 * REQUEST_UPDATE: only a subscription (SUBSCRIBE of ours) can be updated, by
   SUBSCRIBE_UPDATE carrying FORWARD, SUBSCRIBER_PRIORITY, OBJECT_DELIVERY_TIMEOUT,
   tokens and the start / end group of an AbsoluteStart or AbsoluteRange
@@ -60,8 +68,8 @@ What has no draft-14 form, and what happens instead:
 * GOAWAY carries only the URI: `timeout_ms` is not sent and arrives as 0, with no
   Request ID. Requests the peer makes after our GOAWAY are refused with
   GOING_AWAY, which has no draft-14 code and so goes out as INTERNAL_ERROR.
-  Per-request GOAWAY, SUBSCRIBE_TRACKS, PUBLISH_BLOCKED and padding streams raise
-  NotSupported. EXPIRES of REQUEST_OK has no place in draft-14 OK messages.
+  Per-request GOAWAY, PUBLISH_BLOCKED and padding streams raise NotSupported.
+  EXPIRES of REQUEST_OK has no place in draft-14 OK messages.
 * FETCH end-of-range markers do not exist: `write_fetch_end_of_range()` writes
   nothing (it still honours `end_stream`). Fetch objects with a status other than
   Normal, and objects that "Do Not Exist", produce no event (draft14 conversions).
@@ -141,6 +149,10 @@ PUBLISH = "PUBLISH"
 PUBLISH_NAMESPACE = "PUBLISH_NAMESPACE"
 SUBSCRIBE_NAMESPACE = "SUBSCRIBE_NAMESPACE"
 ANNOUNCED = "ANNOUNCED"
+TRACKS = "TRACKS"  # the SUBSCRIBE_TRACKS half of a peer's SUBSCRIBE_NAMESPACE; never on the wire
+
+#: Request IDs of TRACKS requests: above every varint, so never a wire Request ID.
+_TRACKS_ID_BASE = 1 << 62
 
 _ERROR_MESSAGES: dict[str, type] = {
     SUBSCRIBE: d14.SubscribeError,
@@ -177,7 +189,8 @@ class _Request:
     done_stream_count: int | None = None
     data_streams_ended: int = 0
     announced: dict = field(default_factory=dict)  # SUBSCRIBE_NAMESPACE: suffix -> ANNOUNCED request
-    parent: "_Request | None" = None  # ANNOUNCED: its SUBSCRIBE_NAMESPACE
+    parent: "_Request | None" = None  # ANNOUNCED, TRACKS: its SUBSCRIBE_NAMESPACE
+    tracks: "_Request | None" = None  # peer SUBSCRIBE_NAMESPACE: its TRACKS half
     held_fetches: list = field(default_factory=list)
     held_by: "_Request | None" = None
     credit_returned: bool = False
@@ -765,6 +778,15 @@ class MoqtSession14:
         if self._refuse_if_going_away(request):
             return
         out.append(ev.SubscribeNamespaceReceived(request.request_id, message.namespace_prefix, parameters, tokens))
+        # Draft-14's SUBSCRIBE_NAMESPACE also asks for a PUBLISH of every matching track,
+        # which draft-18 asks with SUBSCRIBE_TRACKS: the application sees both requests.
+        tracks = _Request(
+            _TRACKS_ID_BASE + request.request_id, TRACKS, False, parameters=parameters,
+            namespace=message.namespace_prefix, parent=request, credit_returned=True,
+        )
+        request.tracks = tracks
+        self._requests[tracks.request_id] = tracks
+        out.append(ev.SubscribeTracksReceived(tracks.request_id, message.namespace_prefix, parameters, tokens))
 
     def _on_subscribe_update(self, message: d14.SubscribeUpdate, out: list[ev.MoqtEvent]) -> None:
         subscription = self._requests.get(message.subscription_request_id)
@@ -986,6 +1008,14 @@ class MoqtSession14:
                 self._close_request(announced)
         request.announced.clear()
         self._peer_cancelled(request, StreamResetCode.CANCELLED, out)
+        self._end_tracks(request, out)
+
+    def _end_tracks(self, request: _Request, out: list[ev.MoqtEvent]) -> None:
+        """End the TRACKS half of a peer SUBSCRIBE_NAMESPACE that has ended."""
+        tracks, request.tracks = request.tracks, None
+        if tracks is not None and not tracks.closed:
+            out.append(ev.RequestCancelled(tracks.request_id, StreamResetCode.CANCELLED, False))
+            self._close_request(tracks)
 
     def _find_namespace(self, namespace: TrackNamespace, *, local: bool, kinds: tuple[str, ...]) -> _Request | None:
         for request in self._requests.values():
@@ -1391,6 +1421,11 @@ class MoqtSession14:
         request = self._requests.get(request_id)
         if request is None or self._closed or request.closed:
             return
+        if request.kind == TRACKS:  # no message: PUBLISHes already sent go on
+            request.answered = True
+            self._close_request(request)
+            return
+        self._end_tracks(request, self._released)
         if request.held_fetches:
             self._refuse_held_fetches(request, "subscription cancelled")
         if not request.local and not request.answered and request.kind in _ERROR_MESSAGES:
@@ -1525,9 +1560,12 @@ class MoqtSession14:
 
     def request_ok(self, request_id: int, parameters: Parameters = Parameters(), track_properties: Properties = ()) -> None:
         """Send PUBLISH_OK, TRACK_STATUS_OK, PUBLISH_NAMESPACE_OK or
-        SUBSCRIBE_NAMESPACE_OK; for a peer SUBSCRIBE_UPDATE nothing is sent."""
+        SUBSCRIBE_NAMESPACE_OK; for a peer SUBSCRIBE_UPDATE, or the SUBSCRIBE_TRACKS
+        half of a SUBSCRIBE_NAMESPACE, nothing is sent."""
         self._check_open()
         if self._updates.pop(request_id, None) is not None:
+            return
+        if self._answer_tracks(request_id):
             return
         request = self._peer_request(request_id, (PUBLISH, TRACK_STATUS, PUBLISH_NAMESPACE, SUBSCRIBE_NAMESPACE))
         if track_properties and request.kind != TRACK_STATUS:
@@ -1572,10 +1610,25 @@ class MoqtSession14:
             if not subscription.closed and subscription.accepted:
                 self.publish_done(subscription.request_id, PublishDoneCode.UPDATE_FAILED, "update failed")
             return
+        if self._answer_tracks(request_id, refused=True):
+            return  # the SUBSCRIBE_NAMESPACE half answers the peer
         request = self._peer_request(request_id, tuple(_ERROR_MESSAGES))
         self._reject(request, error_code, reason)
 
+    def _answer_tracks(self, request_id: int, *, refused: bool = False) -> bool:
+        """Record the answer to a TRACKS request, which sends nothing; False for another request."""
+        if request_id < _TRACKS_ID_BASE:
+            return False
+        request = self._peer_request(request_id, (TRACKS,))
+        request.answered = True
+        if refused:
+            self._close_request(request)
+        else:
+            request.accepted = True
+        return True
+
     def _reject(self, request: _Request, error_code: int, reason: str) -> None:
+        self._end_tracks(request, self._released)
         request.answered = True
         cls = _ERROR_MESSAGES[PUBLISH_NAMESPACE if request.kind == ANNOUNCED else request.kind]
         message = cls.from_draft18(m18.RequestErrorMessage(error_code, 0, reason), request.request_id)

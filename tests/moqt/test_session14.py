@@ -434,8 +434,11 @@ def test_subscribe_namespace_announces_namespaces(pair):
     prefix = NS[:1]
     rid = pair.client.subscribe_namespace(prefix)
     pair.exchange()
-    received = one(pair.take("server"), ev.SubscribeNamespaceReceived)
+    events = pair.take("server")
+    received = one(events, ev.SubscribeNamespaceReceived)
     assert (received.request_id, received.namespace_prefix) == (rid, prefix)
+    tracks = one(events, ev.SubscribeTracksReceived)  # the PUBLISH half of draft-14's request
+    pair.server.request_ok(tracks.request_id)
     pair.server.request_ok(rid)
     pair.server.namespace(rid, NS[1:])
     pair.exchange()
@@ -450,9 +453,52 @@ def test_subscribe_namespace_announces_namespaces(pair):
     assert (done.request_id, done.namespace) == (rid, NS)
     pair.client.cancel_request(rid)  # UNSUBSCRIBE_NAMESPACE
     pair.exchange()
-    cancelled = one(pair.take("server"), ev.RequestCancelled)
-    assert (cancelled.request_id, cancelled.local_request) == (rid, False)
+    cancelled = of(pair.take("server"), ev.RequestCancelled)
+    assert [(c.request_id, c.local_request) for c in cancelled] == [(rid, False), (tracks.request_id, False)]
     assert not pair.server._requests and not pair.client._requests
+
+
+def test_subscribe_namespace_also_asks_for_matching_tracks(pair):
+    """Draft-14's SUBSCRIBE_NAMESPACE is draft-18's SUBSCRIBE_NAMESPACE plus SUBSCRIBE_TRACKS:
+    the TRACKS half has an ID that is never on the wire, its answer sends nothing, and the
+    PUBLISHes made for it reach the subscriber."""
+    rid = pair.client.subscribe_namespace(NS[:1])
+    pair.exchange()
+    events = pair.take("server")
+    tracks = one(events, ev.SubscribeTracksReceived)
+    assert tracks.namespace_prefix == NS[:1] and tracks.request_id >= 1 << 62
+    pair.server.request_ok(tracks.request_id)
+    pair.server.request_ok(rid)
+    pair.server.publish(NS, b"t")
+    pair.exchange()
+    events = pair.take("client")
+    assert one(events, ev.RequestAccepted).request_id == rid
+    published = one(events, ev.PublishReceived)
+    assert (published.namespace, published.track_name) == (NS, b"t")
+    # The application may end the TRACKS half alone; nothing goes on the wire for it.
+    pair.server.cancel_request(tracks.request_id)
+    pair.exchange()
+    assert pair.take("client") == []
+
+
+def test_refused_subscribe_namespace_ends_its_tracks_half(pair):
+    rid = pair.client.subscribe_namespace(NS[:1])
+    pair.exchange()
+    tracks = one(pair.take("server"), ev.SubscribeTracksReceived)
+    pair.server.request_error(tracks.request_id, RequestErrorCode.UNAUTHORIZED)  # sends nothing
+    pair.exchange()
+    assert pair.take("client") == []
+    pair.server.request_error(rid, RequestErrorCode.UNAUTHORIZED)
+    pair.exchange()
+    assert one(pair.take("client"), ev.RequestRejected).error_code == RequestErrorCode.UNAUTHORIZED
+    assert not pair.server._requests
+
+    rid = pair.client.subscribe_namespace(NS[:2])
+    pair.exchange()
+    tracks = one(pair.take("server"), ev.SubscribeTracksReceived)
+    pair.server.request_error(rid, RequestErrorCode.PREFIX_OVERLAP)
+    cancelled = one(pair.server.take_events(), ev.RequestCancelled)
+    assert cancelled.request_id == tracks.request_id and not pair.server._requests
 
 
 def test_subscribe_namespace_error(pair):
