@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from kvsp_moq import __version__
-from kvsp_moq.errors import KvspError
+from kvsp_moq.errors import KvspError, SettingError
 
 EXIT_USAGE = 2
 
@@ -213,6 +213,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kvsp {args.command}: {e}", file=sys.stderr)
     except KvspError as e:
         print(f"kvsp {args.command}: {e.detail}", file=sys.stderr)
+    except SettingError as e:
+        print(f"kvsp {args.command}: {e}", file=sys.stderr)
     except BrokenPipeError:  # e.g. `kvsp ... | head`: the reader left; not an error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0

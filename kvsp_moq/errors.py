@@ -122,3 +122,8 @@ class TransportError(KvspError):
     problem = "kvsp-transport"
     status = 502
     title = "Transport failure"
+
+
+class SettingError(ValueError):
+    """A setting (an option, an environment variable) that cannot be used: commands report it
+    on one line and exit with status 2, servers refuse to start."""

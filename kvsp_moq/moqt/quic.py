@@ -68,6 +68,7 @@ import bisect
 import inspect
 import ipaddress
 import logging
+import os
 import socket
 import ssl
 from collections import deque
@@ -93,6 +94,7 @@ from aioquic.quic.packet_builder import QuicDeliveryState
 from aioquic.quic.recovery import QuicPacketPacer
 from aioquic.quic.stream import QuicStream, QuicStreamFrame, QuicStreamSender
 
+from ..errors import SettingError
 from . import draft14
 from . import events as ev
 from .certs import SelfSignedCertificate
@@ -213,7 +215,8 @@ class QuicSettings:
 
     max_datagram_size: UDP payload size; the default, 60000 (LOOPBACK_DATAGRAM_SIZE),
         is meant for loopback (and known jumbo-frame paths: there is no path MTU
-        discovery). Use 1200-1452 on real networks. aioquic 1.7 writes STREAM frame
+        discovery). Use 1200-1452 on real networks (the KVSP_MOQT_DATAGRAM_SIZE
+        environment variable sets the default of a whole process). aioquic 1.7 writes STREAM frame
         lengths as fixed 2-byte varints, so frames over 16,383 bytes are corrupt;
         above LONG_FRAME_DATAGRAM_SIZE (16384) connections use a fix for aioquic
         1.7.x (see _LongFrameConnection). Other aioquic releases refuse such sizes
@@ -598,7 +601,23 @@ def _long_frames_supported(version: str) -> bool | None:
     return None
 
 
+#: Sets the default max_datagram_size of every MOQT endpoint of a process (relay, holder,
+#: agent, tools). The default suits loopback; across machines, the path's UDP payload size
+#: (1,472 for a 1,500-byte MTU over IPv4, 1,452 over IPv6) avoids IP fragmentation.
+DATAGRAM_SIZE_ENV = "KVSP_MOQT_DATAGRAM_SIZE"
+
+
 def _default_datagram_size() -> int:
+    text = os.environ.get(DATAGRAM_SIZE_ENV, "").strip()
+    if text:
+        try:
+            size = int(text)
+        except ValueError:
+            raise SettingError(f"{DATAGRAM_SIZE_ENV}={text!r} is not a number of bytes") from None
+        if not 1200 <= size <= 65507:
+            raise SettingError(f"{DATAGRAM_SIZE_ENV}={size}: QUIC needs at least 1,200 bytes and "
+                             f"UDP carries at most 65,507")
+        return size
     if _long_frames_supported(aioquic.__version__) is None:
         return LONG_FRAME_DATAGRAM_SIZE
     return LOOPBACK_DATAGRAM_SIZE
