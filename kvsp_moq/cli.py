@@ -18,6 +18,12 @@ from kvsp_moq.errors import KvspError, SettingError
 
 EXIT_USAGE = 2
 
+#: OpenMP threads (torch on the CPU) spin between parallel regions by default. The agent loads
+#: KV layers on other threads while the model computes, and spinning threads starve them: on
+#: two cores a pipelined load measured several times slower than load-then-compute. Passive
+#: waiting must be chosen before the OpenMP runtime loads, i.e. before torch is imported.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 
 class CommandError(Exception):
     """A refusal to print on one line and exit with status 2."""
