@@ -93,7 +93,8 @@ SCHEMAS: dict[str, dict[str, Any]] = {
         "type": "object", "required": ["scope_id", "compat_id", "block_keys"],
         "properties": {"scope_id": _hex(16), "compat_id": _hex(32),
                        "block_keys": {"type": "array", "items": _hex(32)},
-                       "targets": {"type": "array", "items": _URL, "maxItems": 4096}},
+                       "targets": {"type": ["array", "null"], "items": _URL, "maxItems": 4096,
+                                   "description": "instances to estimate; null is as absent"}},
     },
     "LookupResponse": {
         "description": "DESIGN §6: matched keys in prefix order with their replicas.",
@@ -129,6 +130,14 @@ SCHEMAS: dict[str, dict[str, Any]] = {
             "links": {"type": "array", "items": _ref("Link")},
             "requested_state": {"type": "string"},
         },
+    },
+    "InstanceStatusNow": {
+        "description": "An instance's GET /status: its Instance Status Record when it reports "
+                       "to a PC; without a PC there is no report, so no `ttl_ms`.",
+        "type": "object", "required": ["instance", "epoch", "state"],
+        "properties": {"instance": _URL, "epoch": _INT, "state": {"type": "string"},
+                       "ttl_ms": {"type": "integer", "minimum": 1},
+                       "running": _INT, "queued": _INT},
     },
     "InstanceReply": {"type": "object", "required": ["state"],
                       "properties": {"state": {"type": "string"}}},
@@ -294,6 +303,9 @@ def _op(summary: str, responses: dict[str, Any], *, body: str | None = None,
 
 _BLOCK = _params("compat", "scope", "key", query=("layers", "codec"))
 _REPLICA = _params("compat", "scope", "block_key", "replica_id")
+#: A block is stored once (428 without this header, 412 when a replica is already held).
+_IF_NONE_MATCH = {"name": "If-None-Match", "in": "header", "required": True,
+                  "schema": {"type": "string", "enum": ["*"]}}
 _BLOCK_BODY = {"description": "A KVB1 container",
                "content": {BLOCK_MEDIA_TYPE: {"schema": {"type": "string",
                                                          "contentMediaType": BLOCK_MEDIA_TYPE}}}}
@@ -305,7 +317,7 @@ _HOLDER_PATHS: dict[str, dict[str, Any]] = {
         "put": {**_op("Store a block (If-None-Match: * required)",
                       {"201": _json("ReplicaRecord", "Stored; the replica record"),
                        **_problems(400, 403, 412, 413, 428)},
-                      params=_params("compat", "scope", "key")),
+                      params=[*_params("compat", "scope", "key"), _IF_NONE_MATCH]),
                 "requestBody": {"required": True, "content": _BLOCK_BODY["content"]}},
     },
     "/leases": {"post": _op("Take a lease on blocks (§6.6)",
@@ -399,7 +411,7 @@ PATHS: dict[str, dict[str, dict[str, Any]]] = {
                               {"200": _json("StateChange"), **_problems(400, 403, 409)},
                               body="StateChange")},
         "/status": {"get": _op("The Instance Status Record as it would be sent now",
-                               {"200": _json("InstanceStatus")})},
+                               {"200": _json("InstanceStatusNow")})},
         "/reshard": {"post": _op("A reshard plan, commit or abort (§6.9)",
                                  {"200": _json(_OBJ), "202": _json(_OBJ, "Accepted"),
                                   **_problems(400, 403, 409)}, body="ReshardMessage")},

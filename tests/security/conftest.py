@@ -117,3 +117,51 @@ def agent(tmp_path_factory: pytest.TempPathFactory,
 def client() -> Iterator[httpx.Client]:
     with httpx.Client(timeout=10, trust_env=False) as c:
         yield c
+
+
+#: The one principal of the fuzzed servers: every scope, holder and role, so a request is refused
+#: for what it says and not for who sent it, while a missing or wrong token still gets a 401.
+FUZZ_TOKEN = "tok-fuzz"
+
+
+def fuzz_authenticator() -> Authenticator:
+    return Authenticator.from_mapping({"principal": [
+        {"name": "fuzz", "token": FUZZ_TOKEN, "scopes": ["*"], "holders": ["*"],
+         "roles": ["holder", "pc", "instance", "admin"]}]})
+
+
+@pytest.fixture(scope="module")
+def fuzz_index_pc_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The Index Service and the PC in one app with its own store (fuzzing writes freely)."""
+    from index.pc_app import PCSettings
+    from index.service import create_combined_app
+
+    db = tmp_path_factory.mktemp("fuzz-pc") / "pc.sqlite3"
+    app = create_combined_app(IndexSettings(auth=fuzz_authenticator(), sweep_interval_s=None),
+                              PCSettings(database=str(db)))
+    with BackgroundServer(app) as server:
+        yield server.url
+
+
+@pytest.fixture(scope="module")
+def fuzz_holder() -> Iterator[Holder]:
+    """A holder of its own, so fuzzed writes never meet the tenants' blocks."""
+    h = Holder(HolderSettings(listen="127.0.0.1:0", auth=fuzz_authenticator())).start()
+    try:
+        yield h
+    finally:
+        h.stop()
+
+
+@pytest.fixture(scope="module")
+def fuzz_agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """An agent of its own: fuzzing changes its state, which the shared agent must keep."""
+    from agent.service import Agent, AgentSettings
+    from agent.tiny import ensure_tiny_model
+
+    model = ensure_tiny_model(tmp_path_factory.getbasetemp() / "kvsp-tiny" / "tiny")
+    settings = AgentSettings(listen="127.0.0.1:0", model=str(model), block_tokens=16,
+                             warmup_tokens=0, scope_keys={"a": KEY_A, "b": KEY_B}, scope="a",
+                             auth=fuzz_authenticator(), max_new_tokens=4)
+    with Agent(settings) as a:
+        yield a
