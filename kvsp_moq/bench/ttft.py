@@ -8,12 +8,16 @@ agent's interpreter lock). Per fraction:
 
     recompute          a prompt with nothing cached: the whole prompt is prefilled
     load_then_compute  the cached prefix loaded over HTTP first, then the rest computed
-    pipelined          the agent's load path: layer l computes while layer l+1 arrives
+    pipelined          the agent's load path: layer l computes while layer l+1 arrives (HTTP)
+    pipelined_moqt     the same, the blocks read over MOQT through a relay (its own process)
     load_ms            loading alone (from the load_then_compute runs)
     compute_ms         computing the uncached rest alone (from the same runs)
 
-and two ratios: pipelined / max(load, compute) (target <= 1.15: the overlap hides the shorter
-of the two) and pipelined at 0.9 / recompute (target <= 0.4). A PNG timeline of one pipelined
+and the ratios pipelined / max(load, compute) (target <= 1.15: the overlap hides the shorter
+of the two), the same for pipelined_moqt, and pipelined at 0.9 / recompute (target <= 0.4).
+The holder publishes every block twice, an HTTP record and a MOQT one (through the relay), so
+both variants read the same replicas; the agent's sources are switched between runs: HTTP
+alone, or MOQT first with HTTP as the fallback ("sources" says which one served each block). A PNG timeline of one pipelined
 run (per layer: load span in blue, compute span in orange) is written and its path reported.
 The variants run in rounds, one of each per round, so that a noisy neighbour slows them alike;
 every figure is the median over the rounds, and each run has a fresh uncached suffix.
@@ -53,8 +57,9 @@ B = int(os.environ.get("KVSP_BENCH_BLOCK_TOKENS", "16"))
 # --------------------------------------------------------------------------- holder process
 
 
-def serve_holder(index_url: str) -> None:
-    """The holder process: prints {"url"} on one line, then serves until terminated."""
+def serve_holder(index_url: str, relay_url: str | None = None) -> None:
+    """The holder process: prints {"url"} on one line, then serves until terminated; with a
+    relay its blocks are published over MOQT too."""
     import uvicorn  # noqa: PLC0415
 
     from kvsp_moq.holder.app import create_app  # noqa: PLC0415
@@ -62,7 +67,8 @@ def serve_holder(index_url: str) -> None:
     from kvsp_moq.web import bind_tcp, uvicorn_config  # noqa: PLC0415
 
     logging.getLogger("kvsp").setLevel(logging.WARNING)
-    app = create_app(HolderSettings(index_url=index_url, host_bytes=4 << 30, record_ttl_ms=600_000))
+    app = create_app(HolderSettings(index_url=index_url, host_bytes=4 << 30, record_ttl_ms=600_000,
+                                    relay=relay_url))
     sock = bind_tcp("127.0.0.1", 0)
     url = f"http://127.0.0.1:{sock.getsockname()[1]}/"
     app.state.publisher.holder_url = url
@@ -70,9 +76,33 @@ def serve_holder(index_url: str) -> None:
     uvicorn.Server(uvicorn_config(app)).run(sockets=[sock])
 
 
-def _start_holder(index_url: str) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "kvsp_moq.bench.ttft", "--serve-holder", index_url],
-                            stdout=subprocess.PIPE, text=True)
+def _start_relay(cert_dir: str) -> tuple[subprocess.Popen, str]:
+    """`kvsp relay` in its own process (it forwards every layer; in the agent's process it would
+    compete with the model for the interpreter lock); returns it and its moqt:// URL."""
+    proc = subprocess.Popen([sys.executable, "-m", "relay.service", "--listen", "127.0.0.1:0",
+                             "--cache-bytes", "1G", "--cert-dir", cert_dir],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line.startswith("relay listening on "):
+        proc.kill()
+        raise RuntimeError(f"the relay process did not start: {line!r}")
+    return proc, line.removeprefix("relay listening on ").strip()
+
+
+def _stop(proc: subprocess.Popen | None) -> None:
+    if proc is None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def _start_holder(index_url: str, relay_url: str) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([sys.executable, "-m", "kvsp_moq.bench.ttft", "--serve-holder", index_url,
+                             relay_url], stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     line = proc.stdout.readline()
     if not line:
@@ -184,35 +214,53 @@ async def _clear(store: Any) -> None:
         await store.discard(entry.id)
 
 
-def run(*, quick: bool = False) -> dict[str, Any]:
-    """Entry point of `kvsp bench ttft`."""
+def run(*, quick: bool = False, model: dict[str, int] | None = None,
+        prompt_tokens: int | None = None, repeats: int | None = None) -> dict[str, Any]:
+    """Entry point of `kvsp bench ttft`; `model`, `prompt_tokens` and `repeats` override the
+    defaults so that a test can run the whole bench on a small model in seconds."""
+    from agent.loader import MoqtLayerSource  # noqa: PLC0415
     from agent.service import Agent, AgentSettings, tune_interpreter  # noqa: PLC0415
     from index.app import IndexSettings, create_app as create_index_app  # noqa: PLC0415
+    from kvsp_moq.holder.app import relay_tls  # noqa: PLC0415
+    from kvsp_moq.moqt_blocks import MoqtBlockFetcher  # noqa: PLC0415
     from kvsp_moq.web import BackgroundServer  # noqa: PLC0415
 
     logging.getLogger("kvsp").setLevel(logging.WARNING)
     tune_interpreter()
-    n = 512 if quick else 2048
-    repeats = 1 if quick else 3
+    model = dict(model or MODEL)
+    n = prompt_tokens or (512 if quick else 2048)
+    repeats = repeats or (1 if quick else 3)
     out_dir = Path(os.environ.get("KVSP_BENCH_OUT") or tempfile.gettempdir())
+    cert_dir = tempfile.TemporaryDirectory(prefix="kvsp-bench-relay-")
     index = BackgroundServer(create_index_app(IndexSettings(max_ttl_ms=3_600_000))).start()
-    holder_proc, holder_url = _start_holder(index.url)
+    relay_proc: subprocess.Popen | None = None
+    holder_proc: subprocess.Popen | None = None
     agent = None
+    fetcher = None
     try:
-        agent = Agent(AgentSettings(listen="127.0.0.1:0", model="tiny", tiny_options=MODEL,
+        relay_proc, relay_url = _start_relay(cert_dir.name)
+        holder_proc, holder_url = _start_holder(index.url, relay_url)
+        # MOQT first through the relay, HTTP as the fallback; the sources are switched per run.
+        fetcher = MoqtBlockFetcher(**relay_tls(relay_url, None, False))
+        moqt_source = MoqtLayerSource(fetcher, relay_url)
+        agent = Agent(AgentSettings(listen="127.0.0.1:0", model="tiny", tiny_options=model,
                                     index_url=index.url, block_tokens=B, warmup_tokens=128,
-                                    host_bytes=4 << 30, disk_bytes=0)).start()
+                                    host_bytes=4 << 30, disk_bytes=0,
+                                    layer_sources=[moqt_source])).start()
         ctx = agent.context
         vocab = ctx.adapter.vocab_size
         store = ctx.store
         seed = iter(range(1, 10_000))
+        over_moqt = list(ctx.engine.sources)
+        over_http = [s for s in over_moqt if s is not moqt_source]
 
         def fresh(prefix: list[int]) -> list[int]:
             return prefix + _tokens(n - len(prefix), next(seed), vocab)
 
-        def once(tokens: list[int], *, pipelined: bool = True,
+        def once(tokens: list[int], *, pipelined: bool = True, moqt: bool = False,
                  timeline: bool = False) -> dict[str, Any]:
             ctx.engine.options.pipelined = pipelined
+            ctx.engine.sources = over_moqt if moqt else over_http
             try:
                 return _generate(agent.url, tokens, timeline=timeline)
             finally:
@@ -237,21 +285,27 @@ def run(*, quick: bool = False) -> dict[str, Any]:
                                headers={"If-None-Match": "*"})
                 r.raise_for_status()
         agent.call(_clear(store))
-        for _ in range(400):  # until the holder's records are in the index
+        # Until both records of every block are in the index: the holder publishes the MOQT
+        # one only once the relay has accepted its namespace (its is_published, seen from here).
+        for _ in range(600):
             found = agent.call(ctx.index.lookup(sid, ctx.compat_id, keys[:cached_blocks]))
-            if found.matched == cached_blocks:
+            kinds = [{r.is_moqt for r in b.replicas} for b in found.blocks]
+            if found.matched == cached_blocks and len(kinds) == cached_blocks and \
+                    all(k == {True, False} for k in kinds):
                 break
             time.sleep(0.05)
         else:
-            raise RuntimeError("the holder's blocks never reached the index")
+            raise RuntimeError("the holder's HTTP and MOQT records never reached the index")
 
         # Rounds of every variant in turn, so that a noisy neighbour slows all variants alike.
         cached = [f for f in FRACTIONS if f > 0]
         prefixes = {f: base[:int(f * n) // B * B] for f in cached}
         once(fresh(prefixes[max(cached)]))  # warm-up: connections, allocator, caches
+        once(fresh(prefixes[max(cached)]), moqt=True)  # and the MOQT session to the relay
         recompute: list[dict[str, Any]] = []
         seq: dict[float, list[dict[str, Any]]] = {f: [] for f in cached}
         pipe: dict[float, list[dict[str, Any]]] = {f: [] for f in cached}
+        pipe_moqt: dict[float, list[dict[str, Any]]] = {f: [] for f in cached}
         timeline: list[dict[str, Any]] | None = None
         for _ in range(repeats):
             recompute.append(once(fresh([])))
@@ -259,6 +313,7 @@ def run(*, quick: bool = False) -> dict[str, Any]:
                 seq[f].append(once(fresh(prefixes[f]), pipelined=False))
                 pipe[f].append(once(fresh(prefixes[f]), timeline=f == max(cached) and timeline is None))
                 timeline = timeline or pipe[f][-1].get("timeline")
+                pipe_moqt[f].append(once(fresh(prefixes[f]), moqt=True))
         recompute_ms = statistics.median(r["ttft_ms"] for r in recompute)
         rows: list[dict[str, Any]] = [{
             "cached_fraction": 0.0, "cached_tokens": 0, "sources": recompute[0]["sources"],
@@ -269,6 +324,7 @@ def run(*, quick: bool = False) -> dict[str, Any]:
             load_ms = statistics.median(r["timing"].get("load_ms", 0.0) for r in seq[f])
             compute_ms = statistics.median(r["timing"]["forward_ms"] for r in seq[f])
             pipelined_ms = statistics.median(r["ttft_ms"] for r in pipe[f])
+            moqt_ms = statistics.median(r["ttft_ms"] for r in pipe_moqt[f])
             rows.append({
                 "cached_fraction": f,
                 "cached_tokens": pipe[f][0]["cached_tokens"],
@@ -281,8 +337,12 @@ def run(*, quick: bool = False) -> dict[str, Any]:
                 "loaded_mb": round(seq[f][0].get("load", {}).get("octets", 0) / 1e6, 1),
                 "pipelined_over_max_load_compute": round(pipelined_ms / max(load_ms, compute_ms), 3),
                 "pipelined_over_recompute": round(pipelined_ms / recompute_ms, 3),
+                "pipelined_moqt_ms": round(moqt_ms, 1),
+                "pipelined_moqt_sources": pipe_moqt[f][0]["sources"],
+                "pipelined_moqt_over_max_load_compute": round(moqt_ms / max(load_ms, compute_ms), 3),
                 "all_ms": {"load_then_compute": [r["ttft_ms"] for r in seq[f]],
-                           "pipelined": [r["ttft_ms"] for r in pipe[f]]},
+                           "pipelined": [r["ttft_ms"] for r in pipe[f]],
+                           "pipelined_moqt": [r["ttft_ms"] for r in pipe_moqt[f]]},
             })
         png_path = None
         if timeline:
@@ -291,13 +351,15 @@ def run(*, quick: bool = False) -> dict[str, Any]:
         return {
             "benchmark": "ttft",
             "quick": quick,
-            "model": {**MODEL, "kv_dtype": str(adapter.dtype).removeprefix("torch."),
+            "model": {**model, "kv_dtype": str(adapter.dtype).removeprefix("torch."),
                       "device": str(adapter.device)},
             "prompt_tokens": n,
             "block_tokens": B,
             "repeats": repeats,
             "torch_threads": _torch_threads(),
             "holder": "separate process, HTTP on loopback",
+            "relay": "separate process (kvsp relay), MOQT over QUIC on loopback; the holder "
+                     "publishes through it",
             "fractions": rows,
             "timeline_png": png_path,
             "timeline": timeline,
@@ -306,13 +368,16 @@ def run(*, quick: bool = False) -> dict[str, Any]:
         }
     finally:
         if agent is not None:
+            if fetcher is not None:
+                try:
+                    agent.call(fetcher.aclose())
+                except Exception:  # the agent's loop may be gone already
+                    pass
             agent.stop()
-        holder_proc.terminate()
-        try:
-            holder_proc.wait(10)
-        except subprocess.TimeoutExpired:
-            holder_proc.kill()
+        _stop(holder_proc)
+        _stop(relay_proc)
         index.stop()
+        cert_dir.cleanup()
 
 
 def _torch_threads() -> int:
@@ -323,6 +388,6 @@ def _torch_threads() -> int:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--serve-holder"]:
-        serve_holder(sys.argv[2])
+        serve_holder(sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else None)
     else:
         print(json.dumps(run(quick="--quick" in sys.argv), indent=2))
