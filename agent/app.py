@@ -57,7 +57,7 @@ from kvsp_moq.fetch.http import HttpFetcher
 from kvsp_moq.holder.app import HolderApi, relay_tls, repr_digest
 from kvsp_moq.holder.leases import LeaseLimits, LeaseTable
 from kvsp_moq.holder.publisher import Publisher
-from kvsp_moq.holder.store import BlockId, BlockStore, StoredBlock
+from kvsp_moq.holder.store import BlockId, BlockStore
 from kvsp_moq.index_client import IndexClient
 from kvsp_moq.moqt_blocks import BlockPublisher, MoqtBlockFetcher
 from kvsp_moq.protocol import validate as v
@@ -104,7 +104,9 @@ class AgentContext:
                                    relay_url=settings.relay)
         self.moqt_publisher: BlockPublisher | None = None
         self.store.withdraw = self.publisher.withdraw
-        self.store.on_change = self._stored
+        # A replica stored or moved between tiers: its records to the IS, its namespace to
+        # the relay (once `use_moqt` has connected the two).
+        self.store.on_change = self.publisher.announce
         self.holder_api = HolderApi(self.store, self.leases_table, self.publisher,
                                     max_block_bytes=settings.max_block_bytes)
         self.meters = Meters()
@@ -172,12 +174,6 @@ class AgentContext:
     def _set_state(self, state: str) -> None:
         self.engine.state = state
 
-    def _stored(self, entry: StoredBlock) -> None:
-        """A replica was stored or changed tier: its records to the IS, its namespace to the relay."""
-        self.publisher.announce(entry)
-        if self.moqt_publisher is not None:
-            self.moqt_publisher.announce(entry.id.compat_id, entry.id.scope_id)
-
     def _is_published(self, bid: BlockId) -> bool:
         """In the index and, while the relay is reachable, announced there: a client that
         reads the records can then fetch the block over either transport."""
@@ -207,8 +203,7 @@ class AgentContext:
                             self.settings.relay)
             self.moqt_publisher = BlockPublisher(self.store, self.settings.relay, self.url,
                                                  token=self.settings.token, **self.relay_tls)
-            moqt = self.moqt_publisher
-            self.publisher.moqt_ready = lambda c, s: (c.lower(), s.lower()) in moqt.announced
+            self.publisher.use_moqt(self.moqt_publisher)
             await self.moqt_publisher.start()
             log.info("publishing blocks over MOQT through %s", self.settings.relay)
         await self.publisher.start()

@@ -346,6 +346,10 @@ class BlockPublisher:
     def announced(self) -> set[tuple[str, str]]:
         return set(self._announced)
 
+    def is_announced(self, compat_id: str, scope_id: str) -> bool:
+        """Whether the relay has accepted this compat and scope's namespace (no copy made)."""
+        return (compat_id.lower(), scope_id.lower()) in self._announced
+
     def namespace(self, compat_id: str, scope_id: str) -> tuple[bytes, ...]:
         return (ROOT, bytes.fromhex(compat_id), bytes.fromhex(scope_id), self.publisher_id)
 

@@ -323,13 +323,7 @@ def create_app(settings: "HolderSettings", *, clock: Clock | None = None) -> Sta
                           record_ttl_ms=settings.record_ttl_ms, relay_url=relay)
     store.withdraw = publisher.withdraw
     moqt: list[BlockPublisher] = []  # the MOQT publisher, once started
-
-    def on_change(entry: Any) -> None:
-        publisher.announce(entry)
-        if moqt:
-            moqt[0].announce(entry.id.compat_id, entry.id.scope_id)
-
-    store.on_change = on_change
+    store.on_change = publisher.announce
     auth = settings.auth if settings.auth is not None else Authenticator.from_file(
         settings.principals)
     api = HolderApi(store, leases, publisher, max_block_bytes=settings.max_block_bytes,
@@ -351,7 +345,7 @@ def create_app(settings: "HolderSettings", *, clock: Clock | None = None) -> Sta
                                              token=settings.index_token, **tls)
             moqt.append(block_publisher)
             app.state.moqt_publisher = block_publisher
-            publisher.moqt_ready = lambda c, s: (c.lower(), s.lower()) in block_publisher.announced
+            publisher.use_moqt(block_publisher)
             await block_publisher.start()
             log.info("publishing blocks over MOQT through %s", relay)
         await publisher.start()

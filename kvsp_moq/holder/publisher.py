@@ -23,7 +23,7 @@ from typing import Callable
 from kvsp_moq.errors import KvspError
 from kvsp_moq.holder.store import BlockId, BlockStore, StoredBlock
 from kvsp_moq.index_client import IndexClient
-from kvsp_moq.moqt_blocks import moqt_record
+from kvsp_moq.moqt_blocks import BlockPublisher, moqt_record
 from kvsp_moq.protocol.container import format_digest
 from kvsp_moq.protocol.records import ReplicaRecord
 
@@ -70,6 +70,7 @@ class Publisher:
         #: (compat_id, scope_id) -> whether the relay has accepted that namespace; None: always
         self.moqt_ready: Callable[[str, str], bool] | None = None
         self._moqt_waiting: set[BlockId] = set()  # HTTP record put, MOQT one held back
+        self._moqt: BlockPublisher | None = None
 
     @property
     def holder_url(self) -> str:
@@ -127,8 +128,16 @@ class Publisher:
 
     # ---------------------------------------------------------------- store callbacks
 
+    def use_moqt(self, block_publisher: "BlockPublisher") -> None:
+        """Publish through this relay session too: each replica announced here has its
+        namespace announced to the relay, and its MOQT record waits until the relay accepts it."""
+        self._moqt = block_publisher
+        self.moqt_ready = block_publisher.is_announced
+
     def announce(self, entry: StoredBlock) -> None:
         """Publish (or republish, after a tier change) this replica soon."""
+        if self._moqt is not None:
+            self._moqt.announce(entry.id.compat_id, entry.id.scope_id)
         if self.index is None:
             return
         self._seq += 1

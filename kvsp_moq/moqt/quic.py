@@ -2214,23 +2214,7 @@ class MoqtConnection(QuicConnectionProtocol):
             pass
 
     async def _run_update_handler(self, handler: Callable[[IncomingUpdate], Any], update: IncomingUpdate) -> None:
-        try:
-            result = handler(update)
-            if inspect.isawaitable(result):
-                await result
-        except RequestError as exc:
-            update.reject(exc)
-        except (SessionClosed, StreamClosed):
-            pass
-        except asyncio.CancelledError:
-            update.reject(InternalRequestError("update handler cancelled"))
-            raise
-        except Exception:
-            logger.exception("update handler failed")
-            update.reject(InternalRequestError("update handler failed"))
-        else:
-            if not update.answered:
-                self._default_update(update)
+        await self._handle(handler, update, "update handler", lambda: self._default_update(update))
 
     def _dispatch_request(self, event: Any) -> None:
         kind, cls = _INCOMING[type(event)]
@@ -2252,7 +2236,10 @@ class MoqtConnection(QuicConnectionProtocol):
             if not request.answered:
                 self._held_updates.pop(request.request_id, None)
 
-    async def _handle(self, handler: Handler, request: IncomingRequest) -> None:
+    async def _handle(self, handler: Callable[[Any], Any], request: "IncomingRequest | IncomingUpdate",
+                      what: str = "handler", unanswered: Callable[[], None] | None = None) -> None:
+        """Run an application handler; whatever it leaves unanswered gets an answer here
+        (`unanswered`, or a refusal), and its failures become refusals, never a hung request."""
         try:
             result = handler(request)
             if inspect.isawaitable(result):
@@ -2262,14 +2249,17 @@ class MoqtConnection(QuicConnectionProtocol):
         except (SessionClosed, StreamClosed):
             pass
         except asyncio.CancelledError:
-            request.reject(InternalRequestError("handler cancelled"))
+            request.reject(InternalRequestError(f"{what} cancelled"))
             raise
         except Exception:
-            logger.exception("request handler failed")
-            request.reject(InternalRequestError("handler failed"))
+            logger.exception("%s failed", what)
+            request.reject(InternalRequestError(f"{what} failed"))
         else:
             if not request.answered:
-                request.reject(InternalRequestError("request not answered"))
+                if unanswered is not None:
+                    unanswered()
+                else:
+                    request.reject(InternalRequestError("request not answered"))
 
     def _fail_all(self, error: MoqtError) -> None:
         if self._error is not None:

@@ -38,11 +38,9 @@ from typing import Any, Callable, Iterator
 
 import httpx
 import pytest
-import torch
 
 from agent.model import ModelAdapter, Sampler
 from agent.service import OPEN_SCOPE, OPEN_SCOPE_KEY, Agent, AgentSettings
-from agent.tiny import ensure_tiny_model
 from index.app import IndexSettings, create_app as create_index_app
 from index.lifecycle import LifecycleSettings
 from index.pc_app import PCSettings, create_pc_app
@@ -50,6 +48,7 @@ from index.placement import ScopeKeys
 from kvsp_moq.frontend import FrontEnd, Token
 from kvsp_moq.holder.service import Holder, HolderSettings
 from kvsp_moq.web import BackgroundServer
+from tests.agent.conftest import model_dir, tokens  # noqa: F401 (model_dir: a fixture)
 
 B = 16
 PROMPT = 72  # 4 complete blocks and a tail of 8
@@ -61,16 +60,6 @@ SAMPLERS = {
               Sampler(temperature=1.0, top_p=0.9, seed=7)),
 }
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def tokens(n: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 4096, (n,), generator=g).tolist()
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return ensure_tiny_model(tmp_path_factory.getbasetemp() / "kvsp-tiny" / "tiny")
 
 
 class AgentProcess:
