@@ -167,11 +167,12 @@ def test_prefetch_loads_over_moqt_then_falls_back_to_http(model_dir: Path, index
         for key in keys:  # verified and stored whole: the same octets as at the source
             assert stored(b, compat, key) == stored(a, compat, key)
 
-        # The relay goes away; A's records still name MOQT replicas, HTTP takes over.
-        relay.stop()
+        # The relay goes away while A's records still name MOQT replicas; HTTP takes over.
+        # (The records go in first: with its relay gone, A holds back MOQT records of new blocks.)
         more = generate(a, tokens(PROMPT, 63), 1)
         eventually(lambda: all(len(r) == 2 for r in records(index_url, compat, more)),
                    "A's records of the second prompt")
+        relay.stop()
         started = time.monotonic()
         done = prefetch(b, directive(b, more, [a.url]))
         assert done["state"] == "complete", done
