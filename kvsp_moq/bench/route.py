@@ -138,9 +138,11 @@ async def _run(quick: bool) -> dict[str, Any]:
             await router.route(router.parse(body))
         token_rates.append(m / (time.perf_counter() - t))
 
-    # Baseline: the same ranking without grouping.
+    # Baseline: the same ranking without grouping. Every route counts in its instance's queue
+    # until that instance reports, so the decision compared is taken on the same registry state.
     result = await w["index"].lookup(LookupRequest(w["sid"], w["compat"], tuple(w["keys"])))
     statuses = w["registry"].active()
+    decision = await router.route(request)
     base_n = 2 if quick else 5
     t = time.perf_counter()
     for _ in range(base_n):

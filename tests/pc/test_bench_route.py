@@ -1,0 +1,15 @@
+"""The routing benchmark, in its quick form: it runs, and its ranking agrees with the
+baseline that costs every block separately on the same registry state."""
+
+from __future__ import annotations
+
+from kvsp_moq.bench import route
+
+
+def test_route_benchmark_agrees_with_its_baseline() -> None:
+    result = route.run(quick=True)
+    assert result["instances"] == 64 and result["keys_per_prompt"] == 2048
+    assert result["matched"] == 2048
+    assert result["routes_per_s"] > 0 and result["baseline_ungrouped_routes_per_s"] > 0
+    assert 0 < result["lookup_share"] < 1
+    assert result["same_choice_as_baseline"] is True
