@@ -65,7 +65,7 @@ async def test_session_resumed_on_another_agent_after_failure(
     pc_app = create_pc_app(pc_settings, keys=ScopeKeys({OPEN_SCOPE: OPEN_SCOPE_KEY}))
     with BackgroundServer(pc_app) as pc, \
             Holder(HolderSettings(listen="127.0.0.1:0", index_url=index_url)) as holder:
-        common = dict(index_url=index_url, pc_url=pc.url, status_ttl_ms=600, replicate_to=[holder.url])
+        common = dict(index_url=index_url, pc_url=pc.url, status_ttl_ms=1500, replicate_to=[holder.url])
         a = Agent(settings(model_dir, token_interval_s=0.03, **common)).start()
         b = Agent(settings(model_dir, **common)).start()
         try:
