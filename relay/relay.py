@@ -59,6 +59,7 @@ from kvsp_moq.moqt.errors import (
     RequestError,
     RequestTimeout,
     SessionClosed,
+    SessionCloseCode,
     StreamClosed,
     StreamResetCode,
     Uninterested,
@@ -146,6 +147,12 @@ class RelaySettings:
     #: reconnect backoff towards the upstream relay
     upstream_retry_initial: float = 0.2
     upstream_retry_max: float = 5.0
+    #: seconds between PINGs to every session (0: none). A peer that vanished without closing
+    #: (killed, its machine lost) would otherwise keep its announcements and subscriptions
+    #: until QUIC's idle timeout; one that leaves a PING unanswered for `probe_timeout` is
+    #: closed, which withdraws its namespaces and ends its tracks' subscriptions.
+    probe_interval: float = 2.0
+    probe_timeout: float = 6.0
 
 
 @dataclass
@@ -186,6 +193,8 @@ class RelayStats:
     upstream_namespace_subscribes: int = 0
     #: MOQT sessions clients opened
     sessions_accepted: int = 0
+    #: sessions closed because a PING went unanswered
+    peers_unresponsive: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -695,6 +704,8 @@ class Relay:
         if s.upstream:
             self._upstream_ready = asyncio.Event()
             self._upstream_task = self._spawn(self._upstream_loop(), name="relay-upstream")
+        if s.probe_interval > 0:
+            self._spawn(self._probe_loop(), name="relay-probe")
         log.info("relay at %s (cache %d octets%s)%s", self.url, s.cache_bytes,
                  f", upstream {s.upstream}" if s.upstream else "",
                  "; no principals: open to every client" if self.policy.is_open else "")
@@ -806,6 +817,33 @@ class Relay:
         self._peers.append(peer)
         for kind, handler in self._handlers(peer).items():
             connection.set_handler(kind, handler)
+
+    async def _probe_loop(self) -> None:
+        """PING every session now and then; close those that no longer answer."""
+        probing: set[_Peer] = set()
+        while True:
+            await asyncio.sleep(self.settings.probe_interval)
+            peers = [p for p in self._peers if p.alive]
+            if self._upstream_peer is not None and self._upstream_peer.alive:
+                peers.append(self._upstream_peer)
+            for peer in peers:
+                if peer not in probing:
+                    probing.add(peer)
+                    self._spawn(self._probe(peer, probing), name="relay-probe-peer")
+
+    async def _probe(self, peer: _Peer, probing: set[_Peer]) -> None:
+        timeout = self.settings.probe_timeout
+        try:
+            await asyncio.wait_for(peer.connection.ping(), timeout)
+        except asyncio.TimeoutError:
+            if peer.alive:
+                self.stats.peers_unresponsive += 1
+                log.info("%s left a PING unanswered for %.1fs; closing its session", peer, timeout)
+                peer.connection.close(SessionCloseCode.NO_ERROR, "no answer to a PING")
+        except ConnectionError:
+            pass  # the session ended meanwhile
+        finally:
+            probing.discard(peer)
 
     def _route(self, namespace: tuple[bytes, ...], requester: _Peer) -> _Peer | None:
         """The session to ask for a track: the longest announced prefix, else upstream."""

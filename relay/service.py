@@ -88,6 +88,15 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                    help="objects queued for one subscriber before it is dropped as too slow (default 32M)")
     p.add_argument("--max-rendezvous-ms", type=int, default=30_000, metavar="MS",
                    help="longest RENDEZVOUS_TIMEOUT honoured (default %(default)s)")
+    p.add_argument("--probe-interval", type=float, default=2.0, metavar="SECONDS",
+                   help="PING every session this often and close one that leaves a PING unanswered "
+                        "for --probe-timeout, withdrawing its announcements (0: never; default "
+                        "%(default)s); without it a vanished peer lingers until QUIC's idle timeout (30 s)")
+    p.add_argument("--probe-timeout", type=float, default=6.0, metavar="SECONDS",
+                   help="how long a PING may go unanswered (default %(default)s)")
+    p.add_argument("--no-draft14", action="store_true",
+                   help="accept only draft-18 sessions (ALPN moqt-18); by default draft-14 clients "
+                        "(ALPN moq-00) are served too")
     p.add_argument("--metrics", type=parse_listen, default=None, metavar="HOST:PORT",
                    help="serve GET /metrics (Prometheus text) and GET /healthz over HTTP on this "
                         "TCP address (default: no metrics server)")
@@ -103,7 +112,12 @@ def settings_from_args(args: argparse.Namespace) -> tuple[RelaySettings, list[st
         upstream_token=args.upstream_token, upstream_verify=not args.upstream_insecure,
         upstream_cafile=args.upstream_ca, authenticator=Authenticator.from_file(args.principals),
         subscriber_queue_bytes=args.subscriber_queue_bytes, max_rendezvous_ms=args.max_rendezvous_ms,
+        probe_interval=args.probe_interval, probe_timeout=args.probe_timeout,
     )
+    if args.probe_interval < 0 or args.probe_timeout <= 0:
+        raise SystemExit("kvsp relay: --probe-interval must be 0 or more and --probe-timeout more than 0")
+    if args.no_draft14:
+        settings.quic.draft14_fallback = False
     if args.cert:
         if not args.key:
             raise SystemExit("kvsp relay: --cert needs --key")
