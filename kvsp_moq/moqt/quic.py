@@ -159,6 +159,8 @@ __all__ = [
     "IncomingSubscribeNamespace",
     "IncomingPublish",
     "IncomingSubscribeTracks",
+    "PublishBlocked",
+    "TrackSubscriptions",
     "IncomingUpdate",
     "NamespaceRegistration",
     "NamespacePublisher",
@@ -1125,6 +1127,40 @@ class NamespaceSubscription:
         self._items.put_nowait(error if error is not None else _END)
 
 
+@dataclass(frozen=True)
+class PublishBlocked:
+    """PUBLISH_BLOCKED: the peer will not PUBLISH this track to our SUBSCRIBE_TRACKS."""
+
+    namespace: TrackNamespace
+    track_name: bytes
+
+
+class TrackSubscriptions(NamespaceSubscription):
+    """Our SUBSCRIBE_TRACKS: iterate it for the peer's PUBLISHes of tracks under the prefix
+    (IncomingPublish: `accept()` returns the Subscription to read, or `reject()`) and for
+    PublishBlocked notices. The PUBLISHes it covers come here, not to the "publish" handler;
+    `cancel()` refuses those still queued."""
+
+    def __aiter__(self) -> AsyncIterator["IncomingPublish | PublishBlocked"]:  # type: ignore[override]
+        return self
+
+    async def __anext__(self) -> "IncomingPublish | PublishBlocked":  # type: ignore[override]
+        return await super().__anext__()  # type: ignore[return-value]
+
+    def covers(self, namespace: TrackNamespace) -> bool:
+        return tuple(namespace[:len(self.prefix)]) == tuple(self.prefix)
+
+    async def cancel(self) -> None:
+        while not self._items.empty():
+            item = self._items.get_nowait()
+            if isinstance(item, IncomingPublish) and not item.answered:
+                try:
+                    item.reject(Uninterested("SUBSCRIBE_TRACKS cancelled"))
+                except (SessionClosed, StreamClosed):
+                    pass
+        await super().cancel()
+
+
 class PublishedNamespace:
     """Our accepted PUBLISH_NAMESPACE; `withdraw()` cancels it."""
 
@@ -1489,7 +1525,7 @@ class NamespaceRegistration:
 
 
 class NamespacePublisher:
-    """The answer side of a peer's accepted SUBSCRIBE_NAMESPACE."""
+    """The answer side of a peer's accepted SUBSCRIBE_NAMESPACE or SUBSCRIBE_TRACKS."""
 
     def __init__(self, connection: "MoqtConnection", request_id: int, prefix: TrackNamespace):
         self.connection = connection
@@ -1504,6 +1540,13 @@ class NamespacePublisher:
 
     def withdraw(self, namespace: TrackNamespace) -> None:
         self.connection._live_session().namespace_done(self.request_id, self._suffix(namespace))
+        self.connection._transmit_soon()
+
+    def publish_blocked(self, namespace: TrackNamespace, track_name: bytes | str) -> None:
+        """PUBLISH_BLOCKED (SUBSCRIBE_TRACKS): this track will not be PUBLISHed here; the
+        subscriber may SUBSCRIBE to it instead."""
+        name = track_name.encode() if isinstance(track_name, str) else bytes(track_name)
+        self.connection._live_session().publish_blocked(self.request_id, self._suffix(namespace), name)
         self.connection._transmit_soon()
 
     def _suffix(self, namespace: TrackNamespace) -> TrackNamespace:
@@ -2077,6 +2120,10 @@ class MoqtConnection(QuicConnectionProtocol):
                 subscription._publish_done(event)  # type: ignore[arg-type]
         elif kind is ev.RequestCancelled:
             self._on_cancelled(event)  # type: ignore[arg-type]
+        elif kind is ev.PublishBlockedReceived:
+            subscription = self._namespace_subscriptions.get(event.request_id)  # type: ignore[attr-defined]
+            if subscription is not None:
+                subscription._items.put_nowait(PublishBlocked(event.namespace, event.track_name))  # type: ignore[attr-defined]
         elif kind in (ev.NamespaceReceived, ev.NamespaceDoneReceived):
             subscription = self._namespace_subscriptions.get(event.request_id)  # type: ignore[attr-defined]
             if subscription is not None:
@@ -2219,6 +2266,12 @@ class MoqtConnection(QuicConnectionProtocol):
     def _dispatch_request(self, event: Any) -> None:
         kind, cls = _INCOMING[type(event)]
         request = cls(self, event)
+        if kind == "publish":
+            for subscription in self._namespace_subscriptions.values():
+                if isinstance(subscription, TrackSubscriptions) and not subscription._finished \
+                        and subscription.covers(event.namespace):
+                    subscription._items.put_nowait(request)
+                    return
         handler = self._handlers.get(kind)
         if handler is None:
             request.reject(request.default_error(f"no {kind} handler"))
@@ -2560,6 +2613,24 @@ class MoqtConnection(QuicConnectionProtocol):
         parameters = Parameters(authorization_tokens=_token_parameters(authorization))
         request_id = session.subscribe_namespace(prefix, parameters)
         subscription = NamespaceSubscription(self, request_id, prefix)
+        self._namespace_subscriptions[request_id] = subscription
+        try:
+            await self._await_answer(request_id, self._begin(request_id), timeout)
+        except BaseException:
+            self._namespace_subscriptions.pop(request_id, None)
+            raise
+        return subscription
+
+    async def subscribe_tracks(
+        self, prefix: TrackNamespace | Iterable[bytes | str], *, authorization: Any = None, timeout: float | None = None
+    ) -> TrackSubscriptions:
+        """SUBSCRIBE_TRACKS and wait for REQUEST_OK: the peer PUBLISHes every track under
+        `prefix`, those it has and those that come later (draft-18 only)."""
+        session = self._live_session()
+        prefix = namespace_of(prefix)
+        parameters = Parameters(authorization_tokens=_token_parameters(authorization))
+        request_id = session.subscribe_tracks(prefix, parameters)
+        subscription = TrackSubscriptions(self, request_id, prefix)
         self._namespace_subscriptions[request_id] = subscription
         try:
             await self._await_answer(request_id, self._begin(request_id), timeout)

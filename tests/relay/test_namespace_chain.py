@@ -91,11 +91,8 @@ async def test_upstream_namespace_subscription_ends_with_its_last_watcher():
             await watcher.aclose()
 
 
-async def subscribe_tracks(connection, prefix) -> None:
-    """SUBSCRIBE_TRACKS, answered (the asyncio API has no call for it)."""
-    request_id = connection.session.subscribe_tracks(prefix)
-    connection.transmit()
-    await connection._await_answer(request_id, connection._begin(request_id), STEP)
+async def subscribe_tracks(connection, prefix):
+    return await asyncio.wait_for(connection.subscribe_tracks(prefix), STEP)
 
 
 async def test_overlapping_namespace_prefixes_in_one_session_are_refused():
