@@ -30,8 +30,12 @@ def test_the_bench_reports_http_and_moqt_loads(tmp_path: Path, monkeypatch: pyte
         assert row["cached_tokens"] == blocks * ttft.B
         for k in ("recompute_ms", "load_then_compute_ms", "pipelined_ms", "pipelined_moqt_ms",
                   "load_ms", "compute_ms", "pipelined_over_max_load_compute",
-                  "pipelined_moqt_over_max_load_compute"):
+                  "pipelined_moqt_over_max_load_compute", "pipelined_over_fixed_plus_max",
+                  "pipelined_moqt_over_fixed_plus_max"):
             assert row[k] > 0, (k, row)
+        assert 0 <= row["fixed_ms"] < row["load_then_compute_ms"]
+        assert row["pipelined_over_fixed_plus_max"] < row["pipelined_over_max_load_compute"] or \
+            row["fixed_ms"] == 0
         assert row["sources"]["http"] == blocks and row["sources"]["moqt"] == 0, row["sources"]
         moqt = row["pipelined_moqt_sources"]
         assert moqt["moqt"] == blocks and moqt["http"] == 0, moqt
