@@ -2,7 +2,8 @@
 
 Draft-14 is the fallback for peers that do not speak draft-18. It differs from
 draft-18 in ways that reach every byte, so it has a codec of its own rather than a
-flag in `messages.py` / `data.py`:
+flag in `messages.py` / `data.py` (it reuses their helpers and types where the two
+wire formats agree: framing, reason phrases, locations, GOAWAY URIs, setup values):
 
 * every variable-length integer is an RFC 9000 varint (at most 2^62-1), not a vi64;
 * all control messages share the one bidirectional control stream, so most of them
@@ -79,14 +80,21 @@ from . import data as data18
 from . import messages as m18
 from .errors import (
     BufferReadError,
-    MalformedAuthority,
-    MalformedPath,
     ObjectTooLarge,
     ProtocolViolation,
     RequestErrorCode,
 )
 from .errors import PublishDoneCode as PublishDoneCode18
-from .messages import AuthToken, FetchType, FilterType, GroupOrder, Location, SubscriptionFilter
+from .messages import (
+    AuthToken,
+    FetchType,
+    FilterType,
+    GroupOrder,
+    Location,
+    SubscriptionFilter,
+    _pull_location,
+    _pull_reason,
+)
 from .varint import QUIC_VARINT, QUIC_VARINT_MAX, VI64, Buffer, encode_quic_varint
 
 __all__ = [
@@ -382,12 +390,8 @@ class ObjectStatus(IntEnum):
 _STATUSES = frozenset(int(s) for s in ObjectStatus)
 
 
-class SubgroupIdMode(IntEnum):
-    """How a SUBGROUP_HEADER carries the Subgroup ID (type bits 1-2)."""
-
-    ZERO = 0
-    FIRST_OBJECT = 1
-    EXPLICIT = 2
+#: How a SUBGROUP_HEADER carries the Subgroup ID (type bits 1-2): as in draft-18.
+SubgroupIdMode = data18.SubgroupIdMode
 
 
 # ---------------------------------------------------------------------------
@@ -428,13 +432,6 @@ def _put_full_track_name(w: m18.Writer, namespace: TrackNamespace, name: bytes) 
     w.length_prefixed(name)
 
 
-def _put_reason(w: m18.Writer, reason: str) -> None:
-    encoded = reason.encode("utf-8")
-    if len(encoded) > MAX_REASON_PHRASE:
-        raise ValueError(f"reason phrase of {len(encoded)} bytes (max {MAX_REASON_PHRASE})")
-    w.length_prefixed(encoded)
-
-
 def _pull_namespace(buf: Buffer, budget: int = MAX_FULL_TRACK_NAME) -> TrackNamespace:
     count = buf.pull_varint()
     if not 1 <= count <= MAX_NAMESPACE_FIELDS:
@@ -451,23 +448,7 @@ def _pull_namespace(buf: Buffer, budget: int = MAX_FULL_TRACK_NAME) -> TrackName
 
 
 def _pull_full_track_name(buf: Buffer) -> tuple[TrackNamespace, bytes]:
-    namespace = _pull_namespace(buf)
-    length = buf.pull_varint()
-    if sum(len(p) for p in namespace) + length > MAX_FULL_TRACK_NAME:
-        raise ProtocolViolation(f"full track name over {MAX_FULL_TRACK_NAME} bytes")
-    return namespace, buf.pull_bytes(length)
-
-
-def _pull_reason(buf: Buffer) -> str:
-    length = buf.pull_varint()
-    if length > MAX_REASON_PHRASE:
-        raise ProtocolViolation(f"reason phrase of {length} bytes (max {MAX_REASON_PHRASE})")
-    return buf.pull_bytes(length).decode("utf-8", errors="replace")
-
-
-def _pull_location(buf: Buffer) -> Location:
-    group = buf.pull_varint()
-    return Location(group, buf.pull_varint())
+    return m18._pull_full_track_name(buf, _pull_namespace)
 
 
 def _pull_flag(buf: Buffer, what: str) -> bool:
@@ -599,13 +580,6 @@ def _encode_token(token: AuthToken) -> bytes:
 _SETUP_KNOWN = frozenset(int(t) for t in SetupParameterType)
 
 
-def _text(value: bytes, error: type[Exception], what: str) -> str:
-    try:
-        return value.decode("utf-8")
-    except UnicodeDecodeError:
-        raise error(f"{what} is not UTF-8") from None
-
-
 @dataclass(frozen=True, slots=True)
 class SetupParameters:
     """Setup Parameters of CLIENT_SETUP / SERVER_SETUP; None means absent.
@@ -672,13 +646,7 @@ class SetupParameters:
                 continue
             if name in values:
                 raise ProtocolViolation(f"setup parameter 0x{ktype:x} repeated")
-            if name == "path":
-                value = _text(value, MalformedPath, "PATH")  # type: ignore[arg-type]
-            elif name == "authority":
-                value = _text(value, MalformedAuthority, "AUTHORITY")  # type: ignore[arg-type]
-            elif name == "implementation":
-                value = value.decode("utf-8", errors="replace")  # type: ignore[union-attr]
-            values[name] = value
+            values[name] = m18._setup_value(name, value)  # type: ignore[arg-type]
         return cls(authorization_tokens=tuple(tokens), unknown=tuple(unknown), **values)
 
 
@@ -753,36 +721,109 @@ _NO_SETUP_PARAMETERS = SetupParameters()
 # Control messages
 # ---------------------------------------------------------------------------
 
+# A field codec: (put, pull) of one field, or of adjacent fields read together.
+# Both get the message class, whose SCOPE and NAME a Parameters field needs.
+_Codec = tuple[Callable[[m18.Writer, Any, type], None], Callable[[Buffer, type], Any]]
+
+
+def _put_priority(w: m18.Writer, value: int, cls: type) -> None:
+    _check_uint8(value, "subscriber priority")
+    w.uint8(value)
+
+
+def _put_checked_namespace(w: m18.Writer, namespace: TrackNamespace, cls: type) -> None:
+    _check_namespace(namespace)
+    _put_namespace(w, namespace)
+
+
+def _put_version(w: m18.Writer, version: int, cls: type) -> None:
+    if not 0 <= version <= _U32_MAX:
+        raise ValueError(f"version {version:#x} is not 32-bit")
+    w.varint(version)
+
+
+def _flag(what: str) -> _Codec:
+    """A 0 / 1 byte; another value is a ProtocolViolation naming `what`."""
+    return (lambda w, v, c: w.uint8(1 if v else 0), lambda b, c: _pull_flag(b, what))
+
+
+def _group_order_codec(allow_default: bool) -> _Codec:
+    return (
+        lambda w, v, c: _put_group_order(w, v, allow_default=allow_default),
+        lambda b, c: _pull_group_order(b, allow_default=allow_default),
+    )
+
+
+_VARINT: _Codec = (lambda w, v, c: w.varint(v), lambda b, c: b.pull_varint())
+_PRIORITY: _Codec = (_put_priority, lambda b, c: b.pull_uint8())
+_NAMESPACE: _Codec = (_put_checked_namespace, lambda b, c: _pull_namespace(b))
+_FULL_TRACK_NAME: _Codec = (lambda w, v, c: _put_full_track_name(w, *v), lambda b, c: _pull_full_track_name(b))
+_REASON: _Codec = (lambda w, v, c: w.reason(v), lambda b, c: _pull_reason(b))
+_LOCATION: _Codec = (lambda w, v, c: w.location(v), lambda b, c: _pull_location(b))
+_LARGEST: _Codec = (lambda w, v, c: _put_largest(w, v), lambda b, c: _pull_largest(b))
+_FILTER: _Codec = (lambda w, v, c: _put_filter(w, v), lambda b, c: _pull_filter(b))
+_FORWARD = _flag("Forward")
+_GROUP_ORDER = _group_order_codec(allow_default=False)
+_GROUP_ORDER_OR_DEFAULT = _group_order_codec(allow_default=True)
+_PARAMETERS: _Codec = (
+    lambda w, v, c: v.encode(w, c.SCOPE, c.NAME),
+    lambda b, c: Parameters.decode(b, c.SCOPE, c.NAME),
+)
+_SETUP: _Codec = (lambda w, v, c: v.encode(w), lambda b, c: SetupParameters.decode(b))
+_VERSION: _Codec = (_put_version, lambda b, c: _pull_version(b))
+_GOAWAY_URI: _Codec = (lambda w, v, c: m18._put_goaway_uri(w, v), lambda b, c: m18._pull_goaway_uri(b))
+_TRACK = ("namespace", "track_name")
+
 
 class Message:
-    """Base of the draft-14 control messages; subclasses are frozen dataclasses."""
+    """Base of the draft-14 control messages; subclasses are frozen dataclasses.
+
+    Most messages are a fixed sequence of fields: FIELDS lists them in wire order
+    as (attribute name, or names read together, codec), and encoding and decoding
+    follow it. A message whose layout depends on its values has its own
+    `_encode` / `_decode`.
+    """
 
     __slots__ = ()
-    NAME: ClassVar[str] = ""
+    NAME: ClassVar[str] = ""  # the MessageType name of TYPE
     TYPE: ClassVar[int] = -1
+    FIELDS: ClassVar[tuple[tuple[str | tuple[str, ...], _Codec], ...]] = ()
+    SCOPE: ClassVar[frozenset[int]] = _SCOPE_NONE  # parameters it may carry
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "TYPE" in cls.__dict__:
+            cls.NAME = MessageType(cls.TYPE).name
 
     def encode(self) -> bytes:
         """The framed message: Type (varint), Length (16), payload."""
         w = _writer()
         self._encode(w)
-        payload = w.data
-        if len(payload) > MAX_MESSAGE_LENGTH:
-            raise ValueError(f"{self.NAME} payload of {len(payload)} bytes (max {MAX_MESSAGE_LENGTH})")
-        return b"".join((encode_quic_varint(self.TYPE), len(payload).to_bytes(2, "big"), payload))
+        return m18.frame_message(QUIC_VARINT, self.TYPE, self.NAME, w.data)
 
     def _encode(self, w: m18.Writer) -> None:
-        raise NotImplementedError
+        for names, (put, _) in self.FIELDS:
+            if isinstance(names, str):
+                put(w, getattr(self, names), type(self))
+            else:
+                put(w, tuple(getattr(self, name) for name in names), type(self))
 
     @classmethod
     def _decode(cls, buf: Buffer) -> "Message":
-        raise NotImplementedError
+        values: dict[str, Any] = {}
+        for names, (_, pull) in cls.FIELDS:
+            value = pull(buf, cls)
+            if isinstance(names, str):
+                values[names] = value
+            else:
+                values.update(zip(names, value))
+        return cls(**values)
 
 
 @dataclass(frozen=True, slots=True)
 class ClientSetup(Message):
     """CLIENT_SETUP (0x20): the versions the client offers, most preferred first."""
 
-    NAME: ClassVar[str] = "CLIENT_SETUP"
     TYPE: ClassVar[int] = MessageType.CLIENT_SETUP
     versions: tuple[int, ...] = (VERSION,)
     parameters: SetupParameters = _NO_SETUP_PARAMETERS
@@ -792,9 +833,7 @@ class ClientSetup(Message):
             raise ValueError("CLIENT_SETUP offers no version")
         w.varint(len(self.versions))
         for version in self.versions:
-            if not 0 <= version <= _U32_MAX:
-                raise ValueError(f"version {version:#x} is not 32-bit")
-            w.varint(version)
+            _put_version(w, version, ClientSetup)
         self.parameters.encode(w)
 
     @classmethod
@@ -817,75 +856,43 @@ def _pull_version(buf: Buffer) -> int:
 class ServerSetup(Message):
     """SERVER_SETUP (0x21): the version the server chose among the client's."""
 
-    NAME: ClassVar[str] = "SERVER_SETUP"
     TYPE: ClassVar[int] = MessageType.SERVER_SETUP
+    FIELDS = (("selected_version", _VERSION), ("parameters", _SETUP))
     selected_version: int = VERSION
     parameters: SetupParameters = _NO_SETUP_PARAMETERS
-
-    def _encode(self, w: m18.Writer) -> None:
-        if not 0 <= self.selected_version <= _U32_MAX:
-            raise ValueError(f"version {self.selected_version:#x} is not 32-bit")
-        w.varint(self.selected_version)
-        self.parameters.encode(w)
-
-    @classmethod
-    def _decode(cls, buf: Buffer) -> "ServerSetup":
-        version = _pull_version(buf)
-        return cls(version, SetupParameters.decode(buf))
 
 
 @dataclass(frozen=True, slots=True)
 class Goaway(Message):
     """GOAWAY (0x10): the sender will close the session; an empty URI reuses the current one."""
 
-    NAME: ClassVar[str] = "GOAWAY"
     TYPE: ClassVar[int] = MessageType.GOAWAY
+    FIELDS = (("new_session_uri", _GOAWAY_URI),)
     new_session_uri: str = ""
-
-    def _encode(self, w: m18.Writer) -> None:
-        uri = self.new_session_uri.encode("utf-8")
-        if len(uri) > MAX_GOAWAY_URI:
-            raise ValueError(f"GOAWAY URI over {MAX_GOAWAY_URI} bytes")
-        w.length_prefixed(uri)
-
-    @classmethod
-    def _decode(cls, buf: Buffer) -> "Goaway":
-        length = buf.pull_varint()
-        if length > MAX_GOAWAY_URI:
-            raise ProtocolViolation(f"GOAWAY URI of {length} bytes (max {MAX_GOAWAY_URI})")
-        return cls(buf.pull_bytes(length).decode("utf-8", errors="replace"))
 
 
 @dataclass(frozen=True, slots=True)
-class MaxRequestId(Message):
-    """MAX_REQUEST_ID (0x15): `request_id` is the new maximum plus one."""
+class _RequestIdOnly(Message):
+    """The shape of the messages that carry only a Request ID."""
 
-    NAME: ClassVar[str] = "MAX_REQUEST_ID"
-    TYPE: ClassVar[int] = MessageType.MAX_REQUEST_ID
+    FIELDS = (("request_id", _VARINT),)
     request_id: int
 
-    def _encode(self, w: m18.Writer) -> None:
-        w.varint(self.request_id)
 
-    @classmethod
-    def _decode(cls, buf: Buffer) -> "MaxRequestId":
-        return cls(buf.pull_varint())
+@dataclass(frozen=True, slots=True)
+class MaxRequestId(_RequestIdOnly):
+    """MAX_REQUEST_ID (0x15): `request_id` is the new maximum plus one."""
+
+    TYPE: ClassVar[int] = MessageType.MAX_REQUEST_ID
 
 
 @dataclass(frozen=True, slots=True)
 class RequestsBlocked(Message):
     """REQUESTS_BLOCKED (0x1A): the sender is blocked at this Maximum Request ID."""
 
-    NAME: ClassVar[str] = "REQUESTS_BLOCKED"
     TYPE: ClassVar[int] = MessageType.REQUESTS_BLOCKED
+    FIELDS = (("maximum_request_id", _VARINT),)
     maximum_request_id: int
-
-    def _encode(self, w: m18.Writer) -> None:
-        w.varint(self.maximum_request_id)
-
-    @classmethod
-    def _decode(cls, buf: Buffer) -> "RequestsBlocked":
-        return cls(buf.pull_varint())
 
 
 # Draft-14 error codes of SUBSCRIBE_ERROR / FETCH_ERROR / ... and their draft-18
@@ -918,20 +925,10 @@ class _RequestError(Message):
     """Request ID, Error Code, Reason Phrase: the shape of every *_ERROR message."""
 
     FAMILY: ClassVar[str] = ""
+    FIELDS = (("request_id", _VARINT), ("error_code", _VARINT), ("reason", _REASON))
     request_id: int
     error_code: int
     reason: str = ""
-
-    def _encode(self, w: m18.Writer) -> None:
-        w.varint(self.request_id)
-        w.varint(self.error_code)
-        _put_reason(w, self.reason)
-
-    @classmethod
-    def _decode(cls, buf: Buffer) -> "_RequestError":
-        request_id = buf.pull_varint()
-        code = buf.pull_varint()
-        return cls(request_id, code, _pull_reason(buf))
 
     def to_draft18(self) -> m18.RequestErrorMessage:
         """The draft-18 REQUEST_ERROR; a code without a counterpart is INTERNAL_ERROR."""
@@ -950,9 +947,17 @@ class _RequestError(Message):
 class Subscribe(Message):
     """SUBSCRIBE (0x3). `group_order` None is 0: the original publisher's order."""
 
-    NAME: ClassVar[str] = "SUBSCRIBE"
     TYPE: ClassVar[int] = MessageType.SUBSCRIBE
     SCOPE: ClassVar[frozenset[int]] = _SCOPE_SUBSCRIBE
+    FIELDS = (
+        ("request_id", _VARINT),
+        (_TRACK, _FULL_TRACK_NAME),
+        ("subscriber_priority", _PRIORITY),
+        ("group_order", _GROUP_ORDER_OR_DEFAULT),
+        ("forward", _FORWARD),
+        ("filter", _FILTER),
+        ("parameters", _PARAMETERS),
+    )
     request_id: int
     namespace: TrackNamespace
     track_name: bytes
@@ -961,27 +966,6 @@ class Subscribe(Message):
     forward: bool = True
     filter: SubscriptionFilter = field(default_factory=SubscriptionFilter.largest_object)
     parameters: Parameters = _NO_PARAMETERS
-
-    def _encode(self, w: m18.Writer) -> None:
-        _check_uint8(self.subscriber_priority, "subscriber priority")
-        w.varint(self.request_id)
-        _put_full_track_name(w, self.namespace, self.track_name)
-        w.uint8(self.subscriber_priority)
-        _put_group_order(w, self.group_order, allow_default=True)
-        w.uint8(1 if self.forward else 0)
-        _put_filter(w, self.filter)
-        self.parameters.encode(w, self.SCOPE, self.NAME)
-
-    @classmethod
-    def _decode(cls, buf: Buffer) -> "Subscribe":
-        request_id = buf.pull_varint()
-        namespace, name = _pull_full_track_name(buf)
-        priority = buf.pull_uint8()
-        order = _pull_group_order(buf, allow_default=True)
-        forward = _pull_flag(buf, "Forward")
-        flt = _pull_filter(buf)
-        parameters = Parameters.decode(buf, cls.SCOPE, cls.NAME)
-        return cls(request_id, namespace, name, priority, order, forward, flt, parameters)
 
     def to_draft18(self) -> m18.Subscribe:
         """The draft-18 SUBSCRIBE: the fixed fields become parameters."""
@@ -1017,33 +1001,22 @@ class Subscribe(Message):
 class SubscribeOk(Message):
     """SUBSCRIBE_OK (0x4). `largest_location` None is Content Exists 0."""
 
-    NAME: ClassVar[str] = "SUBSCRIBE_OK"
     TYPE: ClassVar[int] = MessageType.SUBSCRIBE_OK
     SCOPE: ClassVar[frozenset[int]] = _SCOPE_SUBSCRIBE_OK
+    FIELDS = (
+        ("request_id", _VARINT),
+        ("track_alias", _VARINT),
+        ("expires", _VARINT),
+        ("group_order", _GROUP_ORDER),
+        ("largest_location", _LARGEST),
+        ("parameters", _PARAMETERS),
+    )
     request_id: int
     track_alias: int
     expires: int = 0
     group_order: GroupOrder = GroupOrder.ASCENDING
     largest_location: Location | None = None
     parameters: Parameters = _NO_PARAMETERS
-
-    def _encode(self, w: m18.Writer) -> None:
-        w.varint(self.request_id)
-        w.varint(self.track_alias)
-        w.varint(self.expires)
-        _put_group_order(w, self.group_order, allow_default=False)
-        _put_largest(w, self.largest_location)
-        self.parameters.encode(w, self.SCOPE, self.NAME)
-
-    @classmethod
-    def _decode(cls, buf: Buffer) -> "SubscribeOk":
-        request_id = buf.pull_varint()
-        alias = buf.pull_varint()
-        expires = buf.pull_varint()
-        order = _pull_group_order(buf, allow_default=False)
-        largest = _pull_largest(buf)
-        parameters = Parameters.decode(buf, cls.SCOPE, cls.NAME)
-        return cls(request_id, alias, expires, order, largest, parameters)  # type: ignore[arg-type]
 
     def to_draft18(self) -> m18.SubscribeOk:
         """The draft-18 SUBSCRIBE_OK; group order and cache duration become Track Properties."""
@@ -1082,7 +1055,6 @@ def _ok_properties(properties: m18.Properties) -> tuple[GroupOrder, int | None]:
 class SubscribeError(_RequestError):
     """SUBSCRIBE_ERROR (0x5); codes in SubscribeErrorCode."""
 
-    NAME: ClassVar[str] = "SUBSCRIBE_ERROR"
     TYPE: ClassVar[int] = MessageType.SUBSCRIBE_ERROR
     FAMILY: ClassVar[str] = "SUBSCRIBE"
 
@@ -1092,7 +1064,6 @@ class SubscribeUpdate(Message):
     """SUBSCRIBE_UPDATE (0x2). `end_group` None is open-ended (wire End Group 0;
     otherwise the wire carries end_group + 1)."""
 
-    NAME: ClassVar[str] = "SUBSCRIBE_UPDATE"
     TYPE: ClassVar[int] = MessageType.SUBSCRIBE_UPDATE
     SCOPE: ClassVar[frozenset[int]] = _SCOPE_SUBSCRIBE
     request_id: int
@@ -1131,44 +1102,27 @@ class SubscribeUpdate(Message):
 
 
 @dataclass(frozen=True, slots=True)
-class Unsubscribe(Message):
+class Unsubscribe(_RequestIdOnly):
     """UNSUBSCRIBE (0xA)."""
 
-    NAME: ClassVar[str] = "UNSUBSCRIBE"
     TYPE: ClassVar[int] = MessageType.UNSUBSCRIBE
-    request_id: int
-
-    def _encode(self, w: m18.Writer) -> None:
-        w.varint(self.request_id)
-
-    @classmethod
-    def _decode(cls, buf: Buffer) -> "Unsubscribe":
-        return cls(buf.pull_varint())
 
 
 @dataclass(frozen=True, slots=True)
 class PublishDone(Message):
     """PUBLISH_DONE (0xB), SUBSCRIBE_DONE before draft-14; codes in PublishDoneCode."""
 
-    NAME: ClassVar[str] = "PUBLISH_DONE"
     TYPE: ClassVar[int] = MessageType.PUBLISH_DONE
+    FIELDS = (
+        ("request_id", _VARINT),
+        ("status_code", _VARINT),
+        ("stream_count", _VARINT),
+        ("reason", _REASON),
+    )
     request_id: int
     status_code: int
     stream_count: int
     reason: str = ""
-
-    def _encode(self, w: m18.Writer) -> None:
-        w.varint(self.request_id)
-        w.varint(self.status_code)
-        w.varint(self.stream_count)
-        _put_reason(w, self.reason)
-
-    @classmethod
-    def _decode(cls, buf: Buffer) -> "PublishDone":
-        request_id = buf.pull_varint()
-        status = buf.pull_varint()
-        count = buf.pull_varint()
-        return cls(request_id, status, count, _pull_reason(buf))
 
     def to_draft18(self) -> m18.PublishDone:
         """The draft-18 PUBLISH_DONE; the status codes are renumbered by name."""
@@ -1192,9 +1146,17 @@ _PUBLISH_DONE_TO_18 = _by_name(PublishDoneCode, PublishDoneCode18)
 class Publish(Message):
     """PUBLISH (0x1D): a publisher-initiated subscription."""
 
-    NAME: ClassVar[str] = "PUBLISH"
     TYPE: ClassVar[int] = MessageType.PUBLISH
     SCOPE: ClassVar[frozenset[int]] = _SCOPE_PUBLISH
+    FIELDS = (
+        ("request_id", _VARINT),
+        (_TRACK, _FULL_TRACK_NAME),
+        ("track_alias", _VARINT),
+        ("group_order", _GROUP_ORDER),
+        ("largest_location", _LARGEST),
+        ("forward", _FORWARD),
+        ("parameters", _PARAMETERS),
+    )
     request_id: int
     namespace: TrackNamespace
     track_name: bytes
@@ -1204,34 +1166,21 @@ class Publish(Message):
     forward: bool = True
     parameters: Parameters = _NO_PARAMETERS
 
-    def _encode(self, w: m18.Writer) -> None:
-        w.varint(self.request_id)
-        _put_full_track_name(w, self.namespace, self.track_name)
-        w.varint(self.track_alias)
-        _put_group_order(w, self.group_order, allow_default=False)
-        _put_largest(w, self.largest_location)
-        w.uint8(1 if self.forward else 0)
-        self.parameters.encode(w, self.SCOPE, self.NAME)
-
-    @classmethod
-    def _decode(cls, buf: Buffer) -> "Publish":
-        request_id = buf.pull_varint()
-        namespace, name = _pull_full_track_name(buf)
-        alias = buf.pull_varint()
-        order = _pull_group_order(buf, allow_default=False)
-        largest = _pull_largest(buf)
-        forward = _pull_flag(buf, "Forward")
-        parameters = Parameters.decode(buf, cls.SCOPE, cls.NAME)
-        return cls(request_id, namespace, name, alias, order, largest, forward, parameters)  # type: ignore[arg-type]
-
 
 @dataclass(frozen=True, slots=True)
 class PublishOk(Message):
     """PUBLISH_OK (0x1E): the subscriber accepts a PUBLISH."""
 
-    NAME: ClassVar[str] = "PUBLISH_OK"
     TYPE: ClassVar[int] = MessageType.PUBLISH_OK
     SCOPE: ClassVar[frozenset[int]] = _SCOPE_PUBLISH_OK
+    FIELDS = (
+        ("request_id", _VARINT),
+        ("forward", _FORWARD),
+        ("subscriber_priority", _PRIORITY),
+        ("group_order", _GROUP_ORDER),
+        ("filter", _FILTER),
+        ("parameters", _PARAMETERS),
+    )
     request_id: int
     forward: bool = True
     subscriber_priority: int = 128
@@ -1239,31 +1188,11 @@ class PublishOk(Message):
     filter: SubscriptionFilter = field(default_factory=SubscriptionFilter.largest_object)
     parameters: Parameters = _NO_PARAMETERS
 
-    def _encode(self, w: m18.Writer) -> None:
-        _check_uint8(self.subscriber_priority, "subscriber priority")
-        w.varint(self.request_id)
-        w.uint8(1 if self.forward else 0)
-        w.uint8(self.subscriber_priority)
-        _put_group_order(w, self.group_order, allow_default=False)
-        _put_filter(w, self.filter)
-        self.parameters.encode(w, self.SCOPE, self.NAME)
-
-    @classmethod
-    def _decode(cls, buf: Buffer) -> "PublishOk":
-        request_id = buf.pull_varint()
-        forward = _pull_flag(buf, "Forward")
-        priority = buf.pull_uint8()
-        order = _pull_group_order(buf, allow_default=False)
-        flt = _pull_filter(buf)
-        parameters = Parameters.decode(buf, cls.SCOPE, cls.NAME)
-        return cls(request_id, forward, priority, order, flt, parameters)  # type: ignore[arg-type]
-
 
 @dataclass(frozen=True, slots=True)
 class PublishError(_RequestError):
     """PUBLISH_ERROR (0x1F); codes in PublishErrorCode."""
 
-    NAME: ClassVar[str] = "PUBLISH_ERROR"
     TYPE: ClassVar[int] = MessageType.PUBLISH_ERROR
     FAMILY: ClassVar[str] = "PUBLISH"
 
@@ -1274,7 +1203,6 @@ class Fetch(Message):
     End Location: the last Object plus one, Object 0 meaning the whole group).
     Joining: joining_request_id and joining_start. `group_order` None is 0."""
 
-    NAME: ClassVar[str] = "FETCH"
     TYPE: ClassVar[int] = MessageType.FETCH
     SCOPE: ClassVar[frozenset[int]] = _SCOPE_AUTH
     request_id: int
@@ -1289,14 +1217,7 @@ class Fetch(Message):
     group_order: GroupOrder | None = None
     parameters: Parameters = _NO_PARAMETERS
 
-    def __post_init__(self) -> None:
-        standalone = self.fetch_type == FetchType.STANDALONE
-        parts = (self.namespace, self.track_name, self.start, self.end)
-        joining = (self.joining_request_id, self.joining_start)
-        if standalone and (any(p is None for p in parts) or any(j is not None for j in joining)):
-            raise ValueError("a standalone FETCH has a track and a range, and no joining fields")
-        if not standalone and (any(j is None for j in joining) or any(p is not None for p in parts)):
-            raise ValueError("a joining FETCH has joining fields only")
+    __post_init__ = m18.Fetch.__post_init__  # the same standalone / joining fields as draft-18
 
     def _encode(self, w: m18.Writer) -> None:
         _check_uint8(self.subscriber_priority, "subscriber priority")
@@ -1368,30 +1289,20 @@ class Fetch(Message):
 class FetchOk(Message):
     """FETCH_OK (0x18). `end_location` uses the FETCH End Location encoding."""
 
-    NAME: ClassVar[str] = "FETCH_OK"
     TYPE: ClassVar[int] = MessageType.FETCH_OK
     SCOPE: ClassVar[frozenset[int]] = _SCOPE_FETCH_OK
+    FIELDS = (
+        ("request_id", _VARINT),
+        ("group_order", _GROUP_ORDER),
+        ("end_of_track", _flag("End Of Track")),
+        ("end_location", _LOCATION),
+        ("parameters", _PARAMETERS),
+    )
     request_id: int
     group_order: GroupOrder
     end_of_track: bool
     end_location: Location
     parameters: Parameters = _NO_PARAMETERS
-
-    def _encode(self, w: m18.Writer) -> None:
-        w.varint(self.request_id)
-        _put_group_order(w, self.group_order, allow_default=False)
-        w.uint8(1 if self.end_of_track else 0)
-        w.location(self.end_location)
-        self.parameters.encode(w, self.SCOPE, self.NAME)
-
-    @classmethod
-    def _decode(cls, buf: Buffer) -> "FetchOk":
-        request_id = buf.pull_varint()
-        order = _pull_group_order(buf, allow_default=False)
-        end_of_track = _pull_flag(buf, "End Of Track")
-        end = _pull_location(buf)
-        parameters = Parameters.decode(buf, cls.SCOPE, cls.NAME)
-        return cls(request_id, order, end_of_track, end, parameters)  # type: ignore[arg-type]
 
     def to_draft18(self) -> m18.FetchOk:
         """The draft-18 FETCH_OK; the group order is known to the FETCH's sender."""
@@ -1414,32 +1325,21 @@ class FetchOk(Message):
 class FetchError(_RequestError):
     """FETCH_ERROR (0x19); codes in FetchErrorCode."""
 
-    NAME: ClassVar[str] = "FETCH_ERROR"
     TYPE: ClassVar[int] = MessageType.FETCH_ERROR
     FAMILY: ClassVar[str] = "FETCH"
 
 
 @dataclass(frozen=True, slots=True)
-class FetchCancel(Message):
+class FetchCancel(_RequestIdOnly):
     """FETCH_CANCEL (0x17)."""
 
-    NAME: ClassVar[str] = "FETCH_CANCEL"
     TYPE: ClassVar[int] = MessageType.FETCH_CANCEL
-    request_id: int
-
-    def _encode(self, w: m18.Writer) -> None:
-        w.varint(self.request_id)
-
-    @classmethod
-    def _decode(cls, buf: Buffer) -> "FetchCancel":
-        return cls(buf.pull_varint())
 
 
 @dataclass(frozen=True, slots=True)
 class TrackStatus(Subscribe):
     """TRACK_STATUS (0xD): SUBSCRIBE's format, without subscription state."""
 
-    NAME: ClassVar[str] = "TRACK_STATUS"
     TYPE: ClassVar[int] = MessageType.TRACK_STATUS
 
     def to_draft18(self) -> m18.TrackStatus:  # type: ignore[override]
@@ -1462,7 +1362,6 @@ class TrackStatus(Subscribe):
 class TrackStatusOk(SubscribeOk):
     """TRACK_STATUS_OK (0xE): SUBSCRIBE_OK's format, Track Alias 0."""
 
-    NAME: ClassVar[str] = "TRACK_STATUS_OK"
     TYPE: ClassVar[int] = MessageType.TRACK_STATUS_OK
 
     def to_draft18(self) -> m18.RequestOk:  # type: ignore[override]
@@ -1481,7 +1380,6 @@ class TrackStatusOk(SubscribeOk):
 class TrackStatusError(_RequestError):
     """TRACK_STATUS_ERROR (0xF): SUBSCRIBE_ERROR's format and codes."""
 
-    NAME: ClassVar[str] = "TRACK_STATUS_ERROR"
     TYPE: ClassVar[int] = MessageType.TRACK_STATUS_ERROR
     FAMILY: ClassVar[str] = "SUBSCRIBE"
 
@@ -1490,42 +1388,18 @@ class TrackStatusError(_RequestError):
 class PublishNamespace(Message):
     """PUBLISH_NAMESPACE (0x6), ANNOUNCE before draft-14."""
 
-    NAME: ClassVar[str] = "PUBLISH_NAMESPACE"
     TYPE: ClassVar[int] = MessageType.PUBLISH_NAMESPACE
+    SCOPE: ClassVar[frozenset[int]] = _SCOPE_AUTH
+    FIELDS = (("request_id", _VARINT), ("namespace", _NAMESPACE), ("parameters", _PARAMETERS))
     request_id: int
     namespace: TrackNamespace
     parameters: Parameters = _NO_PARAMETERS
-
-    def _encode(self, w: m18.Writer) -> None:
-        _check_namespace(self.namespace)
-        w.varint(self.request_id)
-        _put_namespace(w, self.namespace)
-        self.parameters.encode(w, _SCOPE_AUTH, self.NAME)
-
-    @classmethod
-    def _decode(cls, buf: Buffer) -> "PublishNamespace":
-        request_id = buf.pull_varint()
-        namespace = _pull_namespace(buf)
-        return cls(request_id, namespace, Parameters.decode(buf, _SCOPE_AUTH, cls.NAME))
-
-
-@dataclass(frozen=True, slots=True)
-class _RequestIdOnly(Message):
-    request_id: int
-
-    def _encode(self, w: m18.Writer) -> None:
-        w.varint(self.request_id)
-
-    @classmethod
-    def _decode(cls, buf: Buffer) -> "_RequestIdOnly":
-        return cls(buf.pull_varint())
 
 
 @dataclass(frozen=True, slots=True)
 class PublishNamespaceOk(_RequestIdOnly):
     """PUBLISH_NAMESPACE_OK (0x7)."""
 
-    NAME: ClassVar[str] = "PUBLISH_NAMESPACE_OK"
     TYPE: ClassVar[int] = MessageType.PUBLISH_NAMESPACE_OK
 
 
@@ -1533,7 +1407,6 @@ class PublishNamespaceOk(_RequestIdOnly):
 class PublishNamespaceError(_RequestError):
     """PUBLISH_NAMESPACE_ERROR (0x8); codes in PublishNamespaceErrorCode."""
 
-    NAME: ClassVar[str] = "PUBLISH_NAMESPACE_ERROR"
     TYPE: ClassVar[int] = MessageType.PUBLISH_NAMESPACE_ERROR
     FAMILY: ClassVar[str] = "PUBLISH_NAMESPACE"
 
@@ -1542,70 +1415,38 @@ class PublishNamespaceError(_RequestError):
 class PublishNamespaceDone(Message):
     """PUBLISH_NAMESPACE_DONE (0x9): the publisher withdraws a namespace."""
 
-    NAME: ClassVar[str] = "PUBLISH_NAMESPACE_DONE"
     TYPE: ClassVar[int] = MessageType.PUBLISH_NAMESPACE_DONE
+    FIELDS = (("namespace", _NAMESPACE),)
     namespace: TrackNamespace
-
-    def _encode(self, w: m18.Writer) -> None:
-        _check_namespace(self.namespace)
-        _put_namespace(w, self.namespace)
-
-    @classmethod
-    def _decode(cls, buf: Buffer) -> "PublishNamespaceDone":
-        return cls(_pull_namespace(buf))
 
 
 @dataclass(frozen=True, slots=True)
 class PublishNamespaceCancel(Message):
     """PUBLISH_NAMESPACE_CANCEL (0xC): the subscriber stops routing a namespace."""
 
-    NAME: ClassVar[str] = "PUBLISH_NAMESPACE_CANCEL"
     TYPE: ClassVar[int] = MessageType.PUBLISH_NAMESPACE_CANCEL
+    FIELDS = (("namespace", _NAMESPACE), ("error_code", _VARINT), ("reason", _REASON))
     namespace: TrackNamespace
     error_code: int
     reason: str = ""
-
-    def _encode(self, w: m18.Writer) -> None:
-        _check_namespace(self.namespace)
-        _put_namespace(w, self.namespace)
-        w.varint(self.error_code)
-        _put_reason(w, self.reason)
-
-    @classmethod
-    def _decode(cls, buf: Buffer) -> "PublishNamespaceCancel":
-        namespace = _pull_namespace(buf)
-        code = buf.pull_varint()
-        return cls(namespace, code, _pull_reason(buf))
 
 
 @dataclass(frozen=True, slots=True)
 class SubscribeNamespace(Message):
     """SUBSCRIBE_NAMESPACE (0x11)."""
 
-    NAME: ClassVar[str] = "SUBSCRIBE_NAMESPACE"
     TYPE: ClassVar[int] = MessageType.SUBSCRIBE_NAMESPACE
+    SCOPE: ClassVar[frozenset[int]] = _SCOPE_AUTH
+    FIELDS = (("request_id", _VARINT), ("namespace_prefix", _NAMESPACE), ("parameters", _PARAMETERS))
     request_id: int
     namespace_prefix: TrackNamespace
     parameters: Parameters = _NO_PARAMETERS
-
-    def _encode(self, w: m18.Writer) -> None:
-        _check_namespace(self.namespace_prefix)
-        w.varint(self.request_id)
-        _put_namespace(w, self.namespace_prefix)
-        self.parameters.encode(w, _SCOPE_AUTH, self.NAME)
-
-    @classmethod
-    def _decode(cls, buf: Buffer) -> "SubscribeNamespace":
-        request_id = buf.pull_varint()
-        prefix = _pull_namespace(buf)
-        return cls(request_id, prefix, Parameters.decode(buf, _SCOPE_AUTH, cls.NAME))
 
 
 @dataclass(frozen=True, slots=True)
 class SubscribeNamespaceOk(_RequestIdOnly):
     """SUBSCRIBE_NAMESPACE_OK (0x12)."""
 
-    NAME: ClassVar[str] = "SUBSCRIBE_NAMESPACE_OK"
     TYPE: ClassVar[int] = MessageType.SUBSCRIBE_NAMESPACE_OK
 
 
@@ -1613,7 +1454,6 @@ class SubscribeNamespaceOk(_RequestIdOnly):
 class SubscribeNamespaceError(_RequestError):
     """SUBSCRIBE_NAMESPACE_ERROR (0x13); codes in SubscribeNamespaceErrorCode."""
 
-    NAME: ClassVar[str] = "SUBSCRIBE_NAMESPACE_ERROR"
     TYPE: ClassVar[int] = MessageType.SUBSCRIBE_NAMESPACE_ERROR
     FAMILY: ClassVar[str] = "SUBSCRIBE_NAMESPACE"
 
@@ -1622,17 +1462,9 @@ class SubscribeNamespaceError(_RequestError):
 class UnsubscribeNamespace(Message):
     """UNSUBSCRIBE_NAMESPACE (0x14)."""
 
-    NAME: ClassVar[str] = "UNSUBSCRIBE_NAMESPACE"
     TYPE: ClassVar[int] = MessageType.UNSUBSCRIBE_NAMESPACE
+    FIELDS = (("namespace_prefix", _NAMESPACE),)
     namespace_prefix: TrackNamespace
-
-    def _encode(self, w: m18.Writer) -> None:
-        _check_namespace(self.namespace_prefix)
-        _put_namespace(w, self.namespace_prefix)
-
-    @classmethod
-    def _decode(cls, buf: Buffer) -> "UnsubscribeNamespace":
-        return cls(_pull_namespace(buf))
 
 
 MESSAGE_TYPES: dict[int, type[Message]] = {
@@ -1676,72 +1508,30 @@ def _decode_payload(mtype: int, payload: Buffer) -> Message:
     cls = MESSAGE_TYPES.get(mtype)
     if cls is None:
         raise ProtocolViolation(f"unknown message type 0x{mtype:x}")
-    try:
-        message = cls._decode(payload)
-    except BufferReadError:
-        raise ProtocolViolation(f"{cls.NAME} shorter than its fields") from None
-    except (ValueError, TypeError) as exc:
-        raise ProtocolViolation(f"{cls.NAME}: {exc}") from None
-    if not payload.eof():
-        raise ProtocolViolation(f"{cls.NAME} length exceeds its fields by {payload.remaining} bytes")
-    return message
+    return m18.decode_checked(cls.NAME, payload, cls._decode)
 
 
 def decode_message(data: bytes | bytearray | memoryview) -> Message:
     """Decode exactly one framed message; raises ProtocolViolation otherwise."""
-    buf = Buffer(data, codec=QUIC_VARINT)
-    try:
-        mtype = buf.pull_varint()
-        length = buf.pull_uint16()
-    except BufferReadError:
-        raise ProtocolViolation("truncated message header") from None
-    if buf.remaining != length:
-        raise ProtocolViolation(f"message length {length} but {buf.remaining} bytes follow")
-    return _decode_payload(mtype, Buffer(data, buf.tell(), buf.tell() + length, QUIC_VARINT))
+    return m18.decode_framed(data, QUIC_VARINT, _decode_payload)
 
 
-class ControlStreamParser:
+class ControlStreamParser(m18.FramedMessageParser):
     """Splits the control stream into messages as bytes arrive.
 
     Holds at most one partial message (under 64 KiB by construction). An unknown
     message type is reported as soon as its type is read, not after its payload.
     """
 
-    __slots__ = ("_pending",)
+    __slots__ = ()
+    CODEC = QUIC_VARINT
+    EARLY_UNKNOWN = True
 
-    def __init__(self) -> None:
-        self._pending = bytearray()
+    def _known(self, mtype: int) -> bool:
+        return mtype in MESSAGE_TYPES
 
-    @property
-    def buffered(self) -> int:
-        """Bytes of an incomplete message waiting for more data."""
-        return len(self._pending)
-
-    def feed(self, data: bytes | bytearray | memoryview) -> list[Message]:
-        self._pending += data
-        pending = self._pending
-        messages: list[Message] = []
-        pos = 0
-        end = len(pending)
-        while pos < end:
-            try:
-                mtype, header_end = QUIC_VARINT.decode(pending, pos)
-            except BufferReadError:
-                break
-            if mtype not in MESSAGE_TYPES:
-                raise ProtocolViolation(f"unknown message type 0x{mtype:x}")
-            if header_end + 2 > end:
-                break
-            length = int.from_bytes(pending[header_end : header_end + 2], "big")
-            payload_start = header_end + 2
-            if payload_start + length > end:
-                break
-            payload = Buffer(bytes(pending[payload_start : payload_start + length]), codec=QUIC_VARINT)
-            messages.append(_decode_payload(mtype, payload))
-            pos = payload_start + length
-        if pos:
-            del pending[:pos]
-        return messages
+    def _decode(self, mtype: int, payload: Buffer) -> Message:
+        return _decode_payload(mtype, payload)
 
 
 # ---------------------------------------------------------------------------
@@ -1796,10 +1586,7 @@ class SubgroupHeader:
     end_of_group: bool = False
     subgroup_id_mode: SubgroupIdMode | None = None
 
-    def resolved_mode(self) -> SubgroupIdMode:
-        if self.subgroup_id_mode is not None:
-            return self.subgroup_id_mode
-        return SubgroupIdMode.ZERO if self.subgroup_id == 0 else SubgroupIdMode.EXPLICIT
+    resolved_mode = data18.SubgroupHeader.resolved_mode
 
     def stream_type(self) -> int:
         value = 0x10 | (self.resolved_mode() << 1)
@@ -1830,7 +1617,7 @@ class SubgroupHeader:
         """The draft-18 header; FIRST_OBJECT is left clear (draft-14 does not say)."""
         return data18.SubgroupHeader(
             self.track_alias, self.group_id, self.subgroup_id, self.publisher_priority,
-            self.has_extensions, self.end_of_group, False, data18.SubgroupIdMode(self.resolved_mode()),
+            self.has_extensions, self.end_of_group, False, self.resolved_mode(),
         )
 
     @classmethod
@@ -1841,7 +1628,7 @@ class SubgroupHeader:
         priority = default_priority if header.publisher_priority is None else header.publisher_priority
         return cls(
             header.track_alias, header.group_id, header.subgroup_id, priority,
-            header.has_properties, header.end_of_group, SubgroupIdMode(header.resolved_mode()),
+            header.has_properties, header.end_of_group, header.resolved_mode(),
         )
 
 
@@ -1871,10 +1658,9 @@ class SubgroupObject:
 
 
 @dataclass(frozen=True, slots=True)
-class FetchHeader:
-    """FETCH_HEADER: the stream answers the FETCH with this Request ID."""
-
-    request_id: int
+class FetchHeader(data18.FetchHeader):
+    """FETCH_HEADER: the stream answers the FETCH with this Request ID (draft-18's
+    header, written with draft-14 varints)."""
 
     def encode(self) -> bytes:
         return encode_quic_varint(STREAM_TYPE_FETCH_HEADER) + encode_quic_varint(self.request_id)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 from enum import IntEnum
-from typing import Any, ClassVar, Iterable, NamedTuple, Union
+from typing import Any, Callable, ClassVar, Iterable, NamedTuple, Union
 
 from .errors import (
     BufferReadError,
@@ -281,8 +281,11 @@ def _pull_namespace(buf: Buffer) -> TrackNamespace:
     return tuple(parts)
 
 
-def _pull_full_track_name(buf: Buffer) -> tuple[TrackNamespace, bytes]:
-    namespace = _pull_namespace(buf)
+def _pull_full_track_name(
+    buf: Buffer, pull_namespace: Callable[[Buffer], TrackNamespace] = _pull_namespace
+) -> tuple[TrackNamespace, bytes]:
+    """Namespace and track name; `pull_namespace` applies a draft's namespace rules."""
+    namespace = pull_namespace(buf)
     length = buf.pull_varint()
     if sum(len(p) for p in namespace) + length > MAX_FULL_TRACK_NAME:
         raise ProtocolViolation(f"full track name over {MAX_FULL_TRACK_NAME} bytes")
@@ -748,10 +751,7 @@ class Message:
             raise NotImplementedError(f"no codec for draft-{draft}")
         w = Writer(VI64)
         self._encode18(w)
-        payload = w.data
-        if len(payload) > MAX_MESSAGE_LENGTH:
-            raise ValueError(f"{self.NAME} payload of {len(payload)} bytes (max {MAX_MESSAGE_LENGTH})")
-        return b"".join((VI64.encode(_TYPE_OF[18][type(self)]), len(payload).to_bytes(2, "big"), payload))
+        return frame_message(VI64, _TYPE_OF[18][type(self)], self.NAME, w.data)
 
     def _encode18(self, w: Writer) -> None:
         raise NotImplementedError
@@ -766,6 +766,32 @@ def _text_option(value: bytes, error: type[Exception], what: str) -> str:
         return value.decode("utf-8")
     except UnicodeDecodeError:
         raise error(f"{what} is not UTF-8") from None
+
+
+def _setup_value(name: str, value: int | bytes) -> Any:
+    """A setup option's value as a Setup field (the text ones decoded); the same
+    options exist in every draft."""
+    if name == "path":
+        return _text_option(value, MalformedPath, "PATH")  # type: ignore[arg-type]
+    if name == "authority":
+        return _text_option(value, MalformedAuthority, "AUTHORITY")  # type: ignore[arg-type]
+    if name == "implementation":
+        return bytes(value).decode("utf-8", errors="replace")  # type: ignore[arg-type]
+    return value
+
+
+def _put_goaway_uri(w: Writer, uri: str) -> None:
+    encoded = uri.encode("utf-8")
+    if len(encoded) > MAX_GOAWAY_URI:
+        raise ValueError(f"GOAWAY URI over {MAX_GOAWAY_URI} bytes")
+    w.length_prefixed(encoded)
+
+
+def _pull_goaway_uri(buf: Buffer) -> str:
+    length = buf.pull_varint()
+    if length > MAX_GOAWAY_URI:
+        raise ProtocolViolation(f"GOAWAY URI of {length} bytes (max {MAX_GOAWAY_URI})")
+    return buf.pull_bytes(length).decode("utf-8", errors="replace")
 
 
 @dataclass(frozen=True, slots=True)
@@ -817,13 +843,7 @@ class Setup(Message):
                 continue
             if name in values:
                 raise ProtocolViolation(f"SETUP option 0x{otype:x} repeated")
-            if name == "path":
-                value = _text_option(value, MalformedPath, "PATH")  # type: ignore[arg-type]
-            elif name == "authority":
-                value = _text_option(value, MalformedAuthority, "AUTHORITY")  # type: ignore[arg-type]
-            elif name == "implementation":
-                value = bytes(value).decode("utf-8", errors="replace")  # type: ignore[arg-type]
-            values[name] = value
+            values[name] = _setup_value(name, value)
         return cls(authorization_tokens=tuple(tokens), unknown_options=tuple(unknown), **values)
 
 
@@ -837,20 +857,14 @@ class Goaway(Message):
     request_id: int | None = None
 
     def _encode18(self, w: Writer) -> None:
-        uri = self.new_session_uri.encode("utf-8")
-        if len(uri) > MAX_GOAWAY_URI:
-            raise ValueError(f"GOAWAY URI over {MAX_GOAWAY_URI} bytes")
-        w.length_prefixed(uri)
+        _put_goaway_uri(w, self.new_session_uri)
         w.varint(self.timeout_ms)
         if self.request_id is not None:
             w.varint(self.request_id)
 
     @classmethod
     def _decode18(cls, buf: Buffer) -> "Goaway":
-        length = buf.pull_varint()
-        if length > MAX_GOAWAY_URI:
-            raise ProtocolViolation(f"GOAWAY URI of {length} bytes (max {MAX_GOAWAY_URI})")
-        uri = buf.pull_bytes(length).decode("utf-8", errors="replace")
+        uri = _pull_goaway_uri(buf)
         timeout = buf.pull_varint()
         request_id = None if buf.eof() else buf.pull_varint()
         return cls(uri, timeout, request_id)
@@ -1325,28 +1339,39 @@ def message_type(message: Message, draft: int = DRAFT) -> int:
     return _TYPE_OF[draft][type(message)]
 
 
+def decode_checked(name: str, payload: Buffer, decode: Callable[[Buffer], Any]) -> Any:
+    """Decode a whole message payload; whatever is malformed about it, in any
+    draft, is a ProtocolViolation naming the message."""
+    try:
+        message = decode(payload)
+    except BufferReadError:
+        raise ProtocolViolation(f"{name} shorter than its fields") from None
+    except (ValueError, TypeError) as exc:
+        raise ProtocolViolation(f"{name}: {exc}") from None
+    if not payload.eof():
+        raise ProtocolViolation(f"{name} length exceeds its fields by {payload.remaining} bytes")
+    return message
+
+
 def _decode_payload(mtype: int, payload: Buffer, draft: int) -> Message:
     cls = MESSAGE_TYPES[draft].get(mtype)
     if cls is None:
         raise ProtocolViolation(f"unknown message type 0x{mtype:x}")
-    try:
-        message = cls._decode18(payload)
-    except BufferReadError:
-        raise ProtocolViolation(f"{cls.NAME} shorter than its fields") from None
-    except (ValueError, TypeError) as exc:
-        if isinstance(exc, ProtocolViolation):
-            raise
-        raise ProtocolViolation(f"{cls.NAME}: {exc}") from None
-    if not payload.eof():
-        raise ProtocolViolation(f"{cls.NAME} length exceeds its fields by {payload.remaining} bytes")
-    return message
+    return decode_checked(cls.NAME, payload, cls._decode18)
 
 
-def decode_message(data: bytes | bytearray | memoryview, draft: int = DRAFT) -> Message:
+def frame_message(codec: IntegerCodec, mtype: int, name: str, payload: bytes | bytearray) -> bytes:
+    """Type, 16-bit Length and payload: the control message framing of every draft."""
+    if len(payload) > MAX_MESSAGE_LENGTH:
+        raise ValueError(f"{name} payload of {len(payload)} bytes (max {MAX_MESSAGE_LENGTH})")
+    return b"".join((codec.encode(mtype), len(payload).to_bytes(2, "big"), payload))
+
+
+def decode_framed(
+    data: bytes | bytearray | memoryview, codec: IntegerCodec, decode_payload: Callable[[int, Buffer], Any]
+) -> Any:
     """Decode exactly one framed message; raises ProtocolViolation otherwise."""
-    if draft not in MESSAGE_TYPES:
-        raise NotImplementedError(f"no codec for draft-{draft}")
-    buf = Buffer(data)
+    buf = Buffer(data, codec=codec)
     try:
         mtype = buf.pull_varint()
         length = buf.pull_uint16()
@@ -1354,50 +1379,86 @@ def decode_message(data: bytes | bytearray | memoryview, draft: int = DRAFT) -> 
         raise ProtocolViolation("truncated message header") from None
     if buf.remaining != length:
         raise ProtocolViolation(f"message length {length} but {buf.remaining} bytes follow")
-    return _decode_payload(mtype, Buffer(data, buf.tell(), buf.tell() + length), draft)
+    return decode_payload(mtype, Buffer(data, buf.tell(), buf.tell() + length, codec))
 
 
-class ControlStreamParser:
-    """Splits a control or request stream into messages as bytes arrive.
+def decode_message(data: bytes | bytearray | memoryview, draft: int = DRAFT) -> Message:
+    """Decode exactly one framed message; raises ProtocolViolation otherwise."""
+    if draft not in MESSAGE_TYPES:
+        raise NotImplementedError(f"no codec for draft-{draft}")
+    return decode_framed(data, VI64, lambda mtype, payload: _decode_payload(mtype, payload, draft))
 
-    Holds at most one partial message (under 64 KiB by construction).
+
+class FramedMessageParser:
+    """Splits a stream of framed control messages as bytes arrive, for any draft:
+    a subclass gives its integer codec, which types it knows and how it decodes them.
+
+    Holds at most one partial message (under 64 KiB by construction). An unknown
+    type is reported once its payload is found incomplete, or, with
+    EARLY_UNKNOWN, as soon as the type is read.
     """
 
-    __slots__ = ("_pending", "_draft")
+    __slots__ = ("_pending",)
+    CODEC: ClassVar[IntegerCodec] = VI64
+    EARLY_UNKNOWN: ClassVar[bool] = False
 
-    def __init__(self, draft: int = DRAFT) -> None:
-        if draft not in MESSAGE_TYPES:
-            raise NotImplementedError(f"no codec for draft-{draft}")
+    def __init__(self) -> None:
         self._pending = bytearray()
-        self._draft = draft
 
     @property
     def buffered(self) -> int:
         """Bytes of an incomplete message waiting for more data."""
         return len(self._pending)
 
-    def feed(self, data: bytes | bytearray | memoryview) -> list[Message]:
+    def _known(self, mtype: int) -> bool:
+        raise NotImplementedError
+
+    def _decode(self, mtype: int, payload: Buffer) -> Any:
+        raise NotImplementedError
+
+    def feed(self, data: bytes | bytearray | memoryview) -> list[Any]:
         self._pending += data
         pending = self._pending
-        messages: list[Message] = []
+        messages: list[Any] = []
+        codec = self.CODEC
         pos = 0
         end = len(pending)
         while pos < end:
             try:
-                mtype, header_end = VI64.decode(pending, pos)
+                mtype, header_end = codec.decode(pending, pos)
             except BufferReadError:
                 break
+            if self.EARLY_UNKNOWN and not self._known(mtype):
+                raise ProtocolViolation(f"unknown message type 0x{mtype:x}")
             if header_end + 2 > end:
                 break
             length = int.from_bytes(pending[header_end : header_end + 2], "big")
             payload_start = header_end + 2
             if payload_start + length > end:
-                if mtype not in MESSAGE_TYPES[self._draft]:
+                if not self._known(mtype):
                     raise ProtocolViolation(f"unknown message type 0x{mtype:x}")
                 break
-            payload = Buffer(bytes(pending[payload_start : payload_start + length]))
-            messages.append(_decode_payload(mtype, payload, self._draft))
+            payload = Buffer(bytes(pending[payload_start : payload_start + length]), codec=codec)
+            messages.append(self._decode(mtype, payload))
             pos = payload_start + length
         if pos:
             del pending[:pos]
         return messages
+
+
+class ControlStreamParser(FramedMessageParser):
+    """Splits a control or request stream into messages as bytes arrive."""
+
+    __slots__ = ("_draft",)
+
+    def __init__(self, draft: int = DRAFT) -> None:
+        if draft not in MESSAGE_TYPES:
+            raise NotImplementedError(f"no codec for draft-{draft}")
+        super().__init__()
+        self._draft = draft
+
+    def _known(self, mtype: int) -> bool:
+        return mtype in MESSAGE_TYPES[self._draft]
+
+    def _decode(self, mtype: int, payload: Buffer) -> Message:
+        return _decode_payload(mtype, payload, self._draft)

@@ -3,7 +3,10 @@
 `MoqtSession14` has the constructor shape, the `handle_event()` contract and the
 public methods of the draft-18 `MoqtSession`, and returns the same `events.py`
 events, so the layer above needs no second code path for the fallback version.
-The wire is draft-14's (codec in `draft14.py`):
+Both derive from `session.SessionBase`, which keeps what the drafts share (token
+cache, track aliases, joining FETCHes, data streams and datagrams, writing
+objects); data stream items and answers are converted to and from their
+draft-18 forms at the edges. The wire is draft-14's (codec in `draft14.py`):
 
 * the client opens one bidirectional control stream and sends CLIENT_SETUP with
   the versions it offers; the server answers SERVER_SETUP with the one it chose,
@@ -80,18 +83,11 @@ What has no draft-14 form, and what happens instead:
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable
 
 from aioquic.quic.connection import QuicConnection, stream_is_unidirectional
-from aioquic.quic.events import (
-    ConnectionTerminated,
-    DatagramFrameReceived,
-    QuicEvent,
-    StopSendingReceived,
-    StreamDataReceived,
-    StreamReset,
-)
+from aioquic.quic.events import QuicEvent, StopSendingReceived, StreamDataReceived, StreamReset
 
 from . import data as data18
 from . import draft14 as d14
@@ -99,11 +95,7 @@ from . import events as ev
 from . import messages as m18
 from .data import DEFAULT_MAX_OBJECT_SIZE, DEFAULT_PUBLISHER_PRIORITY, ObjectStatus
 from .errors import (
-    AuthTokenCacheOverflow,
-    DuplicateAuthTokenAlias,
     DuplicateTrackAlias,
-    InvalidAuthority,
-    InvalidPath,
     InvalidRequestId,
     NotSupported,
     ProtocolViolation,
@@ -113,11 +105,8 @@ from .errors import (
     SessionError,
     StreamClosed,
     StreamResetCode,
-    UnknownAuthTokenAlias,
 )
 from .messages import (
-    AliasType,
-    AuthToken,
     FetchType,
     FilterType,
     GroupOrder,
@@ -131,30 +120,30 @@ from .messages import (
     TrackPropertyType,
     property_value,
 )
+from .session import UNKNOWN_STREAM_COUNT, IncomingDataStream, RequestState, SessionBase, _fetch_end_before_start
 
 __all__ = ["MoqtSession14", "ALPN", "DEFAULT_MAX_REQUESTS", "UNKNOWN_STREAM_COUNT"]
 
 ALPN = d14.ALPN
 DEFAULT_MAX_REQUESTS = 100
-UNKNOWN_STREAM_COUNT = (1 << 62) - 1
-IMPLEMENTATION = "kvsp-moq/0.1"
-_TOKEN_ENTRY_OVERHEAD = 16
 
-# Request kinds. ANNOUNCED is a PUBLISH_NAMESPACE that answers a SUBSCRIBE_NAMESPACE
-# (draft-18 NAMESPACE); the others are named after their request message.
-SUBSCRIBE = "SUBSCRIBE"
-FETCH = "FETCH"
-TRACK_STATUS = "TRACK_STATUS"
-PUBLISH = "PUBLISH"
-PUBLISH_NAMESPACE = "PUBLISH_NAMESPACE"
-SUBSCRIBE_NAMESPACE = "SUBSCRIBE_NAMESPACE"
-ANNOUNCED = "ANNOUNCED"
-TRACKS = "TRACKS"  # the SUBSCRIBE_TRACKS half of a peer's SUBSCRIBE_NAMESPACE; never on the wire
+# Request kinds: the draft-18 message class of each request. ANNOUNCED is a
+# PUBLISH_NAMESPACE that answers a SUBSCRIBE_NAMESPACE (draft-18 NAMESPACE); TRACKS
+# is the SUBSCRIBE_TRACKS half of a peer's SUBSCRIBE_NAMESPACE, never on the wire.
+SUBSCRIBE = m18.Subscribe
+FETCH = m18.Fetch
+TRACK_STATUS = m18.TrackStatus
+PUBLISH = m18.Publish
+PUBLISH_NAMESPACE = m18.PublishNamespace
+SUBSCRIBE_NAMESPACE = m18.SubscribeNamespace
+ANNOUNCED = m18.Namespace
+TRACKS = m18.SubscribeTracks
+SUBSCRIBE_UPDATE = m18.RequestUpdate
 
 #: Request IDs of TRACKS requests: above every varint, so never a wire Request ID.
 _TRACKS_ID_BASE = 1 << 62
 
-_ERROR_MESSAGES: dict[str, type] = {
+_ERROR_MESSAGES: dict[type, type] = {
     SUBSCRIBE: d14.SubscribeError,
     FETCH: d14.FetchError,
     TRACK_STATUS: d14.TrackStatusError,
@@ -165,72 +154,95 @@ _ERROR_MESSAGES: dict[str, type] = {
 
 
 @dataclass(eq=False)
-class _Request:
-    """State of one request, from either side."""
+class _Request(RequestState):
+    """State of one draft-14 request; `parameters` are its draft-18 view."""
 
-    request_id: int
-    kind: str
-    local: bool  # this endpoint sent the request
-    parameters: Parameters = field(default_factory=Parameters)  # draft-18 view
     namespace: TrackNamespace = ()
     track_name: bytes = b""
     fetch: m18.Fetch | None = None
-    answered: bool = False
-    accepted: bool = False
-    closed: bool = False
     sent: bool = True  # False while queued behind the peer's Maximum Request ID
-    track_alias: int | None = None
-    default_priority: int = DEFAULT_PUBLISHER_PRIORITY
-    largest_at_ok: Location | None = None
-    fetch_group_order: GroupOrder = GroupOrder.ASCENDING
-    data_streams_opened: int = 0
-    open_data_streams: set = field(default_factory=set)
-    fetch_stream_closed: bool = False
-    done_stream_count: int | None = None
-    data_streams_ended: int = 0
     announced: dict = field(default_factory=dict)  # SUBSCRIBE_NAMESPACE: suffix -> ANNOUNCED request
     parent: "_Request | None" = None  # ANNOUNCED, TRACKS: its SUBSCRIBE_NAMESPACE
     tracks: "_Request | None" = None  # peer SUBSCRIBE_NAMESPACE: its TRACKS half
-    held_fetches: list = field(default_factory=list)
-    held_by: "_Request | None" = None
     credit_returned: bool = False
 
-    @property
-    def is_subscription(self) -> bool:
-        return self.kind in (SUBSCRIBE, PUBLISH)
 
-    @property
-    def publisher_is_local(self) -> bool:
-        return (self.kind == PUBLISH) == self.local
+class _DataStreamParser14:
+    """Reads a draft-14 data stream and returns its items in their draft-18 form
+    (a FETCH_HEADER is one already); what has none (objects that do not exist,
+    fetch objects with a status) is dropped."""
 
+    __slots__ = ("_parser",)
 
-@dataclass(eq=False)
-class _IncomingDataStream:
-    parser: d14.DataStreamParser
-    request: _Request | None = None
-    fetch: bool = False
-    header: data18.SubgroupHeader | None = None
-    held: list = field(default_factory=list)  # items waiting for their track alias; None = FIN
-    held_bytes: int = 0
-    discard: bool = False
+    def __init__(self, max_object_size: int) -> None:
+        self._parser = d14.DataStreamParser(max_object_size=max_object_size)
 
-
-@dataclass(eq=False)
-class _OutgoingDataStream:
-    request: _Request
-    writer: d14.SubgroupWriter | None  # None: a fetch stream
-    fin_sent: bool = False
-    reset: bool = False
-    payload_remaining: int = 0
+    def feed(self, data: bytes | bytearray | memoryview, end_stream: bool = False) -> list[object]:
+        items: list[object] = []
+        for item in self._parser.feed(data, end_stream):
+            converted = item if isinstance(item, data18.FetchHeader) else item.to_draft18()
+            if converted is not None:
+                items.append(converted)
+        return items
 
 
-class MoqtSession14:
+class _SubgroupWriter14:
+    """A draft-14 subgroup stream writer that takes draft-18 properties and statuses."""
+
+    __slots__ = ("_writer",)
+
+    def __init__(self, header: d14.SubgroupHeader) -> None:
+        self._writer = d14.SubgroupWriter(header)
+
+    def header_bytes(self) -> bytes:
+        return self._writer.header_bytes()
+
+    def object_header(
+        self, object_id: int, payload_length: int, *, properties: Properties = (), status: ObjectStatus = ObjectStatus.NORMAL
+    ) -> bytes:
+        return self._writer.object_header(
+            object_id, payload_length, extensions=_extensions(properties), status=d14.ObjectStatus(int(status))
+        )
+
+
+class _FetchWriter14:
+    """A draft-14 fetch stream writer: every object repeats all its fields, so the
+    group order needs no tracking."""
+
+    __slots__ = ("request_id",)
+
+    def __init__(self, request_id: int, group_order: GroupOrder = GroupOrder.ASCENDING) -> None:
+        self.request_id = request_id
+
+    def header_bytes(self) -> bytes:
+        return d14.FetchHeader(self.request_id).encode()
+
+    def object_header(
+        self,
+        group_id: int,
+        object_id: int,
+        payload_length: int,
+        *,
+        subgroup_id: int | None = 0,
+        publisher_priority: int = DEFAULT_PUBLISHER_PRIORITY,
+        properties: Properties = (),
+    ) -> bytes:
+        """`subgroup_id` None (a Datagram object) is sent as the Object ID, draft-14's convention."""
+        return d14.encode_fetch_object(
+            group_id, object_id if subgroup_id is None else subgroup_id, object_id, payload_length,
+            publisher_priority=publisher_priority, extensions=_extensions(properties),
+        )
+
+
+class MoqtSession14(SessionBase):
     """The draft-14 MOQT state of one QUIC connection (ALPN "moq-00").
 
     `versions` are the SETUP versions offered (client, most preferred first) or
     accepted (server). `max_requests` bounds the peer's concurrent requests through
     MAX_REQUEST_ID. The client writes CLIENT_SETUP when the session is created.
     """
+
+    _requests: dict[int, _Request]  # type: ignore[assignment]
 
     def __init__(
         self,
@@ -250,145 +262,53 @@ class MoqtSession14:
     ) -> None:
         if draft != 14:
             raise NotImplementedError(f"draft-{draft} is not this session's version")
-        self._quic = quic
-        self._is_client = is_client
-        self.draft = draft
+        super().__init__(
+            quic,
+            is_client=is_client,
+            draft=draft,
+            setup=setup,
+            max_object_size=max_object_size,
+            max_auth_token_cache_size=max_auth_token_cache_size,
+            max_buffered_before_setup=max_buffered_before_setup,
+            max_unmatched_stream_bytes=max_unmatched_stream_bytes,
+            accept_path=accept_path,
+            accept_authority=accept_authority,
+        )
         self.versions = tuple(versions)
         if not self.versions:
             raise ValueError("no version to offer")
         self.version: int | None = None
-        self.max_object_size = max_object_size
-        self._max_buffered_before_setup = max_buffered_before_setup
-        self._max_unmatched_stream_bytes = max_unmatched_stream_bytes
-        self._accept_path = None if accept_path is None else set(accept_path)
-        self._accept_authority = None if accept_authority is None else set(accept_authority)
-        self._closed = False
-        self.peer_setup: Setup | None = None
-        self.goaway_received: ev.GoawayReceived | None = None
         self._goaway_sent = False
 
         # Request IDs and their credit (section 9.1 / MAX_REQUEST_ID).
         self._max_requests = max_requests
-        self._next_request_id = 0 if is_client else 1
         self._peer_next_id = 1 if is_client else 0
         self._peer_active = 0
         self._granted = self._peer_next_id + 2 * max_requests  # peer IDs below this are allowed
         self._peer_grant = 0  # our IDs below this may be sent
         self._blocked_reported: int | None = None
         self._queue: deque[list] = deque()  # [request_id, bytearray] not yet sent
-
-        self._requests: dict[int, _Request] = {}
-        self._aliases_in: dict[int, _Request] = {}
-        self._aliases_out: dict[int, _Request] = {}
-        self._next_alias = 0
         self._updates: dict[int, _Request] = {}  # peer SUBSCRIBE_UPDATE id -> subscription
 
         self._control_stream_id: int | None = None
         self._control_parser = d14.ControlStreamParser()
-        self._incoming_data: dict[int, _IncomingDataStream] = {}
-        self._outgoing_data: dict[int, _OutgoingDataStream] = {}
-        self._before_setup: list[QuicEvent] = []
-        self._before_setup_bytes = 0
-        self._released: list[ev.MoqtEvent] = []
-
-        self._max_auth_token_cache_size = max_auth_token_cache_size
-        self._peer_tokens: dict[int, AuthToken] = {}
-        self._peer_token_bytes = 0
-
-        options = setup or Setup()
-        if options.implementation is None:
-            options = _replace(options, implementation=IMPLEMENTATION)
-        if options.max_auth_token_cache_size is None and max_auth_token_cache_size:
-            options = _replace(options, max_auth_token_cache_size=max_auth_token_cache_size)
-        self.local_setup = options
         if is_client:
             self._control_stream_id = quic.get_next_available_stream_id(is_unidirectional=False)
             hello = d14.ClientSetup(self.versions, self._setup_parameters())
             quic.send_stream_data(self._control_stream_id, hello.encode())
 
-    # ------------------------------------------------------------------
-    # Properties
-    # ------------------------------------------------------------------
-
-    @property
-    def is_client(self) -> bool:
-        return self._is_client
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    @property
-    def setup_completed(self) -> bool:
-        return self.peer_setup is not None
-
     def request_stream_id(self, request_id: int) -> int | None:
         """Draft-14 requests share the control stream."""
         return self._control_stream_id if request_id in self._requests else None
-
-    def track_alias_of(self, request_id: int) -> int | None:
-        request = self._requests.get(request_id)
-        return None if request is None else request.track_alias
-
-    def stream_count(self, request_id: int) -> int:
-        return self._request(request_id).data_streams_opened
 
     # ------------------------------------------------------------------
     # QUIC events
     # ------------------------------------------------------------------
 
-    def take_events(self) -> list[ev.MoqtEvent]:
-        """Events produced by calls of the application (a held joining FETCH released
-        by subscribe_ok(), an update reported accepted); handle_event() returns them
-        too, ahead of its own."""
-        out, self._released = self._released, []
-        return out
-
-    def handle_event(self, event: QuicEvent) -> list[ev.MoqtEvent]:
-        """Process one QUIC event; returns the MOQT events it produced."""
-        if self._closed:
-            return []
-        out: list[ev.MoqtEvent] = self.take_events()
-        try:
-            if isinstance(event, ConnectionTerminated):
-                self._closed = True
-                out.append(ev.SessionTerminated(event.error_code, event.reason_phrase, False))
-                return out
-            sid = getattr(event, "stream_id", None)
-            if self.peer_setup is None and (sid is None or stream_is_unidirectional(sid)):
-                self._hold_before_setup(event)
-            else:
-                self._dispatch(event, out)
-        except SessionError as exc:
-            self.close(int(exc.error_code), exc.reason)
-            out.append(ev.SessionTerminated(int(exc.error_code), exc.reason, True))
-        return out
-
-    def close(self, error_code: int = SessionCloseCode.NO_ERROR, reason: str = "") -> None:
-        """Close the session and its QUIC connection."""
-        if self._closed:
-            return
-        self._closed = True
-        self._quic.close(error_code=error_code, reason_phrase=reason)
-
-    def _hold_before_setup(self, event: QuicEvent) -> None:
-        self._before_setup_bytes += len(getattr(event, "data", b""))
-        if self._before_setup_bytes > self._max_buffered_before_setup:
-            raise ProtocolViolation("too much data before SETUP")
-        self._before_setup.append(event)
-
-    def _dispatch(self, event: QuicEvent, out: list[ev.MoqtEvent]) -> None:
-        if isinstance(event, StreamDataReceived):
-            self._on_stream_data(event, out)
-        elif isinstance(event, StreamReset):
-            self._on_stream_reset(event, out)
-        elif isinstance(event, StopSendingReceived):
-            self._on_stop_sending(event, out)
-        elif isinstance(event, DatagramFrameReceived):
-            self._on_datagram(event.data, out)
-
-    def _is_local_stream(self, stream_id: int) -> bool:
-        return bool(stream_id & 1) != self._is_client
+    def _is_control_event(self, event: QuicEvent) -> bool:
+        """Before SETUP only the bidirectional control stream is read."""
+        sid = getattr(event, "stream_id", None)
+        return sid is not None and not stream_is_unidirectional(sid)
 
     def _on_stream_data(self, event: StreamDataReceived, out: list[ev.MoqtEvent]) -> None:
         sid = event.stream_id
@@ -405,7 +325,7 @@ class MoqtSession14:
             return
         stream = self._incoming_data.get(sid)
         if stream is None:
-            stream = _IncomingDataStream(d14.DataStreamParser(max_object_size=self.max_object_size))
+            stream = IncomingDataStream(_DataStreamParser14(self.max_object_size))
             self._incoming_data[sid] = stream
         self._on_data_stream(sid, stream, event.data, event.end_stream, out)
 
@@ -414,32 +334,13 @@ class MoqtSession14:
         if sid == self._control_stream_id:
             raise ProtocolViolation("control stream reset")
         stream = self._incoming_data.pop(sid, None)
-        if stream is None or stream.discard or stream.request is None:
-            return
-        request = stream.request
-        request.open_data_streams.discard(sid)
-        out.append(ev.DataStreamEnded(request.request_id, sid, stream.fetch, True, event.error_code))
-        if stream.fetch:
-            if not request.closed:
-                # A reset fetch stream ends the fetch (the range is incomplete); the
-                # publisher has dropped it already, so no FETCH_CANCEL follows.
-                self._close_request(request)
-        else:
-            request.data_streams_ended += 1
-            self._maybe_end_subscription(request)
+        if stream is not None:
+            self._on_data_stream_reset(sid, stream, event.error_code, out)
 
     def _on_stop_sending(self, event: StopSendingReceived, out: list[ev.MoqtEvent]) -> None:
-        sid = event.stream_id
-        if sid == self._control_stream_id:
+        if event.stream_id == self._control_stream_id:
             raise ProtocolViolation("STOP_SENDING on the control stream")
-        stream = self._outgoing_data.get(sid)
-        if stream is None:
-            return
-        stream.reset = True  # aioquic resets the stream on STOP_SENDING
-        stream.request.open_data_streams.discard(sid)
-        out.append(ev.DataStreamStopped(stream.request.request_id, sid, event.error_code))
-        if stream.request.kind == FETCH:
-            stream.request.fetch_stream_closed = True
+        self._on_data_stream_stopped(event.stream_id, event.error_code, out)
 
     # ------------------------------------------------------------------
     # Control stream
@@ -482,14 +383,10 @@ class MoqtSession14:
             raise SessionError(
                 f"no supported version among {offered}", error_code=SessionCloseCode.VERSION_NEGOTIATION_FAILED
             )
-        p = message.parameters
-        if self._accept_path is not None and (p.path or "") not in self._accept_path:
-            raise InvalidPath(f"path {p.path!r} is not served here")
-        if self._accept_authority is not None and p.authority not in self._accept_authority:
-            raise InvalidAuthority(f"authority {p.authority!r} is not served here")
+        self._check_peer_target(message.parameters.path, message.parameters.authority, "parameter")
         self.version = version
         self._send(d14.ServerSetup(version, self._setup_parameters()))
-        self._complete_setup(p, out)
+        self._complete_setup(message.parameters, out)
 
     def _on_server_setup(self, message: d14.ServerSetup, out: list[ev.MoqtEvent]) -> None:
         if message.selected_version not in self.versions:
@@ -497,25 +394,12 @@ class MoqtSession14:
                 f"server chose version {message.selected_version:#x}, not offered",
                 error_code=SessionCloseCode.VERSION_NEGOTIATION_FAILED,
             )
-        p = message.parameters
-        if p.path is not None:
-            raise InvalidPath("PATH parameter from the server")
-        if p.authority is not None:
-            raise InvalidAuthority("AUTHORITY parameter from the server")
+        self._check_peer_target(message.parameters.path, message.parameters.authority, "parameter")
         self.version = message.selected_version
-        self._complete_setup(p, out)
+        self._complete_setup(message.parameters, out)
 
     def _complete_setup(self, p: d14.SetupParameters, out: list[ev.MoqtEvent]) -> None:
-        for token in p.authorization_tokens:
-            if token.alias_type in (AliasType.DELETE, AliasType.USE_ALIAS):
-                raise ProtocolViolation(f"{token.alias_type.name} token in SETUP")
-            if token.alias_type == AliasType.REGISTER:
-                size = _TOKEN_ENTRY_OVERHEAD + len(token.value or b"")
-                if token.alias in self._peer_tokens:
-                    raise DuplicateAuthTokenAlias(f"token alias {token.alias} already registered")
-                if self._peer_token_bytes + size <= self._max_auth_token_cache_size:
-                    self._peer_tokens[token.alias] = token  # type: ignore[index]
-                    self._peer_token_bytes += size
+        self._register_setup_tokens(p.authorization_tokens)
         setup = Setup(
             path=p.path,
             authority=p.authority,
@@ -527,10 +411,7 @@ class MoqtSession14:
         self._peer_grant = p.max_request_id or 0
         out.append(ev.SetupCompleted(setup))
         self._flush_queue()
-        held, self._before_setup, self._before_setup_bytes = self._before_setup, [], 0
-        for event in held:
-            self._dispatch(event, out)
-
+        self._replay_held(out)
     # -- session-level messages ------------------------------------------
 
     def _on_goaway(self, message: d14.Goaway, out: list[ev.MoqtEvent]) -> None:
@@ -563,7 +444,7 @@ class MoqtSession14:
             )
         self._peer_next_id += 2
 
-    def _new_peer_request(self, request_id: int, kind: str, **fields) -> _Request:
+    def _new_peer_request(self, request_id: int, kind: type, **fields) -> _Request:
         self._accept_peer_id(request_id)
         request = _Request(request_id, kind, False, **fields)
         self._requests[request_id] = request
@@ -621,15 +502,18 @@ class MoqtSession14:
         return False
 
     def _on_subscribe(self, message: d14.Subscribe, out: list[ev.MoqtEvent]) -> None:
+        """SUBSCRIBE, or TRACK_STATUS (SUBSCRIBE's format)."""
         s18 = message.to_draft18()
+        status = isinstance(message, d14.TrackStatus)
         request = self._new_peer_request(
-            message.request_id, SUBSCRIBE, parameters=s18.parameters,
+            message.request_id, TRACK_STATUS if status else SUBSCRIBE, parameters=s18.parameters,
             namespace=message.namespace, track_name=message.track_name,
         )
         tokens = self._resolve_tokens(message.parameters.authorization_tokens)
         if self._refuse_if_going_away(request):
             return
-        out.append(ev.SubscribeReceived(request.request_id, message.namespace, message.track_name, s18.parameters, tokens))
+        received = ev.TrackStatusReceived if status else ev.SubscribeReceived
+        out.append(received(request.request_id, message.namespace, message.track_name, s18.parameters, tokens))
 
     def _on_publish(self, message: d14.Publish, out: list[ev.MoqtEvent]) -> None:
         other = self._aliases_in.get(message.track_alias)
@@ -665,77 +549,10 @@ class MoqtSession14:
     def _on_fetch(self, message: d14.Fetch, out: list[ev.MoqtEvent]) -> None:
         f18 = message.to_draft18()
         request = self._new_peer_request(message.request_id, FETCH, parameters=f18.parameters, fetch=f18)
-        if message.group_order is not None:
-            request.fetch_group_order = message.group_order
         tokens = self._resolve_tokens(message.parameters.authorization_tokens)
         if self._refuse_if_going_away(request):
             return
-        if message.fetch_type == FetchType.STANDALONE:
-            start, end = message.start, message.end
-            assert start is not None and end is not None
-            if end < start and not (end.object == 0 and end.group >= start.group):
-                self._reject(request, RequestErrorCode.INVALID_RANGE, "end before start")
-                return
-            request.namespace, request.track_name = message.namespace or (), message.track_name or b""
-            out.append(
-                ev.FetchReceived(
-                    request.request_id, message.fetch_type, request.namespace, request.track_name,
-                    start, end, None, f18.parameters, tokens,
-                )
-            )
-            return
-        joined = self._requests.get(message.joining_request_id)  # type: ignore[arg-type]
-        if joined is None or joined.kind != SUBSCRIBE or joined.local or joined.closed:
-            self._reject(request, RequestErrorCode.INVALID_JOINING_REQUEST_ID, "no such subscription")
-            return
-        if not joined.accepted:
-            request.held_by = joined
-            joined.held_fetches.append((request, message, tokens))
-            return
-        self._resolve_joining(request, message, tokens, joined, out)
-
-    def _resolve_joining(
-        self, request: _Request, message: d14.Fetch, tokens: tuple[AuthToken, ...], joined: _Request,
-        out: list[ev.MoqtEvent],
-    ) -> None:
-        """Turn a joining FETCH of an established subscription into its range."""
-        if joined.parameters.forward is False:
-            self._reject(request, RequestErrorCode.INVALID_RANGE, "joined subscription has Forward 0")
-            return
-        largest = joined.largest_at_ok
-        if largest is None:
-            self._reject(request, RequestErrorCode.INVALID_RANGE, "no objects published")
-            return
-        if message.fetch_type == FetchType.RELATIVE_JOINING:
-            start = Location(max(0, largest.group - message.joining_start), 0)  # type: ignore[operator]
-        else:
-            start = Location(message.joining_start, 0)  # type: ignore[arg-type]
-        end = Location(largest.group, largest.object + 1)
-        request.namespace, request.track_name = joined.namespace, joined.track_name
-        out.append(
-            ev.FetchReceived(
-                request.request_id, message.fetch_type, joined.namespace, joined.track_name,
-                start, end, joined.request_id, request.parameters, tokens,
-            )
-        )
-
-    def _refuse_held_fetches(self, joined: _Request, reason: str) -> None:
-        held, joined.held_fetches = joined.held_fetches, []
-        for request, _, _ in held:
-            request.held_by = None
-            if not request.closed and not request.answered and not self._closed:
-                self._reject(request, RequestErrorCode.INVALID_JOINING_REQUEST_ID, reason)
-
-    def _on_track_status(self, message: d14.TrackStatus, out: list[ev.MoqtEvent]) -> None:
-        t18 = message.to_draft18()
-        request = self._new_peer_request(
-            message.request_id, TRACK_STATUS, parameters=t18.parameters,
-            namespace=message.namespace, track_name=message.track_name,
-        )
-        tokens = self._resolve_tokens(message.parameters.authorization_tokens)
-        if self._refuse_if_going_away(request):
-            return
-        out.append(ev.TrackStatusReceived(request.request_id, message.namespace, message.track_name, t18.parameters, tokens))
+        self._on_fetch_request(request, f18, tokens, out)
 
     def _on_publish_namespace(self, message: d14.PublishNamespace, out: list[ev.MoqtEvent]) -> None:
         parameters = Parameters(authorization_tokens=message.parameters.authorization_tokens)
@@ -817,20 +634,20 @@ class MoqtSession14:
 
     # -- answers to our requests -----------------------------------------
 
-    def _our_request(self, request_id: int, kinds: tuple[str, ...], name: str) -> _Request | None:
+    def _our_request(self, request_id: int, kinds: tuple[type, ...], name: str) -> _Request | None:
         """Our request answered by `name`; None when it was cancelled meanwhile."""
         request = self._requests.get(request_id)
         if request is None or not request.local:
-            if request_id & 1 == self._next_request_id & 1 and request_id < self._next_request_id:
+            if self._was_ours(request_id):
                 return None  # ours, already forgotten
             raise ProtocolViolation(f"{name} for unknown request {request_id}")
         if request.kind not in kinds:
-            raise ProtocolViolation(f"{name} answers a {request.kind}")
+            raise ProtocolViolation(f"{name} answers a {request.kind.NAME}")
         if request.closed:
             return None
         return request
 
-    def _first_answer(self, request_id: int, kinds: tuple[str, ...], name: str) -> _Request | None:
+    def _first_answer(self, request_id: int, kinds: tuple[type, ...], name: str) -> _Request | None:
         request = self._our_request(request_id, kinds, name)
         if request is None:
             return None
@@ -912,7 +729,7 @@ class MoqtSession14:
 
     def _on_namespace_ok(self, message: d14.Message, out: list[ev.MoqtEvent]) -> None:
         if isinstance(message, d14.PublishNamespaceOk):
-            kinds: tuple[str, ...] = (PUBLISH_NAMESPACE, ANNOUNCED)
+            kinds: tuple[type, ...] = (PUBLISH_NAMESPACE, ANNOUNCED)
         else:
             kinds = (SUBSCRIBE_NAMESPACE,)
         request = self._first_answer(message.request_id, kinds, message.NAME)  # type: ignore[attr-defined]
@@ -938,22 +755,13 @@ class MoqtSession14:
     # -- cancellations by the peer ---------------------------------------
 
     def _peer_cancelled(self, request: _Request, code: int, out: list[ev.MoqtEvent]) -> None:
-        if request.held_by is not None:
-            joined = request.held_by
-            joined.held_fetches = [h for h in joined.held_fetches if h[0] is not request]
-            request.held_by = None
+        if self._forget_held(request):
             self._close_request(request)
-            return  # the application never saw it
+            return
         out.append(ev.RequestCancelled(request.request_id, code, request.local))
         if request.held_fetches:
             self._refuse_held_fetches(request, "subscription cancelled")
-        for sid in list(request.open_data_streams):
-            if sid in self._outgoing_data:
-                self.reset_data_stream(sid, StreamResetCode.CANCELLED)
-            else:
-                stream = self._incoming_data.get(sid)
-                if stream is not None:
-                    self._stop_incoming(sid, stream, StreamResetCode.CANCELLED)
+        self._end_data_streams(request, StreamResetCode.CANCELLED)
         self._close_request(request)
 
     def _on_unsubscribe(self, message: d14.Unsubscribe, out: list[ev.MoqtEvent]) -> None:
@@ -1002,11 +810,7 @@ class MoqtSession14:
         request = self._find_namespace(message.namespace_prefix, local=False, kinds=(SUBSCRIBE_NAMESPACE,))
         if request is None:
             return
-        for announced in list(request.announced.values()):
-            if not announced.closed:
-                self._send_about(announced, d14.PublishNamespaceDone(announced.namespace))
-                self._close_request(announced)
-        request.announced.clear()
+        self._withdraw_announced(request)
         self._peer_cancelled(request, StreamResetCode.CANCELLED, out)
         self._end_tracks(request, out)
 
@@ -1017,11 +821,22 @@ class MoqtSession14:
             out.append(ev.RequestCancelled(tracks.request_id, StreamResetCode.CANCELLED, False))
             self._close_request(tracks)
 
-    def _find_namespace(self, namespace: TrackNamespace, *, local: bool, kinds: tuple[str, ...]) -> _Request | None:
+    def _find_namespace(self, namespace: TrackNamespace, *, local: bool, kinds: tuple[type, ...]) -> _Request | None:
         for request in self._requests.values():
             if request.local == local and request.kind in kinds and request.namespace == namespace and not request.closed:
                 return request
         return None
+
+    def _withdraw_announced(self, request: _Request) -> None:
+        """PUBLISH_NAMESPACE_DONE for every namespace announced under a peer's SUBSCRIBE_NAMESPACE."""
+        for announced in list(request.announced.values()):
+            self._withdraw(announced)
+        request.announced.clear()
+
+    def _withdraw(self, announced: _Request) -> None:
+        if not announced.closed:
+            self._send_about(announced, d14.PublishNamespaceDone(announced.namespace))
+            self._close_request(announced)
 
     def _drop_announced(self, request: _Request) -> None:
         parent = request.parent
@@ -1036,231 +851,56 @@ class MoqtSession14:
     # Data streams and datagrams
     # ------------------------------------------------------------------
 
-    def _on_data_stream(
-        self, sid: int, stream: _IncomingDataStream, data: bytes, end_stream: bool, out: list[ev.MoqtEvent]
-    ) -> None:
-        if stream.discard:
-            if end_stream:
-                self._incoming_data.pop(sid, None)
-            return
-        for item in stream.parser.feed(data, end_stream):
-            if stream.request is None and stream.header is None and not stream.fetch:
-                if not self._on_data_header(sid, stream, item, out):
-                    return
-                continue
-            if stream.request is None:
-                stream.held.append(item)
-                stream.held_bytes += len(getattr(item, "payload", b"")) + 32
-                if stream.held_bytes > self._max_unmatched_stream_bytes:
-                    self._stop_incoming(sid, stream, StreamResetCode.EXCESSIVE_LOAD)
-                    return
-                continue
-            self._deliver_item(sid, stream, item, out)
-        if end_stream:
-            if stream.request is not None:
-                self._incoming_data.pop(sid, None)
-                self._end_incoming(sid, stream, out)
-            else:
-                stream.held.append(None)
+    def _was_ours(self, request_id: int) -> bool:
+        """Whether a Request ID is one this endpoint used (its request may be forgotten)."""
+        return request_id & 1 == self._next_request_id & 1 and request_id < self._next_request_id
 
-    def _on_data_header(self, sid: int, stream: _IncomingDataStream, item: object, out: list[ev.MoqtEvent]) -> bool:
-        if isinstance(item, d14.FetchHeader):
+    def _on_data_header(self, sid: int, stream: IncomingDataStream, item: object, out: list[ev.MoqtEvent]) -> bool:
+        if isinstance(item, data18.FetchHeader):
             stream.fetch = True
             request = self._requests.get(item.request_id)
             if request is None or request.closed:
-                if item.request_id & 1 == self._next_request_id & 1 and item.request_id < self._next_request_id:
+                if self._was_ours(item.request_id):
                     self._stop_incoming(sid, stream, StreamResetCode.CANCELLED)
                     return False
                 raise ProtocolViolation(f"FETCH_HEADER for unknown fetch {item.request_id}")
-            if request.kind != FETCH or not request.local:
+            if request.kind is not FETCH or not request.local:
                 raise ProtocolViolation(f"FETCH_HEADER for request {item.request_id}, not a FETCH of ours")
             stream.request = request
             request.open_data_streams.add(sid)
             return True
-        assert isinstance(item, d14.SubgroupHeader)
-        header = item.to_draft18()
-        stream.header = header
-        request = self._aliases_in.get(item.track_alias)
-        if request is None:
-            return True  # held until SUBSCRIBE_OK / PUBLISH names the alias
-        if request.closed:
-            self._stop_incoming(sid, stream, StreamResetCode.CANCELLED)
-            return False
-        stream.request = request
-        request.open_data_streams.add(sid)
-        out.append(ev.SubgroupStreamOpened(request.request_id, sid, header))
-        return True
+        assert isinstance(item, data18.SubgroupHeader)
+        return self._on_subgroup_header(sid, stream, item, out)
 
-    def _deliver_item(self, sid: int, stream: _IncomingDataStream, item: object, out: list[ev.MoqtEvent]) -> None:
+    def _stop_incoming(self, sid: int, stream: IncomingDataStream, code: int) -> None:
         request = stream.request
-        assert request is not None
-        if isinstance(item, d14.SubgroupObject):
-            obj = item.to_draft18()
-            header = stream.header
-            if obj is None or header is None:
-                return
-            priority = header.publisher_priority
-            out.append(
-                ev.ObjectReceived(
-                    request.request_id, header.track_alias, header.group_id, obj.subgroup_id, obj.object_id,
-                    request.default_priority if priority is None else priority,
-                    obj.status, obj.payload, obj.properties, sid, header.end_of_group,
-                )
-            )
-        elif isinstance(item, d14.FetchObject):
-            fobj = item.to_draft18()
-            if fobj is None:
-                return
-            out.append(
-                ev.FetchObjectReceived(
-                    request.request_id, fobj.group_id, fobj.subgroup_id, fobj.object_id,
-                    fobj.publisher_priority, fobj.payload, fobj.properties, sid,
-                )
-            )
+        attached = request is not None and not stream.discard and sid in request.open_data_streams
+        super()._stop_incoming(sid, stream, code)
+        if attached:
+            self._forget_if_done(request)  # type: ignore[arg-type]
 
-    def _end_incoming(self, sid: int, stream: _IncomingDataStream, out: list[ev.MoqtEvent]) -> None:
-        request = stream.request
-        assert request is not None
-        request.open_data_streams.discard(sid)
-        out.append(ev.DataStreamEnded(request.request_id, sid, stream.fetch, False, None))
-        if stream.fetch:
-            request.fetch_stream_closed = True
-            self._maybe_finish_fetch(request)
-        else:
-            request.data_streams_ended += 1
-            self._maybe_end_subscription(request)
-        self._forget_if_done(request)
-
-    def _flush_held_for_alias(self, alias: int, out: list[ev.MoqtEvent]) -> None:
-        request = self._aliases_in[alias]
-        for sid, stream in list(self._incoming_data.items()):
-            if stream.request is not None or stream.header is None or stream.header.track_alias != alias:
-                continue
-            if stream.fetch or stream.discard:
-                continue
-            stream.request = request
-            request.open_data_streams.add(sid)
-            out.append(ev.SubgroupStreamOpened(request.request_id, sid, stream.header))
-            held, stream.held, stream.held_bytes = stream.held, [], 0
-            ended = False
-            for item in held:
-                if item is None:
-                    ended = True
-                else:
-                    self._deliver_item(sid, stream, item, out)
-            if ended:
-                self._incoming_data.pop(sid, None)
-                self._end_incoming(sid, stream, out)
-
-    def _on_datagram(self, data: bytes, out: list[ev.MoqtEvent]) -> None:
-        datagram = d14.decode_datagram(data).to_draft18()
-        if datagram is None:
-            return
-        request = self._aliases_in.get(datagram.track_alias)
-        if request is None or request.closed:
-            return  # an unknown alias may be dropped
-        priority = datagram.publisher_priority
-        out.append(
-            ev.ObjectReceived(
-                request.request_id, datagram.track_alias, datagram.group_id, None, datagram.object_id,
-                request.default_priority if priority is None else priority,
-                ObjectStatus.NORMAL if datagram.status is None else datagram.status,
-                datagram.payload, datagram.properties, None, datagram.end_of_group,
-            )
-        )
-
-    def stop_data_stream(self, stream_id: int, error_code: int = StreamResetCode.CANCELLED) -> None:
-        """STOP_SENDING an incoming data stream; the subscription goes on."""
-        stream = self._incoming_data.get(stream_id)
-        if stream is not None:
-            self._stop_incoming(stream_id, stream, error_code)
-
-    def incoming_stream_open(self, stream_id: int) -> bool:
-        stream = self._incoming_data.get(stream_id)
-        return stream is not None and not stream.discard
-
-    def _stop_incoming(self, sid: int, stream: _IncomingDataStream, code: int) -> None:
-        if stream.discard:
-            return
-        stream.discard = True
-        stream.held = []
-        request = stream.request
-        if request is not None and sid in request.open_data_streams:
-            request.open_data_streams.discard(sid)
-            if not stream.fetch:
-                request.data_streams_ended += 1
-                self._maybe_end_subscription(request)
-            self._forget_if_done(request)
-        try:
-            self._quic.stop_stream(sid, code)
-        except (ValueError, RuntimeError, AssertionError):
-            pass
-
-    def _maybe_end_subscription(self, request: _Request) -> None:
-        """After PUBLISH_DONE, forget the subscription once all its streams ended."""
-        count = request.done_stream_count
-        if count is None or request.closed or request.open_data_streams:
-            return
-        if count != UNKNOWN_STREAM_COUNT and request.data_streams_ended >= count:
-            self._close_request(request)
-
-    def release(self, request_id: int) -> None:
-        """Forget a subscription that ended with PUBLISH_DONE, even if some of its
-        streams never arrived (after a grace period chosen by the caller)."""
-        request = self._requests.get(request_id)
-        if request is None or request.done_stream_count is None:
-            return
+    def _end_data_streams(self, request: _Request, error_code: int) -> None:
+        """Reset the data streams we send for a request and stop those we receive."""
         for sid in list(request.open_data_streams):
-            stream = self._incoming_data.get(sid)
-            if stream is not None:
-                self._stop_incoming(sid, stream, StreamResetCode.CANCELLED)
-        request.open_data_streams.clear()
-        self._close_request(request)
-
-    # -- authorization tokens ----------------------------------------------
-
-    def _resolve_tokens(self, tokens: tuple[AuthToken, ...]) -> tuple[AuthToken, ...]:
-        """Apply the peer's alias operations; return the tokens in USE_VALUE form."""
-        resolved: list[AuthToken] = []
-        for token in tokens:
-            if token.alias_type == AliasType.USE_VALUE:
-                resolved.append(token)
-            elif token.alias_type == AliasType.REGISTER:
-                if token.alias in self._peer_tokens:
-                    raise DuplicateAuthTokenAlias(f"token alias {token.alias} already registered")
-                size = _TOKEN_ENTRY_OVERHEAD + len(token.value or b"")
-                if self._peer_token_bytes + size > self._max_auth_token_cache_size:
-                    raise AuthTokenCacheOverflow("authorization token cache full")
-                self._peer_tokens[token.alias] = token  # type: ignore[index]
-                self._peer_token_bytes += size
-                resolved.append(AuthToken.use_value(token.value or b"", token.token_type or 0))
-            elif token.alias_type == AliasType.USE_ALIAS:
-                registered = self._peer_tokens.get(token.alias)  # type: ignore[arg-type]
-                if registered is None:
-                    raise UnknownAuthTokenAlias(f"token alias {token.alias} not registered")
-                resolved.append(AuthToken.use_value(registered.value or b"", registered.token_type or 0))
+            if sid in self._outgoing_data:
+                self.reset_data_stream(sid, error_code)
             else:
-                registered = self._peer_tokens.pop(token.alias, None)  # type: ignore[arg-type]
-                if registered is None:
-                    raise UnknownAuthTokenAlias(f"token alias {token.alias} not registered")
-                self._peer_token_bytes -= _TOKEN_ENTRY_OVERHEAD + len(registered.value or b"")
-        return tuple(resolved)
+                stream = self._incoming_data.get(sid)
+                if stream is not None:
+                    self._stop_incoming(sid, stream, error_code)
+
+    def _decode_datagram(self, data: bytes) -> data18.ObjectDatagram | None:
+        return d14.decode_datagram(data).to_draft18()
+
+    def _encode_datagram(self, request: RequestState, datagram: data18.ObjectDatagram) -> bytes:
+        """Draft-14 datagrams always carry a priority: an inherited one is the track's default."""
+        return d14.ObjectDatagram.from_draft18(datagram, request.default_priority).encode()
 
     # ------------------------------------------------------------------
     # Sending: requests
     # ------------------------------------------------------------------
 
-    def _request(self, request_id: int) -> _Request:
-        request = self._requests.get(request_id)
-        if request is None:
-            raise StreamClosed(f"no active request {request_id}")
-        return request
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise StreamClosed("session closed")
-
-    def _open_request(self, kind: str, build: Callable[[int], d14.Message], **fields) -> int:
+    def _open_request(self, kind: type, build: Callable[[int], d14.Message], **fields) -> int:
         self._check_open()
         request_id = self._next_request_id
         message = build(request_id)
@@ -1275,7 +915,7 @@ class MoqtSession14:
         message18 = m18.Subscribe(0, tuple(namespace), track_name, parameters)
         return self._open_request(
             SUBSCRIBE,
-            lambda rid: d14.Subscribe.from_draft18(_replace(message18, request_id=rid)),
+            lambda rid: d14.Subscribe.from_draft18(replace(message18, request_id=rid)),
             parameters=parameters, namespace=tuple(namespace), track_name=track_name,
         )
 
@@ -1305,11 +945,11 @@ class MoqtSession14:
     def _fetch(self, f18: m18.Fetch) -> int:
         request_id = self._open_request(
             FETCH,
-            lambda rid: d14.Fetch.from_draft18(_replace(f18, request_id=rid)),
+            lambda rid: d14.Fetch.from_draft18(replace(f18, request_id=rid)),
             parameters=f18.parameters,
         )
         request = self._requests[request_id]
-        request.fetch = _replace(f18, request_id=request_id)
+        request.fetch = replace(f18, request_id=request_id)
         if f18.parameters.group_order is not None:
             request.fetch_group_order = f18.parameters.group_order
         return request_id
@@ -1317,7 +957,7 @@ class MoqtSession14:
     def track_status(self, namespace: TrackNamespace, track_name: bytes, parameters: Parameters = Parameters()) -> int:
         t18 = m18.TrackStatus(0, tuple(namespace), track_name, parameters)
         return self._open_request(
-            TRACK_STATUS, lambda rid: d14.TrackStatus.from_draft18(_replace(t18, request_id=rid)),
+            TRACK_STATUS, lambda rid: d14.TrackStatus.from_draft18(replace(t18, request_id=rid)),
             parameters=parameters, namespace=tuple(namespace), track_name=track_name,
         )
 
@@ -1341,7 +981,6 @@ class MoqtSession14:
 
     def subscribe_tracks(self, namespace_prefix: TrackNamespace, parameters: Parameters = Parameters()) -> int:
         raise NotSupported("SUBSCRIBE_TRACKS does not exist in draft-14")
-
     def publish(
         self,
         namespace: TrackNamespace,
@@ -1408,7 +1047,7 @@ class MoqtSession14:
             merged.forward is not False,
             d14.Parameters(parameters.authorization_tokens, parameters.object_delivery_timeout),
         )
-        update = _Request(update_id, "SUBSCRIBE_UPDATE", True, closed=True)
+        update = _Request(update_id, SUBSCRIBE_UPDATE, True, closed=True)
         self._send_request(update, message)
         request.parameters = merged
         self._released.append(ev.RequestAccepted(update_id, Parameters(), ()))
@@ -1432,13 +1071,7 @@ class MoqtSession14:
             self._reject(request, RequestErrorCode.INTERNAL_ERROR, "cancelled")
         else:
             self._send_cancel(request, error_code)
-        for sid in list(request.open_data_streams):
-            if sid in self._outgoing_data:
-                self.reset_data_stream(sid, error_code)
-            else:
-                stream = self._incoming_data.get(sid)
-                if stream is not None:
-                    self._stop_incoming(sid, stream, error_code)
+        self._end_data_streams(request, error_code)
         self._close_request(request)
 
     def _send_cancel(self, request: _Request, error_code: int = StreamResetCode.CANCELLED) -> None:
@@ -1467,11 +1100,7 @@ class MoqtSession14:
                 message = d14.PublishNamespaceCancel(request.namespace, d14.PublishNamespaceErrorCode.INTERNAL_ERROR,
                                                      "cancelled")
             elif kind == SUBSCRIBE_NAMESPACE:
-                for announced in list(request.announced.values()):
-                    if not announced.closed:
-                        self._send_about(announced, d14.PublishNamespaceDone(announced.namespace))
-                        self._close_request(announced)
-                request.announced.clear()
+                self._withdraw_announced(request)
             # A peer FETCH already answered ends by resetting its data stream.
         if message is not None and not self._closed:
             self._send_about(request, message)
@@ -1493,70 +1122,11 @@ class MoqtSession14:
     # Sending: answers
     # ------------------------------------------------------------------
 
-    def _peer_request(self, request_id: int, kinds: tuple[str, ...]) -> _Request:
-        self._check_open()
-        request = self._request(request_id)
-        if request.local or request.kind not in kinds:
-            raise ValueError(f"request {request_id} is not a peer {'/'.join(kinds)}")
-        if request.answered:
-            raise ValueError(f"request {request_id} was already answered")
-        if request.closed:
-            raise StreamClosed(f"request {request_id} was cancelled")
-        return request
-
-    def _allocate_alias(self, alias: int | None) -> int:
-        if alias is None:
-            while self._next_alias in self._aliases_out:
-                self._next_alias += 1
-            alias = self._next_alias
-            self._next_alias += 1
-        elif alias in self._aliases_out and not self._aliases_out[alias].closed:
-            raise ValueError(f"track alias {alias} in use")
-        return alias
-
-    def subscribe_ok(
-        self,
-        request_id: int,
-        *,
-        track_alias: int | None = None,
-        largest: Location | None = None,
-        expires: int | None = None,
-        track_properties: Properties = (),
-    ) -> int:
-        """Accept a peer's SUBSCRIBE; returns the Track Alias its objects carry."""
-        request = self._peer_request(request_id, (SUBSCRIBE,))
-        alias = self._allocate_alias(track_alias)
-        largest_location = None if largest is None else Location(*largest)
-        ok18 = m18.SubscribeOk(alias, Parameters(expires=expires, largest_object=largest_location), track_properties)
-        self._send(d14.SubscribeOk.from_draft18(ok18, request_id))
-        request.answered = request.accepted = True
-        request.track_alias = alias
-        request.largest_at_ok = largest_location
-        request.default_priority = property_value(
-            track_properties, TrackPropertyType.DEFAULT_PUBLISHER_PRIORITY, DEFAULT_PUBLISHER_PRIORITY
-        )
-        self._aliases_out[alias] = request
-        held, request.held_fetches = request.held_fetches, []
-        for fetch, message, tokens in held:
-            fetch.held_by = None
-            if not fetch.closed and not self._closed:
-                self._resolve_joining(fetch, message, tokens, request, self._released)
-        return alias
-
-    def fetch_ok(
-        self,
-        request_id: int,
-        end_location: Location,
-        *,
-        end_of_track: bool = False,
-        track_properties: Properties = (),
-    ) -> None:
-        """Accept a peer's FETCH. `end_location` uses the wire encoding (last + 1)."""
-        request = self._peer_request(request_id, (FETCH,))
-        ok18 = m18.FetchOk(end_of_track, Location(*end_location), Parameters(), track_properties)
-        self._send(d14.FetchOk.from_draft18(ok18, request_id, request.fetch_group_order))
-        request.answered = request.accepted = True
-        self._maybe_finish_fetch(request)
+    def _send_answer(self, request: RequestState, message: m18.SubscribeOk | m18.FetchOk) -> None:
+        if isinstance(message, m18.SubscribeOk):
+            self._send(d14.SubscribeOk.from_draft18(message, request.request_id))
+        else:
+            self._send(d14.FetchOk.from_draft18(message, request.request_id, request.fetch_group_order))
 
     def request_ok(self, request_id: int, parameters: Parameters = Parameters(), track_properties: Properties = ()) -> None:
         """Send PUBLISH_OK, TRACK_STATUS_OK, PUBLISH_NAMESPACE_OK or
@@ -1638,23 +1208,9 @@ class MoqtSession14:
         if request.held_fetches:
             self._refuse_held_fetches(request, "subscription refused")
 
-    def publish_done(self, request_id: int, status_code: int = PublishDoneCode.TRACK_ENDED, reason: str = "") -> None:
-        """End a subscription this endpoint publishes: FIN its open data streams and
-        send PUBLISH_DONE with the stream count."""
-        self._check_open()
-        request = self._request(request_id)
-        if not request.is_subscription or not request.publisher_is_local:
-            raise ValueError(f"request {request_id} is not a subscription this endpoint publishes")
-        if request.closed:
-            raise StreamClosed(f"subscription {request_id} is closed")
-        for sid in list(request.open_data_streams):
-            stream = self._outgoing_data.get(sid)
-            if stream is not None and stream.payload_remaining:
-                self.reset_data_stream(sid, StreamResetCode.CANCELLED)
-            else:
-                self.close_data_stream(sid)
+    def _send_publish_done(self, request: RequestState, status_code: int, reason: str) -> None:
         done = m18.PublishDone(status_code, request.data_streams_opened, reason)
-        self._send_about(request, d14.PublishDone.from_draft18(done, request_id))
+        self._send_about(request, d14.PublishDone.from_draft18(done, request.request_id))  # type: ignore[arg-type]
         self._close_request(request)
 
     def namespace(self, request_id: int, namespace_suffix: TrackNamespace) -> None:
@@ -1675,180 +1231,21 @@ class MoqtSession14:
         announced = request.announced.pop(tuple(namespace_suffix), None)
         if announced is None:
             raise ValueError("NAMESPACE_DONE for a suffix never announced")
-        if not announced.closed:
-            self._send_about(announced, d14.PublishNamespaceDone(announced.namespace))
-            self._close_request(announced)
+        self._withdraw(announced)
 
     def publish_blocked(self, request_id: int, namespace_suffix: TrackNamespace, track_name: bytes) -> None:
         raise NotSupported("PUBLISH_BLOCKED does not exist in draft-14")
-
-    def _answered_peer_request(self, request_id: int, kind: str) -> _Request:
-        self._check_open()
-        request = self._request(request_id)
-        if request.local or request.kind != kind or not request.accepted:
-            raise ValueError(f"request {request_id} is not an accepted peer {kind}")
-        if request.closed:
-            raise StreamClosed(f"request {request_id} was cancelled")
-        return request
 
     # ------------------------------------------------------------------
     # Sending: objects
     # ------------------------------------------------------------------
 
-    def _publishing_request(self, request_id: int) -> _Request:
-        self._check_open()
-        request = self._request(request_id)
-        if not request.is_subscription or not request.publisher_is_local:
-            raise ValueError(f"request {request_id} is not a subscription this endpoint publishes")
-        if request.closed:
-            raise StreamClosed(f"subscription {request_id} is closed")
-        if request.kind == SUBSCRIBE and not request.accepted:
-            raise ValueError("objects are sent only after SUBSCRIBE_OK")
-        return request
+    _FETCH_WRITER = _FetchWriter14
 
-    def open_subgroup(
-        self,
-        request_id: int,
-        group_id: int,
-        subgroup_id: int = 0,
-        *,
-        publisher_priority: int | None = DEFAULT_PUBLISHER_PRIORITY,
-        end_of_group: bool = False,
-        has_properties: bool = False,
-        first_object: bool = True,
-    ) -> int:
-        """Open a subgroup stream; returns its stream ID. Draft-14 headers always carry
-        a priority (None: the track's default) and have no FIRST_OBJECT bit."""
-        request = self._publishing_request(request_id)
-        priority = request.default_priority if publisher_priority is None else publisher_priority
-        header = d14.SubgroupHeader(
-            request.track_alias, group_id, subgroup_id, priority, has_properties, end_of_group  # type: ignore[arg-type]
-        )
-        writer = d14.SubgroupWriter(header)
-        sid = self._quic.get_next_available_stream_id(is_unidirectional=True)
-        self._quic.send_stream_data(sid, writer.header_bytes())
-        self._outgoing_data[sid] = _OutgoingDataStream(request, writer)
-        request.data_streams_opened += 1
-        request.open_data_streams.add(sid)
-        return sid
-
-    def _outgoing(self, stream_id: int) -> _OutgoingDataStream:
-        stream = self._outgoing_data.get(stream_id)
-        if stream is None:
-            raise StreamClosed(f"no open data stream {stream_id}")
-        if stream.reset or stream.fin_sent or self._closed:
-            raise StreamClosed(f"data stream {stream_id} is closed")
-        return stream
-
-    def _send_data(self, stream: _OutgoingDataStream, stream_id: int, data, end_stream: bool = False) -> None:
-        try:
-            self._quic.send_stream_data(stream_id, data, end_stream=end_stream)
-        except (ValueError, RuntimeError, AssertionError) as exc:
-            stream.reset = True
-            raise StreamClosed(f"data stream {stream_id}: {exc}") from None
-        if end_stream:
-            self._data_stream_finished(stream_id, stream)
-
-    def _new_object(self, stream_id: int, fetch: bool) -> _OutgoingDataStream:
-        stream = self._outgoing(stream_id)
-        if (stream.writer is None) != fetch:
-            raise ValueError(f"stream {stream_id} is not a {'fetch' if fetch else 'subgroup'} stream")
-        if stream.payload_remaining:
-            raise ValueError(f"stream {stream_id}: the previous object has {stream.payload_remaining} payload bytes unwritten")
-        return stream
-
-    def begin_object(self, stream_id: int, object_id: int, payload_length: int, *, properties: Properties = ()) -> None:
-        """Write the header of a Normal object on a subgroup stream; write_payload() follows."""
-        stream = self._new_object(stream_id, fetch=False)
-        assert stream.writer is not None
-        header = stream.writer.object_header(object_id, payload_length, extensions=_extensions(properties))
-        self._send_data(stream, stream_id, header)
-        stream.payload_remaining = payload_length
-
-    def write_payload(self, stream_id: int, data: bytes | bytearray | memoryview, *, end_stream: bool = False) -> None:
-        stream = self._outgoing(stream_id)
-        if len(data) > stream.payload_remaining:
-            raise ValueError(f"{len(data)} payload bytes but {stream.payload_remaining} announced")
-        if end_stream and len(data) != stream.payload_remaining:
-            raise ValueError("FIN inside an object")
-        stream.payload_remaining -= len(data)
-        self._send_data(stream, stream_id, data, end_stream)
-
-    def write_object(
-        self,
-        stream_id: int,
-        object_id: int,
-        payload: bytes | bytearray | memoryview,
-        *,
-        properties: Properties = (),
-        end_stream: bool = False,
-    ) -> None:
-        self.begin_object(stream_id, object_id, len(payload), properties=properties)
-        if payload or end_stream:
-            self.write_payload(stream_id, payload, end_stream=end_stream)
-
-    def write_object_status(self, stream_id: int, object_id: int, status: ObjectStatus, *, end_stream: bool = False) -> None:
-        stream = self._new_object(stream_id, fetch=False)
-        assert stream.writer is not None
-        header = stream.writer.object_header(object_id, 0, status=d14.ObjectStatus(int(status)))
-        self._send_data(stream, stream_id, header, end_stream)
-
-    def open_fetch_stream(self, request_id: int) -> int:
-        """Open the data stream answering a peer's FETCH; returns the stream ID."""
-        self._check_open()
-        request = self._request(request_id)
-        if request.local or request.kind != FETCH:
-            raise ValueError(f"request {request_id} is not a peer FETCH")
-        if request.closed:
-            raise StreamClosed(f"fetch {request_id} was cancelled")
-        if request.data_streams_opened:
-            raise ValueError("a FETCH is answered on one stream")
-        sid = self._quic.get_next_available_stream_id(is_unidirectional=True)
-        self._quic.send_stream_data(sid, d14.FetchHeader(request_id).encode())
-        self._outgoing_data[sid] = _OutgoingDataStream(request, None)
-        request.data_streams_opened += 1
-        request.open_data_streams.add(sid)
-        return sid
-
-    def begin_fetch_object(
-        self,
-        stream_id: int,
-        group_id: int,
-        object_id: int,
-        payload_length: int,
-        *,
-        subgroup_id: int | None = 0,
-        publisher_priority: int = DEFAULT_PUBLISHER_PRIORITY,
-        properties: Properties = (),
-    ) -> None:
-        """Write the header of the next fetch object; `subgroup_id` None (a Datagram
-        object) is sent as the Object ID, draft-14's convention."""
-        stream = self._new_object(stream_id, fetch=True)
-        header = d14.encode_fetch_object(
-            group_id, object_id if subgroup_id is None else subgroup_id, object_id, payload_length,
-            publisher_priority=publisher_priority, extensions=_extensions(properties),
-        )
-        self._send_data(stream, stream_id, header)
-        stream.payload_remaining = payload_length
-
-    def write_fetch_object(
-        self,
-        stream_id: int,
-        group_id: int,
-        object_id: int,
-        payload: bytes | bytearray | memoryview,
-        *,
-        subgroup_id: int | None = 0,
-        publisher_priority: int = DEFAULT_PUBLISHER_PRIORITY,
-        properties: Properties = (),
-        end_stream: bool = False,
-    ) -> None:
-        self.begin_fetch_object(
-            stream_id, group_id, object_id, len(payload), subgroup_id=subgroup_id,
-            publisher_priority=publisher_priority, properties=properties,
-        )
-        if payload or end_stream:
-            self.write_payload(stream_id, payload, end_stream=end_stream)
+    def _subgroup_writer(self, request: RequestState, header: data18.SubgroupHeader) -> _SubgroupWriter14:
+        """Draft-14 headers always carry a priority (None: the track's default) and have
+        no FIRST_OBJECT bit."""
+        return _SubgroupWriter14(d14.SubgroupHeader.from_draft18(header, request.default_priority))
 
     def write_fetch_end_of_range(
         self, stream_id: int, group_id: int, object_id: int, *, unknown: bool = False, end_stream: bool = False
@@ -1858,69 +1255,6 @@ class MoqtSession14:
         if end_stream:
             self.close_data_stream(stream_id)
 
-    def close_data_stream(self, stream_id: int) -> None:
-        """FIN a data stream: every object of it was written."""
-        stream = self._outgoing_data.get(stream_id)
-        if stream is None or stream.fin_sent or stream.reset:
-            return
-        if stream.payload_remaining:
-            raise ValueError(f"stream {stream_id} closed inside an object; reset it instead")
-        try:
-            self._quic.send_stream_data(stream_id, b"", end_stream=True)
-        except (ValueError, RuntimeError, AssertionError):
-            stream.reset = True
-        self._data_stream_finished(stream_id, stream)
-
-    def reset_data_stream(self, stream_id: int, error_code: int = StreamResetCode.CANCELLED) -> None:
-        stream = self._outgoing_data.pop(stream_id, None)
-        if stream is None:
-            return
-        stream.reset = True
-        stream.request.open_data_streams.discard(stream_id)
-        try:
-            self._quic.reset_stream(stream_id, error_code)
-        except (ValueError, RuntimeError, AssertionError):
-            pass
-        self._forget_if_done(stream.request)
-
-    def _data_stream_finished(self, stream_id: int, stream: _OutgoingDataStream) -> None:
-        stream.fin_sent = True
-        self._outgoing_data.pop(stream_id, None)
-        request = stream.request
-        request.open_data_streams.discard(stream_id)
-        if request.kind == FETCH:
-            request.fetch_stream_closed = True
-            self._maybe_finish_fetch(request)
-        self._forget_if_done(request)
-
-    def data_stream_request(self, stream_id: int) -> int | None:
-        """Request ID an outgoing data stream serves, while it can still be written."""
-        stream = self._outgoing_data.get(stream_id)
-        if stream is None or stream.reset or stream.fin_sent:
-            return None
-        return stream.request.request_id
-
-    def send_datagram(
-        self,
-        request_id: int,
-        group_id: int,
-        object_id: int,
-        payload: bytes = b"",
-        *,
-        publisher_priority: int | None = DEFAULT_PUBLISHER_PRIORITY,
-        status: ObjectStatus | None = None,
-        properties: Properties = (),
-        end_of_group: bool = False,
-    ) -> None:
-        """Send one object as an OBJECT_DATAGRAM (dropped by QUIC if it does not fit)."""
-        request = self._publishing_request(request_id)
-        priority = request.default_priority if publisher_priority is None else publisher_priority
-        datagram = d14.ObjectDatagram(
-            request.track_alias, group_id, object_id, payload, priority,  # type: ignore[arg-type]
-            None if status is None else d14.ObjectStatus(int(status)), _extensions(properties), end_of_group,
-        )
-        self._quic.send_datagram_frame(datagram.encode())
-
     def send_padding_stream(self, size: int) -> None:
         raise NotSupported("draft-14 has no padding streams")
 
@@ -1928,23 +1262,33 @@ class MoqtSession14:
     # Teardown
     # ------------------------------------------------------------------
 
-    def _maybe_finish_fetch(self, request: _Request) -> None:
+    def _track_of(self, request: RequestState) -> tuple[TrackNamespace, bytes]:
+        return request.namespace, request.track_name  # type: ignore[attr-defined]
+
+    def _fetch_stream_reset(self, request: RequestState) -> None:
+        """The publisher has dropped the fetch already, so no FETCH_CANCEL follows."""
+        self._close_request(request)
+
+    def _data_stream_reset(self, request: RequestState) -> None:
+        self._forget_if_done(request)
+
+    def _maybe_finish_fetch(self, request: RequestState) -> None:
         """A fetch ends once it was accepted and its data stream is done."""
         if not request.accepted or request.closed:
             return
         if request.fetch_stream_closed and not request.open_data_streams:
             self._close_request(request)
 
-    def _close_request(self, request: _Request) -> None:
+    def _close_request(self, request: RequestState) -> None:
         """Mark a request over; a peer request gives its Request ID credit back."""
         request.closed = True
-        if not request.local and not request.credit_returned:
-            request.credit_returned = True
+        if not request.local and not request.credit_returned:  # type: ignore[attr-defined]
+            request.credit_returned = True  # type: ignore[attr-defined]
             self._peer_active -= 1
             self._grant()
         self._forget_if_done(request)
 
-    def _forget_if_done(self, request: _Request) -> None:
+    def _forget_if_done(self, request: RequestState) -> None:
         """Drop a closed request once no data stream refers to it."""
         if request.closed and not request.open_data_streams:
             if self._requests.get(request.request_id) is request:
@@ -1970,7 +1314,7 @@ MoqtSession14._HANDLERS = {
     d14.FetchOk: MoqtSession14._on_fetch_ok,
     d14.FetchError: MoqtSession14._on_request_error,
     d14.FetchCancel: MoqtSession14._on_fetch_cancel,
-    d14.TrackStatus: MoqtSession14._on_track_status,
+    d14.TrackStatus: MoqtSession14._on_subscribe,
     d14.TrackStatusOk: MoqtSession14._on_track_status_ok,
     d14.TrackStatusError: MoqtSession14._on_request_error,
     d14.PublishNamespace: MoqtSession14._on_publish_namespace,
@@ -1985,18 +1329,6 @@ MoqtSession14._HANDLERS = {
 }  # type: ignore[assignment]
 
 
-def _replace(obj, **changes):
-    from dataclasses import replace
-
-    return replace(obj, **changes)
-
-
 def _extensions(properties: Properties) -> tuple[d14.KeyValuePair, ...]:
     """Draft-18 Properties as draft-14 extension headers."""
     return d14._properties_from_18(properties) if properties else ()
-
-
-def _fetch_end_before_start(end: Location, start: Location) -> bool:
-    if end.object == 0:
-        return end.group < start.group
-    return (end.group, end.object - 1) < (start.group, start.object)
