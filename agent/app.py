@@ -39,7 +39,7 @@ import hashlib
 import json
 import logging
 import re
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable
 
 import httpx
 from starlette.applications import Starlette
@@ -151,7 +151,8 @@ class AgentContext:
                 queued=lambda: self.engine.queued, get_state=lambda: self.engine.state,
                 set_state=self._set_state, token=settings.token,
                 ttl_ms=settings.status_ttl_ms, sleep_after_s=settings.sleep_after_s,
-                kv_utilization=self._kv_utilization, epoch=settings.epoch)
+                kv_utilization=self._kv_utilization, epoch=settings.epoch,
+                admitted=lambda: self.engine.admitted)
         self.epoch = self.reporter.epoch if self.reporter else (settings.epoch or 0)
         self.url = settings.public_url or ""
         self.closed = False
@@ -234,8 +235,11 @@ class AgentContext:
 # --------------------------------------------------------------------------- handlers
 
 
-async def _ndjson(lines: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
+async def _ndjson(lines: AsyncIterator[dict[str, Any]],
+                  before_done: Callable[[], Awaitable[None]] | None = None) -> AsyncIterator[bytes]:
     async for line in lines:
+        if before_done is not None and line.get("done"):
+            await before_done()
         yield json.dumps(line, separators=(",", ":")).encode() + b"\n"
 
 
@@ -248,9 +252,14 @@ def _routes(ctx: AgentContext) -> list[Route]:
                                         max_tokens=ctx.settings.max_new_tokens)
         who.require_scope(scope_id_of(engine.scope_key(req.scope)).hex())
         session = await engine.generate(req)
+        # The PC learns that the request ended before its client does, so that the client's
+        # next request is placed knowing this instance is free again.
+        ended = ctx.reporter.report_now if ctx.reporter is not None else None
         if req.stream:
-            return StreamingResponse(_ndjson(session.stream(0)), media_type=NDJSON)
+            return StreamingResponse(_ndjson(session.stream(0), ended), media_type=NDJSON)
         await session.done.wait()
+        if ended is not None:
+            await ended()
         if session.state != "finished":
             raise KvspError(f"session {session.id} {session.state}: {session.error or ''}".strip())
         await engine.wait_published(session)

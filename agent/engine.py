@@ -364,6 +364,8 @@ class Engine:
         self.meters = meters
         self.model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvsp-model")
         self.sessions: dict[str, Session] = {}
+        #: requests (generate and resume) admitted since start: the status record's "admitted"
+        self.admitted = 0
         self.state = "active"
         self._tasks: set[asyncio.Task] = set()
         self._loaders: set[PrefixLoader] = set()
@@ -465,6 +467,7 @@ class Engine:
                           prompt_tail=list(req.tokens[full * b:]), sampler=req.sampler,
                           max_new_tokens=req.max_new_tokens)
         self.sessions[sid] = session
+        self.admitted += 1
         session.task = self._spawn(self._run(session, None, want_timeline=req.timeline),
                                    name=f"session-{sid}")
         return session
@@ -514,6 +517,7 @@ class Engine:
                           step_base=cp.sampler.step - offset)
         session.first_checkpoint_sent = True
         self.sessions[sid] = session
+        self.admitted += 1
         session.task = self._spawn(self._run(session, plan, want_timeline=False),
                                    name=f"session-{sid}")
         return session

@@ -106,6 +106,7 @@ class StatusReporter:
                  token: str | None = None, ttl_ms: int = 3000, batch_size: int = 1,
                  kv_utilization: Callable[[], float] = lambda: 0.0,
                  sleep_after_s: float | None = None, epoch: int | None = None,
+                 admitted: Callable[[], int] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.pc_url = _slash(pc_url)
         self.instance_url = instance_url
@@ -121,11 +122,17 @@ class StatusReporter:
         self.kv_utilization = kv_utilization
         self.sleep_after_s = sleep_after_s
         self.epoch = epoch if epoch is not None else int(time.time() * 1000)
+        self.admitted = admitted
         self.clock = clock
         self.reports = 0
         self.failures = 0
         self._idle_since: float | None = None
         self._task: asyncio.Task | None = None
+        # Reports go out one at a time, so that the PC gets them in order (the "admitted"
+        # counts of consecutive records are compared there).
+        self._lock = asyncio.Lock()
+        self._queued: asyncio.Future[None] | None = None
+        self._failing = False
 
     def record(self) -> InstanceStatus:
         """The Instance Status Record as of now."""
@@ -147,7 +154,8 @@ class StatusReporter:
             kv_utilization=min(1.0, max(0.0, float(self.kv_utilization()))),
             prefill_tokens_per_s=round(self.meters.prefill.value or 0.0, 1),
             decode_tokens_per_s=round(self.meters.decode.value or 0.0, 1),
-            links=self.meters.links(), requested_state=requested)
+            links=self.meters.links(), requested_state=requested,
+            admitted=None if self.admitted is None else self.admitted())
 
     async def report(self) -> str:
         """One status PUT; returns the state the PC answered and adopts it."""
@@ -166,6 +174,37 @@ class StatusReporter:
             self.set_state(state)
         return str(state)
 
+    def push(self) -> "asyncio.Future[None]":
+        """Report as soon as the report in flight is done (pushes asked for meanwhile share
+        it), so that the PC sees a request end now rather than at the next round."""
+        if self._queued is None or self._queued.done():
+            self._queued = asyncio.ensure_future(self._push())
+        return self._queued
+
+    async def report_now(self, timeout: float = 0.25) -> None:
+        """push() and wait for it, at most `timeout` and not at all while the PC fails."""
+        pushed = self.push()
+        if not self._failing:
+            await asyncio.wait([pushed], timeout=timeout)
+
+    async def _push(self) -> None:
+        async with self._lock:
+            self._queued = None  # the record is taken now: later pushes need another one
+            await self._report_logged()
+
+    async def _report_logged(self) -> None:
+        try:
+            await self.report()
+            self._failing = False
+        except KvspError as e:
+            self.failures += 1
+            self._failing = True
+            log.warning("status report failed: %s", e.detail)
+        except Exception:  # keep reporting whatever one round did
+            self.failures += 1
+            self._failing = True
+            log.exception("status report failed")
+
     async def start(self) -> None:
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._loop(), name="kvsp-status")
@@ -182,12 +221,6 @@ class StatusReporter:
     async def _loop(self) -> None:
         interval = self.ttl_ms / 3000
         while True:
-            try:
-                await self.report()
-            except KvspError as e:
-                self.failures += 1
-                log.warning("status report failed: %s", e.detail)
-            except Exception:  # keep reporting whatever one round did
-                self.failures += 1
-                log.exception("status report failed")
+            async with self._lock:
+                await self._report_logged()
             await asyncio.sleep(interval)

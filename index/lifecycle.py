@@ -21,9 +21,11 @@ Two things the PC knows before the instance says so:
 
 - Routed requests: between `POST route` choosing an instance and that instance's next status
   record, the request is in no record yet. The registry counts it in the instance's "queued"
-  (`note_routed`) until a record arrives that was sent after the request could have reached
-  the instance, or until `routed_hold_ms` passes, so that a burst of routes spreads by the §6.4
-  cost instead of piling onto the instance that looked idle.
+  (`note_routed`) until a record accounts for it, or until `routed_hold_ms` passes, so that a
+  burst of routes spreads by the §6.4 cost instead of piling onto the instance that looked
+  idle. A record that carries the extension member "admitted" (requests admitted this epoch)
+  accounts for exactly as many routed requests as were admitted since the previous record;
+  one without it, for those routed at least `routed_settle_ms` before it arrived.
 - Started instances: an instance the start hook launched is registered at once
   (`register_started`), active, so that it can take its prefetch directive while it starts
   (§6.4). Its first status record replaces the provisional one whatever its epoch (above the
@@ -179,7 +181,7 @@ class InstanceRegistry:
             # The started instance speaks for the first time: its record replaces the
             # provisional one, and it keeps what was routed to it meanwhile.
             state = record.state
-            routed = self._settled(entry.routed, now)
+            routed = self._accounted(entry.routed, None, record, now)
             self._entries[url] = _Entry(record, state, expires, now if low else None, now, routed)
             events.append(StateChanged(url, record.epoch, entry.state, state))
             if state == "failed":
@@ -204,9 +206,9 @@ class InstanceRegistry:
             entry.state = "failed"
             events.append(InstanceFailed(url, entry.record.epoch, "expired"))
         old = entry.state
+        entry.routed = self._accounted(entry.routed, entry.record, record, now)
         entry.record = record
         entry.reported_at = now
-        entry.routed = self._settled(entry.routed, now)
         entry.low_since = (entry.low_since if entry.low_since is not None else now) if low else None
         if old == "failed":
             return Reply("failed", tuple(events))
@@ -225,8 +227,17 @@ class InstanceRegistry:
             events.insert(0, StateChanged(url, record.epoch, old, new))
         return Reply(new, tuple(events))
 
-    def _settled(self, routed: list[float], now: float) -> list[float]:
-        """Routed requests a record arriving now cannot account for yet (recent ones)."""
+    def _accounted(self, routed: list[float], before: InstanceStatus | None,
+                   record: InstanceStatus, now: float) -> list[float]:
+        """Routed requests the record arriving now does not count yet.
+
+        A record with `admitted` (requests admitted this epoch) after one of the same epoch
+        with it counts one routed request per admission between them, the oldest first: no
+        guess. Otherwise a record counts those routed at least `routed_settle_ms` before it
+        arrived (a record sent sooner may predate their arrival)."""
+        if (record.admitted is not None and before is not None and before.admitted is not None
+                and before.epoch == record.epoch):
+            return routed[max(0, record.admitted - before.admitted):]
         cutoff = now - self.settings.routed_settle_ms / 1000.0
         return [t for t in routed if t > cutoff]
 

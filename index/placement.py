@@ -145,6 +145,8 @@ class RouteRequest:
     token_count: int
     block_tokens: int
     request_ref: str | None = None
+    #: instances not to place it on (a front end that found them busy or unreachable)
+    exclude: tuple[str, ...] = ()
 
     @classmethod
     def from_json(cls, data: Any, *, keys: ScopeKeys,
@@ -182,7 +184,9 @@ class RouteRequest:
                      else v.integer(count, "token_count", low=len(keys_hex) * b))
         else:
             raise BadRecord("either tokens or block_keys is required", member="tokens")
-        return cls(sid, compat, keys_hex, count, b, ref)
+        exclude = tuple(v.array(data.get("exclude", []), "exclude",
+                                lambda x, m: v.url(x, m, schemes=("http", "https")), max_len=1024))
+        return cls(sid, compat, keys_hex, count, b, ref, exclude)
 
 
 # --------------------------------------------------------------------------- ranking (pure)
@@ -490,7 +494,7 @@ class Router:
 
     async def route(self, request: RouteRequest) -> RouteDecision:
         """Choose, send the prefetch directive, then answer (§6.4, §6.5)."""
-        result, grouping, ranked = await self._ranked(request)
+        result, grouping, ranked = await self._ranked(request, request.exclude)
         ref = request.request_ref or uuid.uuid4().hex
         matched_tokens = min(result.matched * request.block_tokens, request.token_count)
         best = ranked[0] if ranked else None

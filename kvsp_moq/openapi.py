@@ -129,6 +129,8 @@ SCHEMAS: dict[str, dict[str, Any]] = {
             "decode_tokens_per_s": {"type": "number", "minimum": 0},
             "links": {"type": "array", "items": _ref("Link")},
             "requested_state": {"type": "string"},
+            "admitted": {"type": "integer", "minimum": 0,
+                         "description": "Extension: requests admitted in this epoch."},
         },
     },
     "InstanceStatusNow": {
@@ -176,7 +178,9 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     },
     "RouteRequest": {"type": "object", "description": "Prompt tokens in (our extension).",
                      "properties": {"tokens": {"type": "array", "items": _INT},
-                                    "scope_id": _hex(16), "compat_id": _hex(32)}},
+                                    "scope_id": _hex(16), "compat_id": _hex(32),
+                                    "exclude": {"type": "array", "items": _URL,
+                                                "description": "Instances not to place it on."}}},
     "RouteDecision": {"type": "object", "description": "The chosen instance and directive.",
                       "properties": {"instance": _URL, "directive": _ref("PrefetchDirective")}},
     "ShardMap": {

@@ -214,6 +214,10 @@ class InstanceStatus:
     decode_tokens_per_s: float = 0.0
     links: tuple[Link, ...] = ()
     requested_state: str | None = None
+    #: Extension member: requests the instance has admitted in this epoch. With it the PC
+    #: knows exactly which of the requests it routed a record already counts in running or
+    #: queued (§6.4 wait_us); without it, it can only guess from the time (see index/lifecycle).
+    admitted: int | None = None
 
     @classmethod
     def from_json(cls, data: Any) -> "InstanceStatus":
@@ -240,10 +244,11 @@ class InstanceStatus:
                                          "decode_tokens_per_s"),
             links=tuple(v.array(data.get("links", []), "links", Link.from_json, max_len=4096)),
             requested_state=requested,
+            admitted=None if data.get("admitted") is None else v.integer(data["admitted"], "admitted"),
         )
 
     def to_json(self) -> dict:
-        return {
+        out = {
             "instance": self.instance,
             "epoch": self.epoch,
             "state": self.state,
@@ -257,6 +262,9 @@ class InstanceStatus:
             "requested_state": self.requested_state,
             "ttl_ms": self.ttl_ms,
         }
+        if self.admitted is not None:
+            out["admitted"] = self.admitted
+        return out
 
 
 # --------------------------------------------------------------------------- sessions

@@ -1,8 +1,5 @@
 """Ranking as a pure function, the in-process lookup adapter, and who may call the PC."""
 
-import json
-from dataclasses import dataclass
-
 import httpx
 from hypothesis import given, strategies as st
 

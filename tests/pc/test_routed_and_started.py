@@ -87,6 +87,39 @@ def test_routed_requests_count_in_the_queue_until_a_later_record():
     assert reg.pending("http://127.0.0.1:9/") == 0
 
 
+def test_records_that_count_admissions_account_for_exactly_the_admitted_routes():
+    clock = Clock()
+    reg = InstanceRegistry(LifecycleSettings(routed_settle_ms=100, routed_hold_ms=5000),
+                           clock=clock)
+    reg.report(record(admitted=7))
+    reg.note_routed(URL)
+    reg.note_routed(URL)
+    # Long after the routes, a record that admitted nothing new still leaves both counted
+    # (the time rule would have dropped them) ...
+    clock.now += 1.0
+    reg.report(record(admitted=7))
+    assert reg.pending(URL) == 2
+    # ... and one admission accounts for one of them, at once, however soon it comes.
+    reg.note_routed(URL)
+    reg.report(record(queued=1, admitted=8))
+    assert reg.pending(URL) == 2 and reg.get(URL).queued == 3
+    reg.report(record(admitted=12))  # more admissions than routes (direct clients)
+    assert reg.pending(URL) == 0
+    # A record without the member falls back to the time rule; one with it after such a
+    # record has nothing to compare with and does the same.
+    reg.note_routed(URL)
+    reg.report(record())
+    assert reg.pending(URL) == 1
+    reg.report(record(admitted=12))
+    assert reg.pending(URL) == 1
+    clock.now += 0.2
+    reg.report(record(admitted=12))
+    assert reg.pending(URL) == 1
+    reg.report(record(admitted=13))
+    assert reg.pending(URL) == 0
+    assert record(admitted=3).to_json()["admitted"] == 3 and "admitted" not in record().to_json()
+
+
 async def test_a_burst_of_equal_routes_spreads_by_cost(tmp_path, http):
     """Six routes of one prompt whose blocks A holds, before any instance reports again: A
     takes the first; then its queue of one (51.2 ms at 10,000 tokens/s) costs more than
@@ -123,6 +156,25 @@ async def test_a_burst_of_equal_routes_spreads_by_cost(tmp_path, http):
             a.url: 0, b.url: 0, c.url: 0}
         d = (await http.post(pc.url + "route", json=body)).json()
         assert d["instance"] == a.url
+
+
+async def test_a_route_can_exclude_instances(tmp_path, http):
+    """A front end that found A busy asks for the best of the others."""
+    with fake_agents(3) as (a, b, c), pc_server(str(tmp_path / "pc.db")) as pc:
+        tokens, keys = prompt(8)
+        for k in keys:
+            pc.index.add(replica(k, a.url, scope_id=SCOPE))
+        for x in (a, b, c):
+            await http.put(pc.url + status_path(x.url), json=status(x.url))
+        body = {"tokens": tokens, "scope": "tenant", "compat_id": COMPAT}
+        assert (await http.post(pc.url + "route", json=body)).json()["instance"] == a.url
+        d = (await http.post(pc.url + "route", json={**body, "exclude": [a.url]})).json()
+        assert d["instance"] in (b.url, c.url)
+        assert {e["instance"] for e in d["estimates"]} == {b.url, c.url}
+        listed = await instances(http, pc)
+        assert listed[a.url]["routed"] == 1 and listed[d["instance"]]["routed"] == 1
+        r = await http.post(pc.url + "route", json={**body, "exclude": ["ftp://x/"]})
+        assert r.status_code == 400 and "exclude" in r.json()["detail"] + r.json().get("member", "")
 
 
 # --------------------------------------------------------------------------- started instances
