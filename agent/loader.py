@@ -11,8 +11,9 @@ Requests go out layer-group-major: group 0 (the first layers) of every block, th
 every block, and so on, from a bounded set of workers. A holder streams a whole response at
 once, so one request per whole block would deliver block after block and make layer 0 wait for
 the last block; layer groups make the early layers of the whole prefix arrive first. Groups are
-sized to about 1 MiB per request (at least two groups), since each HTTP request has a fixed
-cost that small requests would pay too often.
+sized to about 1 MiB per request, since each request has a fixed cost that small requests would
+pay too often, and a prefix of 8 MiB or more is split into at least two groups; a smaller one
+loads whole blocks, in less time than the extra requests would cost.
 
 Failures: when a source fails mid-block (404, cut body, digest mismatch, dead holder), the
 block continues from the next candidate at its first missing layer; layers already placed are
@@ -479,7 +480,7 @@ class PrefixLoader:
     def __init__(self, pool: KVPool, blocks: Sequence[Sequence[Candidate]], *,
                  leases: LeaseClient, lease_ms: int = 10_000, concurrency: int = 8,
                  layers_per_request: int | None = None, request_bytes: int = 1 << 20,
-                 readiness_timeout: float = 120.0,
+                 split_bytes: int = 8 << 20, readiness_timeout: float = 120.0,
                  on_transfer: TransferObserver | None = None, timeline: Timeline | None = None) -> None:
         if len(blocks) != len(pool.block_keys):
             raise ValueError("one candidate list per pool block is needed")
@@ -489,10 +490,14 @@ class PrefixLoader:
         self.concurrency = max(1, concurrency)
         layers = pool.num_layers
         if layers_per_request is None:
-            # Requests of about `request_bytes`: fewer would pay the per-request cost of HTTP
-            # too often; but at least two groups, or layer 0 would wait for whole blocks.
+            # Requests of about `request_bytes`: smaller ones would pay the per-request cost
+            # (HTTP or MOQT) too often. A prefix of `split_bytes` or more is requested in at
+            # least two layer groups, or layer 0 would wait for whole blocks; a smaller one
+            # loads in less time than the extra requests would cost, so whole blocks it is.
             per_layer = max(1, 2 * pool.section_bytes)
-            layers_per_request = min(-(-layers // 2), -(-request_bytes // per_layer))
+            layers_per_request = min(layers, -(-request_bytes // per_layer))
+            if len(blocks) * layers * per_layer >= split_bytes:
+                layers_per_request = min(layers_per_request, -(-layers // 2))
         self.group = max(1, layers_per_request)
         self.readiness = LayerReadiness(layers, timeout=readiness_timeout)
         self.on_transfer = on_transfer
