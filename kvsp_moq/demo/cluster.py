@@ -120,13 +120,13 @@ class Cluster:
         if name == "holder":
             return kvsp + ["holder", "--listen", listen, "--data", str(self.root / "holder"),
                            "--index", self.urls["index"], "--principals", principals,
-                           "--token", self.tokens["holder"], "--relay", self.urls["relay"],
+                           f"--token={self.tokens['holder']}", "--relay", self.urls["relay"],
                            "--disk-bytes", "1G", "--host-bytes", "64M"]
         return kvsp + ["agent", "--listen", listen, "--model", str(self.model_dir),
                        "--index", self.urls["index"], "--pc", self.urls["index"],
                        "--relay", self.urls["relay"], "--data", str(self.root / name),
                        "--scope-keys", keys, "--scope", self.tenants[0].name,
-                       "--principals", principals, "--token", self.tokens[name],
+                       "--principals", principals, f"--token={self.tokens[name]}",
                        "--replicate-to", self.urls["holder"]]
 
     def start(self, names: Sequence[str] | None = None, *, timeout: float = 180.0) -> None:

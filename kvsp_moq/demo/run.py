@@ -114,11 +114,17 @@ class Demo:
 
     # ------------------------------------------------------------------ workload
 
-    def route(self, tenant: str, tokens: list[int]) -> dict[str, Any]:
+    def route(self, tenant: str, tokens: list[int], exclude: list[str] | None = None) -> dict[str, Any]:
+        body: dict[str, Any] = {"tokens": tokens, "scope": tenant, "compat_id": self.compat}
+        if exclude:
+            body["exclude"] = exclude
         r = self.http.post(self.cluster.urls["index"] + "route", headers=self._auth("admin"),
-                           json={"tokens": tokens, "scope": tenant, "compat_id": self.compat})
+                           json=body)
         r.raise_for_status()
         return r.json()
+
+    def _name(self, url: str) -> str:
+        return next((n for n, s in self.cluster.services.items() if s.url == url), url)
 
     def generate(self, instance: str, tenant: str, tokens: list[int], **extra: Any) -> dict[str, Any]:
         agent = next(n for n, s in self.cluster.services.items() if s.url == instance)
@@ -134,20 +140,19 @@ class Demo:
         rows = []
         plan = [("cold: nobody has the prompt", None),
                 ("same system prompt, new question", None),
-                ("another instance, as if the first were busy", "other"),
+                ("another instance: the first excluded, as if busy", "other"),
                 ("same system prompt, new question", None)]
         cold_ttft = None
         first_instance = None
         for i, (label, force) in enumerate(plan):
             self.progress.step(f"request {i + 1}: {label}", i, len(plan))
             prompt = system + _tokens(SUFFIX_TOKENS, 100 + i)
-            decision = self.route("tenant-a", prompt)
+            exclude = [first_instance] if force == "other" and first_instance else []
+            decision = self.route("tenant-a", prompt, exclude=exclude)
             instance = decision["instance"]
             why = decision.get("reason", "")
-            if force == "other":
-                instance = next(s.url for n, s in self.cluster.services.items()
-                                if n.startswith("agent") and s.url != first_instance)
-                why = "sent to the other instance by the demo"
+            if exclude:
+                why += f", {self._name(first_instance)} excluded"
             first_instance = first_instance or instance
             out = self.generate(instance, "tenant-a", prompt, timeline=True)
             cold_ttft = cold_ttft or out["ttft_ms"]
