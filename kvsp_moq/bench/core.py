@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
-import statistics
 import time
 from typing import Any, Callable
 
