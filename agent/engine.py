@@ -228,7 +228,8 @@ class Session:
         self.timeline: Timeline | None = None
         #: float32 next-token logits after the prefill (what the first token was sampled from)
         self.first_logits: torch.Tensor | None = None
-        self.exported = 0  # blocks [0, exported) are loaded or stored
+        self.exported = 0  # blocks [0, exported) are stored (or were not stored, and never will be)
+        self.loaded = 0  # blocks [0, loaded) came from other holders (not replicated again)
         self.started = time.perf_counter()
         self.task: asyncio.Task | None = None
         self.done = asyncio.Event()
@@ -593,7 +594,9 @@ class Engine:
         session.first_logits = self._last_logits.pop(session.id, None)
         session.timeline = timeline if want_timeline else None
         session.state = "running"
-        session.exported = report.loaded if report else 0
+        # Loaded blocks are stored here too (after the first token): the next request with
+        # this prefix finds them local, and the index gets one more replica to place by.
+        session.loaded = report.loaded if report else 0
         self._produced(session, token)
         await self._export(session, state)
         while len(session.generated) < session.max_new_tokens:
@@ -753,8 +756,9 @@ class Engine:
                 log.info("block %s not stored: %s", key[:12], e.detail)
                 continue
             self.announce(entry)
-            for holder in self.options.replicate_to:
-                self._spawn(self._replicate(holder, bid, octets))
+            if i >= session.loaded:  # a loaded block has its replicas already
+                for holder in self.options.replicate_to:
+                    self._spawn(self._replicate(holder, bid, octets))
         session.exported = max(session.exported, ready)
 
     async def _replicate(self, holder: str, bid: BlockId, octets: bytes) -> None:

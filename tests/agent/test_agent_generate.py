@@ -107,6 +107,16 @@ def test_prefix_loaded_over_http_equals_recompute(model_dir: Path, index_url: st
         for s in spans:  # each layer computes only after its load ended
             assert s["compute"][0] >= s["load"][1]
 
+        # B keeps the blocks it loaded, the same octets as A's (same replica digests), so a
+        # repeat on B finds them local.
+        digests_a = {e.id.block_key: e.meta.digest for e in a.context.store.blocks()}
+        digests_b = {e.id.block_key: e.meta.digest for e in b.context.store.blocks()}
+        assert len(digests_a) == PROMPT // B
+        assert {k: digests_b.get(k) for k in digests_a} == digests_a
+        repeat = generate(b.url, prompt + suffix)
+        assert repeat["sources"].get("local") == (PROMPT + SUFFIX) // B
+        assert repeat["tokens"] == out["tokens"]
+
         # B stored and published the suffix block it computed; A now loads B's block too.
         again = generate(a.url, prompt + suffix)
         assert again["cached_tokens"] == PROMPT + SUFFIX // B * B
