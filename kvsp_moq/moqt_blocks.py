@@ -721,11 +721,9 @@ class MoqtLayerStream(VerifiedLayerStream):
                                         (GROUP, last), authorization=fetcher.token, timeout=fetcher.timeout)
         try:
             expected = first
-            iterator = result.__aiter__()
             while expected <= last:
-                try:
-                    obj = await asyncio.wait_for(iterator.__anext__(), fetcher.layer_timeout)
-                except StopAsyncIteration:
+                obj = await result.next_object(fetcher.layer_timeout)
+                if obj is None:
                     return
                 yield self._verified(obj, expected, digests)
                 expected += 1

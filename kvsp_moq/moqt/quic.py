@@ -77,6 +77,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Coroutine, Iterable,
 from urllib.parse import urlsplit
 
 import aioquic
+from aioquic import tls
 from aioquic.asyncio.protocol import QuicConnectionProtocol
 from aioquic.buffer import Buffer as QuicBuffer
 from aioquic.buffer import size_uint_var
@@ -486,18 +487,64 @@ class _ConsumptionWindowConnection(QuicConnection):
         self.connection_window = connection_window
         self.held_by_stream = {}
         self.held_total = 0
+        self.output_pending = False
+
+    # aioquic writes an ACK only once its delay (1 ms) has passed, even into a packet it
+    # sends anyway, and then sends it alone: a request answered at once cost the peer an
+    # extra datagram (and a wake-up) per exchange. When frames of ours are queued, a
+    # pending ACK rides along in their packet instead (RFC 9000 section 13.2.1 allows
+    # any 1-RTT packet to carry one).
+
+    def send_stream_data(self, stream_id: int, data: bytes, end_stream: bool = False) -> None:
+        super().send_stream_data(stream_id, data, end_stream)
+        self.output_pending = True
+
+    def reset_stream(self, stream_id: int, error_code: int) -> None:
+        super().reset_stream(stream_id, error_code)
+        self.output_pending = True
+
+    def stop_stream(self, stream_id: int, error_code: int) -> None:
+        super().stop_stream(stream_id, error_code)
+        self.output_pending = True
+
+    def send_datagram_frame(self, data: bytes) -> None:
+        super().send_datagram_frame(data)
+        self.output_pending = True
+
+    def _write_application(self, builder, network_path, now: float) -> None:  # type: ignore[no-untyped-def]
+        if self.output_pending:
+            self.output_pending = False
+            space = self._spaces.get(tls.Epoch.ONE_RTT)
+            if space is not None and space.ack_at is not None and space.ack_at > now:
+                space.ack_at = now
+        super()._write_application(builder, network_path, now)
 
     def hold(self, stream_id: int, size: int) -> None:
         self.held_by_stream[stream_id] = self.held_by_stream.get(stream_id, 0) + size
         self.held_total += size
 
-    def release(self, stream_id: int, size: int) -> None:
+    def release(self, stream_id: int, size: int) -> bool:
+        """Consume held bytes; True when that frees credit worth announcing now."""
         left = self.held_by_stream.get(stream_id, 0) - size
         if left > 0:
             self.held_by_stream[stream_id] = left
         else:
             self.held_by_stream.pop(stream_id, None)
         self.held_total -= size
+        return self.credit_due(stream_id)
+
+    def credit_due(self, stream_id: int) -> bool:
+        """Whether the next packet would raise MAX_DATA or the stream's MAX_STREAM_DATA
+        (the thresholds of _write_connection_limits / _write_stream_limits): consuming
+        an object only needs a transmit then; below them it would build an empty one."""
+        max_data = self._local_max_data
+        if max_data.used - self.held_total + self.connection_window > max_data.value + self.connection_window // 8:
+            return True
+        stream = self._streams.get(stream_id)
+        if stream is None or not stream.max_stream_data_local:
+            return False
+        wanted = stream.receiver.starting_offset() - self.held_by_stream.get(stream_id, 0) + self.stream_window
+        return wanted > stream.max_stream_data_local + self.stream_window // 8
 
     def _get_or_create_stream(self, frame_type: int, stream_id: int) -> QuicStream:
         return _chunked(super()._get_or_create_stream(frame_type, stream_id))
@@ -738,6 +785,11 @@ def _smaller_timeout(*values: int | None) -> int | None:
     return min(set_values) if set_values else None
 
 
+def _expire_waiter(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_exception(asyncio.TimeoutError())
+
+
 class _ObjectQueue:
     """Objects waiting for the application, with the flow-control bytes they hold."""
 
@@ -769,7 +821,12 @@ class _ObjectQueue:
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    async def get(self) -> MoqtObject:
+    async def get(self, timeout: float | None = None) -> MoqtObject:
+        """The next object; TimeoutError when none arrives within `timeout` seconds.
+
+        The timeout is a timer on the waiter, armed only while waiting (asyncio.wait_for
+        would start a task for every object)."""
+        deadline: float | None = None
         while True:
             if self._items:
                 obj, stream_id, held = self._items.popleft()
@@ -780,11 +837,19 @@ class _ObjectQueue:
                 raise self._error
             if self._ended:
                 raise StopAsyncIteration
-            self._waiter = self._connection._loop.create_future()
+            loop = self._connection._loop
+            self._waiter = waiter = loop.create_future()
+            timer = None
+            if timeout is not None:
+                if deadline is None:
+                    deadline = loop.time() + timeout
+                timer = loop.call_at(deadline, _expire_waiter, waiter)
             try:
-                await self._waiter
+                await waiter
             finally:
                 self._waiter = None
+                if timer is not None:
+                    timer.cancel()
 
     def discard(self) -> None:
         """Drop queued objects, returning their flow-control credit."""
@@ -1015,6 +1080,14 @@ class FetchResult:
 
     async def __anext__(self) -> MoqtObject:
         return await self._queue.get()
+
+    async def next_object(self, timeout: float | None = None) -> MoqtObject | None:
+        """The next object, None at the end of the response; TimeoutError when none
+        arrives within `timeout` seconds (the response goes on: cancel it if unwanted)."""
+        try:
+            return await self._queue.get(timeout)
+        except StopAsyncIteration:
+            return None
 
     async def cancel(self) -> None:
         self._finish(None, cancel=True)
@@ -2456,8 +2529,7 @@ class MoqtConnection(QuicConnectionProtocol):
 
     def _consumed(self, stream_id: int, size: int) -> None:
         quic = self._quic
-        quic.release(stream_id, size)  # type: ignore[attr-defined]
-        if self._error is None:
+        if quic.release(stream_id, size) and self._error is None:  # type: ignore[attr-defined]
             self._transmit_soon()
 
     # -- subscriber API -------------------------------------------------------

@@ -1,0 +1,132 @@
+"""Per-request costs of small exchanges: ACKs ride along with answers, consuming objects
+only transmits when it frees credit worth announcing, and a FETCH's objects are awaited
+with a timeout that needs no task per object."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+from aioquic import tls
+from aioquic.quic.connection import QuicConnection
+from aioquic.quic.events import StreamDataReceived
+
+from kvsp_moq.moqt.certs import generate_self_signed
+from kvsp_moq.moqt.quic import QuicSettings, _prepare_quic, connect, serve
+
+CERT = generate_self_signed()
+NS = ("kvsp", "c" * 32, "s" * 16, "p" * 16, "k" * 32)
+CLIENT_ADDR = ("127.0.0.1", 1234)
+SERVER_ADDR = ("127.0.0.1", 4433)
+STEP = 10.0
+
+
+def _exchange(a: QuicConnection, b: QuicConnection, now: float) -> None:
+    """Move datagrams both ways until neither side has any to send."""
+    while True:
+        moved = False
+        for sender, receiver, addr in ((a, b, CLIENT_ADDR), (b, a, SERVER_ADDR)):
+            for data, _ in sender.datagrams_to_send(now=now):
+                receiver.receive_datagram(data, addr, now=now)
+                moved = True
+        if not moved:
+            return
+
+
+def _pair(settings: QuicSettings) -> tuple[QuicConnection, QuicConnection]:
+    client_config = settings.quic_configuration(is_client=True)
+    client_config.verify_mode = 0  # ssl.CERT_NONE
+    server_config = settings.quic_configuration(is_client=False)
+    server_config.certificate = CERT.certificate
+    server_config.private_key = CERT.private_key
+    client = _prepare_quic(QuicConnection(configuration=client_config), settings)
+    server = _prepare_quic(QuicConnection(configuration=server_config,
+                                          original_destination_connection_id=client.original_destination_connection_id),
+                           settings)
+    client.connect(SERVER_ADDR, now=0.0)
+    for now in (0.0, 0.1, 0.2):  # the handshake and the ACKs that follow it
+        _exchange(client, server, now)
+    while client.next_event() is not None or server.next_event() is not None:
+        pass
+    return client, server
+
+
+def _in_flight(quic: QuicConnection) -> int:
+    return len(quic._spaces[tls.Epoch.ONE_RTT].sent_packets)
+
+
+def test_an_answer_carries_the_ack_of_its_request():
+    client, server = _pair(QuicSettings(max_datagram_size=1350))
+    now = 1.0
+    stream_id = client.get_next_available_stream_id()
+    client.send_stream_data(stream_id, b"request")
+    for data, _ in client.datagrams_to_send(now=now):
+        server.receive_datagram(data, CLIENT_ADDR, now=now)
+    assert _in_flight(client) == 1
+    assert any(isinstance(e, StreamDataReceived) for e in iter(server.next_event, None))
+    server.send_stream_data(stream_id, b"answer", end_stream=True)
+    answer = server.datagrams_to_send(now=now)
+    assert len(answer) == 1
+    client.receive_datagram(answer[0][0], SERVER_ADDR, now=now)
+    assert _in_flight(client) == 0  # acknowledged by the answer itself
+    assert server.datagrams_to_send(now=now + 0.01) == []  # and no ACK of its own follows
+
+
+def test_without_anything_to_send_the_ack_waits_for_its_delay():
+    client, server = _pair(QuicSettings(max_datagram_size=1350))
+    now = 1.0
+    client.send_stream_data(client.get_next_available_stream_id(), b"request")
+    for data, _ in client.datagrams_to_send(now=now):
+        server.receive_datagram(data, CLIENT_ADDR, now=now)
+    assert server.datagrams_to_send(now=now) == []
+    assert len(server.datagrams_to_send(now=now + 0.01)) == 1
+
+
+def test_consuming_only_asks_for_a_transmit_when_credit_is_due():
+    settings = QuicSettings(max_datagram_size=1350, max_stream_data=16 * 1024, max_data=1024 * 1024)
+    client, server = _pair(settings)
+    now = 1.0
+    stream_id = client.get_next_available_stream_id()
+
+    def deliver(size: int) -> None:
+        """Bytes from the client that the server's application holds (delivered, unconsumed)."""
+        client.send_stream_data(stream_id, os.urandom(size))
+        for data, _ in client.datagrams_to_send(now=now):
+            server.receive_datagram(data, CLIENT_ADDR, now=now)
+        got = sum(len(e.data) for e in iter(server.next_event, None) if isinstance(e, StreamDataReceived))
+        assert got == size
+        server.hold(stream_id, size)
+
+    deliver(1000)
+    assert server.release(stream_id, 1000) is False  # less than an eighth of the window
+    deliver(1200)
+    assert server.release(stream_id, 1200) is True
+    assert server.credit_due(stream_id)
+
+
+async def test_next_object_times_out_without_objects_and_ends_with_none():
+    release = asyncio.Event()
+
+    async def on_fetch(request):
+        sender = request.accept()
+        await sender.send(0, 0, b"first")
+        await release.wait()
+        await sender.send(0, 1, b"second")
+        sender.close()
+
+    server = await serve(certificate=CERT, handlers={"fetch": on_fetch})
+    client = await asyncio.wait_for(connect(server.url + "/kv", cadata=CERT.certificate_pem), STEP)
+    try:
+        fetched = await asyncio.wait_for(client.fetch(NS, "1", (0, 0), (0, 1)), STEP)
+        first = await fetched.next_object(STEP)
+        assert first is not None and first.payload == b"first"
+        with pytest.raises(asyncio.TimeoutError):
+            await fetched.next_object(0.05)
+        release.set()
+        second = await fetched.next_object(STEP)
+        assert second is not None and second.object_id == 1
+        assert await fetched.next_object(STEP) is None
+    finally:
+        await client.aclose()
+        await server.aclose()
