@@ -132,6 +132,7 @@ class StatusReporter:
         # counts of consecutive records are compared there).
         self._lock = asyncio.Lock()
         self._queued: asyncio.Future[None] | None = None
+        self._pushes: set[asyncio.Future[None]] = set()
         self._failing = False
 
     def record(self) -> InstanceStatus:
@@ -178,7 +179,9 @@ class StatusReporter:
         """Report as soon as the report in flight is done (pushes asked for meanwhile share
         it), so that the PC sees a request end now rather than at the next round."""
         if self._queued is None or self._queued.done():
-            self._queued = asyncio.ensure_future(self._push())
+            self._queued = push = asyncio.ensure_future(self._push())
+            self._pushes.add(push)
+            push.add_done_callback(self._pushes.discard)
         return self._queued
 
     async def report_now(self, timeout: float = 0.25) -> None:
@@ -210,6 +213,8 @@ class StatusReporter:
             self._task = asyncio.get_running_loop().create_task(self._loop(), name="kvsp-status")
 
     async def stop(self) -> None:
+        for push in list(self._pushes):
+            push.cancel()
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
