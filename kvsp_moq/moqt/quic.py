@@ -1234,6 +1234,9 @@ class TrackSubscriptions(NamespaceSubscription):
         await super().cancel()
 
 
+_S = TypeVar("_S", bound=NamespaceSubscription)
+
+
 class PublishedNamespace:
     """Our accepted PUBLISH_NAMESPACE; `withdraw()` cancels it."""
 
@@ -2680,29 +2683,25 @@ class MoqtConnection(QuicConnectionProtocol):
     async def subscribe_namespace(
         self, prefix: TrackNamespace | Iterable[bytes | str], *, authorization: Any = None, timeout: float | None = None
     ) -> NamespaceSubscription:
-        session = self._live_session()
-        prefix = namespace_of(prefix)
-        parameters = Parameters(authorization_tokens=_token_parameters(authorization))
-        request_id = session.subscribe_namespace(prefix, parameters)
-        subscription = NamespaceSubscription(self, request_id, prefix)
-        self._namespace_subscriptions[request_id] = subscription
-        try:
-            await self._await_answer(request_id, self._begin(request_id), timeout)
-        except BaseException:
-            self._namespace_subscriptions.pop(request_id, None)
-            raise
-        return subscription
+        """SUBSCRIBE_NAMESPACE and wait for REQUEST_OK; iterate the result for NAMESPACE and
+        NAMESPACE_DONE."""
+        return await self._prefix_request(NamespaceSubscription, prefix, authorization, timeout)
 
     async def subscribe_tracks(
         self, prefix: TrackNamespace | Iterable[bytes | str], *, authorization: Any = None, timeout: float | None = None
     ) -> TrackSubscriptions:
         """SUBSCRIBE_TRACKS and wait for REQUEST_OK: the peer PUBLISHes every track under
         `prefix`, those it has and those that come later (draft-18 only)."""
+        return await self._prefix_request(TrackSubscriptions, prefix, authorization, timeout)
+
+    async def _prefix_request(self, kind: type[_S], prefix: TrackNamespace | Iterable[bytes | str],
+                              authorization: Any, timeout: float | None) -> _S:
         session = self._live_session()
         prefix = namespace_of(prefix)
         parameters = Parameters(authorization_tokens=_token_parameters(authorization))
-        request_id = session.subscribe_tracks(prefix, parameters)
-        subscription = TrackSubscriptions(self, request_id, prefix)
+        send = session.subscribe_tracks if kind is TrackSubscriptions else session.subscribe_namespace
+        request_id = send(prefix, parameters)
+        subscription = kind(self, request_id, prefix)
         self._namespace_subscriptions[request_id] = subscription
         try:
             await self._await_answer(request_id, self._begin(request_id), timeout)
