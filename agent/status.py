@@ -159,8 +159,11 @@ class StatusReporter:
             admitted=None if self.admitted is None else self.admitted())
 
     async def report(self) -> str:
-        """One status PUT; returns the state the PC answered and adopts it."""
+        """One status PUT; returns the state the PC answered and adopts it, unless the state
+        changed while the answer was on its way (PUT state from the PC: the answer was about
+        the record, which is older)."""
         record = self.record()
+        sent_in = self.get_state()
         url = f"{self.pc_url}instances/{instance_id(record.instance)}/status"
         try:
             r = await self.client.put(url, json=record.to_json(), headers=self.headers,
@@ -170,8 +173,9 @@ class StatusReporter:
         raise_for_problem(r)
         state = r.json().get("state")
         self.reports += 1
-        if state in INSTANCE_STATES and state != self.get_state():
-            log.info("the PC says %s (was %s)", state, self.get_state())
+        current = self.get_state()
+        if state in INSTANCE_STATES and state != current and current == sent_in:
+            log.info("the PC says %s (was %s)", state, current)
             self.set_state(state)
         return str(state)
 

@@ -2921,6 +2921,12 @@ class MoqtServer:
         self.host = host
         self.port = port
         self.connections: set[MoqtConnection] = set()
+        self._watchers: set[asyncio.Task[None]] = set()  # each forgets a connection once closed
+
+    def _watch(self, connection: MoqtConnection) -> None:
+        task = connection._loop.create_task(_forget_when_closed(self, connection))
+        self._watchers.add(task)
+        task.add_done_callback(self._watchers.discard)
 
     @property
     def url(self) -> str:
@@ -2930,6 +2936,8 @@ class MoqtServer:
     def close(self) -> None:
         for connection in list(self.connections):
             connection.close()
+        for watcher in list(self._watchers):
+            watcher.cancel()
         self._quic_server.close()
 
     async def aclose(self, timeout: float = 2.0) -> None:
@@ -2941,6 +2949,8 @@ class MoqtServer:
         for connection in connections:
             for task in list(connection._tasks):
                 task.cancel()
+        for watcher in list(self._watchers):
+            watcher.cancel()
         self._quic_server.close()
 
     async def __aenter__(self) -> "MoqtServer":
@@ -2987,7 +2997,7 @@ async def serve(
     def on_session(connection: MoqtConnection) -> None:
         server = server_ref[0]
         server.connections.add(connection)
-        connection._loop.create_task(_forget_when_closed(server, connection))
+        server._watch(connection)
         if on_connection is not None:
             on_connection(connection)
 

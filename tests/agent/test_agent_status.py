@@ -3,6 +3,7 @@ rates and links; the PC's answers followed, from a sleep request to sleeping."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from pathlib import Path
@@ -17,7 +18,7 @@ from starlette.responses import JSONResponse, Response  # noqa: E402
 from starlette.routing import Route  # noqa: E402
 
 from agent.service import Agent, AgentSettings  # noqa: E402
-from agent.status import instance_id  # noqa: E402
+from agent.status import Meters, StatusReporter, instance_id  # noqa: E402
 from index.lifecycle import instance_id as pc_instance_id  # noqa: E402
 from kvsp_moq.protocol.records import InstanceStatus  # noqa: E402
 from kvsp_moq.web import BackgroundServer  # noqa: E402
@@ -100,3 +101,38 @@ def test_sleep_request_drain_and_sleep(model_dir: Path) -> None:
         assert a.engine.state == "sleeping"
         r = httpx.post(a.url + "generate", json={"tokens": [5, 6], "max_new_tokens": 1})
         assert r.status_code == 503 and r.json()["type"] == "urn:kvsp:problem:kvsp-not-active"
+
+
+async def test_an_answer_to_an_older_record_does_not_undo_a_state_change() -> None:
+    """The PC sets the instance active while a record saying "sleeping" is on its way: the
+    answer to that record ("sleeping") must not put the instance back to sleep."""
+    state = {"now": "sleeping"}
+    answered = asyncio.Event()
+    release = asyncio.Event()
+
+    class SlowClient:
+        async def put(self, url: str, json: dict, headers: dict, timeout: float) -> httpx.Response:
+            answered.set()
+            await release.wait()
+            return httpx.Response(200, json={"state": json["state"]},
+                                  request=httpx.Request("PUT", url))
+
+    reporter = StatusReporter(pc_url="http://pc/", instance_url=lambda: "http://me/",
+                              client=SlowClient(), meters=Meters(), running=lambda: 0,
+                              queued=lambda: 0, get_state=lambda: state["now"],
+                              set_state=lambda s: state.update(now=s), epoch=1)
+    report = asyncio.ensure_future(reporter.report())
+    await answered.wait()
+    state["now"] = "active"  # PUT state from the PC, meanwhile
+    release.set()
+    assert await report == "sleeping"
+    assert state["now"] == "active"
+    # Without a change meanwhile the PC's answer is adopted.
+    state["now"] = "draining"
+
+    class Refusing(SlowClient):
+        async def put(self, url: str, json: dict, headers: dict, timeout: float) -> httpx.Response:
+            return httpx.Response(200, json={"state": "active"}, request=httpx.Request("PUT", url))
+
+    reporter.client = Refusing()
+    assert await reporter.report() == "active" and state["now"] == "active"
