@@ -51,8 +51,7 @@ from typing import Any, Awaitable, Callable, Iterable, Mapping, Sequence
 from kvsp_moq.errors import BadRecord, KvspError
 from kvsp_moq.index_client import IndexClient, LookupBlock, LookupResult
 from kvsp_moq.protocol import validate as v
-from kvsp_moq.protocol.cost import (DEFAULT_MBIT_PER_S, DEFAULT_RTT_US, Estimate, estimate,
-                                    mean_service_us)
+from kvsp_moq.protocol.cost import Estimate, assumed_link, estimate, mean_service_us
 from kvsp_moq.protocol.keys import block_keys, parse_scope_key_hex, scope_id as scope_id_of
 from kvsp_moq.protocol.records import (InstanceStatus, LookupRequest, PrefetchBlock,
                                        PrefetchDirective, ReplicaRecord)
@@ -291,21 +290,26 @@ def _profile(record: ReplicaRecord, count: int) -> tuple[tuple[float, float | No
     return tuple(out)
 
 
-def _links(status: InstanceStatus) -> dict[str, tuple[float, float]]:
+#: An instance's reported links by holder, and the link assumed for any other holder.
+_Links = tuple[dict[str, tuple[float, float]], tuple[float, float]]
+
+
+def _links(status: InstanceStatus) -> _Links:
     out: dict[str, tuple[float, float]] = {}
     for link in status.links:
         out.setdefault(link.holder, (link.mbit_per_s, link.rtt_us))
-    return out
+    return out, assumed_link(tuple(status.links))
 
 
-def _load_us(links: dict[str, tuple[float, float]], record: ReplicaRecord,
+def _load_us(links: _Links, record: ReplicaRecord,
              profile: tuple[tuple[float, float | None], ...]) -> float:
     """rtt + 8 * octets / rate from one source, each tier at min(link, tier read rate): the
     fetch_us of §6.4 for a single source, used to pick the source of a group."""
-    link = links.get(record.holder)
+    known, assumed = links
+    link = known.get(record.holder)
     if link is None and record.http_holder is not None:
-        link = links.get(record.http_holder)
-    rate, rtt = link or (DEFAULT_MBIT_PER_S, DEFAULT_RTT_US)
+        link = known.get(record.http_holder)
+    rate, rtt = link or assumed
     return rtt + sum(8 * octets / (rate if cap is None or cap > rate else cap)
                      for octets, cap in profile)
 

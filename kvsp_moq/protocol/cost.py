@@ -6,14 +6,31 @@ one place makes both agree on what "cost" means.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
-from kvsp_moq.protocol.records import InstanceStatus, ReplicaRecord
+from kvsp_moq.protocol.records import InstanceStatus, Link, ReplicaRecord
 
-#: Link rate assumed for a source the instance has never reported (1 Gbit/s, 1 ms).
+#: Link rate assumed when the instance has reported no link at all (1 Gbit/s, 1 ms).
 DEFAULT_MBIT_PER_S = 1000.0
 DEFAULT_RTT_US = 1000.0
+
+
+@functools.lru_cache(maxsize=4096)
+def assumed_link(links: tuple[Link, ...]) -> tuple[float, float]:
+    """(mbit_per_s, rtt_us) for a source the instance has not reported: the median rate and
+    RTT of the links it has reported (its network and its load path, which a new source
+    shares), else the defaults. An instance whose loads have run at 100 Mbit/s is not
+    promised 1 Gbit/s from a holder it has never tried."""
+    if not links:
+        return DEFAULT_MBIT_PER_S, DEFAULT_RTT_US
+    rates = sorted(link.mbit_per_s for link in links)
+    rtts = sorted(link.rtt_us for link in links)
+    middle = len(links) // 2
+    if len(links) % 2:
+        return rates[middle], rtts[middle]
+    return (rates[middle - 1] + rates[middle]) / 2, (rtts[middle - 1] + rtts[middle]) / 2
 
 
 @dataclass(frozen=True)
@@ -53,11 +70,12 @@ def source_rate(status: InstanceStatus, record: ReplicaRecord, layer: int | None
     """(mbit_per_s, rtt_us) from the instance to the record's holder, capped by the tier read
     rate of the layer's residency entry."""
     link_holder = record.http_holder or record.holder
-    rate, rtt = DEFAULT_MBIT_PER_S, DEFAULT_RTT_US
     for link in status.links:
         if link.holder in (record.holder, link_holder):
             rate, rtt = link.mbit_per_s, link.rtt_us
             break
+    else:
+        rate, rtt = assumed_link(tuple(status.links))
     if layer is not None:
         tier = record.tier_of(layer)
         if tier is not None and tier.read_mbit_per_s is not None:

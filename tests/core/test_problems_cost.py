@@ -1,7 +1,7 @@
 import pytest
 
 from kvsp_moq import errors
-from kvsp_moq.protocol.cost import estimate, fetch_us, recompute_us
+from kvsp_moq.protocol.cost import DEFAULT_MBIT_PER_S, DEFAULT_RTT_US, assumed_link, estimate, fetch_us, recompute_us
 from kvsp_moq.protocol.problems import Problem
 from kvsp_moq.protocol.records import InstanceStatus, ReplicaRecord
 from tests.core.test_records import STATUS, replica
@@ -38,6 +38,27 @@ def test_recompute_and_fetch_formulas():
     assert fetch_us(status, [slow]) == pytest.approx(12 + 80 + 8 * 2e6 / 1000)
     # Two blocks from one source add; the max is over sources.
     assert fetch_us(status, [rec, rec]) == pytest.approx(332.0)
+
+
+def test_an_unreported_source_is_assumed_like_the_reported_ones():
+    """A holder the instance never loaded from gets the median of the links it reported, not
+    1 Gbit/s: the demo's agents load at ~100 Mbit/s effective, and a first estimate at 1 Gbit/s
+    was ten times too optimistic."""
+    rec = ReplicaRecord.from_json(replica(size=1_000_000, residency=[],
+                                          holder="http://127.0.0.1:9999/"))
+    links = [{"holder": f"http://10.0.0.{i}:8801/", "mbit_per_s": rate, "rtt_us": rtt}
+             for i, (rate, rtt) in enumerate([(100, 500), (80, 900), (2000, 100)])]
+    status = InstanceStatus.from_json({**STATUS, "links": links})
+    assert assumed_link(status.links) == (100, 500)
+    assert fetch_us(status, [rec]) == pytest.approx(500 + 8e6 / 100)
+    even = InstanceStatus.from_json({**STATUS, "links": links[:2]})
+    assert assumed_link(even.links) == (90, 700)
+    none = InstanceStatus.from_json({**STATUS, "links": []})
+    assert fetch_us(none, [rec]) == pytest.approx(DEFAULT_RTT_US + 8e6 / DEFAULT_MBIT_PER_S)
+    # A reported link to the holder itself is used as it is.
+    own = InstanceStatus.from_json({**STATUS, "links": links + [
+        {"holder": "http://127.0.0.1:9999/", "mbit_per_s": 4000, "rtt_us": 10}]})
+    assert fetch_us(own, [rec]) == pytest.approx(10 + 8e6 / 4000)
 
 
 def test_estimate_prefers_cache_unless_queue_is_long():
