@@ -1276,7 +1276,9 @@ class Relay:
             raise DoesNotExist("the publishers of this track went away")
         sender = req.accept(end=upstream.end_location or req.end, end_of_track=upstream.end_of_track,
                             track_properties=upstream.track_properties)
-        sender.cancelled.add_done_callback(lambda _: self._spawn(upstream.aclose(), name="relay-fetch-cancel"))
+        # The subscriber's cancel stops the upstream FETCH; closing never waits, so it
+        # needs no task of its own.
+        sender.cancelled.add_done_callback(lambda _: upstream.close())
         try:
             await self._send_fetched(sender, prefix, from_cache=True)
             await self._relay_fetch(key, source, upstream, req, sender)
@@ -1295,43 +1297,66 @@ class Relay:
         for obj in objects:
             if obj.status != ObjectStatus.NORMAL:
                 continue  # a FETCH response marks no statuses; a gap says "does not exist"
-            await sender.send(obj.group_id, obj.object_id, obj.payload, subgroup_id=obj.subgroup_id,
-                              publisher_priority=obj.publisher_priority, properties=obj.properties)
-            stats.objects_out += 1
-            stats.bytes_out += len(obj.payload)
+            if not self._send_now(sender, obj):
+                await self._send_waiting(sender, obj)
             if from_cache:
                 stats.cache_objects_served += 1
+
+    def _send_now(self, sender: FetchSender, obj: MoqtObject) -> bool:
+        """Write an object downstream if the stream takes it now (no await per object)."""
+        if not sender.send_now(obj.group_id, obj.object_id, obj.payload, subgroup_id=obj.subgroup_id,
+                               publisher_priority=obj.publisher_priority, properties=obj.properties):
+            return False
+        stats = self.stats
+        stats.objects_out += 1
+        stats.bytes_out += len(obj.payload)
+        return True
+
+    async def _send_waiting(self, sender: FetchSender, obj: MoqtObject) -> None:
+        """Write an object downstream once the stream has room (backpressure)."""
+        await sender.send(obj.group_id, obj.object_id, obj.payload, subgroup_id=obj.subgroup_id,
+                          publisher_priority=obj.publisher_priority, properties=obj.properties)
+        stats = self.stats
+        stats.objects_out += 1
+        stats.bytes_out += len(obj.payload)
 
     async def _relay_fetch(self, key: TrackKey, source: _Peer, upstream: FetchResult,
                            req: IncomingFetch, sender: FetchSender) -> None:
         """Copy an upstream FETCH response downstream, caching each object."""
         stats = self.stats
-        cache = self.cache
+        put = self.cache.put
+        origin = source.id
+        includes = req.includes
+        normal = ObjectStatus.NORMAL
         last_in_group: dict[int, int] = {}
         iterator = upstream.__aiter__()
         while True:
-            try:
-                obj = await iterator.__anext__()
-            except StopAsyncIteration:
-                break
-            except MoqtError as e:
-                log.info("upstream FETCH of %s failed: %s", _name(key), e)
-                sender.reset(StreamResetCode.INTERNAL_ERROR)
-                return
+            # What has arrived is taken without a trip through the event loop.
+            obj = upstream.ready_object()
+            if obj is None:
+                try:
+                    obj = await iterator.__anext__()
+                except StopAsyncIteration:
+                    break
+                except MoqtError as e:
+                    log.info("upstream FETCH of %s failed: %s", _name(key), e)
+                    sender.reset(StreamResetCode.INTERNAL_ERROR)
+                    return
+            group_id, object_id = obj.group_id, obj.object_id
             stats.objects_in += 1
             stats.bytes_in += len(obj.payload)
-            cached = _cached(obj)
-            cache.put(key, source.id, cached)
-            last_in_group[obj.group_id] = max(obj.object_id, last_in_group.get(obj.group_id, -1))
-            if req.includes(cached.location):
-                await self._send_fetched(sender, [cached], from_cache=False)
+            put(key, origin, obj)  # as received: a FETCH object has no delivery timeout to stamp
+            if last_in_group.get(group_id, -1) < object_id:
+                last_in_group[group_id] = object_id
+            if obj.status == normal and includes((group_id, object_id)) and not self._send_now(sender, obj):
+                await self._send_waiting(sender, obj)
         # A response ended by FIN lists every object that exists in its range: the end of
         # each group it covered whole is now known.
         end = upstream.end_location
         if end is not None:
             for group, last in last_in_group.items():
                 if group < end.group or (group == end.group and end.object == 0):
-                    cache.note_group_end(key, source.id, group, last)
+                    self.cache.note_group_end(key, source.id, group, last)
         sender.close()
 
     # ---------------------------------------------------------------- upstream relay

@@ -496,7 +496,14 @@ class _ConsumptionWindowConnection(QuicConnection):
     # any 1-RTT packet to carry one).
 
     def send_stream_data(self, stream_id: int, data: bytes, end_stream: bool = False) -> None:
-        super().send_stream_data(stream_id, data, end_stream)
+        # A stream still in _streams is neither new nor discarded: of aioquic's checks
+        # (_get_or_create_stream_for_send) only "may we send on it" applies. A relay makes
+        # two writes per object, so the shorter path counts.
+        stream = self._streams.get(stream_id)
+        if stream is not None and self._stream_can_send(stream_id):
+            stream.sender.write(data, end_stream=end_stream)
+        else:
+            super().send_stream_data(stream_id, data, end_stream)
         self.output_pending = True
 
     def reset_stream(self, stream_id: int, error_code: int) -> None:
@@ -851,6 +858,16 @@ class _ObjectQueue:
                 if timer is not None:
                     timer.cancel()
 
+    def pop_ready(self) -> MoqtObject | None:
+        """The next object when one is queued already, else None; never waits (an
+        error or the end is left for get() to report)."""
+        if not self._items:
+            return None
+        obj, stream_id, held = self._items.popleft()
+        if held:
+            self._connection._consumed(stream_id, held)  # type: ignore[arg-type]
+        return obj
+
     def discard(self) -> None:
         """Drop queued objects, returning their flow-control credit."""
         while self._items:
@@ -1081,6 +1098,11 @@ class FetchResult:
     async def __anext__(self) -> MoqtObject:
         return await self._queue.get()
 
+    def ready_object(self) -> MoqtObject | None:
+        """The next object when it has arrived already, else None, without waiting:
+        a reader drains what one datagram brought in one go, then awaits the rest."""
+        return self._queue.pop_ready()
+
     async def next_object(self, timeout: float | None = None) -> MoqtObject | None:
         """The next object, None at the end of the response; TimeoutError when none
         arrives within `timeout` seconds (the response goes on: cancel it if unwanted)."""
@@ -1094,6 +1116,10 @@ class FetchResult:
 
     async def aclose(self) -> None:
         """Stop iterating; see Subscription.aclose()."""
+        self.close()
+
+    def close(self) -> None:
+        """aclose() for callers that cannot await (a callback): it never waits."""
         if self._finished:
             self._queue.discard()
         else:
@@ -1557,6 +1583,41 @@ class FetchSender:
         )
         await connection._write_payload(self.stream_id, payload)
 
+    def send_now(
+        self,
+        group_id: int,
+        object_id: int,
+        payload: bytes | bytearray | memoryview,
+        *,
+        subgroup_id: int | None = 0,
+        publisher_priority: int = DEFAULT_PUBLISHER_PRIORITY,
+        properties: Properties = (),
+    ) -> bool:
+        """send() when it would not wait: True with the object written when the stream
+        is writable now and the payload fits one write chunk; False, with nothing
+        written, when the caller must await send() instead. Saves a relay copying
+        small objects the coroutines and checks of a send() per object."""
+        connection = self.connection
+        session = connection._live_session()
+        stream_id = self.stream_id
+        if len(payload) > connection.settings.write_chunk_size or not connection._writable(stream_id):
+            return False
+        if session.data_stream_request(stream_id) is None:
+            raise StreamClosed(f"data stream {stream_id} is closed")
+        session.begin_fetch_object(
+            stream_id,
+            group_id,
+            object_id,
+            len(payload),
+            subgroup_id=subgroup_id,
+            publisher_priority=publisher_priority,
+            properties=properties,
+        )
+        if payload:
+            session.write_payload(stream_id, payload)
+        connection._transmit_soon()
+        return True
+
     async def end_of_range(self, group_id: int, object_id: int, *, unknown: bool = False) -> None:
         connection = self.connection
         await connection._wait_writable(self.stream_id)
@@ -1565,16 +1626,25 @@ class FetchSender:
 
     def close(self) -> None:
         """FIN the stream: every object of the range was sent."""
+        self._forget()
         session = self.connection.session
         if session is not None and not session.closed:
             session.close_data_stream(self.stream_id)
             self.connection._transmit_soon()
 
     def reset(self, error_code: int = StreamResetCode.CANCELLED) -> None:
+        self._forget()
         session = self.connection.session
         if session is not None and not session.closed:
             session.reset_data_stream(self.stream_id, error_code)
             self.connection._transmit_soon()
+
+    def _forget(self) -> None:
+        # Done writing: nothing can cancel or update it any more. A session that serves
+        # FETCHes for days would otherwise keep one sender per FETCH it ever answered.
+        senders = self.connection._fetch_senders
+        if senders.get(self.request_id) is self:
+            del senders[self.request_id]
 
 
 class NamespaceRegistration:

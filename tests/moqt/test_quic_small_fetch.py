@@ -130,3 +130,107 @@ async def test_next_object_times_out_without_objects_and_ends_with_none():
     finally:
         await client.aclose()
         await server.aclose()
+
+
+async def test_send_now_writes_only_while_the_stream_has_room():
+    kib = 1024
+    settings = QuicSettings(stream_send_buffer=32 * kib, write_chunk_size=16 * kib)
+    written: list[int] = []
+
+    async def on_fetch(request):
+        sender = request.accept()
+        # Too big for one write chunk: left to send(), nothing written.
+        assert not sender.send_now(0, 0, bytes(17 * kib))
+        object_id = 0
+        while sender.send_now(0, object_id, bytes([object_id]) * (8 * kib)):
+            object_id += 1  # no await in between: nothing is acknowledged meanwhile
+        written.append(object_id)
+        for later in range(object_id, object_id + 8):
+            await sender.send(0, later, bytes([later]) * (8 * kib))
+        sender.close()
+
+    server = await serve(certificate=CERT, handlers={"fetch": on_fetch}, settings=settings)
+    client = await asyncio.wait_for(connect(server.url + "/kv", cadata=CERT.certificate_pem), STEP)
+    try:
+        fetched = await asyncio.wait_for(client.fetch(NS, "1", (0, 0), (1, 0)), STEP)
+        got = [obj async for obj in fetched]
+        # The stream stops taking objects once its buffer is full, not before.
+        assert written == [4]
+        assert [obj.object_id for obj in got] == list(range(12))
+        assert all(obj.payload == bytes([obj.object_id]) * (8 * kib) for obj in got)
+    finally:
+        await client.aclose()
+        await server.aclose()
+
+
+async def test_ready_object_takes_what_arrived_without_waiting():
+    async def on_fetch(request):
+        sender = request.accept()
+        for object_id in range(6):
+            await sender.send(0, object_id, b"x%d" % object_id)
+        sender.close()
+
+    server = await serve(certificate=CERT, handlers={"fetch": on_fetch})
+    client = await asyncio.wait_for(connect(server.url + "/kv", cadata=CERT.certificate_pem), STEP)
+    try:
+        fetched = await asyncio.wait_for(client.fetch(NS, "1", (0, 0), (1, 0)), STEP)
+        got = []
+        while True:
+            obj = fetched.ready_object()
+            if obj is None:
+                obj = await fetched.next_object(STEP)
+                if obj is None:
+                    break
+            got.append(obj.payload)
+        assert got == [b"x%d" % i for i in range(6)]
+        assert fetched.ready_object() is None  # the end is for next_object() to report
+    finally:
+        await client.aclose()
+        await server.aclose()
+
+
+async def test_close_of_an_unfinished_fetch_cancels_it_without_awaiting():
+    cancelled: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+    async def on_fetch(request):
+        sender = request.accept()
+        await sender.send(0, 0, b"first")
+        cancelled.set_result(await sender.cancelled)
+
+    server = await serve(certificate=CERT, handlers={"fetch": on_fetch})
+    client = await asyncio.wait_for(connect(server.url + "/kv", cadata=CERT.certificate_pem), STEP)
+    try:
+        fetched = await asyncio.wait_for(client.fetch(NS, "1", (0, 0), (1, 0)), STEP)
+        assert (await fetched.next_object(STEP)).payload == b"first"
+        fetched.close()
+        await asyncio.wait_for(cancelled, STEP)
+        with pytest.raises(StopAsyncIteration):
+            await fetched.__anext__()
+    finally:
+        await client.aclose()
+        await server.aclose()
+
+
+async def test_a_served_fetch_leaves_nothing_behind():
+    """A session that answers FETCHes for days must not keep one sender per FETCH."""
+    from .test_quic import NS, dial as dial_server, start
+
+    served = []
+
+    async def on_fetch(request):
+        sender = request.accept(end=(0, 2))
+        await sender.send(0, 0, b"a")
+        await sender.send(0, 1, b"b")
+        sender.close()
+
+    server = await start({"fetch": on_fetch}, on_connection=served.append)
+    client = await dial_server(server)
+    try:
+        for _ in range(20):
+            result = await asyncio.wait_for(client.fetch(NS, "t", (0, 0), (0, 1)), 10)
+            assert [o.payload async for o in result] == [b"a", b"b"]
+        assert served[0]._fetch_senders == {}
+        assert client._fetches == {}
+    finally:
+        await client.aclose()
+        await server.aclose()

@@ -194,6 +194,37 @@ async def test_repeated_fetch_is_served_from_the_cache():
             await client.aclose()
 
 
+async def test_slow_fetcher_bounds_what_the_relay_buffers():
+    """Objects are written without an await while the downstream stream has room; once it
+    is full the relay waits, so a fetcher that stops reading holds the relay's buffer to
+    about its stream send buffer, and every object is still cached and delivered in order."""
+    kib = 1024
+    objects = make_objects(1, 64, 32 * kib)
+    publisher = TrackPublisher(objects)
+    quic = QuicSettings(stream_send_buffer=256 * kib, write_chunk_size=64 * kib)
+    async with running_relay(quic=quic) as relay, publishing(relay.url, NS, publisher):
+        client = await dial(relay.url, settings=QuicSettings(max_stream_data=64 * kib, max_data=128 * kib))
+        try:
+            fetched = await client.fetch(TRACK_NS, NAME, (0, 0), (1, 0), timeout=STEP)
+            first = await fetched.next_object(STEP)
+            assert first is not None and first.object_id == 0
+
+            async def relay_blocked() -> None:
+                while not any(p.connection is not None and p.connection._drain_waiters for p in relay._peers):
+                    await asyncio.sleep(0.01)
+
+            await asyncio.wait_for(relay_blocked(), STEP)  # the fetcher reads nothing more
+            buffered = sum(p.connection._buffered_total() for p in relay._peers if p.connection is not None)
+            assert buffered < quic.stream_send_buffer + 33 * kib  # one object past the limit at most
+            assert relay.stats.objects_out < len(objects)
+            rest = await collect(fetched)
+        finally:
+            await client.aclose()
+        assert triples([first, *rest]) == objects
+        assert [o.object_id for o in rest] == list(range(1, 64))
+        assert len(relay.cache) == len(objects)
+
+
 async def test_subscribed_objects_feed_the_cache_for_fetch():
     objects = make_objects(2, 4, 3000)
     publisher = TrackPublisher(objects)
