@@ -1297,23 +1297,12 @@ class Relay:
         for obj in objects:
             if obj.status != ObjectStatus.NORMAL:
                 continue  # a FETCH response marks no statuses; a gap says "does not exist"
-            if not self._send_now(sender, obj):
-                await self._send_waiting(sender, obj)
+            await self._send(sender, obj)
             if from_cache:
                 stats.cache_objects_served += 1
 
-    def _send_now(self, sender: FetchSender, obj: MoqtObject) -> bool:
-        """Write an object downstream if the stream takes it now (no await per object)."""
-        if not sender.send_now(obj.group_id, obj.object_id, obj.payload, subgroup_id=obj.subgroup_id,
-                               publisher_priority=obj.publisher_priority, properties=obj.properties):
-            return False
-        stats = self.stats
-        stats.objects_out += 1
-        stats.bytes_out += len(obj.payload)
-        return True
-
-    async def _send_waiting(self, sender: FetchSender, obj: MoqtObject) -> None:
-        """Write an object downstream once the stream has room (backpressure)."""
+    async def _send(self, sender: FetchSender, obj: MoqtObject) -> None:
+        """Write an object downstream (waiting only when the stream has no room)."""
         await sender.send(obj.group_id, obj.object_id, obj.payload, subgroup_id=obj.subgroup_id,
                           publisher_priority=obj.publisher_priority, properties=obj.properties)
         stats = self.stats
@@ -1348,8 +1337,8 @@ class Relay:
             put(key, origin, obj)  # as received: a FETCH object has no delivery timeout to stamp
             if last_in_group.get(group_id, -1) < object_id:
                 last_in_group[group_id] = object_id
-            if obj.status == normal and includes((group_id, object_id)) and not self._send_now(sender, obj):
-                await self._send_waiting(sender, obj)
+            if obj.status == normal and includes((group_id, object_id)):
+                await self._send(sender, obj)
         # A response ended by FIN lists every object that exists in its range: the end of
         # each group it covered whole is now known.
         end = upstream.end_location

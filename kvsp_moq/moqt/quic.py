@@ -835,10 +835,8 @@ class _ObjectQueue:
         would start a task for every object)."""
         deadline: float | None = None
         while True:
-            if self._items:
-                obj, stream_id, held = self._items.popleft()
-                if held:
-                    self._connection._consumed(stream_id, held)  # type: ignore[arg-type]
+            obj = self.pop_ready()
+            if obj is not None:
                 return obj
             if self._error is not None:
                 raise self._error
@@ -1569,6 +1567,9 @@ class FetchSender:
         publisher_priority: int = DEFAULT_PUBLISHER_PRIORITY,
         properties: Properties = (),
     ) -> None:
+        if self.send_now(group_id, object_id, payload, subgroup_id=subgroup_id,
+                         publisher_priority=publisher_priority, properties=properties):
+            return
         connection = self.connection
         session = connection._live_session()
         await connection._wait_writable(self.stream_id)
@@ -1593,10 +1594,9 @@ class FetchSender:
         publisher_priority: int = DEFAULT_PUBLISHER_PRIORITY,
         properties: Properties = (),
     ) -> bool:
-        """send() when it would not wait: True with the object written when the stream
+        """Write the object if that needs no wait: True with it written when the stream
         is writable now and the payload fits one write chunk; False, with nothing
-        written, when the caller must await send() instead. Saves a relay copying
-        small objects the coroutines and checks of a send() per object."""
+        written, when it must wait (send() tries this first, then waits)."""
         connection = self.connection
         session = connection._live_session()
         stream_id = self.stream_id
