@@ -26,6 +26,7 @@ import uvicorn
 from agent.loader import LayerSource
 from agent.model import ModelAdapter
 from agent.tiny import ensure_tiny_model
+from kvsp_moq.allocator import tune_allocator
 from kvsp_moq.auth import Authenticator
 from kvsp_moq.errors import BadRecord
 from kvsp_moq.protocol.keys import parse_scope_key_hex
@@ -302,6 +303,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvsp agent")
     configure_parser(parser)
     args = parser.parse_args(argv)
+    tune_allocator()
     return args.func(args)
 
 

@@ -460,11 +460,13 @@ def settings_from_args(args: argparse.Namespace) -> PCSettings:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    from kvsp_moq.allocator import tune_allocator
     from kvsp_moq.web import run
 
     parser = argparse.ArgumentParser(prog="kvsp-pc", description="KVSP Placement Controller")
     add_arguments(parser)
     args = parser.parse_args(argv)
+    tune_allocator()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     run(create_pc_app(settings_from_args(args)), args.listen, DEFAULT_PORT)
 

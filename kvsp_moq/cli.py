@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from kvsp_moq import __version__
+from kvsp_moq.allocator import tune_allocator
 from kvsp_moq.errors import KvspError, SettingError
 
 EXIT_USAGE = 2
@@ -212,6 +213,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(argv)
     args = parser.parse_args(argv)
+    tune_allocator()
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)

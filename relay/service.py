@@ -28,6 +28,7 @@ from typing import Any, Coroutine, Sequence, TypeVar
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
+from kvsp_moq.allocator import tune_allocator
 from kvsp_moq.auth import Authenticator
 from kvsp_moq.errors import KvspError
 from kvsp_moq.moqt.certs import generate_self_signed
@@ -183,6 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvsp relay")
     configure_parser(parser)
     args = parser.parse_args(argv)
+    tune_allocator()
     try:
         return args.func(args)
     except KvspError as e:

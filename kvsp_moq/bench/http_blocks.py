@@ -32,6 +32,7 @@ from typing import Any, Awaitable, Callable
 import httpx
 import numpy as np
 
+from kvsp_moq.allocator import tune_allocator
 from kvsp_moq.fetch.http import HttpFetcher, tune_httpcore_reads
 from kvsp_moq.protocol.container import Container, encode
 from kvsp_moq.protocol.records import ReplicaRecord
@@ -306,6 +307,7 @@ def run(*, quick: bool = False) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
+    tune_allocator()
     if sys.argv[1:2] == ["--serve"]:
         serve([int(x) for x in sys.argv[3:]], sys.argv[2])
     else:

@@ -106,10 +106,12 @@ def holder_main(args: argparse.Namespace) -> int:
 class _Child:
     """A child process whose output lines are read with a deadline."""
 
-    def __init__(self, argv: list[str], log: Path, stdin: bool = False) -> None:
+    def __init__(self, argv: list[str], log: Path, stdin: bool = False,
+                 env: dict[str, str] | None = None) -> None:
         self.log = open(log, "wb")
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=self.log, cwd=str(ROOT),
-                                     stdin=subprocess.PIPE if stdin else subprocess.DEVNULL)
+                                     stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+                                     env=None if env is None else {**os.environ, **env})
         self._buffer = b""
 
     def read_line(self, prefix: str, timeout: float = 60.0) -> str:
@@ -193,6 +195,7 @@ class _Aiomoqt:
     """aiomoqt's relay, publisher and a subscriber taking track names on stdin."""
 
     def __init__(self, work: Path, seed: str) -> None:
+        from kvsp_moq.allocator import allocator_environment
         from kvsp_moq.moqt.certs import generate_self_signed
 
         py = str(PEER_VENV / "bin" / "python")
@@ -201,18 +204,21 @@ class _Aiomoqt:
         port = _free_udp_port()
         url = f"moqt://127.0.0.1:{port}"
         namespace = f"kvsp-bench/{seed}"
+        # The peer's processes get the allocator settings ours give themselves
+        # (kvsp_moq.allocator), so that the comparison is of the two stacks alone.
+        env = allocator_environment()
         self.children: list[_Child] = []
         self.children.append(_Child(
             [str(PEER_VENV / "bin" / "moq-interop-relay"), "--quic", "--bind", "127.0.0.1", "--port", str(port),
              "--cert", str(cert), "--key", str(key), "--draft", "18", "--stream-ring-cap", str(2 << 20),
-             "--max-inflight-bytes", str(1 << 20)], work / "aiomoqt-relay.log"))
+             "--max-inflight-bytes", str(1 << 20)], work / "aiomoqt-relay.log", env=env))
         time.sleep(1.0)
         pub = _Child([py, str(PEER_SCRIPT), "pub", url, namespace, seed, str(LAYERS),
-                      ",".join(str(x) for x in SIZES)], work / "aiomoqt-pub.log")
+                      ",".join(str(x) for x in SIZES)], work / "aiomoqt-pub.log", env=env)
         self.children.append(pub)
         pub.read_line("READY", 60)
         self.sub = _Child([py, str(PEER_SCRIPT), "sub", url, namespace, str(LAYERS)], work / "aiomoqt-sub.log",
-                          stdin=True)
+                          stdin=True, env=env)
         self.children.append(self.sub)
         self.sub.read_line("READY", 60)
         self.count = 0
@@ -438,6 +444,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true")
     p.set_defaults(func=lambda a: print(json.dumps(run(a.quick), indent=2)) or 0)
     args = parser.parse_args(argv)
+    from kvsp_moq.allocator import tune_allocator
+
+    tune_allocator()
     return args.func(args)
 
 
