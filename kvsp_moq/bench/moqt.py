@@ -20,6 +20,8 @@ octets per second), milliseconds to the first verified layer and to the whole bl
 ratios compare like with like: ours_vs_aiomoqt divides our SUBSCRIBE rate by aiomoqt's,
 ours_vs_http our cold FETCH by HTTP (ours_cached_vs_http: the relay's cache answering).
 `cpu_parallelism` tells how many cores' worth of work two busy processes got at once.
+Each variant also reports, per block, the CPU milliseconds and minor page faults of each of
+our processes (relay, holder, client) while it ran: where the time goes, run by run.
 """
 
 from __future__ import annotations
@@ -153,6 +155,60 @@ class _Child:
         self.log.close()
 
 
+class _Usage:
+    """CPU time and minor page faults of the processes in a transfer, summed per variant.
+
+    CPU time is read from each thread's schedstat (nanoseconds; utime/stime tick at 10 ms,
+    too coarse for one block), faults from /proc/PID/stat. Where /proc does not have them
+    (not Linux), nothing is reported.
+    """
+
+    def __init__(self, pids: dict[str, int]) -> None:
+        self.pids = pids
+        self.totals: dict[str, dict[str, list[int]]] = {}
+        self.ok = all(os.path.exists(f"/proc/{pid}/task") for pid in pids.values())
+
+    def _read(self) -> dict[str, tuple[int, int]]:
+        out = {}
+        for name, pid in self.pids.items():
+            cpu = 0
+            try:
+                for task in os.listdir(f"/proc/{pid}/task"):
+                    try:
+                        with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                            cpu += int(f.read().split()[0])
+                    except (OSError, ValueError, IndexError):
+                        pass  # a thread that ended meanwhile
+                with open(f"/proc/{pid}/stat") as f:
+                    faults = int(f.read().rsplit(")", 1)[1].split()[7])
+            except (OSError, ValueError, IndexError):
+                self.ok = False
+                return {}
+            out[name] = (cpu, faults)
+        return out
+
+    async def measure(self, variant: str, transfer: Any) -> Any:
+        """Await `transfer`, adding what each process spent meanwhile to `variant`."""
+        if not self.ok:
+            return await transfer
+        before = self._read()
+        result = await transfer
+        after = self._read()
+        if self.ok:
+            acc = self.totals.setdefault(variant, {name: [0, 0] for name in self.pids})
+            for name in self.pids:
+                acc[name][0] += after[name][0] - before[name][0]
+                acc[name][1] += after[name][1] - before[name][1]
+        return result
+
+    def per_block(self, variant: str, blocks: int) -> dict[str, Any]:
+        acc = self.totals.get(variant)
+        if not acc or not blocks:
+            return {}
+        return {"cpu_ms_per_block": {n: round(v[0] / blocks / 1e6, 1) for n, v in acc.items()},
+                "page_faults_per_block": {n: v[1] // blocks for n, v in acc.items()}}
+
+
 def _median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
@@ -248,7 +304,8 @@ def _free_udp_port() -> int:
 
 
 async def _client(relay_url: str, cafile: str, holder_url: str, records: dict[str, list[dict[str, Any]]],
-                  base_seed: str, reps: int, aiomoqt: _Aiomoqt | None) -> dict[str, Any]:
+                  base_seed: str, reps: int, aiomoqt: _Aiomoqt | None,
+                  pids: dict[str, int] | None = None) -> dict[str, Any]:
     """Every variant in turns, each repeat a fresh block for the cold paths."""
     from kvsp_moq.fetch.http import HttpFetcher
     from kvsp_moq.moqt_blocks import MoqtBlockFetcher, moqt_record
@@ -274,19 +331,22 @@ async def _client(relay_url: str, cafile: str, holder_url: str, records: dict[st
             # A warm-up transfer of each kind (not counted) settles connections and windows.
             await _timed(lambda: http.layers([holder_url], http_records[0]), expected[0])
             await _timed(lambda: moqt.layers([], moqt_records[0]), expected[0])
+            usage = _Usage({**(pids or {}), "client": os.getpid()})
             for rep in range(reps):
                 fetch_i, sub_i = 1 + 2 * rep, 2 + 2 * rep
-                runs["moqt_fetch_cold"].append(
-                    await _timed(lambda: moqt.layers([], moqt_records[fetch_i]), expected[fetch_i]))
-                runs["moqt_fetch_cached"].append(
-                    await _timed(lambda: moqt.layers([], moqt_records[fetch_i]), expected[fetch_i]))
-                runs["http"].append(
-                    await _timed(lambda: http.layers([holder_url], http_records[fetch_i]), expected[fetch_i]))
+                runs["moqt_fetch_cold"].append(await usage.measure("moqt_fetch_cold", _timed(
+                    lambda: moqt.layers([], moqt_records[fetch_i]), expected[fetch_i])))
+                runs["moqt_fetch_cached"].append(await usage.measure("moqt_fetch_cached", _timed(
+                    lambda: moqt.layers([], moqt_records[fetch_i]), expected[fetch_i])))
+                runs["http"].append(await usage.measure("http", _timed(
+                    lambda: http.layers([holder_url], http_records[fetch_i]), expected[fetch_i])))
                 track = BlockTrack.from_record_namespace(moqt_records[sub_i].moqt_namespace)
-                runs["moqt_subscribe"].append(await _subscribe_timed(connection, track, expected[sub_i]))
+                runs["moqt_subscribe"].append(await usage.measure(
+                    "moqt_subscribe", _subscribe_timed(connection, track, expected[sub_i])))
                 if aiomoqt is not None:
                     runs["aiomoqt"].append(aiomoqt.transfer(size, theirs))
-            out[f"{size >> 20}MiB"] = {name: _summary(size, r) for name, r in runs.items()}
+            out[f"{size >> 20}MiB"] = {name: {**_summary(size, r), **usage.per_block(name, len(r))}
+                                       for name, r in runs.items()}
     return out
 
 
@@ -361,7 +421,7 @@ def measure(reps: int, with_aiomoqt: bool) -> dict[str, Any]:
                 report["aiomoqt_error"] = f"aiomoqt did not start: {e}"
         with asyncio.Runner(loop_factory=new_event_loop) as runner:
             report["ours"] = runner.run(_client(relay_url, cafile, info["holder"], info["records"], seed, reps,
-                                                aiomoqt))
+                                                aiomoqt, {"relay": relay.proc.pid, "holder": holder.proc.pid}))
     finally:
         if aiomoqt is not None:
             aiomoqt.stop()
