@@ -12,6 +12,10 @@ median of the repeats.
     httpx_fetch  the verified whole-block fetch through httpx instead (HttpFetcher(lean=False))
     unverified   the same GET read with httpx alone (no parsing, no hashing)
     raw_tcp      asyncio streams: one request line, the same container octets back
+
+Beside the rates: `cpu_ms_per_request`, the CPU the client and the server process spent per
+request of each kind, and `two_sha256_passes_ms`, what the two SHA-256 passes over the block
+that a verifying client must make (§6.7) cost alone on one core of this machine.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import httpx
 import numpy as np
 
 from kvsp_moq.allocator import tune_allocator
+from kvsp_moq.bench.usage import ProcessUsage
 from kvsp_moq.fetch.http import HttpFetcher, tune_httpcore_reads
 from kvsp_moq.protocol.container import Container, encode
 from kvsp_moq.protocol.records import ReplicaRecord
@@ -136,21 +141,27 @@ def serve(sizes: list[int], loop: str = "asyncio") -> None:
 
 
 async def _interleaved(fns: dict[str, Callable[[], Awaitable[Any]]],
-                       repeat: int) -> dict[str, float]:
+                       repeat: int, usage: ProcessUsage | None = None) -> dict[str, float]:
     """Median seconds of each function, run in turns so that a noisy neighbour on the machine
-    slows every variant alike instead of whichever happened to run at the time."""
+    slows every variant alike instead of whichever happened to run at the time. With `usage`,
+    what each process spent in the counted runs is added up per function."""
     times: dict[str, list[float]] = {name: [] for name in fns}
     for round_ in range(repeat + 2):
         for name, fn in fns.items():
             start = time.perf_counter()
-            await fn()
+            if round_ >= 2 and usage is not None:
+                await usage.measure(name, fn())
+            else:
+                await fn()
             if round_ >= 2:  # two warm-up rounds
                 times[name].append(time.perf_counter() - start)
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-async def _measure(url: str, raw_port: int, sizes: list[int], repeat: int) -> list[dict]:
+async def _measure(url: str, raw_port: int, sizes: list[int], repeat: int,
+                   server_pid: int | None = None) -> list[dict]:
     out = []
+    sha_mb_per_s = _sha256_mb_per_s()
     tune_httpcore_reads()
     fetcher = HttpFetcher(timeout=30.0)
     via_httpx = HttpFetcher(timeout=30.0, lean=False)
@@ -207,11 +218,15 @@ async def _measure(url: str, raw_port: int, sizes: list[int], repeat: int) -> li
                         pos += len(piece)
                 return go
 
+            pids = {"client": os.getpid()}
+            if server_pid is not None:
+                pids["server"] = server_pid
+            usage = ProcessUsage(pids)
             t = await _interleaved({
                 "fetch": fetch_whole, "range": fetch_range, "httpx_fetch": fetch_httpx,
                 "unverified": unverified,
                 "raw": raw(0, LAYERS - 1, len(data)), "raw_range": raw(*RANGE, len(ranged)),
-            }, repeat)
+            }, repeat, usage)
             t_fetch, t_range, t_plain, t_raw, t_raw_range = (
                 t["fetch"], t["range"], t["unverified"], t["raw"], t["raw_range"])
             first_layer_ms = statistics.median(first_layer[2:]) * 1000
@@ -232,6 +247,12 @@ async def _measure(url: str, raw_port: int, sizes: list[int], repeat: int) -> li
                 "ratio": round(t_raw / t_fetch, 3),
                 "range_ratio": round(t_raw_range / t_range, 3),
                 "unverified_ratio": round(t_raw / t_plain, 3),
+                # The client must hash every octet twice (§6.7: Repr-Digest, then the layer
+                # digests): the CPU that alone takes, beside what each process spent.
+                "two_sha256_passes_ms": round(2 * len(data) / sha_mb_per_s / 1e3, 3),
+                "cpu_ms_per_request": {
+                    name: usage.per_block(name, repeat).get("cpu_ms_per_block", {})
+                    for name in ("fetch", "raw", "range", "raw_range")},
             })
     finally:
         writer.close()
@@ -280,7 +301,7 @@ def run_blocks(quick: bool = False, *, loop: str = "asyncio") -> dict[str, Any]:
         loop = factory()
         try:
             blocks = loop.run_until_complete(
-                _measure(info["url"], info["raw_port"], sizes, repeat))
+                _measure(info["url"], info["raw_port"], sizes, repeat, server.pid))
         finally:
             loop.close()
     finally:

@@ -41,6 +41,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from kvsp_moq.bench.usage import ProcessUsage
+
 LAYERS = 32
 SIZES = (2 << 20, 16 << 20)
 MB = 1e6
@@ -153,60 +155,6 @@ class _Child:
                 self.proc.kill()
                 self.proc.wait()
         self.log.close()
-
-
-class _Usage:
-    """CPU time and minor page faults of the processes in a transfer, summed per variant.
-
-    CPU time is read from each thread's schedstat (nanoseconds; utime/stime tick at 10 ms,
-    too coarse for one block), faults from /proc/PID/stat. Where /proc does not have them
-    (not Linux), nothing is reported.
-    """
-
-    def __init__(self, pids: dict[str, int]) -> None:
-        self.pids = pids
-        self.totals: dict[str, dict[str, list[int]]] = {}
-        self.ok = all(os.path.exists(f"/proc/{pid}/task") for pid in pids.values())
-
-    def _read(self) -> dict[str, tuple[int, int]]:
-        out = {}
-        for name, pid in self.pids.items():
-            cpu = 0
-            try:
-                for task in os.listdir(f"/proc/{pid}/task"):
-                    try:
-                        with open(f"/proc/{pid}/task/{task}/schedstat") as f:
-                            cpu += int(f.read().split()[0])
-                    except (OSError, ValueError, IndexError):
-                        pass  # a thread that ended meanwhile
-                with open(f"/proc/{pid}/stat") as f:
-                    faults = int(f.read().rsplit(")", 1)[1].split()[7])
-            except (OSError, ValueError, IndexError):
-                self.ok = False
-                return {}
-            out[name] = (cpu, faults)
-        return out
-
-    async def measure(self, variant: str, transfer: Any) -> Any:
-        """Await `transfer`, adding what each process spent meanwhile to `variant`."""
-        if not self.ok:
-            return await transfer
-        before = self._read()
-        result = await transfer
-        after = self._read()
-        if self.ok:
-            acc = self.totals.setdefault(variant, {name: [0, 0] for name in self.pids})
-            for name in self.pids:
-                acc[name][0] += after[name][0] - before[name][0]
-                acc[name][1] += after[name][1] - before[name][1]
-        return result
-
-    def per_block(self, variant: str, blocks: int) -> dict[str, Any]:
-        acc = self.totals.get(variant)
-        if not acc or not blocks:
-            return {}
-        return {"cpu_ms_per_block": {n: round(v[0] / blocks / 1e6, 1) for n, v in acc.items()},
-                "page_faults_per_block": {n: v[1] // blocks for n, v in acc.items()}}
 
 
 def _median(values: list[float]) -> float:
@@ -331,7 +279,7 @@ async def _client(relay_url: str, cafile: str, holder_url: str, records: dict[st
             # A warm-up transfer of each kind (not counted) settles connections and windows.
             await _timed(lambda: http.layers([holder_url], http_records[0]), expected[0])
             await _timed(lambda: moqt.layers([], moqt_records[0]), expected[0])
-            usage = _Usage({**(pids or {}), "client": os.getpid()})
+            usage = ProcessUsage({**(pids or {}), "client": os.getpid()})
             for rep in range(reps):
                 fetch_i, sub_i = 1 + 2 * rep, 2 + 2 * rep
                 runs["moqt_fetch_cold"].append(await usage.measure("moqt_fetch_cold", _timed(

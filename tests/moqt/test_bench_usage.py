@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from kvsp_moq.bench.moqt import _Usage
+from kvsp_moq.bench.usage import ProcessUsage
 
 
 def test_usage_counts_cpu_and_page_faults_of_each_process_per_variant() -> None:
@@ -16,7 +16,7 @@ def test_usage_counts_cpu_and_page_faults_of_each_process_per_variant() -> None:
                              "time.sleep(30)"], stdout=subprocess.PIPE)
     try:
         assert idle.stdout is not None and idle.stdout.readline() == b"up\n"
-        usage = _Usage({"idle": idle.pid, "client": os.getpid()})
+        usage = ProcessUsage({"idle": idle.pid, "client": os.getpid()})
         assert usage.ok
 
         async def busy() -> int:
