@@ -52,6 +52,7 @@ import httpx
 from kvsp_moq.errors import (
     DigestMismatch,
     KvspError,
+    BadContainer,
     LayersUnavailable,
     NotFound,
     TransportError,
@@ -62,6 +63,7 @@ from kvsp_moq.protocol.container import (
     ENTRY_SIZE,
     HEADER,
     HEADER_SIZE,
+    LAYER_SPACE,
     MAGIC,
     MEDIA_TYPE,
     VERSION,
@@ -186,6 +188,8 @@ class ContainerAssembler:
             raise _Bad("not a KVB1 container (bad magic)")
         if version != VERSION:
             raise _Bad(f"unknown container version {version}")
+        if first + count > LAYER_SPACE:
+            raise _Bad("first layer + layer count exceeds 2^32")
         table_end = HEADER_SIZE + count * ENTRY_SIZE
         if table_end > self.max_size:
             raise _Bad(f"a table of {count} layers is larger than the block can be")
@@ -240,7 +244,10 @@ class ContainerAssembler:
         if not self.complete:
             raise _Bad(f"body ended after {self.received} of {self.total or '?'} octets")
         assert self.buffer is not None
-        return Container(self.buffer)
+        try:
+            return Container(self.buffer)
+        except BadContainer as e:  # a rule the streaming parse does not check
+            raise _Bad(str(e)) from None
 
 
 class _Bad(Exception):

@@ -24,6 +24,8 @@ ENTRY = struct.Struct(">QQ")
 ENTRY_SIZE = ENTRY.size  # 16
 MEDIA_TYPE = "application/kvsp-block"
 _U32 = 0xFFFFFFFF
+#: Layer numbers are 32-bit: First Layer + Layer Count may not exceed this.
+LAYER_SPACE = _U32 + 1
 
 #: numpy views of raw sections; bfloat16 and float8 have no numpy type and are viewed as bits.
 NUMPY_DTYPES: dict[str, str] = {
@@ -94,7 +96,7 @@ def encode_header(
     """Header and length table; the data sections follow it on the wire."""
     if not (0 <= first_layer <= _U32 and 0 <= token_count <= _U32 and 0 <= codec <= 0xFFFF):
         raise BadContainer("header field out of range")
-    if first_layer + len(lengths) > _U32 + 1:
+    if first_layer + len(lengths) > LAYER_SPACE:
         raise BadContainer("layer range exceeds 2^32")
     head = HEADER.pack(MAGIC, VERSION, flags, codec, first_layer, len(lengths), token_count)
     table = b"".join(ENTRY.pack(k, v) for k, v in lengths)
@@ -148,7 +150,7 @@ class Container:
             raise BadContainer(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}")
         if version != VERSION:
             raise BadContainer(f"unknown version {version}")
-        if first + count > _U32 + 1:
+        if first + count > LAYER_SPACE:
             raise BadContainer("first layer + layer count exceeds 2^32")
         table_end = HEADER_SIZE + count * ENTRY_SIZE
         if table_end > size:

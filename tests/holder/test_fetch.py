@@ -19,7 +19,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from kvsp_moq.errors import DigestMismatch, LayersUnavailable, NotFound, TransportError
+from kvsp_moq.errors import (
+    BadContainer,
+    DigestMismatch,
+    LayersUnavailable,
+    NotFound,
+    TransportError,
+)
 from kvsp_moq.fetch.http import (
     ContainerAssembler,
     HttpFetcher,
@@ -253,3 +259,39 @@ def test_repr_digest_field_parsing() -> None:
     assert parse_repr_digest("sha-512=:AAAA:, " + field) == digest
     assert parse_repr_digest("sha-256=:AAAA:") is None
     assert parse_repr_digest(None) is None
+
+
+def _past_layer_space(block_data: bytes) -> bytes:
+    """The block with First Layer set so that First Layer + Layer Count exceeds 2^32 (§4.2
+    refuses that; the header is otherwise consistent, so only that rule can catch it)."""
+    data = bytearray(block_data)
+    data[8:12] = (0xFFFFFFFF).to_bytes(4, "big")
+    return bytes(data)
+
+
+def test_assembler_refuses_layers_past_2_to_the_32_in_the_header() -> None:
+    block = make_block(10, layers=3, section=10)
+    bad = _past_layer_space(block.data)
+    with pytest.raises(BadContainer, match="2\\^32"):
+        Container(bad)  # the whole-container parser's rule
+    asm = ContainerAssembler(max_size=len(bad))
+    with pytest.raises(_Bad, match="2\\^32"):
+        asm.feed(bad)  # the streaming parser refuses it too, before any layer is handed out
+
+
+async def test_a_source_announcing_layers_past_2_to_the_32_is_malformed_and_skipped(
+        two_holders) -> None:
+    holder, _ = two_holders
+    block = make_block(11)
+    full = stored(holder, block).to_json()
+    del full["layer_digests"], full["residency"]  # the path that checks the container whole
+    record = ReplicaRecord.from_json(full)
+    bad = _past_layer_space(block.data)
+
+    async def serve(request: Request) -> Response:
+        return Response(bad, media_type="application/kvsp-block")
+
+    with BackgroundServer(Starlette(routes=[Route("/{path:path}", serve)])) as liar:
+        result = await fetch_block([liar.url, holder.url], record)
+    assert bytes(result.container.buffer) == block.data
+    assert result.failures[0][0] == liar.url and "2^32" in result.failures[0][1]
