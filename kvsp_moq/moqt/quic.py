@@ -797,6 +797,12 @@ def _expire_waiter(waiter: asyncio.Future[None]) -> None:
         waiter.set_exception(asyncio.TimeoutError())
 
 
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    """Mark a future's failure as seen (its caller may have stopped waiting for it)."""
+    if not future.cancelled():
+        future.exception()
+
+
 class _ObjectQueue:
     """Objects waiting for the application, with the flow-control bytes they hold."""
 
@@ -2836,6 +2842,21 @@ class MoqtConnection(QuicConnectionProtocol):
     def send_goaway(self, new_session_uri: str = "", timeout_ms: int = 0) -> None:
         self._live_session().goaway(new_session_uri, timeout_ms)
         self._transmit_soon()
+
+    async def ping(self) -> None:
+        """QUIC PING and wait for its acknowledgement (ConnectionError if the session ends).
+
+        aioquic's, except that a waiter its caller gave up on (a probe's timeout) has its
+        failure retrieved when the session ends, instead of being reported by asyncio as
+        "Future exception was never retrieved" for every vanished peer.
+        """
+        waiter = self._loop.create_future()
+        waiter.add_done_callback(_retrieve)
+        uid = id(waiter)
+        self._ping_waiters[uid] = waiter
+        self._quic.send_ping(uid)
+        self.transmit()
+        await asyncio.shield(waiter)
 
     def close(self, error_code: int = SessionCloseCode.NO_ERROR, reason_phrase: str = "") -> None:
         """Close the session and the QUIC connection."""

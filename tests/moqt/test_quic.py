@@ -462,3 +462,37 @@ async def test_stop_sending_on_a_subgroup_stream_releases_a_blocked_writer():
     finally:
         await client.aclose()
         await server.aclose()
+
+
+async def test_a_ping_abandoned_by_its_caller_leaves_no_unretrieved_error_when_the_session_ends():
+    """The relay's liveness probe gives up on a PING after a timeout; when that session then
+    ends, the PING's pending waiter fails. Nothing may be left for asyncio to report as "Future
+    exception was never retrieved" (an ERROR line in the relay's log per vanished peer)."""
+    import gc
+    import logging
+
+    records: list[logging.LogRecord] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    handler = Collect(logging.ERROR)
+    logging.getLogger("asyncio").addHandler(handler)
+    try:
+        server = await start()
+        try:
+            client = await dial(server)
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(client.ping(), 0.0001)  # abandoned before the answer
+            client.close()
+            await asyncio.wait_for(client.wait_closed(), STEP)
+            await asyncio.sleep(0.05)
+        finally:
+            server.close()
+        gc.collect()
+        await asyncio.sleep(0)
+    finally:
+        logging.getLogger("asyncio").removeHandler(handler)
+    assert not [r for r in records if "never retrieved" in r.getMessage()], \
+        [r.getMessage() for r in records]
