@@ -8,7 +8,7 @@ from contextlib import asynccontextmanager
 from typing import AsyncIterator, Iterable
 
 from kvsp_moq.moqt.certs import generate_self_signed
-from kvsp_moq.moqt.messages import Location
+from kvsp_moq.moqt.messages import GroupOrder, Location
 from kvsp_moq.moqt.quic import IncomingFetch, IncomingSubscribe, MoqtConnection, QuicSettings, connect
 from relay.relay import Relay, RelaySettings
 
@@ -101,6 +101,8 @@ class TrackPublisher:
             raise InvalidRange("nothing in range")
         last = wanted[-1]
         sender = req.accept(end=(last[0], last[1] + 1))
+        if req.group_order == GroupOrder.DESCENDING:  # groups newest first, objects ascending
+            wanted.sort(key=lambda x: (-x[0], x[1]))
         for g, o, payload in wanted:
             await sender.send(g, o, payload)
         sender.close()
