@@ -2103,6 +2103,10 @@ def _check_scope(parameters: Parameters, allowed: frozenset[int], name: str) -> 
 
 
 def _fetch_end_before_start(end: Location, start: Location) -> bool:
+    """FETCH_OK's End Location is smaller than the FETCH's Start Location (drafts 14 and 18:
+    a PROTOCOL_VIOLATION). End is encoded as in a FETCH: {G, 0} covers all of group G, so it
+    is smaller only for an earlier group; an End equal to the Start (an empty range, which a
+    FETCH may ask for: "the same or a larger Location") is not smaller."""
     if end.object == 0:
         return end.group < start.group
-    return (end.group, end.object - 1) < (start.group, start.object)
+    return (end.group, end.object) < (start.group, start.object)

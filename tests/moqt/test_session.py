@@ -429,3 +429,28 @@ def test_requests_and_data_before_setup_are_held_until_setup_arrives():
     events = p.take("server")
     assert [type(e) for e in events] == [ev.SetupCompleted, ev.SubscribeReceived]
     assert events[0].setup.path == "/late"
+
+
+@pytest.mark.parametrize("start, end, violation", [
+    ((7, 1), (7, 1), False),  # End equal to Start: an empty range, allowed ("same or larger")
+    ((7, 1), (7, 0), False),  # the whole of group 7, which the range starts in
+    ((7, 1), (8, 3), False),
+    ((7, 1), (6, 0), True),   # the whole of an earlier group
+    ((7, 3), (7, 2), True),   # ends at object 1, before the start
+])
+def test_fetch_ok_end_location_is_checked_against_the_start_as_the_draft_says(pair, start, end, violation):
+    """FETCH_OK: "If End Location is smaller than the Start Location in the corresponding FETCH
+    the receiver MUST close the session with a PROTOCOL_VIOLATION", End Location encoded as in
+    the FETCH (last object + 1, or object 0 for the whole group): the rule a FETCH's own range
+    is checked by."""
+    rid = pair.client.fetch(NS, b"t", m.Location(*start), m.Location(*start))
+    pair.exchange()
+    one(pair.take("server"), ev.FetchReceived)
+    pair.server.fetch_ok(rid, m.Location(*end))
+    pair.exchange()
+    events = pair.take("client")
+    if violation:
+        closed_with(events, SessionCloseCode.PROTOCOL_VIOLATION)
+    else:
+        assert of(events, ev.SessionTerminated) == [], events
+        assert one(events, ev.FetchAccepted).end_location == m.Location(*end)

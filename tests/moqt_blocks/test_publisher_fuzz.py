@@ -1,0 +1,147 @@
+"""Random well-formed requests for KV block tracks, through a relay to a real BlockPublisher:
+each one is answered with layers or a specific refusal, never INTERNAL_ERROR, never a handler
+failure or an unretrieved error in the logs, and the session stays open. Seeded and bounded."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+
+from kvsp_moq.moqt.errors import MoqtError, RequestError, RequestErrorCode, SessionClosed
+from kvsp_moq.moqt.messages import FilterType, GroupOrder, Location, SubscriptionFilter
+from kvsp_moq.moqt.quic import connect
+from kvsp_moq.naming import BlockTrack
+
+from .test_moqt_blocks import CERT, SCOPE, STEP, stored, system
+
+REQUESTS = 120
+READ = 0.15
+U62 = (1 << 62) - 1
+
+
+class _Failures(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def _number(rnd: random.Random) -> int:
+    return rnd.choice([0, 0, 1, 2, 7, 8, rnd.randint(0, 100), U62])
+
+
+def _filter(rnd: random.Random) -> SubscriptionFilter | None:
+    kind = rnd.choice([None, *FilterType])
+    if kind is None:
+        return None
+    if kind in (FilterType.NEXT_GROUP_START, FilterType.LARGEST_OBJECT):
+        return SubscriptionFilter(kind)
+    start = Location(_number(rnd), _number(rnd))
+    if kind == FilterType.ABSOLUTE_START:
+        return SubscriptionFilter(kind, start)
+    return SubscriptionFilter(kind, start, rnd.choice([start.group, start.group + 1, _number(rnd)]))
+
+
+async def _read(iterator, limit: int = 40) -> int:
+    count = 0
+
+    async def run() -> None:
+        nonlocal count
+        async for _ in iterator:
+            count += 1
+            if count >= limit:
+                return
+
+    try:
+        await asyncio.wait_for(run(), READ)
+    except asyncio.TimeoutError:
+        pass
+    return count
+
+
+async def _step(rnd: random.Random, client, tracks: list[BlockTrack], subscriptions: list) -> str:
+    track = rnd.choice(tracks)
+    namespace, name = track.namespace, track.track_name
+    if rnd.random() < 0.25:  # a sibling that does not exist: another codec, a changed field
+        name = rnd.choice([b"2", b"0", b"x", b""])
+    elif rnd.random() < 0.15:
+        namespace = namespace[:-1] + (bytes(len(namespace[-1])),)
+    kind = rnd.choice(["subscribe", "fetch", "fetch", "joining_fetch", "track_status", "cancel"])
+    if kind == "subscribe":
+        sub = await client.subscribe(namespace, name, subscription_filter=_filter(rnd),
+                                     forward=rnd.choice([None, True, False]),
+                                     group_order=rnd.choice([None, *GroupOrder]), timeout=5)
+        subscriptions.append(sub)
+        await _read(sub)
+    elif kind == "fetch":
+        if rnd.random() < 0.5:  # within the block's one group (layers 0-7) or just past it
+            start, end = Location(0, rnd.randint(0, 9)), Location(rnd.choice([0, 1]), rnd.randint(0, 9))
+        else:
+            start, end = Location(_number(rnd), _number(rnd)), Location(_number(rnd), _number(rnd))
+        result = await client.fetch(namespace, name, start, end,
+                                    whole_end_group=rnd.random() < 0.3,
+                                    group_order=rnd.choice([None, *GroupOrder]), timeout=5)
+        await _read(result)
+    elif kind == "joining_fetch":
+        if not subscriptions:
+            return "skipped"
+        result = await client.joining_fetch(rnd.choice(subscriptions), _number(rnd),
+                                            absolute=rnd.random() < 0.5, timeout=5)
+        await _read(result)
+    elif kind == "track_status":
+        await client.track_status(namespace, name, timeout=5)
+    else:
+        if not subscriptions:
+            return "skipped"
+        await subscriptions.pop(rnd.randrange(len(subscriptions))).aclose()
+    return kind
+
+
+async def test_random_requests_for_block_tracks_get_layers_or_specific_refusals() -> None:
+    failures = _Failures()
+    loggers = [logging.getLogger(name)
+               for name in ("kvsp_moq.moqt.quic", "kvsp.relay", "kvsp.moqt_blocks", "asyncio")]
+    for logger in loggers:
+        logger.addHandler(failures)
+    seen: dict[str, int] = {}
+    try:
+        async with system() as (relay, store, publisher, _):
+            tracks = []
+            for n in (1, 2):
+                _, _, record = await stored(store, publisher, n, scope=SCOPE, layers=8, section=2_000)
+                tracks.append(BlockTrack.from_record_namespace(record.moqt_namespace))
+            for seed in (1, 2):
+                rnd = random.Random(seed)
+                client = await asyncio.wait_for(connect(relay.url, cadata=CERT.certificate_pem), STEP)
+                subscriptions: list = []
+                try:
+                    for step in range(REQUESTS):
+                        try:
+                            kind = await _step(rnd, client, tracks, subscriptions)
+                            outcome = kind if kind == "skipped" else f"{kind}: ok"
+                        except ValueError as e:
+                            outcome = f"local: {type(e).__name__}"
+                        except RequestError as e:
+                            assert e.error_code != RequestErrorCode.INTERNAL_ERROR, (seed, step, e)
+                            outcome = f"refused: {RequestErrorCode(e.error_code).name}"
+                        except SessionClosed as e:
+                            raise AssertionError(f"seed {seed} step {step}: session closed: {e}")
+                        except MoqtError as e:
+                            outcome = f"error: {type(e).__name__}"
+                        except asyncio.TimeoutError:
+                            outcome = "timed out"
+                        seen[outcome] = seen.get(outcome, 0) + 1
+                    assert not client.is_closed, f"seed {seed}: the session to the relay ended"
+                finally:
+                    for sub in subscriptions:
+                        await sub.aclose()
+                    await client.aclose()
+    finally:
+        for logger in loggers:
+            logger.removeHandler(failures)
+    assert not failures.records, [f"{r.getMessage()}\n{r.exc_text or ''}" for r in failures.records]
+    assert seen.get("fetch: ok", 0) and seen.get("subscribe: ok", 0), seen
+    assert seen.get("refused: DOES_NOT_EXIST", 0), seen
