@@ -474,8 +474,9 @@ class MoqtSession14(SessionBase):
             self._blocked_reported = self._peer_grant
             self._send(d14.RequestsBlocked(self._peer_grant))
 
-    def _send_request(self, request: _Request, message: d14.Message) -> None:
-        data = message.encode()
+    def _send_request(self, request: _Request, message: d14.Message, data: bytes | None = None) -> None:
+        if data is None:
+            data = message.encode()
         if self._queue or self.peer_setup is None or request.request_id >= self._peer_grant:
             request.sent = False
             self._queue.append([request.request_id, bytearray(data)])
@@ -904,10 +905,11 @@ class MoqtSession14(SessionBase):
         self._check_open()
         request_id = self._next_request_id
         message = build(request_id)
+        data = message.encode()  # a value draft-14 cannot carry is refused before the ID is spent
         self._next_request_id += 2
         request = _Request(request_id, kind, True, **fields)
         self._requests[request_id] = request
-        self._send_request(request, message)
+        self._send_request(request, message, data)
         return request_id
 
     def subscribe(self, namespace: TrackNamespace, track_name: bytes, parameters: Parameters = Parameters()) -> int:
@@ -1040,15 +1042,16 @@ class MoqtSession14(SessionBase):
         elif request.largest_at_ok is not None:
             start = request.largest_at_ok
         update_id = self._next_request_id
-        self._next_request_id += 2
         message = d14.SubscribeUpdate(
             update_id, request_id, start, end_group,
             128 if merged.subscriber_priority is None else merged.subscriber_priority,
             merged.forward is not False,
             d14.Parameters(parameters.authorization_tokens, parameters.object_delivery_timeout),
         )
+        data = message.encode()  # before the ID is spent, as for requests
+        self._next_request_id += 2
         update = _Request(update_id, SUBSCRIBE_UPDATE, True, closed=True)
-        self._send_request(update, message)
+        self._send_request(update, message, data)
         request.parameters = merged
         self._released.append(ev.RequestAccepted(update_id, Parameters(), ()))
         return update_id

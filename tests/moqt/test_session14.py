@@ -608,3 +608,15 @@ def test_second_bidirectional_stream_closes_with_protocol_violation(pair):
 def test_client_setup_twice_is_a_protocol_violation(pair):
     pair.raw_control(d14.ClientSetup())
     assert "CLIENT_SETUP" in closed_with(pair.take("server"), SessionCloseCode.PROTOCOL_VIOLATION).reason
+
+
+def test_a_request_draft_14_cannot_encode_is_refused_without_spending_its_request_id(pair):
+    """Draft-14 carries Locations as QUIC varints (up to 2^62-1); a FETCH ending at 2^62 is
+    refused locally. Its Request ID must not be spent: the peer would see the next request
+    skip one and close the session (INVALID_REQUEST_ID)."""
+    with pytest.raises(ValueError):
+        pair.client.fetch(NS, b"t", m.Location(0, 0), m.Location(0, 1 << 62))
+    rid = pair.client.subscribe(NS, b"t")
+    pair.exchange()
+    assert one(pair.take("server"), ev.SubscribeReceived).request_id == rid
+    assert not pair.server.closed and not pair.client.closed
