@@ -113,9 +113,10 @@ async def test_random_requests_for_block_tracks_get_layers_or_specific_refusals(
             for n in (1, 2):
                 _, _, record = await stored(store, publisher, n, scope=SCOPE, layers=8, section=2_000)
                 tracks.append(BlockTrack.from_record_namespace(record.moqt_namespace))
-            for seed in (1, 2):
+            for seed, drafts in ((1, (18,)), (2, (14,))):  # a draft-18 and a draft-14 client
                 rnd = random.Random(seed)
-                client = await asyncio.wait_for(connect(relay.url, cadata=CERT.certificate_pem), STEP)
+                client = await asyncio.wait_for(
+                    connect(relay.url, cadata=CERT.certificate_pem, drafts=drafts), STEP)
                 subscriptions: list = []
                 try:
                     for step in range(REQUESTS):
