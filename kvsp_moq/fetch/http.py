@@ -50,9 +50,9 @@ import httpcore
 import httpx
 
 from kvsp_moq.errors import (
+    BadContainer,
     DigestMismatch,
     KvspError,
-    BadContainer,
     LayersUnavailable,
     NotFound,
     TransportError,

@@ -11,15 +11,7 @@ from kvsp_moq.moqt.draft14 import SessionCloseCode
 
 from .test_draft14 import any_message
 from .test_session14 import Pair14
-
-
-@st.composite
-def control_bytes(draw) -> bytes:
-    data = bytearray(draw(any_message).encode())
-    if draw(st.booleans()):
-        i = draw(st.integers(0, len(data) - 1))
-        data[i] ^= draw(st.integers(1, 255))
-    return bytes(data)
+from .test_session_fuzz import encoded
 
 
 @st.composite
@@ -31,7 +23,7 @@ def data_stream(draw) -> bytes:
     return bytes([stream_type]) + ids + draw(st.binary(max_size=64))
 
 
-STEPS = st.lists(st.one_of(st.tuples(st.just("control"), control_bytes()),
+STEPS = st.lists(st.one_of(st.tuples(st.just("control"), encoded(any_message)),
                            st.tuples(st.just("data"), data_stream())), min_size=1, max_size=6)
 
 

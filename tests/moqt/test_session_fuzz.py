@@ -16,11 +16,10 @@ from .strategies import messages
 WHERE = st.sampled_from(["new request stream", "same request stream", "new unidirectional"])
 
 
-
 @st.composite
-def wire(draw) -> bytes:
+def encoded(draw, strategy: st.SearchStrategy) -> bytes:
     """A message's encoding, as is or with one octet changed."""
-    data = bytearray(draw(messages()).encode())
+    data = bytearray(draw(strategy).encode())
     if draw(st.booleans()):
         i = draw(st.integers(0, len(data) - 1))
         data[i] ^= draw(st.integers(1, 255))
@@ -43,7 +42,7 @@ def data_stream(draw) -> bytes:
     return header + draw(st.binary(max_size=64))
 
 
-STEPS = st.lists(st.one_of(st.tuples(wire(), WHERE, st.booleans()),
+STEPS = st.lists(st.one_of(st.tuples(encoded(messages()), WHERE, st.booleans()),
                            st.tuples(data_stream(), st.just("new unidirectional"), st.booleans())),
                  min_size=1, max_size=6)
 

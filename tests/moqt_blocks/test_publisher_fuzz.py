@@ -5,13 +5,12 @@ failure or an unretrieved error in the logs, and the session stays open. Seeded 
 from __future__ import annotations
 
 import asyncio
-import logging
 import random
 
-from kvsp_moq.moqt.errors import MoqtError, RequestError, RequestErrorCode, SessionClosed
-from kvsp_moq.moqt.messages import FilterType, GroupOrder, Location, SubscriptionFilter
+from kvsp_moq.moqt.messages import GroupOrder, Location
 from kvsp_moq.moqt.quic import connect
 from kvsp_moq.naming import BlockTrack
+from tests.random_requests import outcome, random_filter, read_some, watching_logs
 
 from .test_moqt_blocks import CERT, SCOPE, STEP, stored, system
 
@@ -20,46 +19,8 @@ READ = 0.15
 U62 = (1 << 62) - 1
 
 
-class _Failures(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.ERROR)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-
 def _number(rnd: random.Random) -> int:
     return rnd.choice([0, 0, 1, 2, 7, 8, rnd.randint(0, 100), U62])
-
-
-def _filter(rnd: random.Random) -> SubscriptionFilter | None:
-    kind = rnd.choice([None, *FilterType])
-    if kind is None:
-        return None
-    if kind in (FilterType.NEXT_GROUP_START, FilterType.LARGEST_OBJECT):
-        return SubscriptionFilter(kind)
-    start = Location(_number(rnd), _number(rnd))
-    if kind == FilterType.ABSOLUTE_START:
-        return SubscriptionFilter(kind, start)
-    return SubscriptionFilter(kind, start, rnd.choice([start.group, start.group + 1, _number(rnd)]))
-
-
-async def _read(iterator, limit: int = 40) -> int:
-    count = 0
-
-    async def run() -> None:
-        nonlocal count
-        async for _ in iterator:
-            count += 1
-            if count >= limit:
-                return
-
-    try:
-        await asyncio.wait_for(run(), READ)
-    except asyncio.TimeoutError:
-        pass
-    return count
 
 
 async def _step(rnd: random.Random, client, tracks: list[BlockTrack], subscriptions: list) -> str:
@@ -71,11 +32,11 @@ async def _step(rnd: random.Random, client, tracks: list[BlockTrack], subscripti
         namespace = namespace[:-1] + (bytes(len(namespace[-1])),)
     kind = rnd.choice(["subscribe", "fetch", "fetch", "joining_fetch", "track_status", "cancel"])
     if kind == "subscribe":
-        sub = await client.subscribe(namespace, name, subscription_filter=_filter(rnd),
+        sub = await client.subscribe(namespace, name, subscription_filter=random_filter(rnd, _number),
                                      forward=rnd.choice([None, True, False]),
                                      group_order=rnd.choice([None, *GroupOrder]), timeout=5)
         subscriptions.append(sub)
-        await _read(sub)
+        await read_some(sub, READ, limit=40)
     elif kind == "fetch":
         if rnd.random() < 0.5:  # within the block's one group (layers 0-7) or just past it
             start, end = Location(0, rnd.randint(0, 9)), Location(rnd.choice([0, 1]), rnd.randint(0, 9))
@@ -84,13 +45,13 @@ async def _step(rnd: random.Random, client, tracks: list[BlockTrack], subscripti
         result = await client.fetch(namespace, name, start, end,
                                     whole_end_group=rnd.random() < 0.3,
                                     group_order=rnd.choice([None, *GroupOrder]), timeout=5)
-        await _read(result)
+        await read_some(result, READ, limit=40)
     elif kind == "joining_fetch":
         if not subscriptions:
             return "skipped"
         result = await client.joining_fetch(rnd.choice(subscriptions), _number(rnd),
                                             absolute=rnd.random() < 0.5, timeout=5)
-        await _read(result)
+        await read_some(result, READ, limit=40)
     elif kind == "track_status":
         await client.track_status(namespace, name, timeout=5)
     else:
@@ -101,48 +62,28 @@ async def _step(rnd: random.Random, client, tracks: list[BlockTrack], subscripti
 
 
 async def test_random_requests_for_block_tracks_get_layers_or_specific_refusals() -> None:
-    failures = _Failures()
-    loggers = [logging.getLogger(name)
-               for name in ("kvsp_moq.moqt.quic", "kvsp.relay", "kvsp.moqt_blocks", "asyncio")]
-    for logger in loggers:
-        logger.addHandler(failures)
     seen: dict[str, int] = {}
-    try:
+    with watching_logs() as failures:
         async with system() as (relay, store, publisher, _):
             tracks = []
             for n in (1, 2):
                 _, _, record = await stored(store, publisher, n, scope=SCOPE, layers=8, section=2_000)
                 tracks.append(BlockTrack.from_record_namespace(record.moqt_namespace))
             for seed, drafts in ((1, (18,)), (2, (14,))):  # a draft-18 and a draft-14 client
+                failures.seed = seed
                 rnd = random.Random(seed)
                 client = await asyncio.wait_for(
                     connect(relay.url, cadata=CERT.certificate_pem, drafts=drafts), STEP)
                 subscriptions: list = []
                 try:
                     for step in range(REQUESTS):
-                        try:
-                            kind = await _step(rnd, client, tracks, subscriptions)
-                            outcome = kind if kind == "skipped" else f"{kind}: ok"
-                        except ValueError as e:
-                            outcome = f"local: {type(e).__name__}"
-                        except RequestError as e:
-                            assert e.error_code != RequestErrorCode.INTERNAL_ERROR, (seed, step, e)
-                            outcome = f"refused: {RequestErrorCode(e.error_code).name}"
-                        except SessionClosed as e:
-                            raise AssertionError(f"seed {seed} step {step}: session closed: {e}")
-                        except MoqtError as e:
-                            outcome = f"error: {type(e).__name__}"
-                        except asyncio.TimeoutError:
-                            outcome = "timed out"
-                        seen[outcome] = seen.get(outcome, 0) + 1
+                        kind = await outcome(_step(rnd, client, tracks, subscriptions), seed, step)
+                        seen[kind] = seen.get(kind, 0) + 1
                     assert not client.is_closed, f"seed {seed}: the session to the relay ended"
                 finally:
                     for sub in subscriptions:
                         await sub.aclose()
                     await client.aclose()
-    finally:
-        for logger in loggers:
-            logger.removeHandler(failures)
-    assert not failures.records, [f"{r.getMessage()}\n{r.exc_text or ''}" for r in failures.records]
+    assert not failures.records, failures.report()
     assert seen.get("fetch: ok", 0) and seen.get("subscribe: ok", 0), seen
     assert seen.get("refused: DOES_NOT_EXIST", 0), seen
