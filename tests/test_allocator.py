@@ -61,3 +61,33 @@ def test_the_environment_form_gives_a_child_the_same_settings() -> None:
     result = _probe("plain", **settings)  # untuned by us, tuned by glibc from the environment
     assert result["tuned"] is False
     assert max(result["faults"][1:]) < 3 * (16 << 20) // 4096 // 16, result
+
+
+_UNTOUCHED_PROBE = r"""
+import json, resource, sys
+from kvsp_moq.allocator import receive_buffer
+def faults():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+size = 64 << 20  # above glibc's mmap threshold: fresh pages, each faulted in when first written
+before = faults()
+buf = bytearray(size) if sys.argv[1] == "bytearray" else receive_buffer(size)
+allocated = faults() - before
+buf[size // 2:size // 2 + 4] = b"kvsp"
+print(json.dumps({"faults": allocated, "len": len(buf), "readonly": memoryview(buf).readonly,
+                  "written": bytes(buf[size // 2:size // 2 + 4]).decode()}))
+"""
+
+
+def _untouched(kind: str) -> dict:
+    out = subprocess.run([sys.executable, "-c", _UNTOUCHED_PROBE, kind], capture_output=True,
+                         text=True, timeout=60, check=True)
+    return json.loads(out.stdout)
+
+
+def test_a_receive_buffer_is_not_written_before_the_receiver_fills_it() -> None:
+    pages = (64 << 20) // 4096
+    zeroed = _untouched("bytearray")
+    lazy = _untouched("receive_buffer")
+    assert zeroed["faults"] > pages // 2, zeroed  # zero-filled: every page touched
+    assert lazy["faults"] < pages // 16, lazy
+    assert lazy["len"] == 64 << 20 and lazy["readonly"] is False and lazy["written"] == "kvsp"

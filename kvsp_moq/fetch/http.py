@@ -49,6 +49,7 @@ from urllib.parse import urlsplit
 import httpcore
 import httpx
 
+from kvsp_moq.allocator import receive_buffer
 from kvsp_moq.errors import (
     BadContainer,
     DigestMismatch,
@@ -131,12 +132,12 @@ class ContainerAssembler:
     def __init__(self, *, max_size: int) -> None:
         self.max_size = max_size
         self.received = 0
-        self.buffer: bytearray | None = None
+        self.buffer: memoryview | None = None
         self.view: memoryview | None = None
         self.total: int | None = None
         self.codec = self.first_layer = self.layer_count = self.token_count = 0
         self._head = bytearray()
-        self._given: bytearray | None = None
+        self._given: memoryview | None = None
         self._bounds: list[int] = []  # k start of each layer, then the end of the last
         self._k_ends: list[int] = []
         self._next = 0
@@ -145,7 +146,7 @@ class ContainerAssembler:
     def header_parsed(self) -> bool:
         return self.total is not None
 
-    def attach(self, buffer: bytearray) -> None:
+    def attach(self, buffer: memoryview) -> None:
         """Receive in place: the octets will be written into `buffer` by someone else, and
         `advance()` told how many have arrived. The header must announce len(buffer) octets."""
         self._given = buffer
@@ -156,7 +157,7 @@ class ContainerAssembler:
         if self.buffer is None:
             given = self._given
             assert given is not None
-            self._parse_head(memoryview(given)[:received], given)
+            self._parse_head(given[:received], given)
             if self.buffer is None:
                 return []
         return self._complete()
@@ -178,7 +179,7 @@ class ContainerAssembler:
             self.received = end
         return self._complete()
 
-    def _parse_head(self, head: bytearray | memoryview, given: bytearray | None = None) -> None:
+    def _parse_head(self, head: bytearray | memoryview, given: memoryview | None = None) -> None:
         if len(head) < HEADER_SIZE:
             if head[:len(MAGIC)] != MAGIC[:len(head)]:
                 raise _Bad("not a KVB1 container (bad magic)")
@@ -215,7 +216,7 @@ class ContainerAssembler:
         else:
             if len(head) > pos:
                 raise _Bad(f"more than the {pos} octets the header announced")
-            self.buffer = bytearray(pos)
+            self.buffer = receive_buffer(pos)
             self.buffer[:len(head)] = head
         self.view = memoryview(self.buffer)
         self._head = bytearray()
@@ -513,7 +514,7 @@ class LayerStream(VerifiedLayerStream):
     async def _steps_in_place(self, assembler: ContainerAssembler,
                               resp: http1.Response) -> AsyncIterator[list[Layer]]:
         """Receive straight into the assembler's buffer; the layers each socket read completed."""
-        buffer = bytearray(resp.content_length)  # type: ignore[arg-type]
+        buffer = receive_buffer(resp.content_length)  # type: ignore[arg-type]
         assembler.attach(buffer)
         before = 0
         async for received in resp.body_into(buffer):

@@ -175,7 +175,7 @@ class Response:
         conn_hdr = headers.get("connection", "").lower()
         self._keep_alive = version == "HTTP/1.1" and "close" not in conn_hdr
 
-    async def body_into(self, buffer: bytearray) -> AsyncIterator[int]:
+    async def body_into(self, buffer: bytearray | memoryview) -> AsyncIterator[int]:
         """Receive a Content-Length body of len(buffer) octets into buffer, with no copy.
 
         Yields the number of octets received so far, whenever that grew.

@@ -32,6 +32,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from kvsp_moq.allocator import receive_buffer
 from kvsp_moq.auth import Authenticator
 from kvsp_moq.errors import (
     BadContainer,
@@ -108,7 +109,7 @@ def repr_digest(digest: bytes) -> str:
     return "sha-256=:" + base64.b64encode(digest).decode() + ":"
 
 
-async def read_body(request: Request, limit: int) -> bytearray:
+async def read_body(request: Request, limit: int) -> bytearray | memoryview:
     """The request body in one buffer, filled as it arrives (one copy, never two)."""
     declared = request.headers.get("content-length")
     if declared is not None:
@@ -117,7 +118,7 @@ async def read_body(request: Request, limit: int) -> bytearray:
         size = int(declared)
         if size > limit:
             raise PayloadTooLarge(f"a body of {size} octets exceeds the limit of {limit}")
-        buf = bytearray(size)
+        buf = receive_buffer(size)
         pos = 0
         async for chunk in request.stream():
             end = pos + len(chunk)

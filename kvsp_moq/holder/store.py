@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Iterable, Iterator, Mapping, NamedTuple, Sequence
 
+from kvsp_moq.allocator import receive_buffer
 from kvsp_moq.errors import (
     BadContainer,
     KvspError,
@@ -343,13 +344,12 @@ def map_file(path: Path) -> memoryview:
         return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
 
 
-def read_file(path: Path) -> tuple[bytearray, float]:
+def read_file(path: Path) -> tuple[memoryview, float]:
     """The file's bytes and the seconds the read took (to measure the disk tier)."""
     start = time.perf_counter()
     with open(path, "rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
-        buf = bytearray(size)
-        view = memoryview(buf)
+        buf = view = receive_buffer(size)
         got = 0
         while got < size:
             n = f.readinto(view[got:])
