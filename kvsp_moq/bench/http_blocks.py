@@ -10,6 +10,9 @@ median of the repeats.
     range        HttpFetcher.fetch_block for layers 8-15 of 32
     first_layer  time from the request to the first verified layer of a whole-block fetch
     httpx_fetch  the verified whole-block fetch through httpx instead (HttpFetcher(lean=False))
+    get          the HTTP transfer alone: the same GET through the fetcher's HTTP/1.1 client
+                 into a buffer, with no parsing and no hashing (what the holder and the HTTP
+                 path cost, apart from the verification §6.7 requires)
     unverified   the same GET read with httpx alone (no parsing, no hashing)
     raw_tcp      asyncio streams: one request line, the same container octets back
 
@@ -36,8 +39,9 @@ from typing import Any, Awaitable, Callable
 import httpx
 import numpy as np
 
-from kvsp_moq.allocator import tune_allocator
+from kvsp_moq.allocator import receive_buffer, tune_allocator
 from kvsp_moq.bench.usage import ProcessUsage
+from kvsp_moq.fetch import http1
 from kvsp_moq.fetch.http import HttpFetcher, tune_httpcore_reads
 from kvsp_moq.protocol.container import Container, encode
 from kvsp_moq.protocol.records import ReplicaRecord
@@ -165,6 +169,7 @@ async def _measure(url: str, raw_port: int, sizes: list[int], repeat: int, sha_m
     fetcher = HttpFetcher(timeout=30.0)
     via_httpx = HttpFetcher(timeout=30.0, lean=False)
     plain = httpx.AsyncClient(trust_env=False, timeout=30.0)
+    transfer = http1.Http1Pool(timeout=30.0, connect_timeout=5.0)
     reader, writer = await asyncio.open_connection("127.0.0.1", raw_port)
     try:
         for seed, size in enumerate(sizes):
@@ -204,6 +209,14 @@ async def _measure(url: str, raw_port: int, sizes: list[int], repeat: int, sha_m
                         pos += len(piece)
                 assert pos == len(data)
 
+            async def get() -> None:
+                async with await transfer.get(url + path, {}) as resp:
+                    assert resp.status_code == 200
+                    buf = receive_buffer(resp.content_length or 0)
+                    async for got in resp.body_into(buf):
+                        pass
+                assert got == len(data)
+
             def raw(first: int, last: int, n: int) -> Callable[[], Awaitable[None]]:
                 async def go() -> None:
                     writer.write(f"{seed} {first} {last}\n".encode())
@@ -223,7 +236,7 @@ async def _measure(url: str, raw_port: int, sizes: list[int], repeat: int, sha_m
             usage = ProcessUsage(pids)
             t = await _interleaved({
                 "fetch": fetch_whole, "range": fetch_range, "httpx_fetch": fetch_httpx,
-                "unverified": unverified,
+                "get": get, "unverified": unverified,
                 "raw": raw(0, LAYERS - 1, len(data)), "raw_range": raw(*RANGE, len(ranged)),
             }, repeat, usage)
             t_fetch, t_range, t_plain, t_raw, t_raw_range = (
@@ -240,24 +253,27 @@ async def _measure(url: str, raw_port: int, sizes: list[int], repeat: int, sha_m
                 "range_bytes": len(ranged),
                 "range_mb_per_s": mb(len(ranged), t_range),
                 "httpx_fetch_mb_per_s": mb(len(data), t["httpx_fetch"]),
+                "get_mb_per_s": mb(len(data), t["get"]),
                 "unverified_httpx_mb_per_s": mb(len(data), t_plain),
                 "raw_tcp_mb_per_s": mb(len(data), t_raw),
                 "raw_tcp_range_mb_per_s": mb(len(ranged), t_raw_range),
                 "ratio": round(t_raw / t_fetch, 3),
                 "range_ratio": round(t_raw_range / t_range, 3),
+                "get_ratio": round(t_raw / t["get"], 3),
                 "unverified_ratio": round(t_raw / t_plain, 3),
                 # The client must hash every octet twice (§6.7: Repr-Digest, then the layer
                 # digests): the CPU that alone takes, beside what each process spent.
                 "two_sha256_passes_ms": round(2 * len(data) / sha_mb_per_s / 1e3, 3),
                 "cpu_ms_per_request": {
                     name: usage.per_block(name, repeat).get("cpu_ms_per_block", {})
-                    for name in ("fetch", "raw", "range", "raw_range")},
+                    for name in ("fetch", "get", "raw", "range", "raw_range")},
             })
     finally:
         writer.close()
         await fetcher.aclose()
         await via_httpx.aclose()
         await plain.aclose()
+        await transfer.aclose()
     return out
 
 
