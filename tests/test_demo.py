@@ -4,6 +4,11 @@ import json
 import subprocess
 import sys
 
+from kvsp_moq.demo.cluster import Cluster
+from kvsp_moq.demo.run import SYSTEM_TOKENS
+
+BLOCKS = SYSTEM_TOKENS // Cluster.block_tokens
+
 
 def test_demo_runs_the_whole_system_and_reports_measured_results(tmp_path):
     out = subprocess.run([sys.executable, "-m", "kvsp_moq.cli", "demo", "--json",
@@ -14,17 +19,17 @@ def test_demo_runs_the_whole_system_and_reports_measured_results(tmp_path):
     rows = report["shared_prompt"]
     assert rows[0]["cached_tokens"] == 0 and rows[0]["matched_blocks"] == 0
     for row in rows[1:]:
-        assert row["matched_blocks"] == 32 and row["cached_tokens"] == 512, row
+        assert row["matched_blocks"] == BLOCKS and row["cached_tokens"] == SYSTEM_TOKENS, row
     # The PC sends the next request that shares the system prompt where it was computed (the
     # instance reports as each request ends, so it is free again for the next one) ...
     first = rows[0]["instance"]
-    assert rows[1]["instance"] == first and rows[1]["sources"].get("local") == 32, rows
+    assert rows[1]["instance"] == first and rows[1]["sources"].get("local") == BLOCKS, rows
     # ... the one that excludes it to the other instance, which loads the prefix and keeps it ...
     assert rows[2]["instance"] != first and "excluded" in rows[2]["why"], rows[2]
     moved = rows[2]["sources"]
-    assert moved.get("http", 0) + moved.get("moqt", 0) == 32, moved
+    assert moved.get("http", 0) + moved.get("moqt", 0) == BLOCKS, moved
     # ... so that the last one finds it local wherever it goes.
-    assert rows[3]["sources"].get("local") == 32, rows[3]
+    assert rows[3]["sources"].get("local") == BLOCKS, rows[3]
     fo = report["failover"]
     assert fo["every_index_once"] and fo["equals_uninterrupted_run"] and fo["epochs"][-1] > fo["epochs"][0]
     rs = report["reshard"]

@@ -74,7 +74,7 @@ class Demo:
         self.progress.step("making the tiny model (once)")
         model_dir = ensure_tiny_model(self.root / "models" / "tiny")
         adapter = ModelAdapter.load(model_dir)
-        self.descriptor = adapter.descriptor(16)
+        self.descriptor = adapter.descriptor(self.cluster.block_tokens)
         from kvsp_moq.protocol.compat import CompatDescriptor
 
         self.compat = CompatDescriptor.from_dict(self.descriptor).compat_hex
@@ -269,7 +269,9 @@ class Demo:
         rows = self.shared_prompt()
         self.report["shared_prompt"] = rows
         if not self.as_json:
-            print("\nShared system prompt (512 tokens, 32 blocks) with different questions:")
+            print(f"\nShared system prompt ({SYSTEM_TOKENS} tokens, "
+                  f"{SYSTEM_TOKENS // self.cluster.block_tokens} blocks of "
+                  f"{self.cluster.block_tokens}) with different questions:")
             self.print_table(rows)
         fo = self.failover()
         self.report["failover"] = fo
