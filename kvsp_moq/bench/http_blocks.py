@@ -12,7 +12,7 @@ median of the repeats.
     httpx_fetch  the verified whole-block fetch through httpx instead (HttpFetcher(lean=False))
     get          the HTTP transfer alone: the same GET through the fetcher's HTTP/1.1 client
                  into a buffer, with no parsing and no hashing (what the holder and the HTTP
-                 path cost, apart from the verification §6.7 requires)
+                 path cost, apart from the verification §6.7 requires); get_range for 8-15
     unverified   the same GET read with httpx alone (no parsing, no hashing)
     raw_tcp      asyncio streams: one request line, the same container octets back
 
@@ -209,13 +209,15 @@ async def _measure(url: str, raw_port: int, sizes: list[int], repeat: int, sha_m
                         pos += len(piece)
                 assert pos == len(data)
 
-            async def get() -> None:
-                async with await transfer.get(url + path, {}) as resp:
-                    assert resp.status_code == 200
-                    buf = receive_buffer(resp.content_length or 0)
-                    async for got in resp.body_into(buf):
-                        pass
-                assert got == len(data)
+            def get(query: str, n: int) -> Callable[[], Awaitable[None]]:
+                async def go() -> None:
+                    async with await transfer.get(url + path + query, {}) as resp:
+                        assert resp.status_code == 200
+                        buf = receive_buffer(resp.content_length or 0)
+                        async for got in resp.body_into(buf):
+                            pass
+                    assert got == n
+                return go
 
             def raw(first: int, last: int, n: int) -> Callable[[], Awaitable[None]]:
                 async def go() -> None:
@@ -236,7 +238,9 @@ async def _measure(url: str, raw_port: int, sizes: list[int], repeat: int, sha_m
             usage = ProcessUsage(pids)
             t = await _interleaved({
                 "fetch": fetch_whole, "range": fetch_range, "httpx_fetch": fetch_httpx,
-                "get": get, "unverified": unverified,
+                "get": get("", len(data)),
+                "get_range": get(f"?layers={RANGE[0]}-{RANGE[1]}", len(ranged)),
+                "unverified": unverified,
                 "raw": raw(0, LAYERS - 1, len(data)), "raw_range": raw(*RANGE, len(ranged)),
             }, repeat, usage)
             t_fetch, t_range, t_plain, t_raw, t_raw_range = (
@@ -254,12 +258,14 @@ async def _measure(url: str, raw_port: int, sizes: list[int], repeat: int, sha_m
                 "range_mb_per_s": mb(len(ranged), t_range),
                 "httpx_fetch_mb_per_s": mb(len(data), t["httpx_fetch"]),
                 "get_mb_per_s": mb(len(data), t["get"]),
+                "get_range_mb_per_s": mb(len(ranged), t["get_range"]),
                 "unverified_httpx_mb_per_s": mb(len(data), t_plain),
                 "raw_tcp_mb_per_s": mb(len(data), t_raw),
                 "raw_tcp_range_mb_per_s": mb(len(ranged), t_raw_range),
                 "ratio": round(t_raw / t_fetch, 3),
                 "range_ratio": round(t_raw_range / t_range, 3),
                 "get_ratio": round(t_raw / t["get"], 3),
+                "get_range_ratio": round(t_raw_range / t["get_range"], 3),
                 "unverified_ratio": round(t_raw / t_plain, 3),
                 # The client must hash every octet twice (§6.7: Repr-Digest, then the layer
                 # digests): the CPU that alone takes, beside what each process spent.

@@ -14,7 +14,9 @@ def test_block_get_benchmark_reports_transfer_and_verification_apart() -> None:
         for rate in ("fetch_mb_per_s", "range_mb_per_s", "get_mb_per_s", "raw_tcp_mb_per_s",
                      "raw_tcp_range_mb_per_s", "httpx_fetch_mb_per_s"):
             assert block[rate] > 0, rate
+        assert block["get_range_mb_per_s"] > 0
         assert block["ratio"] > 0 and block["get_ratio"] > 0 and block["range_ratio"] > 0
+        assert block["get_range_ratio"] > 0
         assert block["two_sha256_passes_ms"] > 0
         cpu = block["cpu_ms_per_request"]
         for variant in ("fetch", "get", "raw", "range", "raw_range"):
