@@ -34,6 +34,7 @@ import hashlib
 import logging
 import time
 import uuid
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Mapping, Sequence
@@ -325,8 +326,11 @@ class EngineOptions:
     max_new_tokens: int = 4096
     #: holders each new block is also stored at, so that it outlives this instance
     replicate_to: tuple[str, ...] = ()
-    #: how long a finished session stays readable by streams
+    #: how long a finished session stays readable by streams ...
     keep_finished_s: float = 300.0
+    #: ... and how many at most: the oldest go first, so that memory does not follow the
+    #: request rate (each holds its prompt, output and block keys)
+    keep_finished: int = 1024
     publish_wait_s: float = 5.0
     #: compute while loading (DESIGN §5); False loads the whole prefix first (a baseline)
     pipelined: bool = True
@@ -369,6 +373,8 @@ class Engine:
         self.admitted = 0
         self.state = "active"
         self._tasks: set[asyncio.Task] = set()
+        self._finished: deque[tuple[float, Session]] = deque()  # (forget at, session), in order
+        self._sweeper: asyncio.Task | None = None
         self._loaders: set[PrefixLoader] = set()
         self._last_logits: dict[str, torch.Tensor] = {}
 
@@ -410,12 +416,28 @@ class Engine:
         self.model_thread.shutdown(wait=False, cancel_futures=True)
 
     def _forget_later(self, session: Session) -> None:
-        async def forget() -> None:
-            await asyncio.sleep(self.options.keep_finished_s)
-            if self.sessions.get(session.id) is session:
-                del self.sessions[session.id]
+        """Forget a finished session after keep_finished_s, or sooner when more than
+        keep_finished are kept; one sweeper for all of them, not a sleeping task each."""
+        loop = asyncio.get_running_loop()
+        self._finished.append((loop.time() + self.options.keep_finished_s, session))
+        while len(self._finished) > self.options.keep_finished:
+            self._forget(self._finished.popleft()[1])
+        if self._sweeper is None or self._sweeper.done():
+            self._sweeper = self._spawn(self._sweep(), name="forget-finished-sessions")
 
-        self._spawn(forget())
+    async def _sweep(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self._finished:
+            at, session = self._finished[0]
+            if at > loop.time():
+                await asyncio.sleep(at - loop.time())
+                continue
+            self._finished.popleft()
+            self._forget(session)
+
+    def _forget(self, session: Session) -> None:
+        if self.sessions.get(session.id) is session:
+            del self.sessions[session.id]
 
     async def _model(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.model_thread, fn, *args)

@@ -29,6 +29,7 @@ from agent.tiny import ensure_tiny_model
 from kvsp_moq.allocator import tune_allocator
 from kvsp_moq.auth import Authenticator
 from kvsp_moq.errors import BadRecord
+from kvsp_moq.holder.service import parse_size, positive_int
 from kvsp_moq.protocol.keys import parse_scope_key_hex
 from kvsp_moq.web import BackgroundServer, bind_tcp, parse_listen, uvicorn_config
 
@@ -248,12 +249,24 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scope-keys", metavar="FILE", help="keys file (TOML: scope name = hex key)")
     p.add_argument("--scope", metavar="NAME", help="scope of requests that name none")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:n] (default %(default)s)")
-    p.add_argument("--dtype", default="float32", choices=_DTYPES)
+    p.add_argument("--dtype", default="float32", choices=_DTYPES,
+                   help="of the model's weights and of its KV blocks; part of the "
+                        "Compatibility ID, so instances that share blocks must agree "
+                        "(default %(default)s)")
     p.add_argument("--public-url", metavar="URL", help="this agent's base URL as others reach it")
     p.add_argument("--principals", metavar="FILE", help="principals file (TOML); without it: open")
     p.add_argument("--token", metavar="TOKEN", help="bearer token presented to other services")
-    p.add_argument("--block-tokens", type=int, default=16, metavar="B")
-    p.add_argument("--status-ttl-ms", type=int, default=3000, metavar="N")
+    p.add_argument("--block-tokens", type=positive_int, default=16, metavar="B",
+                   help="tokens per KV block; every instance and the Index Service of a fleet "
+                        "must agree (default %(default)s)")
+    p.add_argument("--host-bytes", type=parse_size, default=1 << 30, metavar="N",
+                   help="host memory for this agent's blocks, e.g. 4G (default 1G); the least "
+                        "recently used move to --data, or are dropped without it")
+    p.add_argument("--disk-bytes", type=parse_size, default=16 << 30, metavar="N",
+                   help="disk budget for blocks under --data (default 16G)")
+    p.add_argument("--status-ttl-ms", type=positive_int, default=3000, metavar="N",
+                   help="lifetime of each status report to the PC (§6.3); the agent reports "
+                        "again well before it ends (default %(default)s)")
     p.add_argument("--replicate-to", action="append", default=[], metavar="URL",
                    help="holder that also stores every new block (repeatable)")
     p.set_defaults(func=run)
@@ -269,6 +282,7 @@ def settings_from_args(args: argparse.Namespace) -> AgentSettings:
         index_url=args.index, pc_url=args.pc, relay=args.relay, data_dir=args.data,
         scope_keys=keys, scope=args.scope, public_url=public, principals=args.principals,
         token=args.token, block_tokens=args.block_tokens, status_ttl_ms=args.status_ttl_ms,
+        host_bytes=args.host_bytes, disk_bytes=args.disk_bytes,
         replicate_to=tuple(args.replicate_to))
 
 

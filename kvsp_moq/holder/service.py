@@ -147,7 +147,8 @@ def parse_size(text: str) -> int:
     return int(m.group(1)) * _UNITS[unit]
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number above zero."""
     try:
         value = int(text)
     except ValueError:
@@ -175,9 +176,9 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                    help="disk budget under --data (default 16G)")
     p.add_argument("--device-bytes", type=parse_size, default=0, metavar="N",
                    help="accelerator memory budget; used only when CUDA is available")
-    p.add_argument("--device-layers", type=_positive_int, default=None, metavar="N",
+    p.add_argument("--device-layers", type=positive_int, default=None, metavar="N",
                    help="keep at most the first N layers of each block on the device")
-    p.add_argument("--record-ttl-ms", type=_positive_int, default=60_000, metavar="N",
+    p.add_argument("--record-ttl-ms", type=positive_int, default=60_000, metavar="N",
                    help="ttl_ms of published records; refreshed every third of it")
     p.add_argument("--relay", metavar="URI",
                    help="moqt:// URI of a relay to publish the blocks through over MOQT "
@@ -192,7 +193,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                    help="principals file (TOML); without it the holder runs open")
     p.add_argument("--token", metavar="TOKEN",
                    help="bearer token this holder presents to the Index Service and the relay")
-    p.add_argument("--max-lease-ttl-ms", type=_positive_int, default=600_000, metavar="N",
+    p.add_argument("--max-lease-ttl-ms", type=positive_int, default=600_000, metavar="N",
                    help="longest lease a client may hold (default %(default)s)")
     p.add_argument("--max-lease-bytes", type=parse_size, default=16 << 30, metavar="N",
                    help="octets a client may hold under leases (default 16G)")

@@ -73,3 +73,15 @@ def test_agent_process_serves(tmp_path: Path) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(5)
+
+
+def test_block_store_budgets_and_block_size_come_from_the_command_line() -> None:
+    s = settings_from_args(parse("--host-bytes", "64M", "--disk-bytes", "2G", "--block-tokens", "64",
+                                 "--status-ttl-ms", "5000"))
+    assert s.host_bytes == 64 << 20 and s.disk_bytes == 2 << 30
+    assert s.block_tokens == 64 and s.status_ttl_ms == 5000
+    default = settings_from_args(parse())
+    assert default.host_bytes == 1 << 30 and default.block_tokens == 16
+    for bad in (["--block-tokens", "0"], ["--host-bytes", "lots"], ["--status-ttl-ms", "-1"]):
+        with pytest.raises(SystemExit):
+            parse(*bad)
