@@ -131,7 +131,8 @@ class AgentContext:
             load_concurrency=settings.load_concurrency, layers_per_request=settings.layers_per_request,
             release_batch=settings.release_batch, max_unacked=settings.max_unacked,
             token_interval_s=settings.token_interval_s, max_new_tokens=settings.max_new_tokens,
-            replicate_to=tuple(settings.replicate_to))
+            replicate_to=tuple(settings.replicate_to),
+            keep_first_logits=settings.keep_first_logits)
         self.engine = Engine(
             adapter, store=self.store, announce=self.publisher.announce,
             is_published=self._is_published, record_for=self.publisher.record_for,

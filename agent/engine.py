@@ -334,6 +334,9 @@ class EngineOptions:
     publish_wait_s: float = 5.0
     #: compute while loading (DESIGN §5); False loads the whole prefix first (a baseline)
     pipelined: bool = True
+    #: keep each session's first logits (for checks against a recompute): a tensor the size
+    #: of the vocabulary per kept session, 0.5 MiB for a 128k vocabulary
+    keep_first_logits: bool = False
 
 
 class Engine:
@@ -734,7 +737,8 @@ class Engine:
         result = self.adapter.prefill(tokens, past=past, return_kv=False)
         if timeline is not None:
             timeline.forward_end = time.perf_counter()
-        self._last_logits[sid] = result.logits.detach().to("cpu")
+        if self.options.keep_first_logits:
+            self._last_logits[sid] = result.logits.detach().to("cpu")
         return result.state, sampler.sample(result.logits, step)
 
     def _decode_sample(self, token: int, state: DecodeState, sampler: Sampler, step: int) -> int:

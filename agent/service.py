@@ -94,6 +94,8 @@ class AgentSettings:
     token_interval_s: float = 0.0
     max_new_tokens: int = 4096
     replicate_to: Sequence[str] = ()
+    #: keep each session's first logits (tests compare them with a recompute)
+    keep_first_logits: bool = False
     #: tokens of a prefill at start, so the first status report carries measured rates
     warmup_tokens: int = 32
     http_timeout_s: float = 10.0

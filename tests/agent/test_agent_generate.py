@@ -42,7 +42,8 @@ def reference(model_dir: Path) -> ModelAdapter:
 
 def settings(model_dir: Path, index_url: str, **kw: object) -> AgentSettings:
     return AgentSettings(listen="127.0.0.1:0", model=str(model_dir), index_url=index_url,
-                         block_tokens=B, warmup_tokens=0, **kw)  # type: ignore[arg-type]
+                         block_tokens=B, warmup_tokens=0, keep_first_logits=True,
+                         **kw)  # type: ignore[arg-type]
 
 
 def generate(url: str, toks: list[int], n: int = NEW, **extra: object) -> dict:

@@ -32,7 +32,7 @@ def reference(model_dir: Path) -> ModelAdapter:
 
 def settings(model_dir: Path, index_url: str, **kw: Any) -> AgentSettings:
     return AgentSettings(listen="127.0.0.1:0", model=str(model_dir), index_url=index_url,
-                         block_tokens=B, warmup_tokens=0, **kw)
+                         block_tokens=B, warmup_tokens=0, keep_first_logits=True, **kw)
 
 
 class ViaHttp:

@@ -1,5 +1,5 @@
-"""Finished sessions stay readable for a while, but their number is bounded: memory must not
-follow the request rate."""
+"""Finished sessions stay readable for a while, but their number and what each keeps are
+bounded: memory must not follow the request rate."""
 
 from __future__ import annotations
 
@@ -30,6 +30,9 @@ def test_finished_sessions_are_forgotten_by_count_and_by_age(model_dir: Path, in
             time.sleep(0.05)
         assert time.monotonic() - start < 5.0  # so what went, went for the count
         assert sorted(engine.sessions) == sorted(ids[2:])
+        # Nor does a kept session hold its first logits (a vocabulary-sized tensor) unless
+        # asked to (keep_first_logits, for checks against a recompute).
+        assert all(s.first_logits is None for s in engine.sessions.values())
         assert httpx.get(f"{agent.url}sessions/{ids[0]}/stream", timeout=10).status_code == 404
         with httpx.stream("GET", f"{agent.url}sessions/{ids[-1]}/stream", params={"from": 0},
                           timeout=10) as s:
