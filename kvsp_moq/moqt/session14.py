@@ -474,9 +474,8 @@ class MoqtSession14(SessionBase):
             self._blocked_reported = self._peer_grant
             self._send(d14.RequestsBlocked(self._peer_grant))
 
-    def _send_request(self, request: _Request, message: d14.Message, data: bytes | None = None) -> None:
-        if data is None:
-            data = message.encode()
+    def _send_request(self, request: _Request, data: bytes) -> None:
+        """Send an encoded request, or queue it until the peer's SETUP and grant allow."""
         if self._queue or self.peer_setup is None or request.request_id >= self._peer_grant:
             request.sent = False
             self._queue.append([request.request_id, bytearray(data)])
@@ -904,12 +903,12 @@ class MoqtSession14(SessionBase):
     def _open_request(self, kind: type, build: Callable[[int], d14.Message], **fields) -> int:
         self._check_open()
         request_id = self._next_request_id
-        message = build(request_id)
-        data = message.encode()  # a value draft-14 cannot carry is refused before the ID is spent
+        # Encoded first: a value draft-14 cannot carry is refused before the ID is spent.
+        data = build(request_id).encode()
         self._next_request_id += 2
         request = _Request(request_id, kind, True, **fields)
         self._requests[request_id] = request
-        self._send_request(request, message, data)
+        self._send_request(request, data)
         return request_id
 
     def subscribe(self, namespace: TrackNamespace, track_name: bytes, parameters: Parameters = Parameters()) -> int:
@@ -1051,7 +1050,7 @@ class MoqtSession14(SessionBase):
         data = message.encode()  # before the ID is spent, as for requests
         self._next_request_id += 2
         update = _Request(update_id, SUBSCRIBE_UPDATE, True, closed=True)
-        self._send_request(update, message, data)
+        self._send_request(update, data)
         request.parameters = merged
         self._released.append(ev.RequestAccepted(update_id, Parameters(), ()))
         return update_id
