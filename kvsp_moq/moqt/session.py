@@ -49,14 +49,15 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Iterable
 
-from aioquic.quic.connection import QuicConnection, stream_is_unidirectional
-from aioquic.quic.events import (
+from .engine import (
     ConnectionTerminated,
     DatagramFrameReceived,
+    QuicEngine,
     QuicEvent,
     StopSendingReceived,
     StreamDataReceived,
     StreamReset,
+    stream_is_unidirectional,
 )
 
 from . import events as ev
@@ -266,7 +267,7 @@ class SessionBase:
 
     def __init__(
         self,
-        quic: QuicConnection,
+        quic: QuicEngine,
         *,
         is_client: bool,
         draft: int,
@@ -1224,7 +1225,7 @@ class MoqtSession(SessionBase):
 
     def __init__(
         self,
-        quic: QuicConnection,
+        quic: QuicEngine,
         *,
         is_client: bool,
         draft: int = 18,

@@ -86,8 +86,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable
 
-from aioquic.quic.connection import QuicConnection, stream_is_unidirectional
-from aioquic.quic.events import QuicEvent, StopSendingReceived, StreamDataReceived, StreamReset
+from .engine import QuicEngine, QuicEvent, StopSendingReceived, StreamDataReceived, StreamReset, stream_is_unidirectional
 
 from . import data as data18
 from . import draft14 as d14
@@ -246,7 +245,7 @@ class MoqtSession14(SessionBase):
 
     def __init__(
         self,
-        quic: QuicConnection,
+        quic: QuicEngine,
         *,
         is_client: bool,
         draft: int = 14,

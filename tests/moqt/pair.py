@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
-from aioquic.quic.events import ProtocolNegotiated
+
+from kvsp_moq.moqt.engine import ProtocolNegotiated
+from kvsp_moq.moqt.quic import QuicSettings
+from kvsp_moq.moqt.quic.aioquic_engine import AioquicEngine
 
 from kvsp_moq.moqt.certs import generate_self_signed
 from kvsp_moq.moqt.messages import Setup
@@ -33,9 +36,13 @@ class SessionPair:
                                           max_datagram_frame_size=65536)
         server_config.certificate = CERT.certificate
         server_config.private_key = CERT.private_key
-        self.client_quic = QuicConnection(configuration=client_config)
-        self.server_quic = QuicConnection(configuration=server_config,
-                                          original_destination_connection_id=self.client_quic.original_destination_connection_id)
+        settings = QuicSettings(engine="aioquic")
+        client_quic = QuicConnection(configuration=client_config)
+        self.client_quic = AioquicEngine(client_quic, settings)
+        self.server_quic = AioquicEngine(
+            QuicConnection(configuration=server_config,
+                           original_destination_connection_id=client_quic.original_destination_connection_id),
+            settings)
         self._client_setup = client_setup
         self._client_session = client_session
         self._client_kwargs = client_kwargs or {}
@@ -47,7 +54,7 @@ class SessionPair:
         self.client_quic.connect(SERVER_ADDR, now=self.now)
         self.exchange()
 
-    def _drain(self, quic: QuicConnection, is_client: bool) -> None:
+    def _drain(self, quic: AioquicEngine, is_client: bool) -> None:
         while (event := quic.next_event()) is not None:
             session = self.client if is_client else self.server
             if isinstance(event, ProtocolNegotiated) and session is None:

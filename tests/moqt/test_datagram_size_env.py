@@ -10,8 +10,10 @@ from kvsp_moq.moqt import quic
 
 def test_the_environment_sets_the_default_datagram_size(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(quic.DATAGRAM_SIZE_ENV, raising=False)
-    assert quic.QuicSettings().max_datagram_size in (quic.LOOPBACK_DATAGRAM_SIZE,
-                                                     quic.LONG_FRAME_DATAGRAM_SIZE)
+    settings = quic.QuicSettings()
+    assert settings.max_datagram_size is None  # by destination: loopback's, or a real path's
+    assert settings.datagram_size_for("127.0.0.1") >= 16384
+    assert settings.datagram_size_for("198.18.0.1") == quic.PATH_DATAGRAM_SIZE == 1452
     monkeypatch.setenv(quic.DATAGRAM_SIZE_ENV, "1452")
     assert quic.QuicSettings().max_datagram_size == 1452
     assert quic.QuicSettings(max_datagram_size=9000).max_datagram_size == 9000  # explicit wins

@@ -63,7 +63,7 @@ async def test_object_past_its_delivery_timeout_resets_the_subgroup_and_the_trac
         assert len(group_0) <= result["sent_in_group_0"]
         assert [(o.group_id, o.payload) for o in objects if o.group_id == 1] == [(1, b"after")]
         assert subscription.streams_timed_out == 1  # a reset, not an error for the subscription
-        assert client._quic.held_total == 0
+        assert client.quic.held_total == 0
     finally:
         await client.aclose()
         await server.aclose()

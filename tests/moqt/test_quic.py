@@ -55,7 +55,7 @@ async def test_setup_binds_loopback_and_exchanges_options():
         try:
             assert client.peer_setup.implementation.startswith("kvsp-moq")
             assert client._transport.get_extra_info("sockname")[0] == "127.0.0.1"
-            assert client._quic._configuration.alpn_protocols == ["moqt-18"]
+            assert client.quic.alpn_protocols == ["moqt-18"]
             await asyncio.wait_for(seen[0].wait_ready(), STEP)
             peer = seen[0].peer_setup
             assert peer.path == "/kv"
@@ -155,7 +155,7 @@ async def test_subscribe_receives_large_objects_in_order():
         assert [o.object_id for o in objects] == list(range(len(sizes)))
         assert all(o.payload == layer_payload(o.object_id, sizes[o.object_id]) for o in objects)
         assert subscription.done.status_code == PublishDoneCode.TRACK_ENDED
-        assert client._quic.held_total == 0  # every consumed byte was credited back
+        assert client.quic.held_total == 0  # every consumed byte was credited back
     finally:
         await client.aclose()
         await server.aclose()
@@ -356,7 +356,7 @@ async def test_slow_subscriber_bounds_publisher_buffering():
             await subgroup.send(layer, payload)
             progress["sent"] = layer + 1
             progress["ahead"] = max(progress["ahead"], progress["sent"] - consumed)
-            progress["max_buffered"] = max(progress["max_buffered"], connection._buffered(subgroup.stream_id))
+            progress["max_buffered"] = max(progress["max_buffered"], connection.buffered(subgroup.stream_id))
         subgroup.close()
         await subscription.finish()
 
@@ -368,7 +368,7 @@ async def test_slow_subscriber_bounds_publisher_buffering():
         async def read_slowly():
             nonlocal consumed, max_held
             async for obj in subscription:
-                max_held = max(max_held, client._quic.held_total)
+                max_held = max(max_held, client.quic.held_total)
                 consumed += 1
                 assert obj.object_id == consumed - 1
                 await asyncio.sleep(0.01)
@@ -458,7 +458,7 @@ async def test_stop_sending_on_a_subgroup_stream_releases_a_blocked_writer():
         client.transmit()
         assert await asyncio.wait_for(outcome, STEP) < 10_000
         await subscription.aclose()
-        assert client._quic.held_total == 0
+        assert client.quic.held_total == 0
     finally:
         await client.aclose()
         await server.aclose()

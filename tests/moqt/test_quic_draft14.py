@@ -96,7 +96,7 @@ async def test_moq00_client_gets_a_draft14_session_and_the_whole_api():
         client = await dial(server, drafts=(14,))
         try:
             assert client.draft == 14 and isinstance(client.session, MoqtSession14)
-            assert client._quic._configuration.alpn_protocols == ["moq-00"]
+            assert client.quic.alpn_protocols == ["moq-00"]
             assert sessions[0].draft == 14 and isinstance(sessions[0].session, MoqtSession14)
             assert sessions[0].peer_setup.path == "/kv"
 
@@ -152,7 +152,7 @@ async def test_client_offering_both_gets_draft18():
         # And the default client offers draft-18 alone.
         client = await dial(server)
         try:
-            assert client.draft == 18 and client._quic._configuration.alpn_protocols == ["moqt-18"]
+            assert client.draft == 18 and client.quic.alpn_protocols == ["moqt-18"]
         finally:
             await client.aclose()
     finally:

@@ -1,6 +1,6 @@
 """Datagrams above 16 KiB: aioquic 1.7 writes a STREAM frame's Length as a fixed 2-byte
 varint, so frames of more than 16,383 data bytes are corrupt. quic.py carries a narrow fix
-for aioquic 1.7.x, applied only when the datagram size needs it."""
+for aioquic 1.7.x (quic/aioquic_engine.py), applied only when the datagram size needs it."""
 
 import asyncio
 import hashlib
@@ -10,10 +10,12 @@ import aioquic
 import pytest
 from aioquic.quic.packet import QuicErrorCode
 
-from kvsp_moq.moqt import quic as moqt_quic
+from kvsp_moq.errors import SettingError
+from kvsp_moq.moqt.quic import aioquic_engine as moqt_quic
 from kvsp_moq.moqt.certs import generate_self_signed
 from kvsp_moq.moqt.errors import SessionClosed
-from kvsp_moq.moqt.quic import LONG_FRAME_DATAGRAM_SIZE, LOOPBACK_DATAGRAM_SIZE, QuicSettings, connect, serve
+from kvsp_moq.moqt.quic import LOOPBACK_DATAGRAM_SIZE, QuicSettings, connect, serve
+from kvsp_moq.moqt.quic.aioquic_engine import LONG_FRAME_DATAGRAM_SIZE
 
 CERT = generate_self_signed()
 NS = ("kvsp", "long-frames")
@@ -72,7 +74,7 @@ async def transfer(settings: QuicSettings, objects: list[bytes], *, sizes: list[
 async def test_unpatched_aioquic_corrupts_stream_frames_above_16383_bytes(monkeypatch):
     # The connections use aioquic's own _write_stream_frame with 32,000-byte datagrams.
     monkeypatch.setattr(moqt_quic, "_LongFrameConnection", moqt_quic._ConsumptionWindowConnection)
-    settings = QuicSettings(max_datagram_size=LARGE)
+    settings = QuicSettings(engine="aioquic", max_datagram_size=LARGE)
     payload = hashlib.shake_256(b"long frames").digest(1 * MIB)
     with pytest.raises((SessionClosed, asyncio.TimeoutError)) as failure:
         await transfer(settings, [payload])
@@ -83,7 +85,7 @@ async def test_unpatched_aioquic_corrupts_stream_frames_above_16383_bytes(monkey
 
 @pinned
 async def test_patched_connection_sends_32000_byte_datagrams_byte_identical():
-    settings = QuicSettings(max_datagram_size=LARGE)
+    settings = QuicSettings(engine="aioquic", max_datagram_size=LARGE)
     objects = [hashlib.shake_256(b"%d" % i).digest(MIB // 2) for i in range(8)] + [b"", b"x" * 16_384, b"y" * 16_383]
     sizes: list[int] = []
     got = await transfer(settings, objects, sizes=sizes)
@@ -93,8 +95,8 @@ async def test_patched_connection_sends_32000_byte_datagrams_byte_identical():
 
 
 async def test_16384_byte_datagrams_need_no_patch():
-    settings = QuicSettings(max_datagram_size=LONG_FRAME_DATAGRAM_SIZE)
-    assert moqt_quic._connection_class(settings) is moqt_quic._ConsumptionWindowConnection
+    settings = QuicSettings(engine="aioquic", max_datagram_size=LONG_FRAME_DATAGRAM_SIZE)
+    assert moqt_quic._connection_class(settings.max_datagram_size) is moqt_quic._ConsumptionWindowConnection
     objects = [os.urandom(300_000), os.urandom(5)]
     assert await transfer(settings, objects) == objects
 
@@ -105,7 +107,7 @@ def test_the_patch_is_chosen_only_when_the_datagram_size_needs_it():
     assert moqt_quic._check_datagram_size(LONG_FRAME_DATAGRAM_SIZE + 1, "1.7.2")
     assert moqt_quic._check_datagram_size(LARGE, "1.7.0")
     if aioquic.__version__.startswith("1.7."):
-        assert moqt_quic._connection_class(QuicSettings(max_datagram_size=LARGE)) is moqt_quic._LongFrameConnection
+        assert moqt_quic._connection_class(LARGE) is moqt_quic._LongFrameConnection
 
 
 @pytest.mark.parametrize("version", ["1.6.0", "1.8.0", "2.0.0"])
@@ -113,16 +115,20 @@ def test_large_datagrams_are_refused_on_an_unverified_aioquic(monkeypatch, versi
     with pytest.raises(ValueError, match="not verified"):
         moqt_quic._check_datagram_size(LARGE, version)
     monkeypatch.setattr(moqt_quic.aioquic, "__version__", version)
-    with pytest.raises(ValueError, match=r"max_datagram_size <= 16384"):
-        QuicSettings(max_datagram_size=LARGE).quic_configuration(is_client=True)
-    QuicSettings(max_datagram_size=LONG_FRAME_DATAGRAM_SIZE).quic_configuration(is_client=True)
+    with pytest.raises(SettingError, match=r"max_datagram_size <= 16384"):
+        QuicSettings(engine="aioquic", max_datagram_size=LARGE).quic_configuration(is_client=True)
+    QuicSettings(engine="aioquic", max_datagram_size=LONG_FRAME_DATAGRAM_SIZE).quic_configuration(is_client=True)
     monkeypatch.setattr(moqt_quic, "_VERIFIED_AIOQUIC_VERSIONS", frozenset({version}))
     assert not moqt_quic._check_datagram_size(LARGE)  # verified: aioquic's own writer is used
 
 
 def test_the_default_datagram_size_follows_the_installed_aioquic(monkeypatch):
+    monkeypatch.delenv("KVSP_MOQT_DATAGRAM_SIZE", raising=False)
+    settings = QuicSettings(engine="aioquic")
+    assert settings.max_datagram_size is None  # chosen by destination
     if aioquic.__version__.startswith("1.7."):
-        assert QuicSettings().max_datagram_size == LOOPBACK_DATAGRAM_SIZE == LARGE
-    monkeypatch.setattr(moqt_quic.aioquic, "__version__", "2.0.0")
-    assert QuicSettings().max_datagram_size == LONG_FRAME_DATAGRAM_SIZE
-    QuicSettings().quic_configuration(is_client=False)  # usable as it is
+        assert settings.datagram_size_for("127.0.0.1") == LOOPBACK_DATAGRAM_SIZE == LARGE
+    assert settings.datagram_size_for("198.18.0.1") == 1452
+    monkeypatch.setattr(moqt_quic, "LARGEST_DATAGRAM_SIZE", LONG_FRAME_DATAGRAM_SIZE)
+    assert settings.datagram_size_for("::1") == LONG_FRAME_DATAGRAM_SIZE
+    settings.quic_configuration(is_client=False)  # usable as it is

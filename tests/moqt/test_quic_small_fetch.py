@@ -13,7 +13,8 @@ from aioquic.quic.connection import QuicConnection
 from aioquic.quic.events import StreamDataReceived
 
 from kvsp_moq.moqt.certs import generate_self_signed
-from kvsp_moq.moqt.quic import QuicSettings, _prepare_quic, connect, serve
+from kvsp_moq.moqt.quic import QuicSettings, connect, serve
+from kvsp_moq.moqt.quic.aioquic_engine import _prepare_quic
 
 CERT = generate_self_signed()
 NS = ("kvsp", "c" * 32, "s" * 16, "p" * 16, "k" * 32)
@@ -57,7 +58,7 @@ def _in_flight(quic: QuicConnection) -> int:
 
 
 def test_an_answer_carries_the_ack_of_its_request():
-    client, server = _pair(QuicSettings(max_datagram_size=1350))
+    client, server = _pair(QuicSettings(engine="aioquic", max_datagram_size=1350))
     now = 1.0
     stream_id = client.get_next_available_stream_id()
     client.send_stream_data(stream_id, b"request")
@@ -74,7 +75,7 @@ def test_an_answer_carries_the_ack_of_its_request():
 
 
 def test_without_anything_to_send_the_ack_waits_for_its_delay():
-    client, server = _pair(QuicSettings(max_datagram_size=1350))
+    client, server = _pair(QuicSettings(engine="aioquic", max_datagram_size=1350))
     now = 1.0
     client.send_stream_data(client.get_next_available_stream_id(), b"request")
     for data, _ in client.datagrams_to_send(now=now):
@@ -229,8 +230,8 @@ async def test_a_served_fetch_leaves_nothing_behind():
         for _ in range(20):
             result = await asyncio.wait_for(client.fetch(NS, "t", (0, 0), (0, 1)), 10)
             assert [o.payload async for o in result] == [b"a", b"b"]
-        assert served[0]._fetch_senders == {}
-        assert client._fetches == {}
+        assert served[0].fetch_senders == {}
+        assert client.fetches == {}
     finally:
         await client.aclose()
         await server.aclose()

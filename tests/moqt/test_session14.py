@@ -7,7 +7,10 @@ from typing import Callable
 import pytest
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
-from aioquic.quic.events import ProtocolNegotiated
+
+from kvsp_moq.moqt.engine import ProtocolNegotiated
+from kvsp_moq.moqt.quic import QuicSettings
+from kvsp_moq.moqt.quic.aioquic_engine import AioquicEngine
 
 from kvsp_moq.moqt import draft14 as d14
 from kvsp_moq.moqt import events as ev
@@ -41,11 +44,13 @@ class Pair14:
         server_config = QuicConfiguration(is_client=False, alpn_protocols=[ALPN], max_datagram_frame_size=65536)
         server_config.certificate = CERT.certificate
         server_config.private_key = CERT.private_key
-        self.client_quic = QuicConnection(configuration=client_config)
-        self.server_quic = QuicConnection(
+        settings = QuicSettings(engine="aioquic")
+        client_quic = QuicConnection(configuration=client_config)
+        self.client_quic = AioquicEngine(client_quic, settings)
+        self.server_quic = AioquicEngine(QuicConnection(
             configuration=server_config,
-            original_destination_connection_id=self.client_quic.original_destination_connection_id,
-        )
+            original_destination_connection_id=client_quic.original_destination_connection_id,
+        ), settings)
         self._kwargs = {True: client_kwargs or {}, False: server_kwargs or {}}
         self.client: MoqtSession14 | None = None
         self.server: MoqtSession14 | None = None
@@ -53,7 +58,7 @@ class Pair14:
         self.client_quic.connect(SERVER_ADDR, now=self.now)
         self.exchange()
 
-    def _drain(self, quic: QuicConnection, is_client: bool) -> None:
+    def _drain(self, quic: AioquicEngine, is_client: bool) -> None:
         while (event := quic.next_event()) is not None:
             session = self.client if is_client else self.server
             if isinstance(event, ProtocolNegotiated) and session is None:

@@ -1,4 +1,4 @@
-"""The chunked stream sender (quic._ChunkedStreamSender): aioquic's QuicStreamSender with
+"""The chunked stream sender (quic/aioquic_engine.py): aioquic's QuicStreamSender with
 the written bytes kept as the writer's chunks. Frames, retransmissions and acknowledgements
 must behave exactly as aioquic's own sender does."""
 
@@ -9,7 +9,7 @@ import pytest
 from aioquic.quic.packet_builder import QuicDeliveryState
 from aioquic.quic.stream import QuicStream, QuicStreamSender
 
-from kvsp_moq.moqt.quic import _chunked, _ChunkedStreamSender
+from kvsp_moq.moqt.quic.aioquic_engine import _chunked, _ChunkedStreamSender
 
 pytestmark = pytest.mark.skipif(not aioquic.__version__.startswith("1.7."),
                                 reason=f"replaces aioquic 1.7's sender; installed: {aioquic.__version__}")

@@ -60,7 +60,7 @@ async def test_publishes_under_the_prefix_come_to_the_subscription():
             await asyncio.wait_for(peer.publish(OUTSIDE, b"t2", timeout=STEP), STEP)
         assert other_publishes == [OUTSIDE]
         # PUBLISH_BLOCKED names a track that will not come.
-        publisher = peer._registrations[requests[0].request_id]
+        publisher = peer.registrations[requests[0].request_id]
         publisher.publish_blocked(INSIDE, "t3")
         assert await next_item(subscription) == PublishBlocked(INSIDE, b"t3")
         with pytest.raises(ValueError):

@@ -214,7 +214,7 @@ async def test_slow_fetcher_bounds_what_the_relay_buffers():
                     await asyncio.sleep(0.01)
 
             await asyncio.wait_for(relay_blocked(), STEP)  # the fetcher reads nothing more
-            buffered = sum(p.connection._buffered_total() for p in relay._peers if p.connection is not None)
+            buffered = sum(p.connection.buffered_total() for p in relay._peers if p.connection is not None)
             assert buffered < quic.stream_send_buffer + 33 * kib  # one object past the limit at most
             assert relay.stats.objects_out < len(objects)
             rest = await collect(fetched)

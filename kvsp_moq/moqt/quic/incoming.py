@@ -1,0 +1,377 @@
+"""Requests from the peer, handed to the application's handlers: answer each exactly once.
+
+A handler gets an `Incoming...` request; `accept()` answers it and returns the handle
+to publish on (publisher.py) or, for a PUBLISH, the Subscription to read
+(subscriber.py); `reject()` refuses it with a REQUEST_ERROR code. `IncomingUpdate` is a
+REQUEST_UPDATE of a request already accepted.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .. import events as ev
+from ..errors import (
+    DoesNotExist,
+    NotSupported,
+    RequestError,
+    RequestErrorCode,
+    SessionClosed,
+    StreamClosed,
+    StreamResetCode,
+    Uninterested,
+)
+from ..messages import AuthToken, FetchType, GroupOrder, Location, Parameters, Properties, SubscriptionFilter
+from ..session import MoqtSession
+from ..session14 import MoqtSession14
+from .core import ConnectionCore
+from .publisher import FetchSender, NamespacePublisher, NamespaceRegistration, OutgoingSubscription
+from .subscriber import Subscription
+
+__all__ = [
+    "HANDLER_KINDS",
+    "IncomingFetch",
+    "IncomingPublish",
+    "IncomingPublishNamespace",
+    "IncomingRequest",
+    "IncomingSubscribe",
+    "IncomingSubscribeNamespace",
+    "IncomingSubscribeTracks",
+    "IncomingTrackStatus",
+    "IncomingUpdate",
+    "INCOMING",
+]
+
+class IncomingRequest:
+    """A request from the peer, handed to a handler; answer it exactly once."""
+
+    default_error: type[RequestError] = DoesNotExist
+
+    def __init__(self, connection: ConnectionCore, event: Any):
+        self.connection = connection
+        self.event = event
+        self.request_id: int = event.request_id
+        self.parameters: Parameters = event.parameters
+        self.authorization_tokens: tuple[AuthToken, ...] = event.authorization_tokens
+        self.answered = False
+
+    @property
+    def authorization(self) -> list[bytes]:
+        """The token values sent with the request."""
+        return [t.value or b"" for t in self.authorization_tokens]
+
+    def reject(
+        self,
+        error: RequestError | int = RequestErrorCode.DOES_NOT_EXIST,
+        reason: str = "",
+        *,
+        retry_interval: int = 0,
+    ) -> None:
+        if self.answered:
+            return
+        self.answered = True
+        self.connection.unanswered.discard(self.request_id)
+        self.connection.held_updates.pop(self.request_id, None)
+        if isinstance(error, RequestError):
+            code, reason, retry_interval = int(error.error_code), reason or error.reason, error.retry_interval
+        else:
+            code = int(error)
+        session = self.connection.session
+        if session is None or session.closed:
+            return
+        try:
+            session.request_error(self.request_id, code, reason, retry_interval=retry_interval)
+        except StreamClosed:
+            return
+        self.connection.transmit_soon()
+
+    def _answer(self) -> MoqtSession | MoqtSession14:
+        if self.answered:
+            raise ValueError(f"request {self.request_id} was already answered")
+        self.answered = True
+        self.connection.unanswered.discard(self.request_id)
+        session = self.connection.live_session()
+        if self.request_id in self.connection.held_updates:
+            # REQUEST_UPDATEs that arrived while the request was pending follow the answer.
+            self.connection.loop.call_soon(self.connection.release_updates, self.request_id)
+        return session
+
+
+class IncomingSubscribe(IncomingRequest):
+    """A SUBSCRIBE from the peer."""
+
+    def __init__(self, connection: ConnectionCore, event: ev.SubscribeReceived):
+        super().__init__(connection, event)
+        self.namespace = event.namespace
+        self.track_name = event.track_name
+
+    @property
+    def forward(self) -> bool:
+        return self.parameters.forward is not False
+
+    @property
+    def subscription_filter(self) -> SubscriptionFilter | None:
+        return self.parameters.subscription_filter
+
+    def accept(
+        self,
+        *,
+        largest: Location | tuple[int, int] | None = None,
+        expires: int | None = None,
+        track_properties: Properties = (),
+        track_alias: int | None = None,
+    ) -> OutgoingSubscription:
+        """Send SUBSCRIBE_OK; `largest` is the Largest Object when objects exist."""
+        session = self._answer()
+        alias = session.subscribe_ok(
+            self.request_id,
+            track_alias=track_alias,
+            largest=None if largest is None else Location(*largest),
+            expires=expires,
+            track_properties=track_properties,
+        )
+        outgoing = OutgoingSubscription(self.connection, self.request_id, alias)
+        outgoing.parameters = self.parameters
+        outgoing.track_properties = track_properties
+        outgoing.largest = None if largest is None else Location(*largest)
+        self.connection.outgoing[self.request_id] = outgoing
+        # Joining FETCHes that waited for this SUBSCRIBE_OK go to the fetch handler now.
+        self.connection.dispatch_released()
+        self.connection.transmit_soon()
+        return outgoing
+
+
+class IncomingFetch(IncomingRequest):
+    """A FETCH from the peer; a joining fetch arrives already resolved to a range."""
+
+    def __init__(self, connection: ConnectionCore, event: ev.FetchReceived):
+        super().__init__(connection, event)
+        self.namespace = event.namespace
+        self.track_name = event.track_name
+        self.fetch_type: FetchType = event.fetch_type
+        self.start: Location = event.start
+        self.end: Location = event.end
+        self.joining_request_id = event.joining_request_id
+
+    @property
+    def group_order(self) -> GroupOrder:
+        return self.parameters.group_order or GroupOrder.ASCENDING
+
+    @property
+    def last(self) -> Location | None:
+        """Last Location requested, inclusive; None when the whole end group is wanted."""
+        if self.end.object == 0:
+            return None
+        return Location(self.end.group, self.end.object - 1)
+
+    def includes(self, location: Location | tuple[int, int]) -> bool:
+        """Whether a Location lies in the requested range."""
+        location = Location(*location)
+        if location < self.start:
+            return False
+        if self.end.object == 0:
+            return location.group <= self.end.group
+        return location < self.end
+
+    def accept(
+        self,
+        *,
+        end: Location | tuple[int, int] | None = None,
+        end_of_track: bool = False,
+        track_properties: Properties = (),
+    ) -> FetchSender:
+        """Send FETCH_OK and open the response stream. `end` is the wire End
+        Location of what will be sent (default: the requested end)."""
+        session = self._answer()
+        stream_id = session.open_fetch_stream(self.request_id)
+        session.fetch_ok(
+            self.request_id,
+            self.end if end is None else Location(*end),
+            end_of_track=end_of_track,
+            track_properties=track_properties,
+        )
+        sender = FetchSender(self.connection, self.request_id, stream_id)
+        self.connection.writing.add(stream_id)
+        self.connection.fetch_senders[self.request_id] = sender
+        self.connection.transmit_soon()
+        return sender
+
+
+class IncomingTrackStatus(IncomingRequest):
+    def __init__(self, connection: ConnectionCore, event: ev.TrackStatusReceived):
+        super().__init__(connection, event)
+        self.namespace = event.namespace
+        self.track_name = event.track_name
+
+    def accept(
+        self, *, largest: Location | tuple[int, int] | None = None, track_properties: Properties = ()
+    ) -> None:
+        session = self._answer()
+        parameters = Parameters(largest_object=None if largest is None else Location(*largest))
+        session.request_ok(self.request_id, parameters, track_properties)
+        self.connection.transmit_soon()
+
+
+class IncomingPublishNamespace(IncomingRequest):
+    default_error = Uninterested
+
+    def __init__(self, connection: ConnectionCore, event: ev.PublishNamespaceReceived):
+        super().__init__(connection, event)
+        self.namespace = event.namespace
+
+    def accept(self) -> NamespaceRegistration:
+        session = self._answer()
+        session.request_ok(self.request_id)
+        registration = NamespaceRegistration(self.connection, self.request_id, self.namespace)
+        self.connection.registrations[self.request_id] = registration
+        self.connection.transmit_soon()
+        return registration
+
+
+class IncomingSubscribeNamespace(IncomingRequest):
+    default_error = NotSupported
+
+    def __init__(self, connection: ConnectionCore, event: ev.SubscribeNamespaceReceived):
+        super().__init__(connection, event)
+        self.namespace_prefix = event.namespace_prefix
+
+    def accept(self) -> NamespacePublisher:
+        session = self._answer()
+        session.request_ok(self.request_id)
+        publisher = NamespacePublisher(self.connection, self.request_id, self.namespace_prefix)
+        self.connection.registrations[self.request_id] = publisher
+        self.connection.transmit_soon()
+        return publisher
+
+
+class IncomingSubscribeTracks(IncomingRequest):
+    default_error = NotSupported
+
+    def __init__(self, connection: ConnectionCore, event: ev.SubscribeTracksReceived):
+        super().__init__(connection, event)
+        self.namespace_prefix = event.namespace_prefix
+
+    def accept(self) -> NamespacePublisher:
+        """Accept; then offer tracks with MoqtConnection.publish()."""
+        session = self._answer()
+        session.request_ok(self.request_id)
+        publisher = NamespacePublisher(self.connection, self.request_id, self.namespace_prefix)
+        self.connection.registrations[self.request_id] = publisher
+        self.connection.transmit_soon()
+        return publisher
+
+
+class IncomingPublish(IncomingRequest):
+    """A PUBLISH from the peer: accept() returns the Subscription to iterate."""
+
+    default_error = Uninterested
+
+    def __init__(self, connection: ConnectionCore, event: ev.PublishReceived):
+        super().__init__(connection, event)
+        self.namespace = event.namespace
+        self.track_name = event.track_name
+        self.track_alias = event.track_alias
+        self.track_properties = event.track_properties
+        self.subscription = Subscription(connection, self.request_id, self.namespace, self.track_name)
+        self.subscription.track_alias = event.track_alias
+        self.subscription.largest = event.parameters.largest_object
+        self.subscription.track_properties = event.track_properties
+        # Objects may precede PUBLISH_OK; the subscription collects them from now.
+        connection.subscriptions[self.request_id] = self.subscription
+
+    def accept(self, *, forward: bool | None = None, parameters: Parameters | None = None) -> Subscription:
+        session = self._answer()
+        if parameters is None:
+            parameters = Parameters(forward=forward)
+        session.request_ok(self.request_id, parameters)
+        self.subscription.parameters = parameters
+        self.connection.transmit_soon()
+        return self.subscription
+
+    def reject(self, error: RequestError | int = RequestErrorCode.UNINTERESTED, reason: str = "", **kw: Any) -> None:
+        self.connection.subscriptions.pop(self.request_id, None)
+        super().reject(error, reason, **kw)
+
+
+class IncomingUpdate:
+    """A REQUEST_UPDATE from the peer (draft-18 "REQUEST_UPDATE"): answer it exactly once.
+
+    `target` is what it updates: an OutgoingSubscription (a subscription we
+    publish), a Subscription (a PUBLISH the peer sent us), a FetchSender, a
+    NamespaceRegistration or a NamespacePublisher. Refusing an update of a
+    subscription we publish ends it with PUBLISH_DONE UPDATE_FAILED; of a FETCH,
+    resets its stream; of a namespace request, closes it.
+    """
+
+    def __init__(self, connection: ConnectionCore, event: ev.RequestUpdateReceived, target: Any):
+        self.connection = connection
+        self.request_id = event.request_id
+        self.existing_request_id = event.existing_request_id
+        self.parameters: Parameters = event.parameters
+        self.authorization_tokens: tuple[AuthToken, ...] = event.authorization_tokens
+        self.target = target
+        self.answered = False
+
+    @property
+    def authorization(self) -> list[bytes]:
+        """The token values sent with the update."""
+        return [t.value or b"" for t in self.authorization_tokens]
+
+    def accept(self, *, largest: Location | tuple[int, int] | None = None, expires: int | None = None) -> None:
+        """Send REQUEST_UPDATE_OK and apply the update; `largest` defaults to the
+        largest Location a subscription we publish has sent."""
+        if self.answered:
+            raise ValueError(f"REQUEST_UPDATE {self.request_id} was already answered")
+        self.answered = True
+        session = self.connection.live_session()
+        if largest is None and isinstance(self.target, OutgoingSubscription):
+            largest = self.target.largest
+        parameters = Parameters(largest_object=None if largest is None else Location(*largest), expires=expires)
+        try:
+            session.request_ok(self.request_id, parameters)
+        except StreamClosed:
+            return
+        apply = getattr(self.target, "_apply_update", None)
+        if apply is not None:
+            apply(self.parameters)
+        self.connection.transmit_soon()
+
+    def reject(self, error: RequestError | int = RequestErrorCode.INTERNAL_ERROR, reason: str = "") -> None:
+        if self.answered:
+            return
+        self.answered = True
+        if isinstance(error, RequestError):
+            code, reason = int(error.error_code), reason or error.reason
+        else:
+            code = int(error)
+        session = self.connection.session
+        if session is None or session.closed:
+            return
+        target = self.target
+        if isinstance(target, FetchSender):
+            target.reset(StreamResetCode.CANCELLED)
+        try:
+            session.request_error(self.request_id, code, reason)
+        except StreamClosed:
+            pass
+        if isinstance(target, OutgoingSubscription):
+            target._update_failed()
+        elif isinstance(target, (NamespaceRegistration, NamespacePublisher)):
+            target._on_cancelled(StreamResetCode.CANCELLED)
+        elif isinstance(target, FetchSender) and not target.cancelled.done():
+            target.cancelled.set_result(StreamResetCode.CANCELLED)
+        self.connection.transmit_soon()
+
+
+INCOMING: dict[type, tuple[str, type[IncomingRequest]]] = {
+    ev.SubscribeReceived: ("subscribe", IncomingSubscribe),
+    ev.FetchReceived: ("fetch", IncomingFetch),
+    ev.TrackStatusReceived: ("track_status", IncomingTrackStatus),
+    ev.PublishNamespaceReceived: ("publish_namespace", IncomingPublishNamespace),
+    ev.SubscribeNamespaceReceived: ("subscribe_namespace", IncomingSubscribeNamespace),
+    ev.SubscribeTracksReceived: ("subscribe_tracks", IncomingSubscribeTracks),
+    ev.PublishReceived: ("publish", IncomingPublish),
+}
+HANDLER_KINDS = tuple(kind for kind, _ in INCOMING.values())
+
+

@@ -1,0 +1,539 @@
+"""The subscriber side: what this endpoint receives, as async iterators.
+
+`Subscription` (our SUBSCRIBE, or a PUBLISH we accepted) and `FetchResult` (our FETCH)
+yield `MoqtObject`s; `NamespaceSubscription` and `TrackSubscriptions` yield the peer's
+NAMESPACE / NAMESPACE_DONE and PUBLISHes; `PublishedNamespace` is our accepted
+PUBLISH_NAMESPACE. Objects hold their flow-control bytes until the application takes
+them, so a slow reader slows its publisher instead of filling memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, AsyncIterator, TypeVar
+
+from .. import events as ev
+from ..data import ObjectStatus
+from ..errors import (
+    DataStreamReset,
+    PublishDoneCode,
+    PublishDoneError,
+    RequestError,
+    SessionClosed,
+    StreamClosed,
+    StreamResetCode,
+    Uninterested,
+)
+from ..messages import Location, Parameters, Properties, SubscriptionFilter, TrackNamespace
+from ..objects import MoqtObject
+from ..session import UNKNOWN_STREAM_COUNT
+from .core import ConnectionCore, token_parameters
+
+if TYPE_CHECKING:
+    from .incoming import IncomingPublish
+
+__all__ = [
+    "FetchResult",
+    "NamespaceSubscription",
+    "NamespaceUpdate",
+    "PublishBlocked",
+    "PublishedNamespace",
+    "Subscription",
+    "TrackStatusInfo",
+    "TrackSubscriptions",
+]
+
+_END = object()
+
+
+def _expire_waiter(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_exception(asyncio.TimeoutError())
+
+
+class _ObjectQueue:
+    """Objects waiting for the application, with the flow-control bytes they hold."""
+
+    def __init__(self, connection: ConnectionCore) -> None:
+        self._connection = connection
+        self._items: deque[tuple[MoqtObject, int | None, int]] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self._error: BaseException | None = None
+        self._ended = False
+
+    def push(self, obj: MoqtObject, stream_id: int | None) -> None:
+        held = len(obj.payload) if stream_id is not None else 0
+        if held:
+            self._connection.hold(stream_id, held)  # type: ignore[attr-defined]
+        self._items.append((obj, stream_id, held))
+        self._wake()
+
+    def end(self, error: BaseException | None = None) -> None:
+        if self._ended or self._error is not None:
+            return
+        if error is not None:
+            self._error = error
+        else:
+            self._ended = True
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def get(self, timeout: float | None = None) -> MoqtObject:
+        """The next object; TimeoutError when none arrives within `timeout` seconds.
+
+        The timeout is a timer on the waiter, armed only while waiting (asyncio.wait_for
+        would start a task for every object)."""
+        deadline: float | None = None
+        while True:
+            obj = self.pop_ready()
+            if obj is not None:
+                return obj
+            if self._error is not None:
+                raise self._error
+            if self._ended:
+                raise StopAsyncIteration
+            loop = self._connection.loop
+            self._waiter = waiter = loop.create_future()
+            timer = None
+            if timeout is not None:
+                if deadline is None:
+                    deadline = loop.time() + timeout
+                timer = loop.call_at(deadline, _expire_waiter, waiter)
+            try:
+                await waiter
+            finally:
+                self._waiter = None
+                if timer is not None:
+                    timer.cancel()
+
+    def pop_ready(self) -> MoqtObject | None:
+        """The next object when one is queued already, else None; never waits (an
+        error or the end is left for get() to report)."""
+        if not self._items:
+            return None
+        obj, stream_id, held = self._items.popleft()
+        if held:
+            self._connection.consumed(stream_id, held)  # type: ignore[arg-type]
+        return obj
+
+    def discard(self) -> None:
+        """Drop queued objects, returning their flow-control credit."""
+        while self._items:
+            _, stream_id, held = self._items.popleft()
+            if held:
+                self._connection.consumed(stream_id, held)  # type: ignore[arg-type]
+
+
+class Subscription:
+    """A subscription this endpoint receives: iterate it for objects.
+
+    Made by `MoqtConnection.subscribe()` (our SUBSCRIBE) or
+    `IncomingPublish.accept()` (the peer's PUBLISH). Iteration ends after
+    PUBLISH_DONE once the publisher's streams have ended; it raises
+    PublishDoneError for an abnormal PUBLISH_DONE status or a cancellation by the
+    publisher, DataStreamReset when a stream was reset, and SessionClosed when the
+    connection is lost.
+    """
+
+    def __init__(self, connection: ConnectionCore, request_id: int, namespace: TrackNamespace, track_name: bytes):
+        self.connection = connection
+        self.request_id = request_id
+        self.namespace = namespace
+        self.track_name = track_name
+        self.track_alias: int | None = None
+        self.largest: Location | None = None
+        self.expires: int | None = None
+        self.track_properties: Properties = ()
+        #: the subscription's parameters as the subscriber set them, with accepted updates
+        self.parameters = Parameters()
+        #: subgroup streams the publisher reset because their objects outlived a delivery timeout
+        self.streams_timed_out = 0
+        self.done: ev.PublishDoneReceived | None = None
+        self._queue = _ObjectQueue(connection)
+        self._streams_ended = 0
+        self._open_streams: set[int] = set()
+        self._grace: asyncio.TimerHandle | None = None
+        self._finished = False
+
+    def __aiter__(self) -> AsyncIterator[MoqtObject]:
+        return self
+
+    async def __anext__(self) -> MoqtObject:
+        return await self._queue.get()
+
+    async def unsubscribe(self) -> None:
+        """Cancel the subscription (STOP_SENDING / reset of its request stream)."""
+        self._finish(None, cancel=True)
+
+    async def update(
+        self,
+        *,
+        subscription_filter: SubscriptionFilter | None = None,
+        forward: bool | None = None,
+        subscriber_priority: int | None = None,
+        object_delivery_timeout: int | None = None,
+        subgroup_delivery_timeout: int | None = None,
+        new_group_request: int | None = None,
+        authorization: Any = None,
+        parameters: Parameters | None = None,
+        timeout: float | None = None,
+    ) -> Parameters:
+        """REQUEST_UPDATE the subscription (draft-18 "Updating Subscriptions") and wait for the answer.
+
+        Only what is given changes. Returns the REQUEST_UPDATE_OK parameters (its
+        LARGEST_OBJECT tells what a widened filter may have missed, for a FETCH). A
+        refused update raises its RequestError; the publisher then ends the
+        subscription with PUBLISH_DONE UPDATE_FAILED, which ends iteration. On a
+        draft-14 session the update (SUBSCRIBE_UPDATE) has no answer: this returns
+        empty parameters at once, and a refusal shows only as that PUBLISH_DONE.
+        """
+        connection = self.connection
+        if self._finished:
+            raise StreamClosed(f"subscription {self.request_id} has ended")
+        if parameters is None:
+            parameters = Parameters(
+                authorization_tokens=token_parameters(authorization),
+                subscription_filter=subscription_filter,
+                forward=forward,
+                subscriber_priority=subscriber_priority,
+                object_delivery_timeout=object_delivery_timeout,
+                subgroup_delivery_timeout=subgroup_delivery_timeout,
+                new_group_request=new_group_request,
+            )
+        session = connection.live_session()
+        update_id = session.request_update(self.request_id, parameters)
+        future = connection.begin_request(update_id)
+        # draft-14's SUBSCRIBE_UPDATE has no answer: its session accepts it at once.
+        connection.dispatch_released()
+        try:
+            accepted = await asyncio.wait_for(future, timeout)
+        finally:
+            connection.pending.pop(update_id, None)
+        self.parameters = self.parameters.merged(parameters)
+        if accepted.parameters.largest_object is not None:
+            self.largest = accepted.parameters.largest_object
+        if accepted.parameters.expires is not None:
+            self.expires = accepted.parameters.expires
+        return accepted.parameters
+
+    async def aclose(self) -> None:
+        """Stop iterating: cancel the subscription if it is live and return the
+        flow-control credit of objects never consumed. Use it (or
+        contextlib.aclosing) when leaving an `async for` early."""
+        if self._finished:
+            self._queue.discard()
+        else:
+            self._finish(None, cancel=True)
+
+    def _accepted(self, event: ev.SubscribeAccepted) -> None:
+        self.track_alias = event.track_alias
+        self.largest = event.parameters.largest_object
+        self.expires = event.parameters.expires
+        self.track_properties = event.track_properties
+
+    def _object(self, event: ev.ObjectReceived) -> None:
+        if self._finished:
+            return
+        self._queue.push(
+            MoqtObject(
+                event.group_id,
+                event.object_id,
+                event.payload,
+                event.subgroup_id,
+                event.status,
+                event.properties,
+                event.publisher_priority,
+            ),
+            event.stream_id,
+        )
+
+    def _stream_opened(self, stream_id: int) -> None:
+        self._open_streams.add(stream_id)
+
+    def _stream_ended(self, event: ev.DataStreamEnded) -> None:
+        if event.stream_id in self._open_streams:  # not already counted as stopped
+            self._open_streams.discard(event.stream_id)
+            self._streams_ended += 1
+        if event.reset and event.error_code == StreamResetCode.DELIVERY_TIMEOUT:
+            # Objects that outlived a delivery timeout are dropped, the
+            # subscription goes on.
+            self.streams_timed_out += 1
+            self._check_complete()
+            return
+        if event.reset and not self._finished:
+            self._finish(DataStreamReset(f"stream {event.stream_id} reset", error_code=event.error_code or 0))
+            return
+        self._check_complete()
+
+    def _publish_done(self, event: ev.PublishDoneReceived) -> None:
+        self.done = event
+        if not self._check_complete():
+            loop = self.connection.loop
+            self._grace = loop.call_later(self.connection.settings.publish_done_grace, self._grace_expired)
+
+    def _check_complete(self) -> bool:
+        done = self.done
+        session = self.connection.session
+        if session is not None and self._open_streams:
+            # Streams this endpoint stopped count as ended.
+            stopped = {sid for sid in self._open_streams if not session.incoming_stream_open(sid)}
+            self._open_streams -= stopped
+            self._streams_ended += len(stopped)
+        if done is None or self._finished or self._open_streams:
+            return False
+        # With an unknown Stream Count, late streams are awaited for the grace period.
+        if done.stream_count == UNKNOWN_STREAM_COUNT or self._streams_ended < done.stream_count:
+            return False
+        self._complete()
+        return True
+
+    def _grace_expired(self) -> None:
+        if not self._finished:
+            self._complete()
+            self.connection.session.release(self.request_id)  # type: ignore[union-attr]
+
+    def _complete(self) -> None:
+        done = self.done
+        assert done is not None
+        if done.status_code in (PublishDoneCode.TRACK_ENDED, PublishDoneCode.SUBSCRIPTION_ENDED):
+            self._finish(None)
+        else:
+            self._finish(PublishDoneError(done.reason or "subscription ended", error_code=done.status_code))
+
+    def _finish(self, error: BaseException | None, *, cancel: bool = False) -> None:
+        if self._grace is not None:
+            self._grace.cancel()
+            self._grace = None
+        if self._finished:
+            return
+        self._finished = True
+        connection = self.connection
+        connection.subscriptions.pop(self.request_id, None)
+        if cancel:
+            self._queue.discard()
+        # Objects already queued are still delivered, then the error is raised.
+        if cancel or isinstance(error, (DataStreamReset, RequestError)):
+            if connection.session is not None and not connection.session.closed:
+                connection.session.cancel_request(self.request_id)
+                connection.transmit_soon()
+        self._queue.end(error)
+
+
+class FetchResult:
+    """The objects of one FETCH of ours: iterate it.
+
+    Iteration ends when the publisher's fetch stream ends with a FIN; it raises
+    DataStreamReset for a reset stream, the RequestError of a REQUEST_ERROR that
+    arrives after FETCH_OK, and SessionClosed when the connection is lost.
+    `ranges` collects the End of Range markers received.
+    """
+
+    def __init__(self, connection: ConnectionCore, request_id: int):
+        self.connection = connection
+        self.request_id = request_id
+        self.end_of_track = False
+        self.end_location: Location | None = None
+        self.track_properties: Properties = ()
+        self.ranges: list[ev.FetchRangeReceived] = []
+        self._queue = _ObjectQueue(connection)
+        self._accepted = False
+        self._stream_done = False
+        self._finished = False
+
+    def __aiter__(self) -> AsyncIterator[MoqtObject]:
+        return self
+
+    async def __anext__(self) -> MoqtObject:
+        return await self._queue.get()
+
+    def ready_object(self) -> MoqtObject | None:
+        """The next object when it has arrived already, else None, without waiting:
+        a reader drains what one datagram brought in one go, then awaits the rest."""
+        return self._queue.pop_ready()
+
+    async def next_object(self, timeout: float | None = None) -> MoqtObject | None:
+        """The next object, None at the end of the response; TimeoutError when none
+        arrives within `timeout` seconds (the response goes on: cancel it if unwanted)."""
+        try:
+            return await self._queue.get(timeout)
+        except StopAsyncIteration:
+            return None
+
+    async def cancel(self) -> None:
+        self._finish(None, cancel=True)
+
+    async def aclose(self) -> None:
+        """Stop iterating; see Subscription.aclose()."""
+        self.close()
+
+    def close(self) -> None:
+        """aclose() for callers that cannot await (a callback): it never waits."""
+        if self._finished:
+            self._queue.discard()
+        else:
+            self._finish(None, cancel=True)
+
+    def _on_accepted(self, event: ev.FetchAccepted) -> None:
+        self._accepted = True
+        self.end_of_track = event.end_of_track
+        self.end_location = event.end_location
+        self.track_properties = event.track_properties
+        if self._stream_done:
+            self._finish(None)
+
+    def _object(self, event: ev.FetchObjectReceived) -> None:
+        if self._finished:
+            return
+        self._queue.push(
+            MoqtObject(
+                event.group_id,
+                event.object_id,
+                event.payload,
+                event.subgroup_id,
+                ObjectStatus.NORMAL,
+                event.properties,
+                event.publisher_priority,
+            ),
+            event.stream_id,
+        )
+
+    def _stream_ended(self, event: ev.DataStreamEnded) -> None:
+        if event.reset:
+            self._finish(DataStreamReset(f"fetch stream {event.stream_id} reset", error_code=event.error_code or 0))
+            return
+        self._stream_done = True
+        if self._accepted:
+            self._finish(None)
+
+    def _finish(self, error: BaseException | None, *, cancel: bool = False) -> None:
+        if self._finished:
+            return
+        self._finished = True
+        connection = self.connection
+        connection.fetches.pop(self.request_id, None)
+        if cancel:
+            self._queue.discard()
+        if cancel or isinstance(error, (DataStreamReset, RequestError)):
+            if connection.session is not None and not connection.session.closed:
+                connection.session.cancel_request(self.request_id)
+                connection.transmit_soon()
+        self._queue.end(error)
+
+
+@dataclass(frozen=True)
+class TrackStatusInfo:
+    """TRACK_STATUS_OK: the track's Largest Object (None: nothing published yet)."""
+
+    largest: Location | None
+    track_properties: Properties
+    expires: int | None = None
+
+
+@dataclass(frozen=True)
+class NamespaceUpdate:
+    """A NAMESPACE (active) or NAMESPACE_DONE (not active) for a full namespace."""
+
+    namespace: TrackNamespace
+    active: bool
+
+
+class NamespaceSubscription:
+    """Our SUBSCRIBE_NAMESPACE: iterate it for NamespaceUpdate items."""
+
+    def __init__(self, connection: ConnectionCore, request_id: int, prefix: TrackNamespace):
+        self.connection = connection
+        self.request_id = request_id
+        self.prefix = prefix
+        self._items: asyncio.Queue[Any] = asyncio.Queue()
+        self._finished = False
+
+    def __aiter__(self) -> AsyncIterator[NamespaceUpdate]:
+        return self
+
+    async def __anext__(self) -> NamespaceUpdate:
+        item = await self._items.get()
+        if item is _END:
+            self._items.put_nowait(_END)
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            self._items.put_nowait(item)
+            raise item
+        return item
+
+    async def cancel(self) -> None:
+        self._finish(None, cancel=True)
+
+    def _finish(self, error: BaseException | None, *, cancel: bool = False) -> None:
+        if self._finished:
+            return
+        self._finished = True
+        self.connection.namespace_subscriptions.pop(self.request_id, None)
+        if cancel and self.connection.session is not None and not self.connection.session.closed:
+            self.connection.session.cancel_request(self.request_id)
+            self.connection.transmit_soon()
+        self._items.put_nowait(error if error is not None else _END)
+
+
+@dataclass(frozen=True)
+class PublishBlocked:
+    """PUBLISH_BLOCKED: the peer will not PUBLISH this track to our SUBSCRIBE_TRACKS."""
+
+    namespace: TrackNamespace
+    track_name: bytes
+
+
+class TrackSubscriptions(NamespaceSubscription):
+    """Our SUBSCRIBE_TRACKS: iterate it for the peer's PUBLISHes of tracks under the prefix
+    (IncomingPublish: `accept()` returns the Subscription to read, or `reject()`) and for
+    PublishBlocked notices. The PUBLISHes it covers come here, not to the "publish" handler;
+    `cancel()` refuses those still queued."""
+
+    def __aiter__(self) -> AsyncIterator["IncomingPublish | PublishBlocked"]:  # type: ignore[override]
+        return self
+
+    async def __anext__(self) -> "IncomingPublish | PublishBlocked":  # type: ignore[override]
+        return await super().__anext__()  # type: ignore[return-value]
+
+    def covers(self, namespace: TrackNamespace) -> bool:
+        return tuple(namespace[:len(self.prefix)]) == tuple(self.prefix)
+
+    async def cancel(self) -> None:
+        while not self._items.empty():
+            item = self._items.get_nowait()
+            if not isinstance(item, PublishBlocked) and not item.answered:  # an IncomingPublish
+                try:
+                    item.reject(Uninterested("SUBSCRIBE_TRACKS cancelled"))
+                except (SessionClosed, StreamClosed):
+                    pass
+        await super().cancel()
+
+
+#: a kind of namespace subscription (MoqtConnection makes either)
+S = TypeVar("S", bound=NamespaceSubscription)
+
+
+class PublishedNamespace:
+    """Our accepted PUBLISH_NAMESPACE; `withdraw()` cancels it."""
+
+    def __init__(self, connection: ConnectionCore, request_id: int, namespace: TrackNamespace):
+        self.connection = connection
+        self.request_id = request_id
+        self.namespace = namespace
+        self.closed: asyncio.Future[int] = connection.loop.create_future()
+
+    async def withdraw(self) -> None:
+        if not self.closed.done():
+            self.closed.set_result(StreamResetCode.CANCELLED)
+        self.connection.announcements.pop(self.request_id, None)
+        session = self.connection.session
+        if session is not None and not session.closed:
+            session.cancel_request(self.request_id)
+            self.connection.transmit_soon()
+
+
