@@ -124,6 +124,27 @@ SERVICES: dict[str, tuple[str, str]] = {
     "lookup": ("kvsp_moq.tools.lookup", "ask the Index Service which blocks of tokens are held"),
 }
 
+#: Commands that speak MOQT, and so take --quic-engine.
+MOQT_COMMANDS = ("relay", "holder", "agent", "get", "subscribe", "bench", "demo")
+ENGINE_HELP = ("QUIC engine for MOQT: aioquic (pure Python) or qh3 (native core, GSO/GRO); "
+               "default: $KVSP_QUIC_ENGINE, else aioquic. Peers need not use the same one")
+
+
+def _add_engine_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quic-engine", metavar="ENGINE", help=ENGINE_HELP)
+
+
+def _apply_engine_option(args: argparse.Namespace) -> None:
+    """Make --quic-engine the process's default (child processes inherit it); an unknown
+    engine, or one whose package is missing, is a SettingError (one line, exit 2)."""
+    from kvsp_moq.moqt.quic.settings import ENGINE_ENV, check_engine, default_engine
+
+    if getattr(args, "quic_engine", None):
+        os.environ[ENGINE_ENV] = check_engine(args.quic_engine)
+    elif args.command in MOQT_COMMANDS:
+        default_engine()
+
+
 #: Benchmarks: name -> module under kvsp_moq.bench.
 BENCHMARKS = ("core", "http", "moqt", "ttft", "route", "load")
 
@@ -140,6 +161,8 @@ def _add_services(sub: argparse._SubParsersAction, argv: Sequence[str]) -> None:
             continue
         mod = importlib.import_module(module)
         mod.configure_parser(p)
+        if name in MOQT_COMMANDS:
+            _add_engine_option(p)
         p.set_defaults(func=mod.run)
 
 
@@ -191,6 +214,7 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     )
     p.add_argument("target", choices=BENCHMARKS, help="what to measure")
     p.add_argument("--quick", action="store_true", help="smaller inputs, for a smoke run")
+    _add_engine_option(p)
     p.set_defaults(func=cmd_bench)
     p = sub.add_parser(
         "demo", help="show KVSP at work on this machine",
@@ -204,6 +228,7 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
                    help="where to write the report (default: a new temporary folder)")
     p.add_argument("--core-only", action="store_true",
                    help="only show the protocol core (IDs, keys, a container); starts nothing")
+    _add_engine_option(p)
     p.set_defaults(func=cmd_demo)
     _add_services(sub, list(argv))
     return parser
@@ -216,6 +241,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     tune_allocator()
     func: Callable[[argparse.Namespace], int] = args.func
     try:
+        _apply_engine_option(args)
         return func(args)
     except CommandError as e:
         print(f"kvsp {args.command}: {e}", file=sys.stderr)

@@ -28,7 +28,9 @@ Per engine:
 Both engines' own connect() bind the wildcard address "::"; here the client binds 127.0.0.1
 (same protocol class, same QuicConnection, only the socket differs). Sockets get 4 MiB
 buffers. Every transfer is checked (CRC-32 of what arrived against what was sent); the CPU
-that check costs is subtracted from the client's figure and reported apart.
+that check costs is subtracted from the client's figure and reported apart. Beside the figures:
+the largest datagram the client received (what the sender really used), the server's timer
+firings by kind (qh3: pacing, ack, ...) and its congestion window and smoothed RTT.
 """
 
 from __future__ import annotations
@@ -161,6 +163,10 @@ def _protocol_classes(engine: str) -> tuple[type, type]:
             if stream is None:
                 return 0
             return stream.sender._buffer_stop - stream.sender._buffer_start
+
+        def sender_state(quic: Any) -> dict[str, Any]:
+            loss = quic._loss
+            return {"cwnd": loss.congestion_window, "srtt_ms": round(loss._rtt_smoothed * 1e3, 3)}
     else:
         from qh3.asyncio.protocol import QuicConnectionProtocol
         from qh3.quic.events import ConnectionTerminated, StreamDataReceived
@@ -168,6 +174,14 @@ def _protocol_classes(engine: str) -> tuple[type, type]:
         def backlog(quic: Any, stream_id: int) -> int:
             # Octets written and not yet sent once.
             return quic.get_send_buffer_size(stream_id)
+
+        def sender_state(quic: Any) -> dict[str, Any]:
+            core = quic._core
+            return {"cwnd": core.congestion_window,
+                    "srtt_ms": round((core.smoothed_rtt or 0.0) * 1e3, 3),
+                    "lost": core.loss_total, "pto": core.pto_total}
+
+    pattern = _pattern()  # made before any transfer is timed
 
     class ServerProtocol(QuicConnectionProtocol):
         """Answers a request of N octets (ASCII, on a client bidi stream) with N octets."""
@@ -182,6 +196,8 @@ def _protocol_classes(engine: str) -> tuple[type, type]:
             self.timers: dict[str, int] = {}
             self.terminated = False
             self.task: asyncio.Task | None = None
+            self.sender: dict[str, Any] = {}
+            self.largest_cwnd = 0
 
         def datagram_received(self, data: Any, addr: Any) -> None:
             super().datagram_received(data, addr)
@@ -216,10 +232,11 @@ def _protocol_classes(engine: str) -> tuple[type, type]:
                     done.set_result({"cpu_user_s": user - start[0],
                                      "cpu_sys_s": system - start[1],
                                      "answered": self.started is not None,
-                                     "timers": self.timers})
+                                     "timers": self.timers,
+                                     "sender": {**self.sender,
+                                                "largest_cwnd": self.largest_cwnd}})
 
         async def _send(self, stream_id: int, total: int) -> None:
-            pattern = _pattern()
             sent = 0
             while sent < total and not self.terminated:
                 while backlog(self._quic, stream_id) > SEND_BACKLOG and not self.terminated:
@@ -231,6 +248,8 @@ def _protocol_classes(engine: str) -> tuple[type, type]:
                 sent += n
                 self.transmit()
                 await asyncio.sleep(0)  # let acknowledgements in between pieces
+                self.largest_cwnd = max(self.largest_cwnd, sender_state(self._quic)["cwnd"])
+            self.sender = sender_state(self._quic)  # when the last octet is queued
 
     class ClientProtocol(QuicConnectionProtocol):
         """Reads one stream to its FIN, counting and checksumming what arrives."""
@@ -475,7 +494,8 @@ def run_bare(engine: str, datagram_size: int, size: int = DEFAULT_BYTES, gso: bo
             "client_sys_share": round(fetched["cpu_sys_s"] / client_cpu, 2) if client_cpu else None,
             "client_verify_cpu_s": round(fetched["verify_cpu_s"], 3),
             "largest_datagram_received": fetched["largest_datagram"],
-            "server_timers": served["timers"]}
+            "server_timers": served["timers"],
+            "server_sender": served["sender"]}
 
 
 def run_matrix(engines: tuple[str, ...] = ENGINES, sizes: tuple[int, ...] = DATAGRAM_SIZES,

@@ -70,7 +70,8 @@ def generate_self_signed(
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - datetime.timedelta(minutes=5))
         .not_valid_after(now + datetime.timedelta(days=valid_days))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        # An end-entity certificate (CA:FALSE): qh3 refuses a CA certificate as a server's own.
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
     )
     if alternative:
         builder = builder.add_extension(x509.SubjectAlternativeName(alternative), critical=False)

@@ -85,7 +85,7 @@ def test_without_anything_to_send_the_ack_waits_for_its_delay():
 
 
 def test_consuming_only_asks_for_a_transmit_when_credit_is_due():
-    settings = QuicSettings(max_datagram_size=1350, max_stream_data=16 * 1024, max_data=1024 * 1024)
+    settings = QuicSettings(engine="aioquic", max_datagram_size=1350, max_stream_data=16 * 1024, max_data=1024 * 1024)
     client, server = _pair(settings)
     now = 1.0
     stream_id = client.get_next_available_stream_id()

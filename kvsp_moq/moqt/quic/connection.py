@@ -105,7 +105,7 @@ class MoqtConnection(ConnectionCore):
         self._on_session = on_session
         self._handlers: dict[str, Handler] = dict(handlers or {})
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._owns_transport = owns_transport
+        self.owns_transport = owns_transport
         self.goaway: ev.GoawayReceived | None = None
         self.on_goaway: Callable[[ev.GoawayReceived], None] | None = None
 
@@ -676,7 +676,7 @@ class MoqtConnection(ConnectionCore):
         except asyncio.TimeoutError:
             pass
         self.cancel_tasks()
-        if self._owns_transport and self._transport is not None:
+        if self.owns_transport and self._transport is not None:
             self._transport.close()
 
     def cancel_tasks(self) -> None:

@@ -69,6 +69,9 @@ class ConnectionCore(QuicProtocol):
         #: data streams we write on (their buffered bytes count against the connection)
         self.writing: set[int] = set()
         self._drain_waiters: list[tuple[int, asyncio.Future[None]]] = []
+        #: whether the UDP socket is this connection's alone (a client's), not a server's
+        self.owns_transport = False
+        self._reading_paused = False
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -88,8 +91,18 @@ class ConnectionCore(QuicProtocol):
         raise NotImplementedError
 
     def hold(self, stream_id: int, size: int) -> None:
-        """`size` bytes of a stream were handed to the application (see `consumed()`)."""
-        self._quic.hold(stream_id, size)
+        """`size` bytes of a stream were handed to the application (see `consumed()`).
+
+        An engine that grants credit as data arrives cannot slow the peer for a reader that
+        falls behind; a connection with a socket of its own (a client) then stops reading
+        it while more than `max_data` bytes wait for the application, so the peer's
+        congestion control slows it down instead of our memory growing."""
+        quic = self._quic
+        quic.hold(stream_id, size)
+        if (not quic.credit_on_consumption and self.owns_transport and not self._reading_paused
+                and quic.held_total > self.settings.max_data and self._transport is not None):
+            self._reading_paused = True
+            self._transport.pause_reading()  # type: ignore[attr-defined]
 
     def live_session(self) -> MoqtSession | MoqtSession14:
         if self.error is not None:
@@ -248,8 +261,13 @@ class ConnectionCore(QuicProtocol):
 
     def consumed(self, stream_id: int, size: int) -> None:
         """Held bytes were consumed: return their credit."""
-        if self._quic.release(stream_id, size) and self.error is None:
+        quic = self._quic
+        if quic.release(stream_id, size) and self.error is None:
             self.transmit_soon()
+        if self._reading_paused and quic.held_total <= self.settings.max_data // 2:
+            self._reading_paused = False
+            if self._transport is not None and not self._transport.is_closing():
+                self._transport.resume_reading()  # type: ignore[attr-defined]
 
     def begin_request(self, request_id: int) -> asyncio.Future[Any]:
         future = self._loop.create_future()
