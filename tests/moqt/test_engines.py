@@ -1,0 +1,85 @@
+"""The QUIC engine seam: both engines behind one session, mixed peers, and how an engine is chosen."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import subprocess
+import sys
+
+import pytest
+
+from kvsp_moq.errors import SettingError
+from kvsp_moq.moqt.certs import generate_self_signed
+from kvsp_moq.moqt.quic import ENGINE_ENV, QuicSettings, check_engine, connect, serve
+from kvsp_moq.moqt.quic import settings as quic_settings
+from kvsp_moq.moqt.quic.qh3_engine import with_max_udp_payload_size
+
+CERT = generate_self_signed()
+NS = ("kvsp", "engines")
+STEP = 10.0
+
+
+@pytest.mark.parametrize("server_engine, client_engine", [("qh3", "aioquic"), ("aioquic", "qh3"), ("qh3", "qh3")])
+@pytest.mark.parametrize("datagram_size", [1452, 9000])
+async def test_mixed_engines_carry_a_fetch_byte_for_byte(server_engine: str, client_engine: str,
+                                                         datagram_size: int) -> None:
+    objects = [hashlib.shake_256(b"%d" % i).digest(300_000) for i in range(4)] + [b"", b"x"]
+
+    async def on_fetch(request):  # type: ignore[no-untyped-def]
+        sender = request.accept()
+        for i, payload in enumerate(objects):
+            await sender.send(0, i, payload)
+        sender.close()
+
+    server = await serve(certificate=CERT, handlers={"fetch": on_fetch},
+                         settings=QuicSettings(engine=server_engine, max_datagram_size=datagram_size))
+    try:
+        client = await connect(server.url, cadata=CERT.certificate_pem,
+                               settings=QuicSettings(engine=client_engine, max_datagram_size=datagram_size))
+        try:
+            assert client.engine == client_engine
+            result = await asyncio.wait_for(client.fetch(NS, "1", (0, 0), (0, len(objects) - 1)), STEP)
+            got = [obj.payload async for obj in result]
+            assert got == objects
+        finally:
+            await client.aclose()
+    finally:
+        await server.aclose()
+
+
+def test_a_qh3_client_advertises_its_datagram_size() -> None:
+    # max_udp_payload_size (0x03) = 1472 between two other parameters (0x01 and 0x04).
+    encoded = bytes([0x01, 0x02, 0x40, 0x19, 0x03, 0x02, 0x45, 0xC0, 0x04, 0x01, 0x07])
+    out = with_max_udp_payload_size(encoded, 60000)
+    assert out.startswith(bytes([0x01, 0x02, 0x40, 0x19, 0x04, 0x01, 0x07]))  # the others, unchanged
+    assert out.endswith(bytes([0x03, 0x04, 0x80, 0x00, 0xEA, 0x60]))  # 60000 as a 4-byte varint
+    assert with_max_udp_payload_size(b"", 9000) == bytes([0x03, 0x02, 0x63, 0x28])  # added when absent
+
+
+def test_an_engine_is_checked_by_name_and_by_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert check_engine("qh3") == "qh3"
+    with pytest.raises(SettingError, match="unknown QUIC engine 'quiche'"):
+        check_engine("quiche")
+    monkeypatch.setitem(quic_settings.ENGINES, "ghost", ("kvsp_moq_no_such_adapter", "kvsp_moq_no_such_adapter"))
+    with pytest.raises(SettingError, match="needs the 'kvsp_moq_no_such_adapter' package"):
+        check_engine("ghost")
+    monkeypatch.setenv(ENGINE_ENV, "qh3")
+    assert QuicSettings().engine == "qh3"
+    monkeypatch.setenv(ENGINE_ENV, "nope")
+    with pytest.raises(SettingError, match=ENGINE_ENV):
+        QuicSettings()
+
+
+@pytest.mark.parametrize("argv, env", [
+    (["relay", "--listen", "127.0.0.1:0", "--quic-engine", "nope"], {}),
+    (["get", "moqt://127.0.0.1:9/x"], {ENGINE_ENV: "nope"}),
+])
+def test_the_command_line_refuses_an_unknown_engine_on_one_line(argv: list[str], env: dict[str, str]) -> None:
+    import os
+
+    done = subprocess.run([sys.executable, "-m", "kvsp_moq.cli", *argv], env={**os.environ, **env},
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "unknown QUIC engine 'nope'" in lines[0], done.stderr
