@@ -83,3 +83,37 @@ def test_the_command_line_refuses_an_unknown_engine_on_one_line(argv: list[str],
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "unknown QUIC engine 'nope'" in lines[0], done.stderr
+
+
+def test_qh3_datagrams_built_before_a_capacity_refusal_are_still_sent() -> None:
+    from kvsp_moq.moqt.quic.qh3_engine import Qh3Engine
+    from qh3.quic.connection import QuicConnectionError
+
+    class Core:  # qh3's native core, refusing its third packet as it does without allowance
+        def __init__(self, outcomes: list) -> None:
+            self.outcomes = outcomes
+
+        def poll_transmit(self, now: float):  # type: ignore[no-untyped-def]
+            outcome = self.outcomes.pop(0)
+            if isinstance(outcome, Exception):
+                raise outcome
+            return outcome
+
+    engine = Qh3Engine.__new__(Qh3Engine)
+    engine.quic = type("Quic", (), {"_quic_logger": None})()
+    addr = ("127.0.0.1", 4433)
+    engine.quic._core = Core([(b"a", addr), (b"b", addr), RuntimeError("packet builder capacity exhausted")])
+    assert engine.datagrams_to_send(0.0) == [(b"a", addr), (b"b", addr)]
+    engine.quic._core = Core([RuntimeError("something else")])
+    with pytest.raises(QuicConnectionError, match="something else"):
+        engine.datagrams_to_send(0.0)
+
+
+async def test_a_qh3_server_validates_addresses_with_a_retry() -> None:
+    server = await serve(certificate=CERT, settings=QuicSettings(engine="qh3"))
+    try:
+        assert server._quic_server._retry is not None
+        client = await connect(server.url, cadata=CERT.certificate_pem, settings=QuicSettings(engine="aioquic"))
+        await client.aclose()
+    finally:
+        await server.aclose()

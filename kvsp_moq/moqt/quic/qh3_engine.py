@@ -17,7 +17,17 @@ servers included. What it lacks, and what is done about it:
   connection's record of our open streams, which qh3 clears once a stream's bytes and
   FIN are acknowledged;
 * 100 concurrent bidirectional and 103 unidirectional streams per peer (fixed in its
-  core): MOQT requests beyond 100 at once wait for MAX_STREAMS.
+  core): MOQT requests beyond 100 at once wait for MAX_STREAMS;
+* its core refuses to build a packet whose first queued frame does not fit what it may
+  send ("packet builder capacity exhausted"), as happens to a server's handshake flight
+  while its peer's address is unvalidated (three times what it received); its
+  `datagrams_to_send()` then raises and drops the datagrams already built. Servers here
+  validate addresses with a Retry first (`QuicServer`), and should the error come
+  anyway, the datagrams built are sent and the rest waits for the next transmission
+  (the core keeps its state);
+* calls on a connection that is closing raise ("connection is closed"); aioquic ignores
+  them, and so does this adapter, since the session learns of the end only with
+  ConnectionTerminated, after the closing period.
 """
 
 from __future__ import annotations
@@ -30,7 +40,7 @@ from qh3.asyncio._transport import create_optimized_datagram_transport
 from qh3.asyncio.server import QuicServer as _Qh3Server
 from qh3.quic import events as q3
 from qh3.quic.configuration import QuicConfiguration
-from qh3.quic.connection import QuicConnection
+from qh3.quic.connection import QuicConnection, QuicConnectionError
 from qh3.quic.tls_bridge import QuicTlsBridge
 
 from ...errors import SettingError
@@ -45,6 +55,8 @@ __all__ = ["Qh3Engine", "LARGEST_DATAGRAM_SIZE", "QuicServer", "check_datagram_s
 LARGEST_DATAGRAM_SIZE = LOOPBACK_DATAGRAM_SIZE
 # RFC 9000 section 18.2: max_udp_payload_size is transport parameter 0x03.
 _MAX_UDP_PAYLOAD_SIZE = 0x03
+_CAPACITY_EXHAUSTED = "packet builder capacity exhausted"
+_CLOSED = "connection is closed"
 # Receive buffer of the transport: the largest UDP payload, so no datagram is truncated.
 _RECEIVE_BUFFER = 65536
 
@@ -150,10 +162,19 @@ async def create_endpoint(loop: asyncio.AbstractEventLoop, factory: Callable[[],
 
 
 class QuicServer(_Qh3Server):
-    """qh3's server, taking a batch of received datagrams at once: consecutive datagrams
-    for one connection reach it together (one engine call, one round of events)."""
+    """qh3's server, validating each client's address with a Retry first, and taking a
+    batch of received datagrams at once: consecutive datagrams for one connection reach
+    it together (one engine call, one round of events).
+
+    Retry costs one round trip per connection. Without it, the server's first flight is
+    bounded by three times what the client sent (RFC 9000 section 8.1), and qh3's core
+    does not split its queued CRYPTO frames to fit that allowance: with a client whose
+    first flight is small (picoquic, hence aiomoqt) the handshake stalled for seconds,
+    sending only ACKs, or never finished. A client with a Retry token is validated at
+    once."""
 
     def __init__(self, **kwargs: Any) -> None:
+        kwargs.setdefault("retry", True)
         super().__init__(**kwargs)
         self._cid_length = self._configuration.connection_id_length
 
@@ -207,14 +228,9 @@ class Qh3Engine:
         self.max_datagram_size: int = configuration.max_datagram_size
         self.held_total = 0
         self.get_next_available_stream_id = quic.get_next_available_stream_id
-        self.send_stream_data = quic.send_stream_data
-        self.reset_stream = quic.reset_stream
-        self.stop_stream = quic.stop_stream
-        self.send_datagram_frame = quic.send_datagram_frame
         self.connect = quic.connect
         self.receive_datagram = quic.receive_datagram
         self.receive_datagrams = quic.receive_many_datagrams
-        self.datagrams_to_send = quic.datagrams_to_send
         self.get_timer = quic.get_timer
         self.handle_timer = quic.handle_timer
         self.send_ping = quic.send_ping
@@ -222,6 +238,57 @@ class Qh3Engine:
 
     def close(self, error_code: int = 0, reason_phrase: str = "") -> None:
         self.quic.close(error_code=error_code, reason_phrase=reason_phrase)
+
+    def send_stream_data(self, stream_id: int, data: Any, end_stream: bool = False) -> None:
+        try:
+            self.quic.send_stream_data(stream_id, data, end_stream)
+        except QuicConnectionError as exc:
+            if exc.reason_phrase != _CLOSED:
+                raise
+
+    def reset_stream(self, stream_id: int, error_code: int) -> None:
+        try:
+            self.quic.reset_stream(stream_id, error_code)
+        except QuicConnectionError as exc:
+            if exc.reason_phrase != _CLOSED:
+                raise
+
+    def stop_stream(self, stream_id: int, error_code: int) -> None:
+        try:
+            self.quic.stop_stream(stream_id, error_code)
+        except QuicConnectionError as exc:
+            if exc.reason_phrase != _CLOSED:
+                raise
+
+    def send_datagram_frame(self, data: bytes) -> None:
+        try:
+            self.quic.send_datagram_frame(data)
+        except QuicConnectionError as exc:
+            if exc.reason_phrase != _CLOSED:
+                raise
+
+    def datagrams_to_send(self, now: float) -> list[tuple[bytes, Any]]:
+        """qh3's datagrams_to_send(), keeping what was built when the core cannot build
+        more now (see the module's docstring)."""
+        quic = self.quic
+        core = quic._core
+        if core is None:
+            return []
+        out: list[tuple[bytes, Any]] = []
+        logged = quic._quic_logger is not None
+        while True:
+            try:
+                transmit = core.poll_transmit(now)
+            except RuntimeError as exc:
+                if str(exc) in (_CAPACITY_EXHAUSTED, _CLOSED):
+                    return out
+                raise QuicConnectionError(1, None, str(exc)) from exc
+            if transmit is None:
+                return out
+            if logged:
+                quic._log_datagram("datagrams_sent", transmit[0])
+                quic._log_packets("packet_sent", transmit[0])
+            out.append((transmit[0], transmit[1]))
 
     def next_event(self) -> qe.QuicEvent | None:
         next_event = self.quic.next_event
