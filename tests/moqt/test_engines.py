@@ -101,6 +101,7 @@ def test_qh3_datagrams_built_before_a_capacity_refusal_are_still_sent() -> None:
 
     engine = Qh3Engine.__new__(Qh3Engine)
     engine.quic = type("Quic", (), {"_quic_logger": None})()
+    engine._blocked = {}
     addr = ("127.0.0.1", 4433)
     engine.quic._core = Core([(b"a", addr), (b"b", addr), RuntimeError("packet builder capacity exhausted")])
     assert engine.datagrams_to_send(0.0) == [(b"a", addr), (b"b", addr)]
@@ -115,5 +116,41 @@ async def test_a_qh3_server_validates_addresses_with_a_retry() -> None:
         assert server._quic_server._retry is not None
         client = await connect(server.url, cadata=CERT.certificate_pem, settings=QuicSettings(engine="aioquic"))
         await client.aclose()
+    finally:
+        await server.aclose()
+
+
+@pytest.mark.parametrize("server_engine, client_engine",
+                         [("qh3", "qh3"), ("qh3", "aioquic"), ("aioquic", "qh3"), ("aioquic", "aioquic")])
+async def test_hundreds_of_requests_at_once_on_one_connection(server_engine: str, client_engine: str) -> None:
+    """Each draft-18 request is a bidirectional stream: 300 FETCHes held open together
+    exceed qh3's own limit of 100 streams and what an aioquic server advertises (128),
+    which QuicSettings.max_streams raises."""
+    count = 300
+    arrived = 0
+    all_arrived = asyncio.Event()
+
+    async def on_fetch(request):  # type: ignore[no-untyped-def]
+        nonlocal arrived
+        arrived += 1
+        if arrived == count:
+            all_arrived.set()
+        await asyncio.wait_for(all_arrived.wait(), STEP)  # every request is open at once
+        sender = request.accept()
+        await sender.send(0, 0, request.track_name)
+        sender.close()
+
+    server = await serve(certificate=CERT, handlers={"fetch": on_fetch}, settings=QuicSettings(engine=server_engine))
+    try:
+        client = await connect(server.url, cadata=CERT.certificate_pem, settings=QuicSettings(engine=client_engine))
+        try:
+            async def one(i: int) -> bytes:
+                result = await client.fetch(NS, f"t{i}", (0, 0), (0, 0), timeout=STEP)
+                return b"".join([obj.payload async for obj in result])
+
+            got = await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(count))), 3 * STEP)
+            assert got == [b"t%d" % i for i in range(count)]
+        finally:
+            await client.aclose()
     finally:
         await server.aclose()

@@ -488,8 +488,10 @@ def _prepare_quic(quic: QuicConnection, settings: QuicSettings) -> _ConsumptionW
     quic._init_consumption_window(settings.max_stream_data, settings.max_data)
     for limit_name in ("_local_max_streams_bidi", "_local_max_streams_uni"):
         limit = getattr(quic, limit_name, None)
-        if limit is not None and limit.sent == 0 and limit.used == 0:
-            limit.value = settings.max_streams
+        # A server's connection has sent aioquic's 128 already (in its transport parameters):
+        # a larger limit then goes out in MAX_STREAMS.
+        if limit is not None and limit.used == 0:
+            limit.value = max(limit.value, settings.max_streams)
     return quic
 
 

@@ -16,8 +16,11 @@ servers included. What it lacks, and what is done about it:
 * whether a stream's bytes were acknowledged is not public: `delivered()` reads the
   connection's record of our open streams, which qh3 clears once a stream's bytes and
   FIN are acknowledged;
-* 100 concurrent bidirectional and 103 unidirectional streams per peer (fixed in its
-  core): MOQT requests beyond 100 at once wait for MAX_STREAMS;
+* 100 concurrent bidirectional and 103 unidirectional streams per peer, fixed in its
+  core and its transport parameters, and a stream past the peer's limit is a ValueError
+  rather than a wait (each draft-18 request is a bidirectional stream, and a relay
+  carries many clients' FETCHes on one upstream connection): both are raised to
+  `QuicSettings.max_streams` here (`_Connection`);
 * its core refuses to build a packet whose first queued frame does not fit what it may
   send ("packet builder capacity exhausted"), as happens to a server's handshake flight
   while its peer's address is unvalidated (three times what it received); its
@@ -36,6 +39,9 @@ import asyncio
 import socket
 from typing import Any, Callable
 
+import qh3.asyncio.server as _server_module
+import qh3.quic.connection as _connection_module
+from qh3 import tls
 from qh3.asyncio._transport import create_optimized_datagram_transport
 from qh3.asyncio.server import QuicServer as _Qh3Server
 from qh3.quic import events as q3
@@ -53,8 +59,13 @@ __all__ = ["Qh3Engine", "LARGEST_DATAGRAM_SIZE", "QuicServer", "check_datagram_s
 
 #: The largest datagram sent: loopback's.
 LARGEST_DATAGRAM_SIZE = LOOPBACK_DATAGRAM_SIZE
-# RFC 9000 section 18.2: max_udp_payload_size is transport parameter 0x03.
+# RFC 9000 section 18.2: transport parameters changed here.
 _MAX_UDP_PAYLOAD_SIZE = 0x03
+_INITIAL_MAX_STREAMS_BIDI = 0x08
+_INITIAL_MAX_STREAMS_UNI = 0x09
+# Positions of local_max_streams_bidi / _uni among QuicConnectionCore's arguments.
+_CORE_MAX_STREAMS_BIDI = 21
+_CORE_MAX_STREAMS_UNI = 22
 _CAPACITY_EXHAUSTED = "packet builder capacity exhausted"
 _CLOSED = "connection is closed"
 # Receive buffer of the transport: the largest UDP payload, so no datagram is truncated.
@@ -80,9 +91,9 @@ def _encode_varint(value: int) -> bytes:
     return (value | 0xC000000000000000).to_bytes(8, "big")
 
 
-def with_max_udp_payload_size(parameters: bytes, size: int) -> bytes:
-    """Encoded transport parameters with max_udp_payload_size set to `size` (added when
-    absent); every other parameter is kept octet for octet."""
+def with_transport_parameters(parameters: bytes, values: dict[int, int]) -> bytes:
+    """Encoded transport parameters with the integer parameters of `values` set (added
+    when absent); every other parameter is kept octet for octet."""
     out = bytearray()
     offset = 0
     while offset < len(parameters):
@@ -90,28 +101,68 @@ def with_max_udp_payload_size(parameters: bytes, size: int) -> bytes:
         identifier, offset = _varint(parameters, offset)
         length, offset = _varint(parameters, offset)
         offset += length
-        if identifier != _MAX_UDP_PAYLOAD_SIZE:
+        if identifier not in values:
             out += parameters[start:offset]
-    value = _encode_varint(size)
-    out += _encode_varint(_MAX_UDP_PAYLOAD_SIZE) + _encode_varint(len(value)) + value
+    for identifier, number in values.items():
+        value = _encode_varint(number)
+        out += _encode_varint(identifier) + _encode_varint(len(value)) + value
     return bytes(out)
 
 
+def with_max_udp_payload_size(parameters: bytes, size: int) -> bytes:
+    """Encoded transport parameters with max_udp_payload_size set to `size`."""
+    return with_transport_parameters(parameters, {_MAX_UDP_PAYLOAD_SIZE: size})
+
+
 class _TlsBridge(QuicTlsBridge):
-    """qh3's TLS bridge, advertising the configured datagram size as a client too."""
+    """qh3's TLS bridge, advertising the configured datagram size as a client too, and
+    the connection's stream limits."""
+
+    max_streams: int = 0
 
     def serialize_transport_parameters(self) -> bytes:
         data = super().serialize_transport_parameters()
+        values: dict[int, int] = {}
         if self.configuration.is_client and self.configuration.max_datagram_size > 1472:
-            data = with_max_udp_payload_size(data, self.configuration.max_datagram_size)
-        return data
+            values[_MAX_UDP_PAYLOAD_SIZE] = self.configuration.max_datagram_size
+        if self.max_streams:
+            values[_INITIAL_MAX_STREAMS_BIDI] = values[_INITIAL_MAX_STREAMS_UNI] = self.max_streams
+        return with_transport_parameters(data, values) if values else data
 
 
 class _Connection(QuicConnection):
+    """qh3's connection with `max_streams` concurrent streams of each direction for the
+    peer (in its core and in what it advertises) and the client datagram size fix."""
+
+    max_streams = 0  # 0: qh3's own limits
+
     def _create_tls(self, remote_source_cid: bytes | None) -> QuicTlsBridge:
         bridge = super()._create_tls(remote_source_cid)
         bridge.__class__ = _TlsBridge  # made by qh3 and not started yet: only the method differs
+        bridge.max_streams = self.max_streams  # type: ignore[attr-defined]
+        # The parameters were encoded as the bridge was made: encode them again, ours.
+        bridge.tls.handshake_extensions = [
+            (tls.ExtensionType.QUIC_TRANSPORT_PARAMETERS, bridge.serialize_transport_parameters())
+        ]
         return bridge
+
+    def _create_core(self, *args: Any, **kwargs: Any) -> None:
+        if not self.max_streams:
+            return super()._create_core(*args, **kwargs)
+        native = _connection_module.QuicConnectionCore
+        limit = self.max_streams
+
+        def core(*values: Any) -> Any:
+            values_list = list(values)
+            values_list[_CORE_MAX_STREAMS_BIDI] = values_list[_CORE_MAX_STREAMS_UNI] = limit
+            return native(*values_list)
+
+        # qh3 builds its core with fixed positional arguments: swap the name for this call.
+        _connection_module.QuicConnectionCore = core  # type: ignore[assignment]
+        try:
+            return super()._create_core(*args, **kwargs)
+        finally:
+            _connection_module.QuicConnectionCore = native
 
 
 def check_datagram_size(size: int) -> None:
@@ -147,11 +198,13 @@ def load_certificate(configuration: QuicConfiguration, certificate: SelfSignedCe
 
 def client_connection(configuration: QuicConfiguration, settings: QuicSettings) -> "Qh3Engine":
     """A client connection, not yet connected."""
-    return Qh3Engine(_Connection(configuration=configuration))
+    return wrap(_Connection(configuration=configuration), settings)
 
 
 def wrap(quic: QuicConnection, settings: QuicSettings) -> "Qh3Engine":
-    """The engine interface over a connection qh3's server made."""
+    """The engine interface over a connection (made by `QuicServer` or `client_connection`)."""
+    if isinstance(quic, _Connection):
+        quic.max_streams = settings.max_streams  # before its core and TLS exist
     return Qh3Engine(quic)
 
 
@@ -177,6 +230,14 @@ class QuicServer(_Qh3Server):
         kwargs.setdefault("retry", True)
         super().__init__(**kwargs)
         self._cid_length = self._configuration.connection_id_length
+
+    def datagram_received(self, data: bytes | str, addr: Any) -> None:
+        # qh3's server makes a new connection by its module's name: ours, for this call.
+        _server_module.QuicConnection = _Connection  # type: ignore[misc]
+        try:
+            super().datagram_received(data, addr)
+        finally:
+            _server_module.QuicConnection = QuicConnection  # type: ignore[misc]
 
     def datagrams_received(self, datagrams: list[bytes], addr: Any) -> None:
         protocols = self._protocols
@@ -227,6 +288,7 @@ class Qh3Engine:
         self.alpn_protocols: list[str] = list(configuration.alpn_protocols or [])
         self.max_datagram_size: int = configuration.max_datagram_size
         self.held_total = 0
+        self._blocked: dict[int, list[tuple[bytes, bool]]] = {}  # streams over the peer's limit
         self.get_next_available_stream_id = quic.get_next_available_stream_id
         self.connect = quic.connect
         self.receive_datagram = quic.receive_datagram
@@ -234,19 +296,50 @@ class Qh3Engine:
         self.get_timer = quic.get_timer
         self.handle_timer = quic.handle_timer
         self.send_ping = quic.send_ping
-        self.buffered = quic.get_send_buffer_size
 
     def close(self, error_code: int = 0, reason_phrase: str = "") -> None:
         self.quic.close(error_code=error_code, reason_phrase=reason_phrase)
 
     def send_stream_data(self, stream_id: int, data: Any, end_stream: bool = False) -> None:
+        blocked = self._blocked
+        if blocked and stream_id in blocked:
+            blocked[stream_id].append((bytes(data), end_stream))
+            return
         try:
             self.quic.send_stream_data(stream_id, data, end_stream)
         except QuicConnectionError as exc:
             if exc.reason_phrase != _CLOSED:
                 raise
+        except ValueError as exc:
+            # A stream past the peer's MAX_STREAMS: aioquic queues it until the peer
+            # allows more, qh3 refuses. Its writes wait here, and go at the next transmit
+            # that finds room (streams open in order, so the later ones wait too).
+            if "stream limit" not in str(exc):
+                raise
+            blocked[stream_id] = [(bytes(data), end_stream)]
+
+    def _send_blocked(self) -> None:
+        blocked = self._blocked
+        for stream_id in sorted(blocked):
+            writes = blocked[stream_id]
+            try:
+                self.quic.send_stream_data(stream_id, writes[0][0], writes[0][1])
+            except ValueError as exc:
+                if "stream limit" not in str(exc):
+                    raise
+                return
+            except QuicConnectionError as exc:
+                if exc.reason_phrase != _CLOSED:
+                    raise
+                blocked.clear()
+                return
+            del blocked[stream_id]
+            for data, end_stream in writes[1:]:
+                self.send_stream_data(stream_id, data, end_stream)
 
     def reset_stream(self, stream_id: int, error_code: int) -> None:
+        if self._blocked.pop(stream_id, None) is not None:
+            return  # never opened: the peer has nothing to forget
         try:
             self.quic.reset_stream(stream_id, error_code)
         except QuicConnectionError as exc:
@@ -270,6 +363,8 @@ class Qh3Engine:
     def datagrams_to_send(self, now: float) -> list[tuple[bytes, Any]]:
         """qh3's datagrams_to_send(), keeping what was built when the core cannot build
         more now (see the module's docstring)."""
+        if self._blocked:
+            self._send_blocked()
         quic = self.quic
         core = quic._core
         if core is None:
@@ -302,6 +397,12 @@ class Qh3Engine:
             convert = _EVENTS.get(kind)
             if convert is not None:
                 return convert(event)
+
+    def buffered(self, stream_id: int) -> int:
+        blocked = self._blocked.get(stream_id) if self._blocked else None
+        if blocked is not None:
+            return sum(len(data) for data, _ in blocked)
+        return self.quic.get_send_buffer_size(stream_id)
 
     def delivered(self, stream_id: int) -> bool:
         # qh3 forgets a stream of ours once its bytes and FIN are acknowledged (and, for a
