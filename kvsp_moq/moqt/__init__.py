@@ -1,0 +1,27 @@
+"""MOQT: the wire (messages, data, draft14), the sans-I/O sessions (session, session14)
+over the QUIC engine interface (engine), and their asyncio binding (quic).
+
+The binding's public names are available here too (`from kvsp_moq.moqt import connect,
+serve, QuicSettings`), imported on first use so that the codec alone stays light.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "QuicSettings", "MoqtConnection", "MoqtServer", "MoqtObject", "Subscription", "FetchResult",
+    "TrackStatusInfo", "NamespaceSubscription", "NamespaceUpdate", "PublishedNamespace",
+    "OutgoingSubscription", "SubgroupSender", "FetchSender", "IncomingRequest", "IncomingSubscribe",
+    "IncomingFetch", "IncomingTrackStatus", "IncomingPublishNamespace", "IncomingSubscribeNamespace",
+    "IncomingPublish", "IncomingSubscribeTracks", "PublishBlocked", "TrackSubscriptions", "IncomingUpdate",
+    "NamespaceRegistration", "NamespacePublisher", "connect", "serve", "new_event_loop", "run",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from . import quic
+
+        return getattr(quic, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -154,3 +154,16 @@ async def test_hundreds_of_requests_at_once_on_one_connection(server_engine: str
             await client.aclose()
     finally:
         await server.aclose()
+
+
+def test_the_binding_is_reachable_from_the_moqt_package_and_each_module_imports_alone() -> None:
+    import kvsp_moq.moqt as moqt
+    from kvsp_moq.moqt import quic
+
+    assert moqt.connect is quic.connect and moqt.QuicSettings is quic.QuicSettings
+    modules = ["settings", "protocol", "core", "subscriber", "publisher", "incoming", "connection", "endpoints",
+               "aioquic_engine", "qh3_engine"]
+    code = "import importlib, sys; [importlib.import_module(f'kvsp_moq.moqt.quic.{m}') for m in sys.argv[1:]]"
+    for module in modules:  # each one first, in a fresh interpreter: no import cycle bites
+        done = subprocess.run([sys.executable, "-c", code, module], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, (module, done.stderr)
