@@ -6,6 +6,8 @@ import importlib
 from typing import Any
 
 
-def run_bench(target: str, *, quick: bool = False) -> dict[str, Any]:
+def run_bench(target: str, *, quick: bool = False, **options: Any) -> dict[str, Any]:
+    """Run benchmark `target`; `options` (e.g. moqt's engines and datagram_sizes) go to its
+    run() only when given, so targets without them keep their plain signature."""
     module = importlib.import_module(f"kvsp_moq.bench.{target}")
-    return module.run(quick=quick)
+    return module.run(quick=quick, **{k: v for k, v in options.items() if v is not None})

@@ -14,6 +14,9 @@ Per engine:
 
   aioquic  max_datagram_size up to 16384 only: above that aioquic 1.7.2 writes the STREAM
            frame length as a 2-octet varint and corrupts the frame ("unsupported" here).
+           With long_frames (--long-frames), both processes' connections write frame lengths
+           as the MOQT adapter's long-frame patch does (kvsp_moq.moqt.quic.aioquic_engine),
+           so larger sizes run as MOQT runs them; nothing else of aioquic changes.
            The sender keeps at most ~4 MiB unacknowledged (its stream's sender buffer).
   qh3      The client advertises max_udp_payload_size 1472 whatever its configuration
            (qh3/quic/tls_bridge.py), and the core sends no larger datagram than the peer
@@ -68,16 +71,42 @@ GB = 1e9
 __all__ = ["ENGINES", "DATAGRAM_SIZES", "supported", "run_bare", "run", "main"]
 
 
-def supported(engine: str, datagram_size: int) -> str | None:
-    """Why `engine` cannot carry `datagram_size` here, or None when it can."""
+def supported(engine: str, datagram_size: int, long_frames: bool = False) -> str | None:
+    """Why `engine` cannot carry `datagram_size` here, or None when it can (`long_frames`:
+    with the MOQT adapter's long-frame patch for aioquic, where it applies)."""
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r} (one of {', '.join(ENGINES)})")
     if datagram_size < 1200:
         return "QUIC needs datagrams of at least 1200 octets"
     if engine == "aioquic" and datagram_size > AIOQUIC_MAX_DATAGRAM:
+        if long_frames:
+            try:
+                _long_frame_class()
+            except (ImportError, AttributeError, KeyError, ValueError) as exc:
+                return f"the long-frame patch is not available: {exc}"
+            from kvsp_moq.errors import SettingError
+            from kvsp_moq.moqt.quic.aioquic_engine import check_datagram_size
+
+            try:
+                check_datagram_size(datagram_size)
+            except SettingError as exc:
+                return str(exc)
+            return None
         return (f"aioquic 1.7.2 writes STREAM frame lengths above {AIOQUIC_MAX_DATAGRAM} as a "
                 "2-octet varint and corrupts the frame")
     return None
+
+
+def _long_frame_class() -> type:
+    """aioquic's QuicConnection with only the frame writers of the MOQT adapter's long-frame
+    connection (its flow-control changes left out), so the bare figures stay aioquic's own."""
+    from aioquic.quic.connection import QuicConnection
+
+    from kvsp_moq.moqt.quic.aioquic_engine import _LongFrameConnection
+
+    methods = {name: _LongFrameConnection.__dict__[name]
+               for name in ("_write_stream_frame", "_write_crypto_frame")}
+    return type("LongFrameQuicConnection", (QuicConnection,), methods)
 
 
 def _pattern() -> bytes:
@@ -151,8 +180,10 @@ def _advertise_client_datagram_size() -> None:
     qh3_connection.QuicTlsBridge = AdvertisingTlsBridge
 
 
-def _protocol_classes(engine: str) -> tuple[type, type]:
-    """The server and client protocols, subclasses of the engine's QuicConnectionProtocol."""
+def _protocol_classes(engine: str, long_frames: bool = False) -> tuple[type, type]:
+    """The server and client protocols, subclasses of the engine's QuicConnectionProtocol
+    (`long_frames`: aioquic connections get the long-frame writers before any packet)."""
+    connection_class = _long_frame_class() if long_frames and engine == "aioquic" else None
     if engine == "aioquic":
         from aioquic.asyncio.protocol import QuicConnectionProtocol
         from aioquic.quic.events import ConnectionTerminated, StreamDataReceived
@@ -190,6 +221,8 @@ def _protocol_classes(engine: str) -> tuple[type, type]:
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
+            if connection_class is not None:
+                self._quic.__class__ = connection_class
             self.progress = asyncio.Event()
             self.requests: dict[int, bytearray] = {}
             self.started: tuple[float, float] | None = None
@@ -256,6 +289,8 @@ def _protocol_classes(engine: str) -> tuple[type, type]:
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
+            if connection_class is not None:
+                self._quic.__class__ = connection_class
             self.stream_id: int | None = None
             self.received = 0
             self.crc = 0
@@ -321,7 +356,7 @@ def _gro_server_class() -> type:
 
 async def _serve(args: argparse.Namespace) -> dict[str, Any]:
     loop = asyncio.get_running_loop()
-    server_protocol, _ = _protocol_classes(args.engine)
+    server_protocol, _ = _protocol_classes(args.engine, args.long_frames)
     server_protocol.done = loop.create_future()
     configuration = _configuration(args.engine, False, args.datagram_size, args.timeout)
     configuration.load_cert_chain(args.cert, args.key)
@@ -356,7 +391,7 @@ async def _serve(args: argparse.Namespace) -> dict[str, Any]:
 
 async def _fetch(args: argparse.Namespace) -> dict[str, Any]:
     loop = asyncio.get_running_loop()
-    _, client_protocol = _protocol_classes(args.engine)
+    _, client_protocol = _protocol_classes(args.engine, args.long_frames)
     configuration = _configuration(args.engine, True, args.datagram_size, args.timeout)
     if args.engine == "aioquic":
         from aioquic.quic.connection import QuicConnection
@@ -430,17 +465,20 @@ def _report(proc: subprocess.Popen, deadline: float, name: str, log: Path) -> di
 
 
 def run_bare(engine: str, datagram_size: int, size: int = DEFAULT_BYTES, gso: bool = True,
-             timeout: float = 60.0) -> dict[str, Any]:
+             timeout: float = 60.0, long_frames: bool = False) -> dict[str, Any]:
     """One transfer of `size` octets on one stream, server process to client process.
 
     Returns the rate and each process's CPU per GB, or {"unsupported": why} where the engine
     cannot carry `datagram_size`; raises when the transfer fails or takes over `timeout`.
-    `gso` only concerns qh3 (aioquic has no GSO/GRO transport).
+    `gso` only concerns qh3 (aioquic has no GSO/GRO transport); `long_frames` only aioquic
+    above 16384 octets (the MOQT adapter's frame-length patch, so `kvsp bench moqt` can set
+    its loopback cells beside the bare engine at the same size).
     """
     gso = bool(gso) and engine == "qh3"
+    long_frames = bool(long_frames) and engine == "aioquic" and datagram_size > AIOQUIC_MAX_DATAGRAM
     result: dict[str, Any] = {"engine": engine, "datagram_size": datagram_size, "bytes": size,
-                              "gso": gso}
-    why = supported(engine, datagram_size)
+                              "gso": gso, **({"long_frames": True} if long_frames else {})}
+    why = supported(engine, datagram_size, long_frames)
     if why is not None:
         return {**result, "unsupported": why}
     from kvsp_moq.moqt.certs import generate_self_signed
@@ -451,7 +489,8 @@ def run_bare(engine: str, datagram_size: int, size: int = DEFAULT_BYTES, gso: bo
         cert, key = folder / "cert.pem", folder / "key.pem"
         generate_self_signed(("localhost", "127.0.0.1")).write(cert, key)
         common = ["--engine", engine, "--datagram-size", str(datagram_size), "--bytes", str(size),
-                  "--timeout", str(timeout), *([] if gso else ["--no-gso"])]
+                  "--timeout", str(timeout), *([] if gso else ["--no-gso"]),
+                  *(["--long-frames"] if long_frames else [])]
         module = [sys.executable, "-m", "kvsp_moq.bench.quic_engine"]
         server_log, client_log = folder / "server.log", folder / "client.log"
         port_file = folder / "port"
@@ -550,6 +589,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engine", help=argparse.SUPPRESS)
     parser.add_argument("--datagram-size", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--no-gso", dest="gso_child", action="store_false", help=argparse.SUPPRESS)
+    parser.add_argument("--long-frames", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--cert", help=argparse.SUPPRESS)
     parser.add_argument("--key", help=argparse.SUPPRESS)
     parser.add_argument("--port-file", help=argparse.SUPPRESS)
