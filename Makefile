@@ -3,7 +3,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-unit test-qh3 test-interop bench clean
+.PHONY: demo test test-unit test-aioquic test-interop bench clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -20,21 +20,21 @@ interop/.venv-aiomoqt/.installed: interop/aiomoqt-requirements.txt interop/insta
 demo: $(BIN)/.installed
 	$(BIN)/kvsp demo
 
-test: test-unit test-qh3 test-interop
+test: test-unit test-aioquic test-interop
 
 test-unit: $(BIN)/.installed
 	bash scripts/system-deps.sh
 	$(BIN)/python -m pytest -q tests
 
 # The MOQT, relay and KV-track suites again on the second QUIC engine (the default run uses
-# the default engine); the interop suite runs on both engines below.
-test-qh3: $(BIN)/.installed
-	KVSP_QUIC_ENGINE=qh3 $(BIN)/python -m pytest -q tests/moqt tests/relay tests/moqt_blocks
+# the default engine, qh3); the interop suite runs on both engines below.
+test-aioquic: $(BIN)/.installed
+	KVSP_QUIC_ENGINE=aioquic $(BIN)/python -m pytest -q tests/moqt tests/relay tests/moqt_blocks
 
 # The independent peer binds wildcard addresses, so the interop suite runs in a private
 # network namespace with only loopback up.
 test-interop: $(BIN)/.installed interop/.venv-aiomoqt/.installed
-	unshare -n sh -c 'ip link set lo up && KVSP_PRIVATE_NETNS=1 KVSP_QUIC_ENGINE=qh3 $(BIN)/python -m pytest -q interop'
+	unshare -n sh -c 'ip link set lo up && KVSP_PRIVATE_NETNS=1 KVSP_QUIC_ENGINE=aioquic $(BIN)/python -m pytest -q interop'
 	unshare -n sh -c 'ip link set lo up && KVSP_PRIVATE_NETNS=1 $(BIN)/python -m pytest -q interop'
 
 bench: $(BIN)/.installed

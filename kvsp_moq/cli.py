@@ -139,8 +139,8 @@ SERVICES: dict[str, tuple[str, str]] = {
 
 #: Commands that speak MOQT, and so take --quic-engine.
 MOQT_COMMANDS = ("relay", "holder", "agent", "get", "subscribe", "bench", "demo")
-ENGINE_HELP = ("QUIC engine for MOQT: aioquic (pure Python) or qh3 (native core, GSO/GRO); "
-               "default: $KVSP_QUIC_ENGINE, else aioquic. Peers need not use the same one")
+ENGINE_HELP = ("QUIC engine for MOQT: qh3 (native core, GSO/GRO) or aioquic (pure Python); "
+               "default: $KVSP_QUIC_ENGINE, else qh3. Peers need not use the same one")
 
 
 def _add_engine_option(p: argparse.ArgumentParser) -> None:

@@ -30,8 +30,9 @@ ENGINES: dict[str, tuple[str, str]] = {
 }
 #: Sets the default engine of every MOQT endpoint of a process.
 ENGINE_ENV = "KVSP_QUIC_ENGINE"
-#: The engine used when nothing says otherwise (chosen by measurement: README, "QUIC engines").
-DEFAULT_ENGINE = "aioquic"
+#: The engine used when nothing says otherwise, chosen by measurement (README, "QUIC engines"):
+#: qh3 moves blocks through a relay 1.3x (loopback) to 9x (1,452-byte datagrams) faster.
+DEFAULT_ENGINE = "qh3"
 
 #: Sets the default max_datagram_size of every MOQT endpoint of a process (relay, holder,
 #: agent, tools). Across machines, the path's UDP payload size (1,472 for a 1,500-byte MTU
