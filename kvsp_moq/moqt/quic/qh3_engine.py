@@ -262,6 +262,15 @@ class QuicServer(_Qh3Server):
             target.datagrams_received(batch, addr)
 
 
+def _unless_closed(call: Callable[..., None], *args: Any) -> None:
+    """Make a call, ignoring that the connection is closing (aioquic ignores it too)."""
+    try:
+        call(*args)
+    except QuicConnectionError as exc:
+        if exc.reason_phrase != _CLOSED:
+            raise
+
+
 _EVENTS: dict[type, Callable[[Any], qe.QuicEvent]] = {
     q3.StreamReset: lambda e: qe.StreamReset(e.error_code, e.stream_id),
     q3.StopSendingReceived: lambda e: qe.StopSendingReceived(e.error_code, e.stream_id),
@@ -340,25 +349,13 @@ class Qh3Engine:
     def reset_stream(self, stream_id: int, error_code: int) -> None:
         if self._blocked.pop(stream_id, None) is not None:
             return  # never opened: the peer has nothing to forget
-        try:
-            self.quic.reset_stream(stream_id, error_code)
-        except QuicConnectionError as exc:
-            if exc.reason_phrase != _CLOSED:
-                raise
+        _unless_closed(self.quic.reset_stream, stream_id, error_code)
 
     def stop_stream(self, stream_id: int, error_code: int) -> None:
-        try:
-            self.quic.stop_stream(stream_id, error_code)
-        except QuicConnectionError as exc:
-            if exc.reason_phrase != _CLOSED:
-                raise
+        _unless_closed(self.quic.stop_stream, stream_id, error_code)
 
     def send_datagram_frame(self, data: bytes) -> None:
-        try:
-            self.quic.send_datagram_frame(data)
-        except QuicConnectionError as exc:
-            if exc.reason_phrase != _CLOSED:
-                raise
+        _unless_closed(self.quic.send_datagram_frame, data)
 
     def datagrams_to_send(self, now: float) -> list[tuple[bytes, Any]]:
         """qh3's datagrams_to_send(), keeping what was built when the core cannot build
