@@ -645,8 +645,3 @@ class AioquicEngine:
     def delivered(self, stream_id: int) -> bool:
         stream = self.quic._streams.get(stream_id)
         return stream is None or stream.sender.is_finished
-
-    def packets_in_flight(self) -> int:
-        """1-RTT packets sent and not yet acknowledged or lost (tests watch ACK batching)."""
-        space = self.quic._spaces.get(tls.Epoch.ONE_RTT)
-        return 0 if space is None else len(space.sent_packets)

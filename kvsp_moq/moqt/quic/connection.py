@@ -19,7 +19,6 @@ from .. import events as ev
 from ..engine import ConnectionTerminated, EngineConnection, ProtocolNegotiated, QuicEvent
 from ..errors import (
     InternalRequestError,
-    MoqtError,
     NotSupported,
     PublishDoneError,
     RequestError,

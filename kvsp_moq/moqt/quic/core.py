@@ -32,7 +32,6 @@ from .protocol import QuicProtocol
 from .settings import QuicSettings
 
 if TYPE_CHECKING:  # annotations only: the handle modules import this one
-    from .incoming import IncomingUpdate
     from .publisher import FetchSender, NamespacePublisher, NamespaceRegistration, OutgoingSubscription
     from .subscriber import FetchResult, NamespaceSubscription, PublishedNamespace, Subscription
     from .. import events as ev
@@ -76,11 +75,6 @@ class ConnectionCore(QuicProtocol):
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
         return self._loop
-
-    def transmit_soon(self) -> None:
-        """Transmit at the end of this loop iteration."""
-        if self._transmit_task is None:
-            self._transmit_task = self._loop.call_soon(self.transmit)
 
     def on_moqt_event(self, event: ev.MoqtEvent) -> None:
         """Handle one MOQT event (MoqtConnection)."""

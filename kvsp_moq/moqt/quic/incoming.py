@@ -16,7 +16,6 @@ from ..errors import (
     NotSupported,
     RequestError,
     RequestErrorCode,
-    SessionClosed,
     StreamClosed,
     StreamResetCode,
     Uninterested,

@@ -105,7 +105,7 @@ class QuicProtocol(asyncio.DatagramProtocol):
             self._timer = self._loop.call_at(timer_at, self._handle_timer)
         self._timer_at = timer_at
 
-    def _transmit_soon(self) -> None:
+    def transmit_soon(self) -> None:
         """Transmit at the end of this loop iteration: one batch for everything queued."""
         if self._transmit_task is None:
             self._transmit_task = self._loop.call_soon(self.transmit)
@@ -124,12 +124,12 @@ class QuicProtocol(asyncio.DatagramProtocol):
         # burst of datagrams.
         self._quic.receive_datagram(data, addr, now=self._loop.time())  # type: ignore[arg-type]
         self._process_events()
-        self._transmit_soon()
+        self.transmit_soon()
 
     def datagrams_received(self, datagrams: list[bytes], addr: Any) -> None:
         self._quic.receive_datagrams(datagrams, addr, now=self._loop.time())
         self._process_events()
-        self._transmit_soon()
+        self.transmit_soon()
 
     # -- events --------------------------------------------------------------
 

@@ -52,6 +52,7 @@ from qh3.quic.tls_bridge import QuicTlsBridge
 from ...errors import SettingError
 from .. import engine as qe
 from ..certs import SelfSignedCertificate
+from ..varint import decode_quic_varint, encode_quic_varint
 from .settings import LOOPBACK_DATAGRAM_SIZE, QuicSettings
 
 __all__ = ["Qh3Engine", "LARGEST_DATAGRAM_SIZE", "QuicServer", "check_datagram_size", "client_connection",
@@ -72,25 +73,6 @@ _CLOSED = "connection is closed"
 _RECEIVE_BUFFER = 65536
 
 
-def _varint(data: bytes, offset: int) -> tuple[int, int]:
-    first = data[offset]
-    length = 1 << (first >> 6)
-    value = first & 0x3F
-    for i in range(1, length):
-        value = (value << 8) | data[offset + i]
-    return value, offset + length
-
-
-def _encode_varint(value: int) -> bytes:
-    if value < 0x40:
-        return bytes([value])
-    if value < 0x4000:
-        return (value | 0x4000).to_bytes(2, "big")
-    if value < 0x40000000:
-        return (value | 0x80000000).to_bytes(4, "big")
-    return (value | 0xC000000000000000).to_bytes(8, "big")
-
-
 def with_transport_parameters(parameters: bytes, values: dict[int, int]) -> bytes:
     """Encoded transport parameters with the integer parameters of `values` set (added
     when absent); every other parameter is kept octet for octet."""
@@ -98,14 +80,14 @@ def with_transport_parameters(parameters: bytes, values: dict[int, int]) -> byte
     offset = 0
     while offset < len(parameters):
         start = offset
-        identifier, offset = _varint(parameters, offset)
-        length, offset = _varint(parameters, offset)
+        identifier, offset = decode_quic_varint(parameters, offset)
+        length, offset = decode_quic_varint(parameters, offset)
         offset += length
         if identifier not in values:
             out += parameters[start:offset]
     for identifier, number in values.items():
-        value = _encode_varint(number)
-        out += _encode_varint(identifier) + _encode_varint(len(value)) + value
+        value = encode_quic_varint(number)
+        out += encode_quic_varint(identifier) + encode_quic_varint(len(value)) + value
     return bytes(out)
 
 
