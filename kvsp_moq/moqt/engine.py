@@ -212,4 +212,5 @@ class EngineConnection(QuicEngine, Protocol):
         """`size` received bytes of a stream are handed to the application, not consumed."""
 
     def release(self, stream_id: int, size: int) -> bool:
-        """Held bytes are consumed; True when that frees credit worth announcing now."""
+        """Held bytes are consumed; True when that frees credit worth announcing now, or
+        lets events the engine held back out (the caller then handles events and transmits)."""

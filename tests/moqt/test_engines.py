@@ -120,6 +120,25 @@ async def test_a_qh3_server_validates_addresses_with_a_retry() -> None:
         await server.aclose()
 
 
+async def test_a_normal_close_logs_no_warning_and_an_error_close_still_does(
+        caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    from qh3.quic.connection import logger as qh3_logger
+
+    server = await serve(certificate=CERT, settings=QuicSettings(engine="qh3"))
+    try:
+        with caplog.at_level(logging.WARNING):
+            client = await connect(server.url, cadata=CERT.certificate_pem, settings=QuicSettings(engine="qh3"))
+            await client.aclose()
+            await asyncio.sleep(0.2)  # the server takes the close
+            qh3_logger.warning("Native peer close: %r", ("peer_closed", True, 0x10, None, b"bad"))
+        closes = [r for r in caplog.records if r.getMessage().startswith("Native peer close")]
+        assert len(closes) == 1 and "16" in closes[0].getMessage()
+    finally:
+        await server.aclose()
+
+
 @pytest.mark.parametrize("server_engine, client_engine",
                          [("qh3", "qh3"), ("qh3", "aioquic"), ("aioquic", "qh3"), ("aioquic", "aioquic")])
 async def test_hundreds_of_requests_at_once_on_one_connection(server_engine: str, client_engine: str) -> None:

@@ -65,6 +65,7 @@ class TrackPublisher:
         self.subscribes: list[IncomingSubscribe] = []
         self.fetches: list[tuple[Location, Location]] = []
         self.sent = 0
+        self.fetch_sent = 0  # objects written in FETCH responses
 
     def attach(self, connection: MoqtConnection) -> None:
         connection.on_subscribe(self.on_subscribe)
@@ -105,6 +106,7 @@ class TrackPublisher:
             wanted.sort(key=lambda x: (-x[0], x[1]))
         for g, o, payload in wanted:
             await sender.send(g, o, payload)
+            self.fetch_sent += 1
         sender.close()
 
 

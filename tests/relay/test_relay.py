@@ -225,6 +225,44 @@ async def test_slow_fetcher_bounds_what_the_relay_buffers():
         assert len(relay.cache) == len(objects)
 
 
+async def test_stalled_fetcher_bounds_what_the_relay_takes_from_its_publisher():
+    """While a fetcher reads nothing, the relay takes no more from the publisher than its
+    receive window: what it forwards waits, what arrives is held (credited back only as
+    the relay consumes it), and the publisher's writes wait in turn. Then every object
+    arrives, in order, once the fetcher reads."""
+    kib = 1024
+    size = 64 * kib
+    objects = make_objects(1, 192, size)  # 12 MiB
+    publisher = TrackPublisher(objects)
+    quic = QuicSettings(stream_send_buffer=256 * kib, write_chunk_size=64 * kib,
+                        max_stream_data=512 * kib, max_data=1024 * kib)
+    small_sender = QuicSettings(stream_send_buffer=256 * kib, connection_send_buffer=512 * kib)
+    async with running_relay(quic=quic) as relay, publishing(relay.url, NS, publisher, settings=small_sender):
+        client = await dial(relay.url, settings=QuicSettings(max_stream_data=64 * kib, max_data=128 * kib))
+        try:
+            fetched = await client.fetch(TRACK_NS, NAME, (0, 0), (1, 0), timeout=STEP)
+            first = await fetched.next_object(STEP)
+            assert first is not None and first.object_id == 0
+
+            async def publisher_blocked() -> None:
+                sent = -1
+                while sent != publisher.fetch_sent:  # no progress for 0.3 s
+                    sent = publisher.fetch_sent
+                    await asyncio.sleep(0.3)
+
+            await asyncio.wait_for(publisher_blocked(), STEP)
+            held = max(p.connection.quic.held_total for p in relay._peers if p.connection is not None)
+            # (past max_data, at most what one batch of received datagrams brought)
+            assert held <= quic.max_data + quic.max_stream_data
+            # receive windows (fetcher, relay held + engine) + send buffers (relay, publisher)
+            assert publisher.fetch_sent * size <= 4 * 1024 * kib < len(objects) * size
+            rest = await collect(fetched)
+        finally:
+            await client.aclose()
+        assert triples([first, *rest]) == objects
+        assert publisher.fetch_sent == len(objects)
+
+
 async def test_subscribed_objects_feed_the_cache_for_fetch():
     objects = make_objects(2, 4, 3000)
     publisher = TrackPublisher(objects)

@@ -13,8 +13,9 @@ Backpressure, both ways:
   and write large payloads in `write_chunk_size` pieces, so a slow peer bounds what a
   publisher holds;
 * objects handed to the application hold their bytes (`hold()`) until consumed
-  (`consumed()`); an engine that grants credit only then (`credit_on_consumption`)
-  slows a publisher whose subscriber reads slowly through QUIC flow control.
+  (`consumed()`); the engine grants credit only then (`credit_on_consumption`: per
+  stream on aioquic, per connection on qh3), so a subscriber that reads slowly slows
+  its publisher through QUIC flow control and nothing grows without bound.
 """
 
 from __future__ import annotations
@@ -70,7 +71,6 @@ class ConnectionCore(QuicProtocol):
         self._drain_waiters: list[tuple[int, asyncio.Future[None]]] = []
         #: whether the UDP socket is this connection's alone (a client's), not a server's
         self.owns_transport = False
-        self._reading_paused = False
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -85,18 +85,8 @@ class ConnectionCore(QuicProtocol):
         raise NotImplementedError
 
     def hold(self, stream_id: int, size: int) -> None:
-        """`size` bytes of a stream were handed to the application (see `consumed()`).
-
-        An engine that grants credit as data arrives cannot slow the peer for a reader that
-        falls behind; a connection with a socket of its own (a client) then stops reading
-        it while more than `max_data` bytes wait for the application, so the peer's
-        congestion control slows it down instead of our memory growing."""
-        quic = self._quic
-        quic.hold(stream_id, size)
-        if (not quic.credit_on_consumption and self.owns_transport and not self._reading_paused
-                and quic.held_total > self.settings.max_data and self._transport is not None):
-            self._reading_paused = True
-            self._transport.pause_reading()  # type: ignore[attr-defined]
+        """`size` bytes of a stream were handed to the application (see `consumed()`)."""
+        self._quic.hold(stream_id, size)
 
     def live_session(self) -> MoqtSession | MoqtSession14:
         if self.error is not None:
@@ -255,13 +245,8 @@ class ConnectionCore(QuicProtocol):
 
     def consumed(self, stream_id: int, size: int) -> None:
         """Held bytes were consumed: return their credit."""
-        quic = self._quic
-        if quic.release(stream_id, size) and self.error is None:
-            self.transmit_soon()
-        if self._reading_paused and quic.held_total <= self.settings.max_data // 2:
-            self._reading_paused = False
-            if self._transport is not None and not self._transport.is_closing():
-                self._transport.resume_reading()  # type: ignore[attr-defined]
+        if self._quic.release(stream_id, size) and self.error is None:
+            self.process_soon()
 
     def begin_request(self, request_id: int) -> asyncio.Future[Any]:
         future = self._loop.create_future()

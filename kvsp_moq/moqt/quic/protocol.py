@@ -44,6 +44,7 @@ class QuicProtocol(asyncio.DatagramProtocol):
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
         self._transmit_task: asyncio.Handle | None = None
+        self._process_task: asyncio.Handle | None = None
         self._transport: asyncio.DatagramTransport | None = None
         self._sendto_many: Callable[[list[bytes], Any], None] | None = None
         # set by the engines' servers, which route connection IDs to this protocol
@@ -109,6 +110,19 @@ class QuicProtocol(asyncio.DatagramProtocol):
         """Transmit at the end of this loop iteration: one batch for everything queued."""
         if self._transmit_task is None:
             self._transmit_task = self._loop.call_soon(self.transmit)
+
+    def process_soon(self) -> None:
+        """Handle the engine's pending events and transmit, at the end of this loop
+        iteration: consumed bytes may have freed credit, or events the engine held back."""
+        if self._process_task is None:
+            self._process_task = self._loop.call_soon(self._process_and_transmit)
+
+    def _process_and_transmit(self) -> None:
+        self._process_task = None
+        if self._transport is None:
+            return
+        self._process_events()
+        self.transmit()
 
     async def wait_closed(self) -> None:
         await self._closed.wait()

@@ -6,10 +6,13 @@ per packet than aioquic. Its asyncio transport sends a burst of datagrams with o
 system call (GSO) and receives several at once (GRO, recvmmsg): both ends use it here,
 servers included. What it lacks, and what is done about it:
 
-* receive credit is granted as data arrives (there is no "credit on consumption"),
-  so a reader that falls behind cannot slow its publisher through QUIC flow control:
-  `credit_on_consumption` is False, and the layers above bound what they keep (the
-  relay's cache and forwarding queues);
+* its core grants receive credit as the Python side takes received data out of it, and
+  the Python side takes it after every datagram, so a reader that falls behind could
+  not slow its publisher: while the application holds more than `max_data` received
+  bytes, the connection leaves its events in the core (`_Connection.withholding`), the
+  core grants no credit and the peer's flow control stops it; below half, they are
+  taken again (`Qh3Engine.release`). ACKs and loss recovery go on meanwhile (the core
+  does them); the connection's other events wait, like its data;
 * a client advertises a max_udp_payload_size of 1,472 bytes whatever its configuration,
   so a peer would never send it larger datagrams: the advertised value is raised to the
   configured datagram size here (`_TlsBridge`);
@@ -36,6 +39,7 @@ servers included. What it lacks, and what is done about it:
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 from typing import Any, Callable
 
@@ -117,6 +121,12 @@ class _Connection(QuicConnection):
     peer (in its core and in what it advertises) and the client datagram size fix."""
 
     max_streams = 0  # 0: qh3's own limits
+    #: True while the application holds too much: events, and with them credit, stay in the core
+    withholding = False
+
+    def _drain_core(self) -> None:
+        if not self.withholding:
+            super()._drain_core()
 
     def _create_tls(self, remote_source_cid: bytes | None) -> QuicTlsBridge:
         bridge = super()._create_tls(remote_source_cid)
@@ -145,6 +155,18 @@ class _Connection(QuicConnection):
             return super()._create_core(*args, **kwargs)
         finally:
             _connection_module.QuicConnectionCore = native
+
+
+def _not_a_normal_close(record: logging.LogRecord) -> bool:
+    """qh3 logs a WARNING whenever the peer closes, normal closes included: drop those
+    with error code 0 (a close with an error still reaches the session as an event)."""
+    if record.msg != "Native peer close: %r" or not isinstance(record.args, tuple) or not record.args:
+        return True
+    native = record.args[0]
+    return not (isinstance(native, tuple) and len(native) > 2 and native[2] == 0)
+
+
+_connection_module.logger.addFilter(_not_a_normal_close)
 
 
 def check_datagram_size(size: int) -> None:
@@ -187,7 +209,7 @@ def wrap(quic: QuicConnection, settings: QuicSettings) -> "Qh3Engine":
     """The engine interface over a connection (made by `QuicServer` or `client_connection`)."""
     if isinstance(quic, _Connection):
         quic.max_streams = settings.max_streams  # before its core and TLS exist
-    return Qh3Engine(quic)
+    return Qh3Engine(quic, settings.max_data)
 
 
 async def create_endpoint(loop: asyncio.AbstractEventLoop, factory: Callable[[], asyncio.DatagramProtocol],
@@ -270,10 +292,11 @@ class Qh3Engine:
     """`EngineConnection` over qh3's QuicConnection."""
 
     name = "qh3"
-    credit_on_consumption = False
+    credit_on_consumption = True
 
-    def __init__(self, quic: QuicConnection) -> None:
+    def __init__(self, quic: QuicConnection, hold_limit: int) -> None:
         self.quic = quic
+        self._hold_limit = hold_limit
         configuration = quic.configuration
         self.is_client: bool = configuration.is_client
         self.alpn_protocols: list[str] = list(configuration.alpn_protocols or [])
@@ -289,6 +312,8 @@ class Qh3Engine:
         self.send_ping = quic.send_ping
 
     def close(self, error_code: int = 0, reason_phrase: str = "") -> None:
+        if isinstance(self.quic, _Connection):
+            self.quic.withholding = False  # a closing connection's events must come out
         self.quic.close(error_code=error_code, reason_phrase=reason_phrase)
 
     def send_stream_data(self, stream_id: int, data: Any, end_stream: bool = False) -> None:
@@ -394,7 +419,14 @@ class Qh3Engine:
 
     def hold(self, stream_id: int, size: int) -> None:
         self.held_total += size
+        if self.held_total > self._hold_limit and isinstance(self.quic, _Connection):
+            self.quic.withholding = True
 
     def release(self, stream_id: int, size: int) -> bool:
         self.held_total -= size
+        quic = self.quic
+        if isinstance(quic, _Connection) and quic.withholding and self.held_total <= self._hold_limit // 2:
+            quic.withholding = False
+            quic._drain_core()  # the events left in the core, and the credit they free
+            return True
         return False
