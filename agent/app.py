@@ -133,16 +133,16 @@ class AgentContext:
             token_interval_s=settings.token_interval_s, max_new_tokens=settings.max_new_tokens,
             replicate_to=tuple(settings.replicate_to),
             keep_first_logits=settings.keep_first_logits)
+        self.prefetcher = Prefetcher(self.store, self.publisher.announce, self.fetcher,
+                                     self.lease_client, self.index,
+                                     on_transfer=self.meters.transfer, moqt=self.moqt_source)
         self.engine = Engine(
             adapter, store=self.store, announce=self.publisher.announce,
             is_published=self._is_published, record_for=self.publisher.record_for,
             client=self.client, index=self.index, leases=self.lease_client, sources=sources,
             local=self.local, scope_keys=settings.scope_keys, default_scope=settings.scope,
             self_url=lambda: self.url, pc_url=settings.pc_url, token=settings.token,
-            options=options, meters=self.meters)
-        self.prefetcher = Prefetcher(self.store, self.publisher.announce, self.fetcher,
-                                     self.lease_client, self.index,
-                                     on_transfer=self.meters.transfer, moqt=self.moqt_source)
+            options=options, meters=self.meters, prefetching=self.prefetcher.adopt)
         self.shards = ShardKeeper(adapter, self.engine._model, self.client, token=settings.token)
         self.reporter: StatusReporter | None = None
         if settings.pc_url:
@@ -211,6 +211,8 @@ class AgentContext:
         await self.publisher.start()
         if self.settings.warmup_tokens:
             await self.engine.warmup(self.settings.warmup_tokens)
+        if self.moqt_source is not None:
+            self.moqt_source.connect()
         if self.reporter is not None:
             await self.reporter.start()
 

@@ -223,6 +223,8 @@ class Session:
         self.ttft_ms: float | None = None
         self.cached_tokens = 0
         self.sources: dict[str, int] = {"moqt": 0, "http": 0, "recompute": 0}
+        #: blocks a prefetch directive brought for this request, by transport
+        self.prefetched: dict[str, int] = {}
         self.load: dict[str, Any] | None = None
         #: milliseconds: until the load plan was made, loading, the prefill's forward pass
         self.timing: dict[str, float] = {}
@@ -348,8 +350,12 @@ class Engine:
                  sources: Sequence[LayerSource], local: LocalLayerSource,
                  scope_keys: Mapping[str, bytes], default_scope: str | None,
                  self_url: Callable[[], str], pc_url: str | None = None, token: str | None = None,
-                 options: EngineOptions | None = None, meters: "Meters | None" = None) -> None:
+                 options: EngineOptions | None = None, meters: "Meters | None" = None,
+                 prefetching: Callable[[BlockId], "asyncio.Future[Any] | None"] | None = None) -> None:
         self.adapter = adapter
+        #: a prefetch's load of a block in flight (`Prefetcher.adopt`): a request waits for it
+        #: rather than loading the same block a second time beside it
+        self.prefetching = prefetching
         self.options = options or EngineOptions()
         self.block_tokens = self.options.block_tokens
         self.descriptor = CompatDescriptor.from_dict(adapter.descriptor(self.block_tokens))
@@ -550,12 +556,26 @@ class Engine:
 
     # ---------------------------------------------------------------- planning
 
-    async def _plan(self, scope_id: str, keys: list[str], sequence: Sequence_) -> list[list[Candidate]]:
-        """Candidates for the leading blocks that can be loaded, at most all but the last token."""
+    async def _plan(self, scope_id: str, keys: list[str], sequence: Sequence_,
+                    prefetched: dict[str, int] | None = None) -> list[list[Candidate]]:
+        """Candidates for the leading blocks that can be loaded, at most all but the last token
+        (`prefetched` counts, by transport, the blocks a prefetch brought meanwhile)."""
         b = self.block_tokens
         limit = min(len(keys), (sequence.length - 1) // b)
         if limit <= 0:
             return []
+        if self.prefetching is not None:
+            # A prefetch directive (sent by the PC just before this request) is loading some
+            # of these blocks already: wait for those, then take them from the store.
+            adopt = self.prefetching
+            loads = [f for key in keys[:limit]
+                     if (f := adopt(BlockId(self.compat_id, scope_id, key))) is not None]
+            if loads:
+                await asyncio.wait(loads)
+                for f in loads:
+                    kind = None if f.cancelled() or f.exception() else f.result()
+                    if prefetched is not None and kind in ("moqt", "http"):
+                        prefetched[kind] = prefetched.get(kind, 0) + 1
         local: list[ReplicaRecord | None] = []
         for key in keys[:limit]:
             entry = self.store.get(BlockId(self.compat_id, scope_id, key))
@@ -612,7 +632,8 @@ class Engine:
             await self._finish(session)
             return
         if plan is None:
-            plan = await self._plan(session.scope_id, [k.hex() for k in seq.chain.keys], seq)
+            plan = await self._plan(session.scope_id, [k.hex() for k in seq.chain.keys], seq,
+                                    session.prefetched)
         sampler = session.sampler.model_sampler()
         step = session.step_base + len(session.generated)
         state, token, report, timeline = await self._prefill(session, plan, sampler, step)
@@ -713,8 +734,13 @@ class Engine:
             by_kind = report.by_kind
             session.sources["moqt"] = by_kind.get("moqt", 0)
             session.sources["http"] = by_kind.get("http", 0)
-            if by_kind.get("local"):
-                session.sources["local"] = by_kind["local"]
+            local = by_kind.get("local", 0)
+            for kind, count in session.prefetched.items():  # local now, but loaded for this request
+                moved = min(count, local)
+                session.sources[kind] += moved
+                local -= moved
+            if local:
+                session.sources["local"] = local
             session.load = {"planned": report.planned, "loaded": report.loaded, "octets": report.octets,
                             "seconds": round(report.seconds, 6), "failures": report.failures}
             session.timing["load_ms"] = round(report.seconds * 1000, 3)

@@ -37,6 +37,7 @@ requests already admitted, until the deadline.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections import deque
@@ -171,6 +172,14 @@ class MoqtLayerSource:
         except Exception as e:
             self._mark_down(getattr(e, "detail", None) or repr(e))
             raise TransportError(f"the relay {self.relay} is unreachable: {e!r}") from None
+
+    def connect(self) -> None:
+        """Start the session to the relay in the background, so that the first load does not
+        wait for a whole handshake; a failure here marks nothing down (the first load retries)."""
+        if self.relay not in self._probes:
+            probe = asyncio.ensure_future(self.fetcher.connection(self.relay))
+            probe.add_done_callback(lambda f: f.cancelled() or f.exception())
+            self._probes[self.relay] = probe
 
     async def layers(self, record: ReplicaRecord, first: int, last: int) -> AsyncIterator[LayerTuple]:
         await self._ready(record.holder)
@@ -768,6 +777,18 @@ class Prefetcher:
         self.moqt = moqt
         self.stats: dict[str, int] = {"moqt": 0, "http": 0}
         self.directives: dict[str, DirectiveState] = {}
+        self._loading: dict[BlockId, asyncio.Task[str | None]] = {}  # block loads in flight
+        self._adopted: set[BlockId] = set()  # ... that a request waits for
+
+    def adopt(self, bid: BlockId) -> "asyncio.Task[str | None] | None":
+        """The load of `bid` in flight for a directive, now awaited by a request (None when
+        there is none): the directive's deadline no longer cancels it, since the request
+        would otherwise load the block again from the start."""
+        task = self._loading.get(bid)
+        if task is None or task.done():
+            return None
+        self._adopted.add(bid)
+        return task
 
     def submit(self, directive: PrefetchDirective) -> DirectiveState:
         """Start a directive (a repeated id returns the state of the first)."""
@@ -782,7 +803,8 @@ class Prefetcher:
             if old.task is not None and not old.task.done():
                 break
             del self.directives[oldest]
-        state.task = asyncio.get_running_loop().create_task(self._run(state),
+        loads = self._start_loads(state)
+        state.task = asyncio.get_running_loop().create_task(self._run(state, loads),
                                                            name=f"prefetch-{directive.directive}")
         return state
 
@@ -791,14 +813,15 @@ class Prefetcher:
 
     async def close(self) -> None:
         tasks = [s.task for s in self.directives.values() if s.task is not None and not s.task.done()]
+        tasks += [t for t in self._loading.values() if not t.done()]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _run(self, state: DirectiveState) -> None:
+    async def _run(self, state: DirectiveState, loads: dict[BlockId, "asyncio.Task[str | None]"]) -> None:
         d = state.directive
         try:
-            await asyncio.wait_for(self._load_all(state), d.deadline_ms / 1000)
+            await asyncio.wait_for(self._load_all(loads), d.deadline_ms / 1000)
             expired = False
         except (asyncio.TimeoutError, TimeoutError):
             expired = True
@@ -835,22 +858,59 @@ class Prefetcher:
                 out[key] = list(single.blocks[0].replicas)
         return out
 
-    async def _load_all(self, state: DirectiveState) -> None:
+    def _start_loads(self, state: DirectiveState) -> dict[BlockId, "asyncio.Task[str | None]"]:
+        """One task per block, started at once: a request that arrives right behind its
+        directive (the PC sends the directive first) finds them and waits (`adopt`)."""
         d = state.directive
-        records = await self._records(d)
         gate = asyncio.Semaphore(self.concurrency)
+        records = asyncio.ensure_future(self._records(d))
 
-        async def one(key: str, sources: Sequence[str]) -> None:
+        def looked_up(f: "asyncio.Future[dict[str, list[ReplicaRecord]]]") -> None:
+            if not f.cancelled() and f.exception() is not None:
+                log.info("prefetch %s: lookup failed: %s", d.directive, f.exception())
+
+        records.add_done_callback(looked_up)
+
+        async def one(key: str, sources: Sequence[str]) -> str | None:
             async with gate:
-                kind = await self._load_one(d, key, sources, records.get(key, []))
+                try:
+                    found = (await asyncio.shield(records)).get(key, [])
+                except (KvspError, httpx.HTTPError):
+                    found = []  # no digests to verify against: nothing is loaded
+                kind = await self._load_one(d, key, sources, found)
+            if state.finished is None:  # (an adopted load may end after the deadline)
                 if kind is not None:
                     state.loaded.append(key)
                     if kind != "held":
                         state.sources[kind] = state.sources.get(kind, 0) + 1
                 else:
                     state.failed.append(key)
+            return kind
 
-        await asyncio.gather(*(one(b.block_key, b.sources) for b in d.blocks))
+        loads: dict[BlockId, asyncio.Task[str | None]] = {}
+        for b in d.blocks:
+            bid = BlockId(d.compat_id, d.scope_id, b.block_key)
+            if bid in loads or bid in self._loading:
+                continue  # listed twice, or loading for another directive
+            task = asyncio.ensure_future(one(b.block_key, b.sources))
+            task.add_done_callback(functools.partial(self._loaded, bid))
+            loads[bid] = self._loading[bid] = task
+        return loads
+
+    async def _load_all(self, loads: dict[BlockId, "asyncio.Task[str | None]"]) -> None:
+        try:
+            await asyncio.gather(*(asyncio.shield(t) for t in loads.values()))
+        finally:
+            for bid, task in loads.items():
+                if not task.done() and bid not in self._adopted:
+                    task.cancel()  # the deadline: stop loading what no request waits for
+
+    def _loaded(self, bid: BlockId, task: "asyncio.Task[str | None]") -> None:
+        if self._loading.get(bid) is task:
+            del self._loading[bid]
+            self._adopted.discard(bid)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("prefetch of %s failed", bid.block_key[:12], exc_info=task.exception())
 
     def _attempts(self, source: str,
                   records: Sequence[ReplicaRecord]) -> list[tuple[str, ReplicaRecord]]:

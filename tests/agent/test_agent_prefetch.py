@@ -112,6 +112,29 @@ def test_prefetch_partial_at_deadline_and_failed_without_sources(agents: tuple[A
     assert httpx.get(b.url + "prefetch/" + str(uuid.uuid4())).status_code == 404
 
 
+def test_a_request_right_behind_its_directive_waits_for_the_prefetch_instead_of_loading_again(
+        agents: tuple[Agent, Agent], model_dir: Path) -> None:
+    """The PC sends the directive, then the request: the request takes the blocks the
+    prefetch is loading, so each crosses the network once, and it reports the transport
+    they came by."""
+    a, b = agents
+    prompt = tokens(PROMPT, 23)
+    keys = computed_keys(a, prompt)
+    gets = ("GET", "/blocks/{compat}/{scope}/{key}", 200)
+    before = a.app.state.metrics.requests[gets]
+    r = httpx.post(b.url + "prefetch", json=directive(b, keys, [a.url]))
+    assert r.status_code == 202
+    out = httpx.post(b.url + "generate", json={"tokens": prompt + [9], "max_new_tokens": 2},
+                     timeout=60).json()
+    assert wait_done(r.headers["location"])["state"] == "complete"
+    assert out["cached_tokens"] == PROMPT
+    # (by HTTP when the request waited for them; local when the prefetch was done first)
+    assert out["sources"]["http"] + out["sources"].get("local", 0) == PROMPT // B
+    assert a.app.state.metrics.requests[gets] - before == len(keys)  # once each
+    reference = ModelAdapter.load(model_dir)
+    assert out["tokens"] == reference.generate_greedy(prompt + [9], 2)
+
+
 def test_prefetch_refused_when_not_active(agents: tuple[Agent, Agent]) -> None:
     a, b = agents
     epoch = b.context.epoch
