@@ -20,7 +20,9 @@
 
 The answer to a generate without "stream" is `{"session", "epoch", "tokens", "prompt_tokens",
 "cached_tokens", "ttft_ms", "sources": {"moqt", "http", "recompute"[, "local"]}, "load"?,
-"timing": {"plan_ms", "load_ms"?, "forward_ms"}, "timeline"?}`. "sources" counts complete prompt
+"load_choice"?, "timing": {"plan_ms", "load_ms"?, "forward_ms"}, "timeline"?}`. "load_choice"
+says whether the agent loaded the cached prefix or found recomputing it cheaper, with the §6.4
+estimates from its measured rates (`agent.choice`). "sources" counts complete prompt
 blocks: loaded over MOQT, over HTTP, from the agent's own store ("local", only when non-zero),
 and computed here ("recompute");
 "cached_tokens" is the number of prompt tokens loaded rather than computed. It is sent once the
@@ -132,7 +134,7 @@ class AgentContext:
             release_batch=settings.release_batch, max_unacked=settings.max_unacked,
             token_interval_s=settings.token_interval_s, max_new_tokens=settings.max_new_tokens,
             replicate_to=tuple(settings.replicate_to),
-            keep_first_logits=settings.keep_first_logits)
+            keep_first_logits=settings.keep_first_logits, choose_by_cost=settings.choose_by_cost)
         self.prefetcher = Prefetcher(self.store, self.publisher.announce, self.fetcher,
                                      self.lease_client, self.index,
                                      on_transfer=self.meters.transfer, moqt=self.moqt_source)
@@ -271,6 +273,8 @@ def _routes(ctx: AgentContext) -> list[Route]:
                "ttft_ms": session.ttft_ms, "sources": dict(session.sources)}
         if session.load is not None:
             out["load"] = session.load
+        if session.load_choice is not None:
+            out["load_choice"] = session.load_choice.to_json()
         out["timing"] = dict(session.timing)
         if req.timeline and session.timeline is not None:
             out["timeline"] = session.timeline.to_json()

@@ -44,6 +44,7 @@ import torch
 
 from agent.loader import (Candidate, LayerSource, LeaseClient, LoadReport,
                           LocalLayerSource, PrefixLoader, Timeline, order_candidates)
+from agent.choice import LoadChoice, choose
 from agent.model import DecodeState, KVPrefix, ModelAdapter, Sampler
 from agent.pool import KVPool, block_container, tensor_from_octets
 from kvsp_moq.errors import BadRecord, DigestMismatch, KvspError, NotFound, StaleEpoch, TransportError
@@ -225,6 +226,8 @@ class Session:
         self.sources: dict[str, int] = {"moqt": 0, "http": 0, "recompute": 0}
         #: blocks a prefetch directive brought for this request, by transport
         self.prefetched: dict[str, int] = {}
+        #: whether the instance loaded or recomputed the cached prefix, and why
+        self.load_choice: LoadChoice | None = None
         self.load: dict[str, Any] | None = None
         #: milliseconds: until the load plan was made, loading, the prefill's forward pass
         self.timing: dict[str, float] = {}
@@ -304,6 +307,8 @@ class Session:
             out["error"] = self.error
         if self.load is not None:
             out["load"] = self.load
+        if self.load_choice is not None:
+            out["load_choice"] = self.load_choice.to_json()
         out["timing"] = dict(self.timing)
         return out
 
@@ -339,6 +344,11 @@ class EngineOptions:
     #: keep each session's first logits (for checks against a recompute): a tensor the size
     #: of the vocabulary per kept session, 0.5 MiB for a 128k vocabulary
     keep_first_logits: bool = False
+    #: choose between loading a cached prefix and recomputing it by the §6.4 estimates with
+    #: this instance's measured rates (`agent.choice`); False always loads what it can
+    choose_by_cost: bool = True
+    #: after this many recomputes in a row, load anyway so that the link is measured again
+    probe_every: int = 8
 
 
 class Engine:
@@ -356,6 +366,7 @@ class Engine:
         #: a prefetch's load of a block in flight (`Prefetcher.adopt`): a request waits for it
         #: rather than loading the same block a second time beside it
         self.prefetching = prefetching
+        self._recomputed_in_a_row = 0
         self.options = options or EngineOptions()
         self.block_tokens = self.options.block_tokens
         self.descriptor = CompatDescriptor.from_dict(adapter.descriptor(self.block_tokens))
@@ -605,6 +616,26 @@ class Engine:
             plan.append(candidates)
         return plan
 
+    def _choose(self, session: Session, plan: list[list[Candidate]]) -> list[list[Candidate]]:
+        """The plan, or only its leading resident blocks when recomputing the rest is cheaper
+        than loading it (`agent.choice`); the choice is kept on the session."""
+        resident = next((i for i, c in enumerate(plan) if c[0].source.kind != "local"), len(plan))
+        remote = [c[0].record for c in plan if c[0].source.kind != "local"]
+        meters = self.meters
+        choice = choose(instance=self.self_url(),
+                        prefill_tokens_per_s=meters.prefill.value if meters else None,
+                        links=meters.links() if meters else (), matched_blocks=len(plan),
+                        resident_blocks=resident, remote=remote, block_tokens=self.block_tokens,
+                        total_tokens=session.sequence.length,
+                        probe=self._recomputed_in_a_row + 1 >= self.options.probe_every)
+        session.load_choice = choice
+        if remote:
+            self._recomputed_in_a_row = 0 if choice.load else self._recomputed_in_a_row + 1
+        if choice.load:
+            return plan
+        log.info("session %s: %s", session.id, choice.reason)
+        return plan[:resident]
+
     # ---------------------------------------------------------------- the session task
 
     async def _run(self, session: Session, plan: list[list[Candidate]] | None, *,
@@ -634,6 +665,8 @@ class Engine:
         if plan is None:
             plan = await self._plan(session.scope_id, [k.hex() for k in seq.chain.keys], seq,
                                     session.prefetched)
+            if self.options.choose_by_cost and seq.known_blocks == 0:
+                plan = self._choose(session, plan)
         sampler = session.sampler.model_sampler()
         step = session.step_base + len(session.generated)
         state, token, report, timeline = await self._prefill(session, plan, sampler, step)

@@ -96,6 +96,9 @@ class AgentSettings:
     replicate_to: Sequence[str] = ()
     #: keep each session's first logits (tests compare them with a recompute)
     keep_first_logits: bool = False
+    #: load or recompute a cached prefix by the §6.4 estimates with measured rates
+    #: (`agent.choice`); False loads whatever is cached (benchmarks of the load path)
+    choose_by_cost: bool = True
     #: tokens of a prefill at start, so the first status report carries measured rates
     warmup_tokens: int = 32
     http_timeout_s: float = 10.0
@@ -271,6 +274,9 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                         "again well before it ends (default %(default)s)")
     p.add_argument("--replicate-to", action="append", default=[], metavar="URL",
                    help="holder that also stores every new block (repeatable)")
+    p.add_argument("--always-load", action="store_true",
+                   help="load every cached block found, even when recomputing it would be "
+                        "cheaper by the measured rates (by default the agent chooses, KVSP §6.4)")
     p.set_defaults(func=run)
 
 
@@ -285,7 +291,7 @@ def settings_from_args(args: argparse.Namespace) -> AgentSettings:
         scope_keys=keys, scope=args.scope, public_url=public, principals=args.principals,
         token=args.token, block_tokens=args.block_tokens, status_ttl_ms=args.status_ttl_ms,
         host_bytes=args.host_bytes, disk_bytes=args.disk_bytes,
-        replicate_to=tuple(args.replicate_to))
+        replicate_to=tuple(args.replicate_to), choose_by_cost=not args.always_load)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -250,7 +250,7 @@ def run(*, quick: bool = False, model: dict[str, int] | None = None,
         moqt_source = MoqtLayerSource(fetcher, relay_url)
         agent = Agent(AgentSettings(listen="127.0.0.1:0", model="tiny", tiny_options=model,
                                     index_url=index.url, block_tokens=B, warmup_tokens=128,
-                                    host_bytes=4 << 30, disk_bytes=0,
+                                    host_bytes=4 << 30, disk_bytes=0, choose_by_cost=False,
                                     layer_sources=[moqt_source])).start()
         ctx = agent.context
         vocab = ctx.adapter.vocab_size

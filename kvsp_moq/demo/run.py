@@ -155,6 +155,9 @@ class Demo:
                 why += f", {self._name(first_instance)} excluded"
             first_instance = first_instance or instance
             out = self.generate(instance, "tenant-a", prompt, timeline=True)
+            choice = out.get("load_choice") or {}
+            if choice.get("chose") == "recompute":  # the instance's own §6.4 choice
+                why += f"; {self._name(instance)} recomputed: {choice.get('reason')}"
             cold_ttft = cold_ttft or out["ttft_ms"]
             est = next((e for e in decision.get("estimates", []) if e["instance"] == instance), {})
             rows.append({
@@ -164,7 +167,7 @@ class Demo:
                 "matched_blocks": decision.get("matched"),
                 "cached_tokens": out.get("cached_tokens"), "sources": out.get("sources"),
                 "ttft_ms": out["ttft_ms"], "ratio_to_cold": round(out["ttft_ms"] / cold_ttft, 3),
-                "timeline": out.get("timeline"),
+                "timeline": out.get("timeline"), "load_choice": out.get("load_choice"),
             })
         self.progress.end()
         return rows
