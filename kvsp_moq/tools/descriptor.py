@@ -81,7 +81,8 @@ def run(args: argparse.Namespace) -> int:
             descriptor = agent_descriptor(args.model, block_tokens=args.block_tokens,
                                           dtype=args.dtype, data_dir=args.data)
         except (OSError, ValueError) as e:  # no such directory, not a model, unsupported type
-            raise UsageError(f"cannot load model {args.model}: {e}") from None
+            detail = " ".join(str(e).split())  # one line, whatever the loader said
+            raise UsageError(f"cannot load model {args.model}: {detail}") from None
         compat = CompatDescriptor.from_dict(descriptor).compat_hex
         text = compat if args.compat_id else json.dumps(descriptor, indent=2)
         if args.out:
