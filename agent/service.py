@@ -240,7 +240,8 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--public-url", metavar="URL", help="this agent's base URL as others reach it")
     p.add_argument("--principals", metavar="FILE", help="principals file (TOML); without it: open")
     p.add_argument("--token", metavar="TOKEN", help="bearer token presented to other services")
-    p.add_argument("--block-tokens", type=positive_int, default=AgentSettings.block_tokens, metavar="B",
+    p.add_argument("--block-tokens", type=positive_int, default=AgentSettings.block_tokens,
+                   metavar="B",
                    help="tokens per KV block; every instance and the Index Service of a fleet "
                         "must agree (default %(default)s)")
     p.add_argument("--host-bytes", type=parse_size, default=1 << 30, metavar="N",

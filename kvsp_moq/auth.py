@@ -40,7 +40,8 @@ class Principal:
             raise ForbiddenScope(f"principal {self.name!r} is not authorized for this scope")
 
     def may_publish_for(self, holder: str) -> bool:
-        return ANY in self.holders or "admin" in self.roles or normalize_holder(holder) in self.holders
+        return (ANY in self.holders or "admin" in self.roles
+                or normalize_holder(holder) in self.holders)
 
     def require_holder(self, holder: str) -> None:
         if not self.may_publish_for(holder):
@@ -119,7 +120,8 @@ class Authenticator:
             table[digest.lower()] = Principal(
                 name=str(entry.get("name", f"principal-{i}")),
                 scopes=frozenset(s.lower() for s in entry.get("scopes", [])),
-                holders=frozenset(normalize_holder(h) if h != ANY else h for h in entry.get("holders", [])),
+                holders=frozenset(normalize_holder(h) if h != ANY else h
+                                  for h in entry.get("holders", [])),
                 roles=roles,
             )
         return cls(table)

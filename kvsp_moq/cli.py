@@ -68,7 +68,8 @@ def cmd_block_keys(args: argparse.Namespace) -> int:
     from kvsp_moq.scope_keys import scope_key_from_args
 
     descriptor = _descriptor(args.descriptor)
-    scope_key = scope_key_from_args(args, lambda line: print(f"kvsp block-keys: {line}", file=sys.stderr))
+    scope_key = scope_key_from_args(
+        args, lambda line: print(f"kvsp block-keys: {line}", file=sys.stderr))
     tokens = check_tokens(_read_json(args.tokens, "tokens file"), "tokens")
     keys = block_keys(scope_key, descriptor.compat_id, tokens, descriptor.block_tokens)
     print(json.dumps({
