@@ -30,7 +30,7 @@ from kvsp_moq.allocator import tune_allocator
 from kvsp_moq.auth import Authenticator
 from kvsp_moq.errors import BadRecord
 from kvsp_moq.holder.service import parse_size, positive_int
-from kvsp_moq.protocol.keys import parse_scope_key_hex
+from kvsp_moq.scope_keys import read_scope_keys
 from kvsp_moq.web import BackgroundServer, bind_tcp, parse_listen, uvicorn_config
 
 log = logging.getLogger("kvsp.agent")
@@ -42,7 +42,7 @@ OPEN_SCOPE = "default"
 #: agents started without a keys file on one machine share caches.
 OPEN_SCOPE_KEY = hashlib.sha256(b"kvsp-moq open loopback scope key").digest()
 
-_DTYPES = ("float32", "float16", "bfloat16")
+DTYPES = ("float32", "float16", "bfloat16")
 
 
 @dataclass
@@ -112,8 +112,8 @@ class AgentSettings:
             self.scope = next(iter(self.scope_keys))
         if self.scope not in self.scope_keys:
             raise BadRecord(f"no key for scope {self.scope!r}", member="scope")
-        if self.dtype not in _DTYPES:
-            raise BadRecord(f"must be one of {', '.join(_DTYPES)}", member="dtype")
+        if self.dtype not in DTYPES:
+            raise BadRecord(f"must be one of {', '.join(DTYPES)}", member="dtype")
 
 
 #: Seconds a thread may hold the GIL while another waits for it (Python's default is 0.005).
@@ -220,24 +220,6 @@ class Agent:
 # --------------------------------------------------------------------------- command line
 
 
-def read_scope_keys(path: str | Path) -> dict[str, bytes]:
-    """A keys file (TOML: scope name = "hex key"), as the PC reads it."""
-    import tomllib
-
-    try:
-        data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, tomllib.TOMLDecodeError) as e:
-        raise BadRecord(f"cannot read scope keys file {path}: {e}", member="scope_keys") from None
-    keys = {}
-    for name, text in data.items():
-        if not isinstance(text, str):
-            raise BadRecord("must be hex text", member=f"scope_keys.{name}")
-        keys[name] = parse_scope_key_hex(text)
-    if not keys:
-        raise BadRecord("holds no keys", member="scope_keys")
-    return keys
-
-
 def configure_parser(p: argparse.ArgumentParser) -> None:
     p.description = ("Serve an inference instance: generation with cached prefixes loaded while the "
                      "model computes (KVSP §6.5-§6.9), and its own KV blocks as a holder.")
@@ -254,14 +236,15 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scope-keys", metavar="FILE", help="keys file (TOML: scope name = hex key)")
     p.add_argument("--scope", metavar="NAME", help="scope of requests that name none")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:n] (default %(default)s)")
-    p.add_argument("--dtype", default="float32", choices=_DTYPES,
+    p.add_argument("--dtype", default="float32", choices=DTYPES,
                    help="of the model's weights and of its KV blocks; part of the "
                         "Compatibility ID, so instances that share blocks must agree "
                         "(default %(default)s)")
     p.add_argument("--public-url", metavar="URL", help="this agent's base URL as others reach it")
     p.add_argument("--principals", metavar="FILE", help="principals file (TOML); without it: open")
     p.add_argument("--token", metavar="TOKEN", help="bearer token presented to other services")
-    p.add_argument("--block-tokens", type=positive_int, default=16, metavar="B",
+    p.add_argument("--block-tokens", type=positive_int, default=AgentSettings.block_tokens,
+                   metavar="B",
                    help="tokens per KV block; every instance and the Index Service of a fleet "
                         "must agree (default %(default)s)")
     p.add_argument("--host-bytes", type=parse_size, default=1 << 30, metavar="N",

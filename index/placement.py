@@ -42,7 +42,6 @@ import functools
 import json
 import logging
 import math
-import tomllib
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,9 +51,10 @@ from kvsp_moq.errors import BadRecord, KvspError
 from kvsp_moq.index_client import IndexClient, LookupBlock, LookupResult
 from kvsp_moq.protocol import validate as v
 from kvsp_moq.protocol.cost import Estimate, assumed_link, estimate, mean_service_us
-from kvsp_moq.protocol.keys import block_keys, parse_scope_key_hex, scope_id as scope_id_of
+from kvsp_moq.protocol.keys import block_keys, scope_id as scope_id_of
 from kvsp_moq.protocol.records import (InstanceStatus, LookupRequest, PrefetchBlock,
                                        PrefetchDirective, ReplicaRecord)
+from kvsp_moq.scope_keys import parse_scope_keys, read_scope_keys
 
 from index.lifecycle import InstanceRegistry, normalize_url
 
@@ -105,23 +105,12 @@ class ScopeKeys:
 
     @classmethod
     def from_file(cls, path: str | Path | None) -> "ScopeKeys":
-        """A TOML file of `name = "hex key"` lines."""
-        if path is None:
-            return cls()
-        try:
-            data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
-        except (OSError, tomllib.TOMLDecodeError) as e:
-            raise BadRecord(f"cannot read scope keys file {path}: {e}", member="scope_keys") from None
-        return cls.from_mapping(data)
+        """A keys file (kvsp_moq.scope_keys); None: no keys."""
+        return cls() if path is None else cls(read_scope_keys(path))
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> "ScopeKeys":
-        keys = {}
-        for name, text in data.items():
-            if not isinstance(text, str):
-                raise BadRecord("must be hex text", member=f"scope_keys.{name}")
-            keys[name] = parse_scope_key_hex(text)
-        return cls(keys)
+        return cls(parse_scope_keys(data))
 
     def key_for(self, *, name: str | None = None, scope_id: str | None = None) -> bytes | None:
         if name is not None:

@@ -40,7 +40,8 @@ class Principal:
             raise ForbiddenScope(f"principal {self.name!r} is not authorized for this scope")
 
     def may_publish_for(self, holder: str) -> bool:
-        return ANY in self.holders or "admin" in self.roles or _norm(holder) in self.holders
+        return (ANY in self.holders or "admin" in self.roles
+                or normalize_holder(holder) in self.holders)
 
     def require_holder(self, holder: str) -> None:
         if not self.may_publish_for(holder):
@@ -54,8 +55,24 @@ class Principal:
             raise ForbiddenScope(f"principal {self.name!r} lacks the {role} role")
 
 
-def _norm(url: str) -> str:
+def normalize_holder(url: str) -> str:
+    """A holder URL as principals list it: with a trailing slash."""
     return url if url.endswith("/") else url + "/"
+
+
+def principal_entry(name: str, digest: str, scopes: Iterable[str], holders: Iterable[str],
+                    roles: Iterable[str]) -> str:
+    """One `[[principal]]` table of a principals file, as `Authenticator.from_mapping` reads it.
+
+    Written here, beside the reader, so the two cannot drift apart; the caller validates.
+    """
+    from kvsp_moq.scope_keys import toml_string
+
+    def array(items: Iterable[str]) -> str:
+        return "[" + ", ".join(toml_string(x) for x in items) + "]"
+
+    return (f"[[principal]]\nname = {toml_string(name)}\ntoken_sha256 = {toml_string(digest)}\n"
+            f"scopes = {array(scopes)}\nholders = {array(holders)}\nroles = {array(sorted(roles))}\n")
 
 
 #: The principal of an open server: everything is allowed.
@@ -103,7 +120,8 @@ class Authenticator:
             table[digest.lower()] = Principal(
                 name=str(entry.get("name", f"principal-{i}")),
                 scopes=frozenset(s.lower() for s in entry.get("scopes", [])),
-                holders=frozenset(_norm(h) if h != ANY else h for h in entry.get("holders", [])),
+                holders=frozenset(normalize_holder(h) if h != ANY else h
+                                  for h in entry.get("holders", [])),
                 roles=roles,
             )
         return cls(table)

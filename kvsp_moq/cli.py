@@ -16,6 +16,7 @@ from typing import Any, Callable, Sequence
 from kvsp_moq import __version__
 from kvsp_moq.allocator import tune_allocator
 from kvsp_moq.errors import KvspError, SettingError
+from kvsp_moq.scope_keys import add_scope_key_options
 
 EXIT_USAGE = 2
 
@@ -62,15 +63,13 @@ def cmd_compat_id(args: argparse.Namespace) -> int:
 
 
 def cmd_block_keys(args: argparse.Namespace) -> int:
-    from kvsp_moq.protocol.keys import block_keys, parse_scope_key_hex, scope_id
+    from kvsp_moq.protocol.keys import block_keys, scope_id
     from kvsp_moq.protocol.validate import tokens as check_tokens
+    from kvsp_moq.scope_keys import scope_key_from_args
 
     descriptor = _descriptor(args.descriptor)
-    try:
-        key_text = Path(args.scope_key_file).read_text(encoding="ascii")
-    except (OSError, UnicodeDecodeError) as e:
-        raise CommandError(f"cannot read scope key file {args.scope_key_file}: {e}") from None
-    scope_key = parse_scope_key_hex(key_text)
+    scope_key = scope_key_from_args(
+        args, lambda line: print(f"kvsp block-keys: {line}", file=sys.stderr))
     tokens = check_tokens(_read_json(args.tokens, "tokens file"), "tokens")
     keys = block_keys(scope_key, descriptor.compat_id, tokens, descriptor.block_tokens)
     print(json.dumps({
@@ -135,6 +134,9 @@ SERVICES: dict[str, tuple[str, str]] = {
     "subscribe": ("kvsp_moq.tools.subscribe", "print the objects of a MOQT track as they arrive"),
     "put": ("kvsp_moq.tools.put", "store a block container at a holder"),
     "lookup": ("kvsp_moq.tools.lookup", "ask the Index Service which blocks of tokens are held"),
+    "keys": ("kvsp_moq.tools.keys", "make bearer tokens, principals entries and scope keys"),
+    "descriptor": ("kvsp_moq.tools.descriptor",
+                   "print the Compatibility Descriptor an agent uses for a model"),
 }
 
 #: Commands that speak MOQT, and so take --quic-engine.
@@ -207,8 +209,7 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
                     "sequence and print {compat_id, scope_id, block_keys} as one JSON object.",
     )
     p.add_argument("--descriptor", required=True, metavar="DESCRIPTOR.json")
-    p.add_argument("--scope-key-file", required=True, metavar="KEYFILE",
-                   help="file holding the scope key as hex text (at least 32 octets)")
+    add_scope_key_options(p)
     p.add_argument("--tokens", required=True, metavar="TOKENS.json",
                    help="JSON array of integers in [0, 2^32), or - for stdin")
     p.set_defaults(func=cmd_block_keys)

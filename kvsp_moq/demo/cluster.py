@@ -19,8 +19,9 @@ from typing import Sequence
 
 import httpx
 
-from kvsp_moq.auth import token_digest
+from kvsp_moq.auth import principal_entry, token_digest
 from kvsp_moq.protocol.keys import scope_id
+from kvsp_moq.scope_keys import scope_key_entry
 
 
 def free_port(kind: int = socket.SOCK_STREAM) -> int:
@@ -86,13 +87,7 @@ class Cluster:
 
         def principal(name: str, token: str, scopes_: Sequence[str], holders: Sequence[str],
                       roles: Sequence[str]) -> None:
-            lines.append("[[principal]]")
-            lines.append(f'name = "{name}"')
-            lines.append(f'token_sha256 = "{token_digest(token)}"')
-            lines.append("scopes = [" + ", ".join(f'"{s}"' for s in scopes_) + "]")
-            lines.append("holders = [" + ", ".join(f'"{h}"' for h in holders) + "]")
-            lines.append("roles = [" + ", ".join(f'"{r}"' for r in roles) + "]")
-            lines.append("")
+            lines.append(principal_entry(name, token_digest(token), scopes_, holders, roles))
 
         principal("admin", self.tokens["admin"], ["*"], ["*"], ["admin"])
         principal("pc", self.tokens["pc"], ["*"], [], ["pc"])
@@ -105,7 +100,7 @@ class Cluster:
         (self.root / "principals.toml").write_text("\n".join(lines))
         (self.root / "pc.token").write_text(self.tokens["pc"])
         (self.root / "scope-keys.toml").write_text(
-            "".join(f'{t.name} = "{t.scope_key.hex()}"\n' for t in self.tenants))
+            "".join(scope_key_entry(t.name, t.scope_key) for t in self.tenants))
         self.urls = urls
         self.ports = ports
 

@@ -1,17 +1,17 @@
 """`kvsp lookup`: the Index Service's answer for a token sequence (KVSP §6.2).
 
-The Block Keys are computed here from the descriptor, scope key and tokens, as an agent
-would, so the answer shows what an agent would find.
+The Block Keys are computed here from the descriptor, a scope key of the keys file and the
+tokens, as an agent would, so the answer shows what an agent would find.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 from kvsp_moq.errors import KvspError
-from kvsp_moq.tools import UsageError, add_common, guarded, read_json_file
+from kvsp_moq.scope_keys import add_scope_key_options, scope_key_from_args
+from kvsp_moq.tools import UsageError, add_common, guarded, read_json_file, say
 
 
 def configure_parser(p: argparse.ArgumentParser) -> None:
@@ -21,8 +21,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         "their layers sit in, as one JSON object.")
     p.add_argument("--index", required=True, metavar="URL", help="the Index Service's base URL")
     p.add_argument("--descriptor", required=True, metavar="DESCRIPTOR.json")
-    p.add_argument("--scope-key-file", required=True, metavar="KEYFILE",
-                   help="file holding the scope key as hex text (at least 32 octets)")
+    add_scope_key_options(p)
     p.add_argument("--tokens", required=True, metavar="TOKENS.json",
                    help="JSON array of token IDs, or - for stdin")
     p.add_argument("--target", action="append", default=None, metavar="URL",
@@ -38,16 +37,12 @@ def run(args: argparse.Namespace) -> int:
 async def _lookup(args: argparse.Namespace) -> int:
     from kvsp_moq.index_client import IndexClient
     from kvsp_moq.protocol.compat import CompatDescriptor
-    from kvsp_moq.protocol.keys import block_keys, parse_scope_key_hex, scope_id
+    from kvsp_moq.protocol.keys import block_keys, scope_id
     from kvsp_moq.protocol.validate import tokens as check_tokens
 
     try:
         descriptor = CompatDescriptor.from_dict(read_json_file(args.descriptor, "descriptor"))
-        try:
-            key_text = Path(args.scope_key_file).read_text(encoding="ascii")
-        except (OSError, UnicodeDecodeError) as e:
-            raise UsageError(f"cannot read scope key file {args.scope_key_file}: {e}") from None
-        scope_key = parse_scope_key_hex(key_text)
+        scope_key = scope_key_from_args(args, lambda line: say("lookup", line))
         tokens = check_tokens(read_json_file(args.tokens, "tokens file"), "tokens")
     except KvspError as e:
         raise UsageError(e.detail) from None

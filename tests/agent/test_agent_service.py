@@ -13,8 +13,9 @@ import httpx
 import pytest
 
 
-from agent.service import OPEN_SCOPE, configure_parser, read_scope_keys, settings_from_args  # noqa: E402
+from agent.service import OPEN_SCOPE, configure_parser, settings_from_args  # noqa: E402
 from kvsp_moq.errors import BadRecord  # noqa: E402
+from kvsp_moq.scope_keys import read_scope_keys  # noqa: E402
 
 
 def parse(*argv: str) -> argparse.Namespace:

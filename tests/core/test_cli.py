@@ -19,8 +19,8 @@ def kvsp(*args, stdin=None):
 def files(tmp_path):
     d = tmp_path / "d.json"
     d.write_text(json.dumps(DESCRIPTOR))
-    k = tmp_path / "key"
-    k.write_text("11" * 32 + "\n")
+    k = tmp_path / "keys.toml"
+    k.write_text(f'tenant = "{"11" * 32}"\n')
     t = tmp_path / "t.json"
     t.write_text(json.dumps(list(range(40))))
     return d, k, t
@@ -43,7 +43,7 @@ def test_compat_id(files):
 
 def test_block_keys(files):
     d, k, t = files
-    r = kvsp("block-keys", "--descriptor", str(d), "--scope-key-file", str(k), "--tokens", str(t))
+    r = kvsp("block-keys", "--descriptor", str(d), "--scope-keys", str(k), "--tokens", str(t))
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     compat = bytes.fromhex(out["compat_id"])
@@ -72,12 +72,12 @@ def test_refusals(files, tmp_path):
     refused(kvsp("compat-id", str(tmp_path / "missing.json")), "cannot read")
     bad.write_text("{not json")
     refused(kvsp("compat-id", str(bad)), "not valid JSON")
-    short = tmp_path / "short"
-    short.write_text("11" * 31)
-    refused(kvsp("block-keys", "--descriptor", str(d), "--scope-key-file", str(short), "--tokens", str(t)),
+    short = tmp_path / "short.toml"
+    short.write_text(f'tenant = "{"11" * 31}"\n')
+    refused(kvsp("block-keys", "--descriptor", str(d), "--scope-keys", str(short), "--tokens", str(t)),
             "32 octets")
     t.write_text(json.dumps([1, 2, 2**32]))
-    refused(kvsp("block-keys", "--descriptor", str(d), "--scope-key-file", str(k), "--tokens", str(t)),
+    refused(kvsp("block-keys", "--descriptor", str(d), "--scope-keys", str(k), "--tokens", str(t)),
             "tokens[2]")
     c = tmp_path / "c.kvb"
     good = encode(0, 1, [(b"k", b"v")])
@@ -92,7 +92,7 @@ def test_help_explains_itself():
     r = kvsp("--help")
     assert r.returncode == 0 and b"compat-id" in r.stdout and b"block-keys" in r.stdout
     r = kvsp("block-keys", "--help")
-    assert b"--scope-key-file" in r.stdout
+    assert b"--scope-keys" in r.stdout and b"--scope-key-file" not in r.stdout
 
 
 def test_bench_core_quick_prints_json_with_ratios():

@@ -199,10 +199,10 @@ def test_subscribe_prints_one_line_per_layer(system: System, tmp_path: Path) -> 
 
 def test_lookup_prints_matched(system: System, tmp_path: Path) -> None:
     (tmp_path / "d.json").write_text(json.dumps(DESCRIPTOR))
-    (tmp_path / "key").write_text(SCOPE_KEY.hex())
+    (tmp_path / "keys.toml").write_text(f'tenant = "{SCOPE_KEY.hex()}"\n')
     (tmp_path / "t.json").write_text(json.dumps(TOKENS + [1, 2, 3] * 10))
     done = kvsp("lookup", "--index", system.index.url, "--descriptor", str(tmp_path / "d.json"),
-                "--scope-key-file", str(tmp_path / "key"), "--tokens", str(tmp_path / "t.json"))
+                "--scope-keys", str(tmp_path / "keys.toml"), "--tokens", str(tmp_path / "t.json"))
     assert done.returncode == 0, done.stderr.decode()
     answer = json.loads(done.stdout)
     assert answer["matched"] == 3 and answer["requested"] == 5 and len(answer["unmatched"]) == 2
