@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -261,6 +262,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser(argv)
     args = parser.parse_args(argv)
     tune_allocator()
+    # httpx logs every request at INFO: a status report a second, a lease per block load.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         _apply_engine_option(args)
