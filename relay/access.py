@@ -101,8 +101,11 @@ class AccessPolicy:
         return out
 
     def permits(self, principal: Principal, action: Action, namespace: TrackNamespace) -> bool:
-        if not principal.may(ROLE_ACTION[action]):
-            return False
+        return principal.may(ROLE_ACTION[action]) and self.in_scope(principal, action, namespace)
+
+    @staticmethod
+    def in_scope(principal: Principal, action: Action, namespace: TrackNamespace) -> bool:
+        """The scope (and, for publishing, publisher_id) half of `permits`, without roles."""
         scope = scope_field(namespace)
         if scope is None:
             return ANY in principal.scopes
@@ -145,7 +148,8 @@ class AccessPolicy:
         raise Unauthorized(f"not authorized to {action.value} in {what}")
 
     def may_see(self, principals: Sequence[Principal], namespace: TrackNamespace) -> bool:
-        """Whether discovery may reveal `namespace` to these principals."""
+        """Whether discovery may reveal `namespace` to these principals: by scope alone, as
+        discovery needs no role."""
         if self.is_open:
             return True
-        return any(self.permits(p, Action.SUBSCRIBE, tuple(namespace)) for p in principals)
+        return any(self.in_scope(p, Action.SUBSCRIBE, tuple(namespace)) for p in principals)
