@@ -927,7 +927,8 @@ class Relay:
 
     async def _on_subscribe_namespace(self, peer: _Peer, req: IncomingSubscribeNamespace) -> None:
         tokens = peer.tokens(req)
-        principals = self.policy.check(Action.DISCOVER, req.namespace_prefix, tokens, upstream=peer.is_upstream)
+        principals = self.policy.check(Action.DISCOVER, req.namespace_prefix, tokens,
+                                       upstream=peer.is_upstream)
         _check_overlap(self._namespace_watchers, peer, tuple(req.namespace_prefix))
         publisher = req.accept()
         watcher = _NamespaceWatcher(peer, tuple(req.namespace_prefix), publisher, principals)
