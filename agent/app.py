@@ -53,7 +53,7 @@ from agent.engine import Engine, EngineOptions, GenerateRequest, NotActive, Shar
 from agent.loader import HttpLayerSource, LeaseClient, LocalLayerSource, MoqtLayerSource, Prefetcher
 from agent.model import ModelAdapter
 from agent.status import Meters, StatusReporter
-from kvsp_moq.auth import Authenticator
+from kvsp_moq.auth import Action, Authenticator
 from kvsp_moq.errors import BadRecord, KvspError, NotFound, StaleEpoch
 from kvsp_moq.fetch.http import HttpFetcher
 from kvsp_moq.holder.app import HolderApi, relay_tls, repr_digest
@@ -252,7 +252,7 @@ def _routes(ctx: AgentContext) -> list[Route]:
     engine = ctx.engine
 
     async def generate(request: Request) -> Response:
-        who = principal(request)
+        who = principal(request, Action.GENERATE)
         req = GenerateRequest.from_json(await read_json(request),
                                         max_tokens=ctx.settings.max_new_tokens)
         who.require_scope(scope_id_of(engine.scope_key(req.scope)).hex())
@@ -285,7 +285,7 @@ def _routes(ctx: AgentContext) -> list[Route]:
         session = engine.sessions.get(sid)
         if session is None:
             raise NotFound(f"no session {sid} here")
-        principal(request).require_scope(session.scope_id)
+        principal(request, Action.READ_SESSIONS).require_scope(session.scope_id)
         return session
 
     async def get_session(request: Request) -> Response:
@@ -299,15 +299,14 @@ def _routes(ctx: AgentContext) -> list[Route]:
         return StreamingResponse(_ndjson(session.stream(int(text))), media_type=NDJSON)
 
     async def resume(request: Request) -> Response:
-        principal(request).require_role("pc")
+        principal(request, Action.DIRECT)
         sid = v.uuid_text(request.path_params["session"], "session")
         session = await engine.resume(sid, await read_json(request))
         return json_response({"session": session.id, "epoch": session.epoch, "state": session.state,
                               "output_offset": len(session.generated)}, 202)
 
     async def prefetch(request: Request) -> Response:
-        who = principal(request)
-        who.require_role("pc")
+        who = principal(request, Action.DIRECT)
         directive = PrefetchDirective.from_json(await read_json(request))
         who.require_scope(directive.scope_id)
         if directive.compat_id != ctx.compat_id:
@@ -319,14 +318,14 @@ def _routes(ctx: AgentContext) -> list[Route]:
                              headers={"Location": f"{ctx.url}prefetch/{directive.directive}"})
 
     async def prefetch_status(request: Request) -> Response:
-        principal(request)
+        principal(request, Action.OBSERVE)
         state = ctx.prefetcher.get(request.path_params["directive"])
         if state is None:
             raise NotFound("no such directive here")
         return json_response(state.to_json())
 
     async def put_state(request: Request) -> Response:
-        principal(request).require_role("pc")
+        principal(request, Action.DIRECT)
         body = v.obj(await read_json(request), "body")
         state = v.string(v.required(body, "state"), "state", max_len=32)
         epoch = v.integer(v.required(body, "epoch"), "epoch")
@@ -340,28 +339,28 @@ def _routes(ctx: AgentContext) -> list[Route]:
         return json_response({"state": engine.state, "epoch": ctx.epoch})
 
     async def status(request: Request) -> Response:
-        principal(request)
+        principal(request, Action.OBSERVE)
         if ctx.reporter is not None:
             return json_response(ctx.reporter.record().to_json())
         return json_response({"instance": ctx.url, "epoch": ctx.epoch, "state": engine.state,
                               "running": engine.running, "queued": engine.queued})
 
     async def reshard(request: Request) -> Response:
-        principal(request).require_role("pc")
+        principal(request, Action.DIRECT)
         code, body = await ctx.shards.handle(await read_json(request))
         return json_response(body, code)
 
     async def reshard_status(request: Request) -> Response:
-        principal(request)
+        principal(request, Action.OBSERVE)
         return json_response(ctx.shards.status(request.path_params["map"]))
 
     async def seed_shards(request: Request) -> Response:
-        principal(request).require_role("pc")
+        principal(request, Action.DIRECT)
         body = await read_json(request)
         return json_response(await ctx.shards.seed(request.path_params["map"], body))
 
     async def kv_range(request: Request) -> Response:
-        principal(request)
+        principal(request, Action.TRANSFER_SHARDS)
         name = request.query_params.get("map")
         if not name:
             raise BadRecord("is required", member="map")

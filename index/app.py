@@ -36,7 +36,7 @@ from index.store import (
     ReplicaStore,
     ReplicaSummary,
 )
-from kvsp_moq.auth import Authenticator, Principal
+from kvsp_moq.auth import Action, Authenticator, Principal
 from kvsp_moq.errors import BadRecord, ForbiddenScope, NotFound
 from kvsp_moq.index_client import BATCH_LIMIT
 from kvsp_moq.protocol import cost
@@ -250,7 +250,7 @@ class IndexService:
         self.counters[name] += n
 
     async def put_replica(self, request: Request) -> Response:
-        who = principal(request)
+        who = principal(request, Action.PUBLISH_REPLICAS)
         compat, scope, key, rid = _path_ids(request.path_params)
         record = ReplicaRecord.from_json(
             await read_json(request, max_bytes=self.settings.max_record_bytes))
@@ -273,7 +273,7 @@ class IndexService:
                              status=201 if created else 200)
 
     async def delete_replica(self, request: Request) -> Response:
-        who = principal(request)
+        who = principal(request, Action.PUBLISH_REPLICAS)
         compat, scope, key, rid = _path_ids(request.path_params)
         # The scope first: a client outside it learns nothing about what the index holds.
         who.require_scope(scope)
@@ -287,7 +287,7 @@ class IndexService:
         return Response(status_code=204)
 
     async def put_batch(self, request: Request) -> Response:
-        who = principal(request)
+        who = principal(request, Action.PUBLISH_REPLICAS)
         data = v.obj(await read_json(request), "body")
         items = v.required(data, "records")
         if not isinstance(items, list):
@@ -319,7 +319,7 @@ class IndexService:
     # -------------------------------------------------------------- lookup (§6.2)
 
     async def lookup(self, request: Request) -> Response:
-        who = principal(request)
+        who = principal(request, Action.LOOKUP)
         data = v.obj(await read_json(request))
         scope = v.hexn(v.required(data, "scope_id"), 16, "scope_id")
         compat = v.hexn(v.required(data, "compat_id"), 32, "compat_id")

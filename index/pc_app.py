@@ -17,7 +17,7 @@ Resources (all JSON, `application/kvsp+json`; errors are problem documents):
   and forwards `PUT {ii}state` with `{"state": ..., "epoch": <instance epoch>}`. Role "pc".
 - `PUT /sessions/{session}/checkpoint`, `GET /sessions/{session}`, `DELETE /sessions/{session}`
   (our extension: the session ended, do not resume it): see `index.sessions`.
-- `POST /route`: see `index.placement`. Role "pc", or any principal holding the scope.
+- `POST /route`: see `index.placement`. Role "pc", or "client" holding the scope.
 - `POST /reshard/{map}`: a Shard Map of version v+1 (plus an optional top-level
   "deadline_ms"); runs §6.9 and answers the outcome. A map the PC does not know yet is
   installed as given (201), with no traffic. Role "admin".
@@ -43,7 +43,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from kvsp_moq.auth import Authenticator
+from kvsp_moq.auth import Action, Authenticator
 from kvsp_moq.errors import BadRecord, KvspError, NotFound, TransportError
 from kvsp_moq.index_client import IndexClient, raise_for_problem
 from kvsp_moq.protocol import validate as v
@@ -322,7 +322,7 @@ def _instance_for(pc: PlacementController, path_id: str) -> InstanceStatus:
 
 def create_pc_routes(pc: PlacementController) -> list[Route]:
     async def put_status(request: Request) -> Response:
-        principal(request).require_role("instance")
+        principal(request, Action.REPORT)
         record = InstanceStatus.from_json(await read_json(request))
         if not id_matches(request.path_params["id"], record.instance):
             raise BadRecord("names another instance than the resource path", member="instance")
@@ -331,11 +331,11 @@ def create_pc_routes(pc: PlacementController) -> list[Route]:
         return json_response(reply.to_json())
 
     async def list_instances(request: Request) -> Response:
-        principal(request)
+        principal(request, Action.OBSERVE)
         return json_response({"instances": pc.registry.describe()})
 
     async def put_state(request: Request) -> Response:
-        principal(request).require_role("pc")
+        principal(request, Action.DIRECT)
         body = v.obj(await read_json(request), "body")
         state = v.string(v.required(body, "state"), "state", max_len=32)
         status = _instance_for(pc, request.path_params["id"])
@@ -345,8 +345,7 @@ def create_pc_routes(pc: PlacementController) -> list[Route]:
         return v.uuid_text(request.path_params["session"], "session")
 
     async def put_checkpoint(request: Request) -> Response:
-        who = principal(request)
-        who.require_role("instance")
+        who = principal(request, Action.REPORT)
         body = await read_json(request)
         checkpoint = SessionCheckpoint.from_json(body)
         if checkpoint.session != session_id(request):
@@ -358,7 +357,7 @@ def create_pc_routes(pc: PlacementController) -> list[Route]:
         return json_response(pc.sessions.checkpoint(checkpoint, instance).to_json())
 
     async def get_session(request: Request) -> Response:
-        who = principal(request)
+        who = principal(request, Action.READ_SESSIONS)
         state = pc.sessions.get(session_id(request))
         if state is None:
             raise NotFound(f"no session {request.path_params['session']}")
@@ -367,13 +366,13 @@ def create_pc_routes(pc: PlacementController) -> list[Route]:
         return json_response(state.to_json())
 
     async def delete_session(request: Request) -> Response:
-        principal(request).require_role("instance")
+        principal(request, Action.REPORT)
         if not pc.sessions.delete(session_id(request)):
             raise NotFound(f"no session {request.path_params['session']}")
         return Response(status_code=204)
 
     async def route(request: Request) -> Response:
-        who = principal(request)
+        who = principal(request, Action.ROUTE)
         req = pc.router.parse(await read_json(request))
         if not who.has_role("pc"):
             who.require_scope(req.scope_id)
@@ -381,7 +380,7 @@ def create_pc_routes(pc: PlacementController) -> list[Route]:
         return json_response(decision.to_json())
 
     async def reshard(request: Request) -> Response:
-        principal(request).require_role("admin")
+        principal(request, Action.RESHARD)
         body = v.obj(await read_json(request), "body")
         target = ShardMap.from_json(body)
         if target.map != request.path_params["map"]:
@@ -396,7 +395,7 @@ def create_pc_routes(pc: PlacementController) -> list[Route]:
         return json_response(outcome.to_json())
 
     async def get_shardmap(request: Request) -> Response:
-        principal(request)
+        principal(request, Action.OBSERVE)
         m = pc.maps.get(request.path_params["map"])
         if m is None:
             raise NotFound(f"no shard map {request.path_params['map']}")

@@ -3,6 +3,13 @@
 A principals file (TOML) lists, per principal, the SHA-256 of its bearer token, the scopes it
 may use, the holder URIs it may publish for, and its roles. Tokens themselves are never stored.
 Without a file, servers run open on loopback and say so.
+
+What a principal may do is the conjunction of three checks, each made where the request is
+served: its roles must include one that may take the action (`PERMISSIONS`, the one table of
+who may do what, for every HTTP resource and every MOQT request at a relay); its scopes must
+include the Scope ID the request touches; and publishing (replica records, MOQT announcements)
+must be for a holder it may publish for. Roles add to the scope and holder checks; they never
+replace them.
 """
 
 from __future__ import annotations
@@ -11,12 +18,93 @@ import hashlib
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
+from enum import Enum
+from types import MappingProxyType
+from typing import Iterable, Mapping
 
-from kvsp_moq.errors import BadRecord, ForbiddenScope, Unauthorized
+from kvsp_moq.errors import BadRecord, ForbiddenRole, ForbiddenScope, Unauthorized
 
-ROLES = frozenset({"holder", "pc", "instance", "admin"})
+#: holder: a block store (kvsp holder); pc: the Placement Controller; instance: an inference
+#: instance (kvsp agent), which is also the holder of its own pool; relay: a MOQT relay, as its
+#: downstream relays present themselves upstream; client: an end user's front end, which asks
+#: the PC for an instance, generates there and reads its sessions; admin: may do everything.
+ROLES = frozenset({"holder", "pc", "instance", "relay", "client", "admin"})
 ANY = "*"
+
+
+class Action(str, Enum):
+    """What a request does, as the role table knows it. The value completes "may ..."."""
+
+    # Index Service (§6.1, §6.2)
+    PUBLISH_REPLICAS = "publish replica records"  #: PUT|DELETE replicas/..., POST replicas:batch
+    LOOKUP = "look up replicas"  #: POST lookup
+    # holders, and an agent's own holder (§6.6, §6.7)
+    STORE_BLOCKS = "store blocks"  #: PUT blocks/...
+    READ_BLOCKS = "read blocks"  #: GET|HEAD blocks/..., POST leases, PUT|DELETE leases/{id}
+    # Placement Controller (§6.3, §6.8)
+    REPORT = "report instance status"  #: PUT instances/{id}/status, PUT|DELETE sessions/...
+    ROUTE = "route requests"  #: POST route
+    RESHARD = "reshard"  #: POST reshard/{map} at the PC
+    # an inference instance (§6.5, §6.8, §6.9), and PUT {pc}instances/{id}/state
+    DIRECT = "direct instances"  #: POST prefetch, PUT state, POST sessions/{id}/resume,
+    #: POST reshard, PUT shards/{map}
+    GENERATE = "generate"  #: POST generate
+    READ_SESSIONS = "read sessions"  #: GET sessions/{id}[/stream] at an instance or the PC
+    TRANSFER_SHARDS = "transfer shard ranges"  #: GET kv?map=&tokens= (instance to instance)
+    OBSERVE = "observe the cluster"  #: GET {pc}instances, {pc}shardmaps/{map}, {ii}status,
+    #: {ii}prefetch/{directive}, {ii}reshard/{map}
+    # MOQT at a relay
+    ANNOUNCE = "announce or publish tracks"  #: PUBLISH_NAMESPACE, PUBLISH
+    SUBSCRIBE = "subscribe to or fetch tracks"  #: SUBSCRIBE, FETCH, TRACK_STATUS
+    DISCOVER = "discover namespaces"  #: SUBSCRIBE_NAMESPACE, SUBSCRIBE_TRACKS
+
+
+#: Stands for "any authenticated principal, with or without roles" in `PERMISSIONS`.
+EVERYONE = "*"
+
+#: Who may do what. "admin" may do everything and is not listed. Why each row is what it is:
+#:
+#: - Replica records are published by whoever holds the replica: a holder, and an instance for
+#:   the blocks of its own pool (§6.1: the IS checks the holder named in the record as well).
+#:   A relay forwards the announcements of the publishers behind it to its upstream relay, so it
+#:   may announce too, bounded like anyone else by its scopes and the holders it may publish for.
+#: - Lookups are made by instances (what to load), the PC (where to route, when it runs apart
+#:   from the IS) and holders (a holder that replicates finds its sources the same way).
+#: - Blocks are stored by instances (their computed blocks at a shared holder) and holders
+#:   (replication); read, with leases to protect what is being read (§6.5, §6.6), by instances,
+#:   holders and relays (a relay moves blocks; its scopes bound which). The PC never touches
+#:   block bytes: a prefetch directive makes the instance take the lease and load.
+#: - Instance status, session checkpoints and the end of a session come from instances (§6.3,
+#:   §6.8).
+#: - Routing is asked by clients (an end user's front end, before generating) and by the PC
+#:   itself; generating is what clients do. There was no role for them before: a principal
+#:   with a scope and no roles could generate, route and read blocks. Now it needs "client".
+#: - Prefetch directives, state changes, resumes and resharding at an instance come from the PC
+#:   (§6.3, §6.5, §6.8, §6.9); resharding at the PC is an operator's act: admin only.
+#: - A session's progress is read by its client's front end, by the PC and by instances.
+#: - Shard ranges move between the instances of a parallel group (§6.9).
+#: - The cluster's operational state (instances, shard maps, directive progress) is read by
+#:   the PC and instances.
+#: - At a relay, subscribing and fetching is what instances, holders and downstream relays do;
+#:   discovering namespaces needs only a valid token (what it reveals is filtered by scope).
+PERMISSIONS: Mapping[Action, frozenset[str]] = MappingProxyType({
+    Action.PUBLISH_REPLICAS: frozenset({"holder", "instance"}),
+    Action.LOOKUP: frozenset({"instance", "pc", "holder"}),
+    Action.STORE_BLOCKS: frozenset({"instance", "holder"}),
+    Action.READ_BLOCKS: frozenset({"instance", "holder", "relay"}),
+    Action.REPORT: frozenset({"instance"}),
+    Action.ROUTE: frozenset({"client", "pc"}),
+    Action.RESHARD: frozenset({"admin"}),
+    Action.DIRECT: frozenset({"pc"}),
+    Action.GENERATE: frozenset({"client"}),
+    Action.READ_SESSIONS: frozenset({"client", "pc", "instance"}),
+    Action.TRANSFER_SHARDS: frozenset({"instance"}),
+    Action.OBSERVE: frozenset({"pc", "instance"}),
+    Action.ANNOUNCE: frozenset({"holder", "instance", "relay"}),
+    Action.SUBSCRIBE: frozenset({"instance", "holder", "relay"}),
+    Action.DISCOVER: frozenset({EVERYONE}),
+})
+assert set(PERMISSIONS) == set(Action)
 
 
 def token_digest(token: str) -> str:
@@ -50,9 +138,17 @@ class Principal:
     def has_role(self, role: str) -> bool:
         return role in self.roles or "admin" in self.roles
 
-    def require_role(self, role: str) -> None:
-        if not self.has_role(role):
-            raise ForbiddenScope(f"principal {self.name!r} lacks the {role} role")
+    def may(self, action: Action) -> bool:
+        """Whether one of this principal's roles may take `action` (`PERMISSIONS`)."""
+        allowed = PERMISSIONS[action]
+        return EVERYONE in allowed or "admin" in self.roles or not allowed.isdisjoint(self.roles)
+
+    def require(self, action: Action) -> "Principal":
+        """Raise ForbiddenRole (403) unless one of this principal's roles may take `action`."""
+        if not self.may(action):
+            raise ForbiddenRole(f"principal {self.name!r} lacks a role that may {action.value} "
+                                f"(one of: {', '.join(sorted(PERMISSIONS[action] | {'admin'}))})")
+        return self
 
 
 def normalize_holder(url: str) -> str:

@@ -80,6 +80,13 @@ class ForbiddenScope(KvspError):
     moqt_code = 0x1
 
 
+class ForbiddenRole(ForbiddenScope):
+    """A principal none of whose roles may take the action (kvsp_moq.auth.PERMISSIONS)."""
+
+    problem = "kvsp-forbidden-role"
+    title = "No role that may do this"
+
+
 class NotFound(KvspError):
     problem = "kvsp-not-found"
     status = 404

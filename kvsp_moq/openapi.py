@@ -261,7 +261,8 @@ _RESPONSES: dict[str, dict[str, Any]] = {
     str(code): {"description": title,
                 "content": {PROBLEM_MEDIA_TYPE: {"schema": _ref("Problem")}}}
     for code, title in ((400, "Malformed input"), (401, "Unauthorized"),
-                        (403, "Not authorized for this scope"), (404, "Not found"),
+                        (403, "Not authorized for this scope, or no role that may do this"),
+                        (404, "Not found"),
                         (409, "Stale epoch"), (412, "Precondition failed"),
                         (413, "Payload too large"), (428, "Precondition required"),
                         (429, "Lease quota exceeded"), (502, "Upstream failure"),
@@ -299,7 +300,9 @@ def _op(summary: str, responses: dict[str, Any], *, body: str | None = None,
     if params:
         op["parameters"] = params
     if auth:
-        op["responses"].update(_problems(401))
+        # 401 without a valid token; 403 for a principal whose roles may not do this
+        # (kvsp-forbidden-role, kvsp_moq.auth.PERMISSIONS), or outside the scope.
+        op["responses"].update(_problems(401, 403))
     else:
         op["security"] = []
     return op

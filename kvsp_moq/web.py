@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvsp_moq.auth import Authenticator, Principal
+from kvsp_moq.auth import Action, Authenticator, Principal
 from kvsp_moq.errors import BadRecord, KvspError
 from kvsp_moq.openapi import openapi_route
 from kvsp_moq.protocol.problems import MEDIA_TYPE as PROBLEM_MEDIA_TYPE, Problem, problem_for_status
@@ -77,10 +77,12 @@ async def read_json(request: Request, *, max_bytes: int = 64 << 20) -> Any:
         raise BadRecord(f"body is not valid JSON: {e}", member="body") from None
 
 
-def principal(request: Request) -> Principal:
-    """The authenticated principal of a request (the app's Authenticator in app.state.auth)."""
+def principal(request: Request, action: Action) -> Principal:
+    """The authenticated principal of a request (the app's Authenticator in app.state.auth),
+    once one of its roles is found to permit `action` (401 without a valid token, 403 without
+    such a role); scope and holder checks are the handler's."""
     auth: Authenticator = request.app.state.auth
-    return auth.authenticate(request.headers.get("authorization"))
+    return auth.authenticate(request.headers.get("authorization")).require(action)
 
 
 class Metrics:

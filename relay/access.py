@@ -13,6 +13,18 @@ through the same principals file as the HTTP services. The rules:
   only a principal with scope "*" may use it.
 * Namespace discovery (SUBSCRIBE_NAMESPACE, SUBSCRIBE_TRACKS) needs a valid token; what it
   reveals is filtered by the same scope rule.
+* Besides, the principal needs a role that may take the action (kvsp_moq.auth.PERMISSIONS):
+  announcing and publishing: holder, instance, relay; subscribing, fetching and TRACK_STATUS:
+  instance, holder, relay; discovery: any valid token.
+* Relay chains. A relay with an upstream presents its `--upstream-token` in its SETUP there, and
+  only that: it speaks for itself upstream, so the upstream authorizes what it forwards against
+  that principal (which needs the relay role and the scopes it serves), never against the
+  downstream's clients' tokens (announcements also carry their publisher's tokens, since the
+  publisher_id is the publisher's to vouch for). Whatever the upstream relay asks on the session
+  this relay opened to it (a SUBSCRIBE or FETCH for a namespace announced here and forwarded
+  up) is accepted as coming from `UPSTREAM`: the upstream authorized its own client before
+  forwarding, and this relay chose to connect to it. A client of this relay is checked here,
+  against this relay's principals, before anything is forwarded.
 
 Without a principals file the relay is open: everything is allowed.
 
@@ -24,7 +36,7 @@ from __future__ import annotations
 from enum import Enum
 from typing import Iterable, Sequence
 
-from kvsp_moq.auth import ANY, Authenticator, Principal
+from kvsp_moq.auth import ANY, PERMISSIONS, Action as Doing, Authenticator, Principal
 from kvsp_moq.errors import KvspError
 from kvsp_moq.moqt.errors import Unauthorized
 from kvsp_moq.moqt.messages import TrackNamespace
@@ -40,6 +52,14 @@ class Action(Enum):
 
 
 _PUBLISHING = (Action.ANNOUNCE, Action.PUBLISH)
+
+#: The row of the role table (kvsp_moq.auth.PERMISSIONS) each MOQT request falls under.
+ROLE_ACTION = {Action.ANNOUNCE: Doing.ANNOUNCE, Action.PUBLISH: Doing.ANNOUNCE,
+               Action.SUBSCRIBE: Doing.SUBSCRIBE, Action.FETCH: Doing.SUBSCRIBE,
+               Action.DISCOVER: Doing.DISCOVER}
+
+#: Who asks on the session a relay opened to its upstream relay: that relay, trusted as such.
+UPSTREAM = Principal("upstream relay", frozenset({ANY}), frozenset({ANY}), frozenset({"relay"}))
 
 
 def scope_field(namespace: TrackNamespace) -> bytes | None:
@@ -81,6 +101,11 @@ class AccessPolicy:
         return out
 
     def permits(self, principal: Principal, action: Action, namespace: TrackNamespace) -> bool:
+        return principal.may(ROLE_ACTION[action]) and self.in_scope(principal, action, namespace)
+
+    @staticmethod
+    def in_scope(principal: Principal, action: Action, namespace: TrackNamespace) -> bool:
+        """The scope (and, for publishing, publisher_id) half of `permits`, without roles."""
         scope = scope_field(namespace)
         if scope is None:
             return ANY in principal.scopes
@@ -90,16 +115,26 @@ class AccessPolicy:
             return _may_publish_as(principal, namespace[3])
         return True
 
-    def check(self, action: Action, namespace: TrackNamespace, tokens: Sequence[bytes]) -> list[Principal]:
+    def check(self, action: Action, namespace: TrackNamespace, tokens: Sequence[bytes], *,
+              upstream: bool = False) -> list[Principal]:
         """Raise MOQT Unauthorized unless a token grants `action` on `namespace`; returns the
-        principals of the valid tokens (for filtering what discovery reveals)."""
+        principals of the valid tokens (for filtering what discovery reveals). `upstream`: the
+        request came on the session to this relay's upstream relay, which is trusted."""
         if self.is_open:
             return [self.authenticator.authenticate(None)]  # the open principal
+        if upstream:
+            return [UPSTREAM]
         if not tokens:
             raise Unauthorized("an authorization token is required")
         principals = self.principals(tokens)
         if not principals:
             raise Unauthorized("unknown authorization token")
+        doing = ROLE_ACTION[action]
+        if not any(p.may(doing) for p in principals):
+            roles = ", ".join(sorted(PERMISSIONS[doing] | {"admin"}))
+            names = ", ".join(repr(p.name) for p in principals)
+            raise Unauthorized(f"not authorized to {action.value}: principal {names} lacks a role "
+                               f"that may {doing.value} (one of: {roles})")
         if action is Action.DISCOVER:
             return principals
         namespace = tuple(namespace)
@@ -108,12 +143,13 @@ class AccessPolicy:
         scope = scope_field(namespace)
         what = f"scope {scope.hex()}" if scope is not None else "this namespace"
         if scope is not None and action in _PUBLISHING and any(
-                p.may_use_scope(scope.hex()) for p in principals):
+                p.may_use_scope(scope.hex()) and p.may(doing) for p in principals):
             what = "this publisher_id"
         raise Unauthorized(f"not authorized to {action.value} in {what}")
 
     def may_see(self, principals: Sequence[Principal], namespace: TrackNamespace) -> bool:
-        """Whether discovery may reveal `namespace` to these principals."""
+        """Whether discovery may reveal `namespace` to these principals: by scope alone, as
+        discovery needs no role."""
         if self.is_open:
             return True
-        return any(self.permits(p, Action.SUBSCRIBE, tuple(namespace)) for p in principals)
+        return any(self.in_scope(p, Action.SUBSCRIBE, tuple(namespace)) for p in principals)

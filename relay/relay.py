@@ -22,7 +22,10 @@ A `Relay` accepts MOQT sessions on 127.0.0.1 and connects publishers with subscr
 * SUBSCRIBE_NAMESPACE is answered with the namespaces announced here, those of tracks
   PUBLISHed here and, with an upstream relay, those the upstream relay reports: the relay
   keeps one SUBSCRIBE_NAMESPACE there for every prefix its watchers need.
-* Every request is authorized by its AUTHORIZATION TOKENs and its session's (access.py).
+* Every request is authorized by its AUTHORIZATION TOKENs and its session's (access.py);
+  a request on the session to the upstream relay comes from that relay and is accepted.
+  Requests forwarded upstream carry no client token: upstream this relay is authorized as
+  itself, by the token of its SETUP there (`upstream_token`, a principal with the relay role).
 * A publisher that goes away ends its subscriptions downstream with PUBLISH_DONE
   (INTERNAL_ERROR, "publisher went away") after what was already received; its FETCH
   responses in progress are reset. Other tracks are not affected.
@@ -306,7 +309,7 @@ class _Downstream:
         try:
             if parameters.authorization_tokens:
                 tokens = [t for t in update.authorization if t] + self.peer.tokens_of_session()
-                relay.policy.check(Action.SUBSCRIBE, feed.key[0], tokens)
+                relay.policy.check(Action.SUBSCRIBE, feed.key[0], tokens, upstream=self.peer.is_upstream)
             start, end_group = self.start, self.end_group
             if parameters.subscription_filter is not None:
                 start, end_group = _filter_bounds(parameters.subscription_filter, feed.largest)
@@ -633,7 +636,6 @@ class _UpstreamWatch:
     """A SUBSCRIBE_NAMESPACE this relay keeps at its upstream relay for its own watchers."""
 
     prefix: tuple[bytes, ...]
-    tokens: list[bytes]
     users: int = 0
     namespaces: set[tuple[bytes, ...]] = field(default_factory=set)
     task: asyncio.Task[None] | None = None
@@ -859,7 +861,7 @@ class Relay:
 
     async def _on_publish_namespace(self, peer: _Peer, req: IncomingPublishNamespace) -> None:
         tokens = peer.tokens(req)
-        self.policy.check(Action.ANNOUNCE, req.namespace, tokens)
+        self.policy.check(Action.ANNOUNCE, req.namespace, tokens, upstream=peer.is_upstream)
         namespace = tuple(req.namespace)
         registration = req.accept()
         route = self.routes.add(namespace, peer)
@@ -925,7 +927,8 @@ class Relay:
 
     async def _on_subscribe_namespace(self, peer: _Peer, req: IncomingSubscribeNamespace) -> None:
         tokens = peer.tokens(req)
-        principals = self.policy.check(Action.DISCOVER, req.namespace_prefix, tokens)
+        principals = self.policy.check(Action.DISCOVER, req.namespace_prefix, tokens,
+                                       upstream=peer.is_upstream)
         _check_overlap(self._namespace_watchers, peer, tuple(req.namespace_prefix))
         publisher = req.accept()
         watcher = _NamespaceWatcher(peer, tuple(req.namespace_prefix), publisher, principals)
@@ -935,7 +938,7 @@ class Relay:
                 if self.policy.may_see(principals, namespace):
                     publisher.announce(namespace)
                     watcher.shown.add(namespace)
-            self._watch_upstream(watcher, tokens)
+            self._watch_upstream(watcher)
             await publisher.closed
         finally:
             self._namespace_watchers.remove(watcher)
@@ -943,7 +946,7 @@ class Relay:
 
     # ---------------------------------------------------------------- namespaces upstream
 
-    def _watch_upstream(self, watcher: _NamespaceWatcher, tokens: list[bytes]) -> None:
+    def _watch_upstream(self, watcher: _NamespaceWatcher) -> None:
         """Forward a watcher's SUBSCRIBE_NAMESPACE to the upstream relay, so that namespaces
         announced (or tracks published) there reach it too. One upstream subscription serves
         every watcher whose prefix it covers, and the upstream subscriptions never overlap
@@ -956,7 +959,7 @@ class Relay:
                 watch.users += 1
                 watcher.upstream = watch
                 return
-        watch = _UpstreamWatch(watcher.prefix, tokens, users=1)
+        watch = _UpstreamWatch(watcher.prefix, users=1)
         watcher.upstream = watch
         for prefix, narrower in list(self._upstream_watches.items()):
             if not covers(watcher.prefix, prefix):
@@ -1005,7 +1008,7 @@ class Relay:
                 for attempt in range(_OVERLAP_RETRIES + 1):
                     try:
                         subscription = await up.connection.subscribe_namespace(
-                            watch.prefix, authorization=watch.tokens or None, timeout=s.upstream_timeout)
+                            watch.prefix, timeout=s.upstream_timeout)
                         break
                     except PrefixOverlap:
                         # The narrower subscription this one replaces may not be gone upstream
@@ -1065,11 +1068,10 @@ class Relay:
     # ---------------------------------------------------------------- subscriptions
 
     async def _on_subscribe(self, peer: _Peer, req: IncomingSubscribe) -> None:
-        tokens = peer.tokens(req)
-        self.policy.check(Action.SUBSCRIBE, req.namespace, tokens)
+        self.policy.check(Action.SUBSCRIBE, req.namespace, peer.tokens(req), upstream=peer.is_upstream)
         self.stats.subscribes += 1
         key: TrackKey = (tuple(req.namespace), bytes(req.track_name))
-        feed = await self._feed_for(key, peer, tokens, req.parameters.rendezvous_timeout or 0,
+        feed = await self._feed_for(key, peer, req.parameters.rendezvous_timeout or 0,
                                     req.parameters.new_group_request)
         start, end_group = _filter_bounds(req.subscription_filter, feed.largest)
         if end_group is not None and feed.largest is not None and end_group < feed.largest.group:
@@ -1081,7 +1083,7 @@ class Relay:
         feed.attach(_Downstream(self, feed, peer, outgoing, start, end_group, req.forward,
                                 req.parameters.subscriber_priority))
 
-    async def _feed_for(self, key: TrackKey, requester: _Peer, tokens: list[bytes], rendezvous_ms: int,
+    async def _feed_for(self, key: TrackKey, requester: _Peer, rendezvous_ms: int,
                         new_group_request: int | None = None) -> _Feed:
         """The live feed of a track, opening one upstream (after a rendezvous wait) if needed."""
         loop = asyncio.get_running_loop()
@@ -1097,7 +1099,7 @@ class Relay:
             source = self._route(key[0], requester)
             if source is not None:
                 try:
-                    return await self._open_feed(key, source, tokens, new_group_request)
+                    return await self._open_feed(key, source, new_group_request)
                 except _SourceGone:
                     continue  # its session just ended; its routes are gone with it
             if not rendezvous_ms:
@@ -1116,7 +1118,7 @@ class Relay:
                 pass
         raise InternalRequestError("no stable route for this track")
 
-    async def _open_feed(self, key: TrackKey, source: _Peer, tokens: list[bytes],
+    async def _open_feed(self, key: TrackKey, source: _Peer,
                          new_group_request: int | None = None) -> _Feed:
         feed = _Feed(self, key, source)
         self._feeds[key] = feed
@@ -1128,9 +1130,10 @@ class Relay:
         try:
             # Forward 1 whatever the subscriber asked ("Forward Handling"); a NEW_GROUP_REQUEST
             # for a track without an Established subscription goes along (its "Relay Handling").
+            # No token of the subscriber's goes along: the subscriber was authorized here, and
+            # upstream this relay is authorized as itself (its SETUP token; access.py).
             upstream = await source.connection.subscribe(
                 key[0], key[1], forward=True, new_group_request=new_group_request,
-                authorization=tokens if source.is_upstream else None,
                 timeout=self.settings.upstream_timeout)
         except BaseException as e:
             self._forget_feed(feed)
@@ -1150,8 +1153,7 @@ class Relay:
             del self._feeds[feed.key]
 
     async def _on_publish(self, peer: _Peer, req: IncomingPublish) -> None:
-        tokens = peer.tokens(req)
-        self.policy.check(Action.PUBLISH, req.namespace, tokens)
+        self.policy.check(Action.PUBLISH, req.namespace, peer.tokens(req), upstream=peer.is_upstream)
         key: TrackKey = (tuple(req.namespace), bytes(req.track_name))
         current = self._feeds.get(key)
         if current is not None and not current.ended:
@@ -1188,7 +1190,8 @@ class Relay:
         feed.attach(_Downstream(self, feed, watcher.peer, outgoing, start, None, True))
 
     async def _on_subscribe_tracks(self, peer: _Peer, req: IncomingSubscribeTracks) -> None:
-        principals = self.policy.check(Action.DISCOVER, req.namespace_prefix, peer.tokens(req))
+        principals = self.policy.check(Action.DISCOVER, req.namespace_prefix, peer.tokens(req),
+                                       upstream=peer.is_upstream)
         _check_overlap(self._track_watchers, peer, tuple(req.namespace_prefix))
         publisher = req.accept()
         watcher = _TrackWatcher(peer, tuple(req.namespace_prefix), principals)
@@ -1203,8 +1206,7 @@ class Relay:
             self._track_watchers.remove(watcher)
 
     async def _on_track_status(self, peer: _Peer, req: IncomingTrackStatus) -> None:
-        tokens = peer.tokens(req)
-        self.policy.check(Action.SUBSCRIBE, req.namespace, tokens)
+        self.policy.check(Action.SUBSCRIBE, req.namespace, peer.tokens(req), upstream=peer.is_upstream)
         self.stats.track_statuses += 1
         key: TrackKey = (tuple(req.namespace), bytes(req.track_name))
         feed = self._feeds.get(key)
@@ -1218,8 +1220,7 @@ class Relay:
         self.stats.upstream_track_statuses += 1
         try:
             info = await source.connection.track_status(
-                key[0], key[1], authorization=tokens if source.is_upstream else None,
-                timeout=self.settings.upstream_timeout)
+                key[0], key[1], timeout=self.settings.upstream_timeout)
         except BaseException as e:
             raise _request_error(e) from None
         req.accept(largest=info.largest, track_properties=info.track_properties)
@@ -1227,8 +1228,7 @@ class Relay:
     # ---------------------------------------------------------------- fetches
 
     async def _on_fetch(self, peer: _Peer, req: IncomingFetch) -> None:
-        tokens = peer.tokens(req)
-        self.policy.check(Action.FETCH, req.namespace, tokens)
+        self.policy.check(Action.FETCH, req.namespace, peer.tokens(req), upstream=peer.is_upstream)
         self.stats.fetches += 1
         key: TrackKey = (tuple(req.namespace), bytes(req.track_name))
         descending = req.group_order == GroupOrder.DESCENDING
@@ -1260,7 +1260,6 @@ class Relay:
                 upstream = await source.connection.fetch(
                     key[0], key[1], resume, last, whole_end_group=whole,
                     group_order=req.parameters.group_order,
-                    authorization=tokens if source.is_upstream else None,
                     timeout=self.settings.upstream_timeout)
                 break
             except BaseException as e:

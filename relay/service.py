@@ -79,7 +79,9 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                    help="object cache budget, e.g. 1G (default 256M)")
     p.add_argument("--upstream", metavar="URL",
                    help="moqt:// URL of the relay asked for tracks no local publisher announced")
-    p.add_argument("--upstream-token", metavar="TOKEN", help="token presented to the upstream relay")
+    p.add_argument("--upstream-token", metavar="TOKEN",
+                   help="token presented to the upstream relay: a principal there with the relay "
+                        "role and the scopes this relay serves (it speaks upstream for itself)")
     p.add_argument("--upstream-ca", metavar="FILE", help="CA (or pinned certificate) of the upstream relay")
     p.add_argument("--upstream-insecure", action="store_true",
                    help="do not verify the upstream relay's certificate")

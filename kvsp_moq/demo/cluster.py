@@ -96,7 +96,7 @@ class Cluster:
             name = f"agent{i + 1}"
             principal(name, self.tokens[name], scopes, [urls[name]], ["instance", "holder"])
         for t in self.tenants:
-            principal(t.name, t.token, [t.scope_id], [], [])
+            principal(t.name, t.token, [t.scope_id], [], ["client"])
         (self.root / "principals.toml").write_text("\n".join(lines))
         (self.root / "pc.token").write_text(self.tokens["pc"])
         (self.root / "scope-keys.toml").write_text(

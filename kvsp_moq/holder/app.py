@@ -33,7 +33,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from kvsp_moq.allocator import receive_buffer
-from kvsp_moq.auth import Authenticator
+from kvsp_moq.auth import Action, Authenticator
 from kvsp_moq.errors import (
     BadContainer,
     BadRecord,
@@ -215,7 +215,7 @@ class HolderApi:
         bid = parse_block_id(request.path_params)
         layers = parse_layers(request.query_params.get("layers"))
         codec = parse_codec(request.query_params.get("codec"))
-        principal(request).require_scope(bid.scope_id)
+        principal(request, Action.READ_BLOCKS).require_scope(bid.scope_id)
         entry = self.store.get(bid)
         if entry is None:
             raise NotFound("no replica of this block here")
@@ -235,7 +235,7 @@ class HolderApi:
 
     async def put_block(self, request: Request) -> Response:
         bid = parse_block_id(request.path_params)
-        principal(request).require_scope(bid.scope_id)
+        principal(request, Action.STORE_BLOCKS).require_scope(bid.scope_id)
         condition = request.headers.get("if-none-match")
         if condition is None or condition.strip() != "*":
             raise PreconditionRequired("storing a block needs If-None-Match: *")
@@ -247,7 +247,7 @@ class HolderApi:
         return json_response(self.publisher.record_for(entry).to_json(), 201)
 
     async def create_lease(self, request: Request) -> Response:
-        who = principal(request)
+        who = principal(request, Action.READ_BLOCKS)
         lease_req = LeaseRequest.from_json(await read_json(request, max_bytes=8 << 20))
         octets = 0
         for i, key in enumerate(lease_req.block_keys):
@@ -261,7 +261,7 @@ class HolderApi:
 
     async def renew_lease(self, request: Request) -> Response:
         lease_id = self._lease_id(request)
-        who = principal(request)
+        who = principal(request, Action.READ_BLOCKS)
         ttl_ms = None
         if await request.body():
             data = v.obj(await read_json(request, max_bytes=65536))
@@ -271,7 +271,7 @@ class HolderApi:
         return json_response(LeaseGrant(lease.id, lease.ttl_ms).to_json())
 
     async def release_lease(self, request: Request) -> Response:
-        self.leases.release(self._lease_id(request), principal(request).name)
+        self.leases.release(self._lease_id(request), principal(request, Action.READ_BLOCKS).name)
         return Response(status_code=204)
 
     @staticmethod

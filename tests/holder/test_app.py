@@ -137,8 +137,8 @@ def test_put_larger_than_the_limit_is_413(start_holder) -> None:
 
 def test_scope_authorization(start_holder) -> None:
     auth = Authenticator.from_mapping({"principal": [
-        {"name": "alice", "token": "tok-alice", "scopes": [SCOPE]},
-        {"name": "bob", "token": "tok-bob", "scopes": [OTHER_SCOPE]},
+        {"name": "alice", "token": "tok-alice", "scopes": [SCOPE], "roles": ["instance"]},
+        {"name": "bob", "token": "tok-bob", "scopes": [OTHER_SCOPE], "roles": ["instance"]},
     ]})
     holder = start_holder(auth=auth)
     block = make_block(9)

@@ -217,7 +217,8 @@ async def test_layers_through_the_relay_equal_an_http_get(relay, fake_index, hol
 
 async def test_the_holder_token_is_presented_to_a_protected_relay(fake_index, holders, client):
     auth = Authenticator.from_mapping({"principal": [
-        {"name": "holder", "token": "holder-token", "scopes": [SCOPE], "holders": ["*"]},
+        {"name": "holder", "token": "holder-token", "scopes": [SCOPE], "holders": ["*"],
+         "roles": ["holder"]},
     ]})
     relay = await Relay(RelaySettings(certificate=CERT, authenticator=auth)).start()
     try:

@@ -55,7 +55,7 @@ def test_options_become_settings(tmp_path) -> None:
 
 def test_the_command_serves_with_authentication(tmp_path) -> None:
     principals = tmp_path / "principals.toml"
-    principals.write_text('[[principal]]\nname = "a"\ntoken = "tok"\nscopes = ["*"]\n')
+    principals.write_text('[[principal]]\nname = "a"\ntoken = "tok"\nscopes = ["*"]\nroles = ["holder"]\n')
     code = ("import argparse, sys\n"
             "from kvsp_moq.holder.service import configure_parser, run\n"
             "p = argparse.ArgumentParser(); configure_parser(p)\n"

@@ -117,6 +117,7 @@ scopes = ["{SCOPE}"]
 [[principal]]
 name = "tenant"
 token = "t-tenant"
+roles = ["client"]
 scopes = ["{SCOPE}"]
 
 [[principal]]

@@ -359,8 +359,10 @@ def kv_ns(scope: str) -> tuple[bytes, ...]:
 
 async def test_token_of_scope_a_cannot_use_scope_b():
     auth = Authenticator.from_mapping({"principal": [
-        {"name": "holder-a", "token": "tok-a", "scopes": [SCOPE_A], "holders": [HOLDER]},
-        {"name": "holder-b", "token": "tok-b", "scopes": [SCOPE_B], "holders": [HOLDER]},
+        {"name": "holder-a", "token": "tok-a", "scopes": [SCOPE_A], "holders": [HOLDER],
+         "roles": ["holder"]},
+        {"name": "holder-b", "token": "tok-b", "scopes": [SCOPE_B], "holders": [HOLDER],
+         "roles": ["holder"]},
     ]})
     objects = make_objects(1, 3, 100)
     async with running_relay(authenticator=auth) as relay:

@@ -141,8 +141,8 @@ def ns(scope: str, holder: str = HOLDER) -> tuple[bytes, ...]:
 
 def policy() -> AccessPolicy:
     return AccessPolicy(Authenticator.from_mapping({"principal": [
-        {"name": "a", "token": "tok-a", "scopes": [SCOPE_A], "holders": [HOLDER]},
-        {"name": "reader", "token": "tok-r", "scopes": [SCOPE_A]},
+        {"name": "a", "token": "tok-a", "scopes": [SCOPE_A], "holders": [HOLDER], "roles": ["holder"]},
+        {"name": "reader", "token": "tok-r", "scopes": [SCOPE_A], "roles": ["instance"]},
         {"name": "ops", "token": "tok-all", "scopes": ["*"], "roles": ["admin"]},
     ]}))
 

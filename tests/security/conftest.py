@@ -30,9 +30,9 @@ TOKEN_A, TOKEN_B, TOKEN_AGENT = "tok-tenant-a", "tok-tenant-b", "tok-agent"
 
 PRINCIPALS: dict[str, Any] = {"principal": [
     {"name": "tenant-a", "token": TOKEN_A, "scopes": [SCOPE_A], "holders": [HOLDER_A],
-     "roles": ["holder", "pc", "instance"]},
+     "roles": ["holder", "pc", "instance", "client"]},
     {"name": "tenant-b", "token": TOKEN_B, "scopes": [SCOPE_B], "holders": [HOLDER_B],
-     "roles": ["holder", "pc", "instance"]},
+     "roles": ["holder", "pc", "instance", "client"]},
     # An instance serving both tenants: what a confused deputy would act with.
     {"name": "agent", "token": TOKEN_AGENT, "scopes": [SCOPE_A, SCOPE_B], "holders": ["*"],
      "roles": ["instance"]},
@@ -127,7 +127,7 @@ FUZZ_TOKEN = "tok-fuzz"
 def fuzz_authenticator() -> Authenticator:
     return Authenticator.from_mapping({"principal": [
         {"name": "fuzz", "token": FUZZ_TOKEN, "scopes": ["*"], "holders": ["*"],
-         "roles": ["holder", "pc", "instance", "admin"]}]})
+         "roles": ["admin"]}]})
 
 
 @pytest.fixture(scope="module")
