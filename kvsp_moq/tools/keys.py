@@ -321,7 +321,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     s.add_argument("--name", required=True, help="the principal's name (in logs and errors)")
     s.add_argument("--role", action="append", default=[], metavar="ROLE",
                    help=f"one of {', '.join(sorted(ROLES))} (repeatable, or comma-separated); "
-                        "none: a client that only uses its scopes")
+                        "each role's actions: README, Tokens and principals")
     s.add_argument("--scope", action="append", default=[], metavar="SCOPE_ID|NAME|*",
                    help="a Scope ID (32 hex digits), a scope name of --scope-keys, or * for "
                         "every scope (repeatable)")
