@@ -138,17 +138,26 @@ def create_combined_app(index_settings: IndexSettings, pc_settings: "PCSettings"
     return app
 
 
+def check_serving(args: argparse.Namespace) -> list[str]:
+    """The refusals of `kvsp_moq.serving` for these options (SettingError), before anything is
+    bound; the warnings to log at start."""
+    host, _ = parse_listen(args.listen, DEFAULT_PORT)
+    warnings = check_exposure("the index", host, authenticated=args.principals is not None,
+                              insecure_open=getattr(args, "insecure_open", False))
+    public_url = normalize_public_url(getattr(args, "public_url", None))
+    if args.start_command and args.role != "is":  # the only place it tells others its URL
+        check_advertised(host, public_url)
+    return warnings
+
+
 def run(args: argparse.Namespace) -> int:
     """Serve until interrupted; 2 with one line on stderr when the options are refused."""
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
         host, port = parse_listen(args.listen, DEFAULT_PORT)
-        warnings = check_exposure("the index", host, authenticated=args.principals is not None,
-                                  insecure_open=getattr(args, "insecure_open", False))
+        warnings = check_serving(args)
         public_url = normalize_public_url(getattr(args, "public_url", None))
-        if args.start_command and args.role != "is":  # the only place it tells others its URL
-            check_advertised(host, public_url)
         settings = settings_from_args(args)
         pc_settings = pc_settings_from_args(args) if args.role != "is" else None
     except (KvspError, ValueError, OSError) as e:  # SettingError is a ValueError

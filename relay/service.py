@@ -190,6 +190,13 @@ async def serve_forever(settings: RelaySettings, notes: Sequence[str] = (),
     """Run the relay (and its metrics server, given an address) until SIGINT or SIGTERM."""
     from .metrics import start_metrics_server  # noqa: PLC0415  (web stack only when asked for)
 
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # from the start: a stop must clean up
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):
+            pass
     relay = await Relay(settings).start()
     print(f"relay listening on {settings.public_url or relay.url}", flush=True)
     if settings.public_url and settings.public_url != relay.url:
@@ -208,13 +215,6 @@ async def serve_forever(settings: RelaySettings, notes: Sequence[str] = (),
             await relay.aclose()
             raise
         print(f"metrics at {metrics_server.url}metrics", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        try:
-            loop.add_signal_handler(sig, stop.set)
-        except (NotImplementedError, RuntimeError):
-            pass
     try:
         await stop.wait()
     finally:
@@ -227,6 +227,12 @@ def run(args: argparse.Namespace) -> int:
     """Serve in the foreground until interrupted."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("quic").setLevel(logging.WARNING)  # aioquic logs every connection event
+
+    def terminated(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)  # unwinds through the cleanup below
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, terminated)  # until the event loop takes it over
     with contextlib.ExitStack() as cleanup:
         settings, notes = settings_from_args(args, cleanup)
         run_loop(serve_forever(settings, notes, getattr(args, "metrics", None)), settings=settings.quic)
