@@ -7,7 +7,8 @@
 
 Without --cert a self-signed certificate is generated for the listen address (unless it is
 0.0.0.0 or ::), the host of --public-url and the loopback names, and written to --cert-dir
-(kept) or to a temporary directory removed at exit; its path and SHA-256 fingerprint are
+(kept, and reused at the next start while it covers those names and is valid) or to a
+temporary directory removed at exit; its path and SHA-256 fingerprint are
 printed so that clients elsewhere can trust it (`--relay-ca PATH`). Without --principals
 the relay runs open, on loopback only unless --insecure-open (kvsp_moq.serving). The first
 line on stdout is "relay listening on moqt://HOST:PORT" (the --public-url when given); with
@@ -35,7 +36,7 @@ from urllib.parse import urlsplit
 from kvsp_moq.allocator import tune_allocator
 from kvsp_moq.auth import Authenticator
 from kvsp_moq.errors import KvspError, SettingError
-from kvsp_moq.moqt.certs import certificate_names, client_tls, fingerprint, generate_self_signed
+from kvsp_moq.moqt.certs import certificate_names, client_tls, fingerprint, load_or_generate
 from kvsp_moq.serving import INSECURE_OPEN_HELP, check_advertised, check_exposure, normalize_public_url
 from kvsp_moq.moqt.quic import new_event_loop
 from kvsp_moq.moqt.quic import run as run_loop
@@ -158,7 +159,6 @@ def settings_from_args(args: argparse.Namespace,
             raise SettingError(f"cannot read --cert {args.cert}: {getattr(e, 'strerror', None) or e}") from None
     else:
         names = certificate_names(host, urlsplit(public_url).hostname if public_url else None)
-        certificate = generate_self_signed(names)
         if args.cert_dir:
             directory = Path(args.cert_dir)
             directory.mkdir(parents=True, exist_ok=True)
@@ -171,16 +171,14 @@ def settings_from_args(args: argparse.Namespace,
 
                 atexit.register(shutil.rmtree, directory, ignore_errors=True)
         cert_path, key_path = directory / "relay-cert.pem", directory / "relay-key.pem"
-        certificate.write(cert_path, key_path)
+        certificate, reused = load_or_generate(cert_path, key_path, names)
         settings.certificate = certificate
         notes.append(f"self-signed certificate {cert_path} (key {key_path}) for {', '.join(names)}"
-                     + ("" if args.cert_dir else "; removed at exit"))
+                     + ("; reused" if reused else "") + ("" if args.cert_dir else "; removed at exit")
+                     + "; clients on other machines take a copy as --relay-ca (relays: --upstream-ca)")
         notes.append(f"certificate SHA-256 fingerprint {fingerprint(certificate.certificate_pem)}")
     if authenticator.is_open:
         notes.append("no principals file: running open, every client may announce, subscribe and fetch")
-    if not args.cert:
-        notes.append(f"clients on other machines: copy {cert_path} there and give it as --relay-ca "
-                     "(a relay downstream: --upstream-ca)")
     notes.extend(warnings)
     return settings, notes
 

@@ -29,7 +29,7 @@ from .errors import SessionClosed
 
 __all__ = ["LOOPBACK_NAMES", "CertificateRejected", "ClientTls", "SelfSignedCertificate",
            "add_relay_tls_options", "certificate_names", "check_trusted", "client_tls", "fingerprint",
-           "generate_self_signed", "untrusted_certificate"]
+           "generate_self_signed", "load_or_generate", "untrusted_certificate"]
 
 #: The names every generated certificate covers.
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
@@ -77,6 +77,29 @@ def certificate_names(*hosts: str | None) -> list[str]:
         if host not in names:
             names.append(host)
     return names
+
+
+def load_or_generate(certificate_path: Path, key_path: Path, names: list[str], *,
+                     valid_days: int = 365) -> tuple[SelfSignedCertificate, bool]:
+    """The certificate already at these paths when it covers `names` and is valid for another
+    day (so clients keep trusting the copy they were given), else a new one written there;
+    True when reused."""
+    try:
+        certificate = x509.load_pem_x509_certificate(certificate_path.read_bytes())
+        key = serialization.load_pem_private_key(key_path.read_bytes(), password=None)
+        covered = certificate.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        have = {str(n) for n in covered.get_values_for_type(x509.DNSName)}
+        have |= {str(a) for a in covered.get_values_for_type(x509.IPAddress)}
+        fresh = certificate.not_valid_after_utc > (datetime.datetime.now(datetime.timezone.utc)
+                                                   + datetime.timedelta(days=1))
+        if (isinstance(key, ec.EllipticCurvePrivateKey) and fresh and set(names) <= have
+                and certificate.public_key().public_numbers() == key.public_key().public_numbers()):
+            return SelfSignedCertificate(certificate, key), True
+    except (OSError, ValueError, x509.ExtensionNotFound):
+        pass
+    generated = generate_self_signed(names, valid_days=valid_days)
+    generated.write(certificate_path, key_path)
+    return generated, False
 
 
 def fingerprint(certificate_pem: bytes) -> str:

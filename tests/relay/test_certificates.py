@@ -52,7 +52,7 @@ def test_the_generated_certificate_names_the_listen_address_and_the_public_host(
         x509.IPAddress)
     assert ipaddress.ip_address("198.18.0.1") in ips  # an IP SAN, not a DNS name
     assert any(n.startswith("certificate SHA-256 fingerprint ") for n in notes)
-    assert any(f"--relay-ca" in n and str(tmp_path / "relay-cert.pem") in n for n in notes)
+    assert any("--relay-ca" in n and str(tmp_path / "relay-cert.pem") in n for n in notes)
     # 0.0.0.0 is no name of the relay: the public URL's host and loopback only
     settings, _ = relay_settings("--listen", "0.0.0.0:4443", "--insecure-open", "--public-url",
                                  "moqt://10.77.0.2:4443", "--cert-dir", str(tmp_path))
@@ -69,6 +69,13 @@ def test_a_generated_certificate_without_cert_dir_is_removed_at_exit(tmp_path):
     assert not path.parent.exists()
     relay_settings("--listen", "127.0.0.1:0", "--cert-dir", str(tmp_path))
     assert (tmp_path / "relay-cert.pem").exists()  # --cert-dir is kept
+    first = (tmp_path / "relay-cert.pem").read_bytes()
+    _, notes = relay_settings("--listen", "127.0.0.1:0", "--cert-dir", str(tmp_path))
+    assert (tmp_path / "relay-cert.pem").read_bytes() == first  # clients' copies stay good
+    assert any(n.startswith("self-signed certificate ") and "reused" in n for n in notes)
+    relay_settings("--listen", "127.0.0.1:0", "--public-url", "moqt://relay.example:1",
+                   "--cert-dir", str(tmp_path))
+    assert (tmp_path / "relay-cert.pem").read_bytes() != first  # a new name: a new certificate
 
 
 def test_a_relay_process_removes_its_certificate_at_exit():
