@@ -149,11 +149,26 @@ def test_a_relay_process_runs_off_loopback_with_insecure_open(tmp_path):
     proc = subprocess.Popen(["unshare", "-n", "sh", "-c", script], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, env=_env(), cwd=ROOT)
     try:
-        assert proc.stdout is not None
-        first = proc.stdout.readline().decode()
-        assert first == f"relay listening on moqt://{REMOTE}:4443\n", proc.stderr.read(2000) if not first else first
-        lines = [proc.stdout.readline().decode() for _ in range(5)]
-        assert any(line.startswith("INSECURE: the relay serves") for line in lines), lines
+        lines = _lines_until(proc, "INSECURE: the relay serves", 60)
+        assert lines[0] == f"relay listening on moqt://{REMOTE}:4443\n", lines
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def _lines_until(proc: subprocess.Popen, prefix: str, timeout: float) -> list[str]:
+    """Lines of the process's stdout up to one starting with `prefix` (fails after `timeout`)."""
+    import queue
+    import threading
+
+    assert proc.stdout is not None
+    stdout = proc.stdout
+    arrived: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [arrived.put(line.decode()) for line in stdout], daemon=True).start()
+    lines: list[str] = []
+    while not lines or not lines[-1].startswith(prefix):
+        try:
+            lines.append(arrived.get(timeout=timeout))
+        except queue.Empty:
+            raise AssertionError(f"no line starting {prefix!r} within {timeout} s: {lines}") from None
+    return lines
