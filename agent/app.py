@@ -56,11 +56,12 @@ from agent.status import Meters, StatusReporter
 from kvsp_moq.auth import Action, Authenticator
 from kvsp_moq.errors import BadRecord, KvspError, NotFound, StaleEpoch
 from kvsp_moq.fetch.http import HttpFetcher
-from kvsp_moq.holder.app import HolderApi, relay_tls, repr_digest
+from kvsp_moq.holder.app import HolderApi, repr_digest
 from kvsp_moq.holder.leases import LeaseLimits, LeaseTable
 from kvsp_moq.holder.publisher import Publisher
 from kvsp_moq.holder.store import BlockId, BlockStore
 from kvsp_moq.index_client import IndexClient
+from kvsp_moq.moqt.certs import client_tls
 from kvsp_moq.moqt_blocks import BlockPublisher, MoqtBlockFetcher
 from kvsp_moq.protocol import validate as v
 from kvsp_moq.protocol.compat import CompatDescriptor
@@ -120,11 +121,12 @@ class AgentContext:
         sources: list[Any] = list(settings.layer_sources)
         self.moqt_fetcher: MoqtBlockFetcher | None = None
         self.moqt_source: MoqtLayerSource | None = None
-        self.relay_tls = relay_tls(settings.relay, None, False) if settings.relay else {}
+        self.relay_tls = (client_tls(settings.relay, cafile=settings.relay_ca,
+                                     insecure=settings.relay_insecure) if settings.relay else None)
         if settings.relay:
             # MOQT first, HTTP as the fallback, recomputation last (DESIGN §5).
             self.moqt_fetcher = MoqtBlockFetcher(token=settings.token,
-                                                 timeout=settings.relay_timeout_s, **self.relay_tls)
+                                                 timeout=settings.relay_timeout_s, tls=self.relay_tls)
             self.moqt_source = MoqtLayerSource(self.moqt_fetcher, settings.relay)
             sources.insert(0, self.moqt_source)
         sources.append(HttpLayerSource(self.fetcher))
@@ -202,11 +204,10 @@ class AgentContext:
             if not self.url:
                 raise BadRecord("the agent's public URL is unknown; its MOQT tracks cannot be "
                                 "named", member="public_url")
-            if not self.relay_tls.get("verify", True):
-                log.warning("not verifying the certificate of the loopback relay %s",
-                            self.settings.relay)
+            assert self.relay_tls is not None
+            self.relay_tls.log_note(log)
             self.moqt_publisher = BlockPublisher(self.store, self.settings.relay, self.url,
-                                                 token=self.settings.token, **self.relay_tls)
+                                                 token=self.settings.token, tls=self.relay_tls)
             self.publisher.use_moqt(self.moqt_publisher)
             await self.moqt_publisher.start()
             log.info("publishing blocks over MOQT through %s", self.settings.relay)

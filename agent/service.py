@@ -1,8 +1,14 @@
 """`kvsp agent`: the inference instance as a service, and the same agent in process.
 
     kvsp agent --listen 127.0.0.1:8900 --model tiny --index http://127.0.0.1:8700/ \\
-               [--pc URL] [--relay URL] [--data DIR] [--scope-keys FILE --scope NAME] \\
-               [--device cpu|cuda] [--public-url URL] [--principals FILE] [--token TOKEN]
+               [--pc URL] [--relay URL [--relay-ca FILE | --relay-insecure]] [--data DIR] \\
+               [--scope-keys FILE --scope NAME] [--device cpu|cuda] [--public-url URL] \\
+               [--principals FILE | --insecure-open] [--token TOKEN]
+
+Without --principals, or without --scope-keys (the open scope, whose key is public), the agent
+runs on loopback only unless --insecure-open; listening on 0.0.0.0 or :: needs --public-url
+(`kvsp_moq.serving`). The relay's certificate is checked by `kvsp_moq.moqt.certs.client_tls`,
+as by every MOQT client of the project.
 
 `--model tiny` creates the small test model once (under `--data`, else ~/.cache/kvsp-moq) and
 reuses it afterwards. `Agent` runs the app on a background uvicorn server on 127.0.0.1 and a
@@ -28,9 +34,11 @@ from agent.model import ModelAdapter
 from agent.tiny import ensure_tiny_model
 from kvsp_moq.allocator import tune_allocator
 from kvsp_moq.auth import Authenticator
-from kvsp_moq.errors import BadRecord
+from kvsp_moq.errors import BadRecord, KvspError, SettingError
 from kvsp_moq.holder.service import parse_size, positive_int
 from kvsp_moq.scope_keys import read_scope_keys
+from kvsp_moq.moqt.certs import add_relay_tls_options
+from kvsp_moq.serving import INSECURE_OPEN_HELP, check_advertised, check_exposure, normalize_public_url
 from kvsp_moq.web import BackgroundServer, bind_tcp, parse_listen, uvicorn_config
 
 log = logging.getLogger("kvsp.agent")
@@ -63,6 +71,10 @@ class AgentSettings:
     #: MOQT relay: blocks with MOQT replicas are loaded through it first (HTTP is the fallback),
     #: and the agent's own blocks are published through it, each with a MOQT record too
     relay: str | None = None
+    #: CA (or the relay's own certificate) the relay's certificate is checked against
+    relay_ca: str | Path | None = None
+    #: skip checking the relay's certificate, wherever it is (warned)
+    relay_insecure: bool = False
     #: how long a MOQT request through the relay may go unanswered before HTTP takes over
     relay_timeout_s: float = 10.0
     data_dir: str | Path | None = None
@@ -232,16 +244,23 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--relay", metavar="URL",
                    help="moqt:// URI of the MOQT relay: blocks are loaded through it first and "
                         "this agent's blocks are published through it")
+    add_relay_tls_options(p)
     p.add_argument("--data", metavar="DIR", help="directory of the block store's disk tier and models")
-    p.add_argument("--scope-keys", metavar="FILE", help="keys file (TOML: scope name = hex key)")
+    p.add_argument("--scope-keys", metavar="FILE",
+                   help="keys file (TOML: scope name = hex key); without it the agent uses the "
+                        "open scope, whose key is public, on loopback only")
     p.add_argument("--scope", metavar="NAME", help="scope of requests that name none")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:n] (default %(default)s)")
     p.add_argument("--dtype", default="float32", choices=DTYPES,
                    help="of the model's weights and of its KV blocks; part of the "
                         "Compatibility ID, so instances that share blocks must agree "
                         "(default %(default)s)")
-    p.add_argument("--public-url", metavar="URL", help="this agent's base URL as others reach it")
-    p.add_argument("--principals", metavar="FILE", help="principals file (TOML); without it: open")
+    p.add_argument("--public-url", metavar="URL",
+                   help="this agent's base URL as others reach it, put in its records (default "
+                        "http://LISTEN/; needed when listening on 0.0.0.0 or ::)")
+    p.add_argument("--principals", metavar="FILE",
+                   help="principals file (TOML); without it the agent runs open, on loopback only")
+    p.add_argument("--insecure-open", action="store_true", help=INSECURE_OPEN_HELP)
     p.add_argument("--token", metavar="TOKEN", help="bearer token presented to other services")
     p.add_argument("--block-tokens", type=positive_int, default=AgentSettings.block_tokens,
                    metavar="B",
@@ -265,23 +284,35 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
 
 def settings_from_args(args: argparse.Namespace) -> AgentSettings:
     keys = read_scope_keys(args.scope_keys) if args.scope_keys else {}
-    public = args.public_url
-    if public and not public.endswith("/"):
-        public += "/"
+    public = normalize_public_url(args.public_url)
     return AgentSettings(
         listen=args.listen, model=args.model, device=args.device, dtype=args.dtype,
-        index_url=args.index, pc_url=args.pc, relay=args.relay, data_dir=args.data,
+        index_url=args.index, pc_url=args.pc, relay=args.relay, relay_ca=args.relay_ca,
+        relay_insecure=args.relay_insecure, data_dir=args.data,
         scope_keys=keys, scope=args.scope, public_url=public, principals=args.principals,
         token=args.token, block_tokens=args.block_tokens, status_ttl_ms=args.status_ttl_ms,
         host_bytes=args.host_bytes, disk_bytes=args.disk_bytes,
         replicate_to=tuple(args.replicate_to), choose_by_cost=not args.always_load)
 
 
+def check_serving(args: argparse.Namespace) -> list[str]:
+    """The refusals of `kvsp_moq.serving` for these options (SettingError), before anything is
+    bound or loaded; the warnings to log at start."""
+    host, _ = parse_listen(args.listen, DEFAULT_PORT)
+    warnings = check_exposure("the agent", host, authenticated=args.principals is not None,
+                              open_scope=not args.scope_keys, insecure_open=args.insecure_open)
+    check_advertised(host, normalize_public_url(args.public_url))
+    return warnings
+
+
 def run(args: argparse.Namespace) -> int:
     """Serve in the foreground until interrupted."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    warnings = check_serving(args)
     tune_interpreter()
     settings = settings_from_args(args)
+    for warning in warnings:
+        log.warning("%s", warning)
     if not args.scope_keys:
         log.warning("no --scope-keys: using the open loopback scope (its key is public)")
     if args.relay:
@@ -309,7 +340,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_parser(parser)
     args = parser.parse_args(argv)
     tune_allocator()
-    return args.func(args)
+    try:
+        return args.func(args)
+    except (KvspError, SettingError) as e:
+        print(f"kvsp agent: {getattr(e, 'detail', e)}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

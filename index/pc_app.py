@@ -49,6 +49,7 @@ from kvsp_moq.index_client import IndexClient, raise_for_problem
 from kvsp_moq.protocol import validate as v
 from kvsp_moq.protocol.keys import BlockKeyChain
 from kvsp_moq.protocol.records import InstanceStatus, PrefetchDirective, SessionCheckpoint, ShardMap
+from kvsp_moq.serving import INSECURE_OPEN_HELP
 from kvsp_moq.web import build_app, json_response, principal, read_json
 
 from index.lifecycle import (InstanceFailed, InstanceRegistry, LifecycleSettings, StateChanged,
@@ -88,6 +89,8 @@ class PCSettings:
     start_command: str | None = None
     """Shell command of the start hook (see `command_start_hook`); None: no hook."""
     start_command_timeout_s: float = 60.0
+    start_command_env: dict[str, str] = field(default_factory=dict)
+    """Added to the start command's environment (`kvsp index`: KVSP_PC_URL, KVSP_INDEX_URL)."""
 
 
 class InstanceClient:
@@ -145,18 +148,21 @@ def _drain_and_reap(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def command_start_hook(command: str, *, timeout_s: float = 60.0) -> StartHook:
+def command_start_hook(command: str, *, timeout_s: float = 60.0,
+                       env: dict[str, str] | None = None) -> StartHook:
     """A start hook that runs a shell command to launch an instance (§6.4).
 
     The command finds the request in its environment (KVSP_SCOPE_ID, KVSP_COMPAT_ID,
-    KVSP_REQUEST_REF, KVSP_TOKEN_COUNT) and prints, as the first line of its output, the new
+    KVSP_REQUEST_REF, KVSP_TOKEN_COUNT; with `env`, e.g. KVSP_PC_URL and KVSP_INDEX_URL too) and prints, as the first line of its output, the new
     instance's base URL or a JSON Instance Status Record of what is known of it (rates,
     links); an empty line means none was started. Only that line is waited for, so the
     command may keep running while the instance starts: the directive then overlaps the start.
     """
 
+    extra_env = env
+
     async def start(request: RouteRequest) -> str | InstanceStatus | None:
-        env = dict(os.environ, KVSP_SCOPE_ID=request.scope_id, KVSP_COMPAT_ID=request.compat_id,
+        env = dict(os.environ, **(extra_env or {}), KVSP_SCOPE_ID=request.scope_id, KVSP_COMPAT_ID=request.compat_id,
                    KVSP_REQUEST_REF=request.request_ref or "",
                    KVSP_TOKEN_COUNT=str(request.token_count))
         proc = subprocess.Popen(command, shell=True, stdout=subprocess.PIPE,
@@ -213,7 +219,8 @@ class PlacementController:
         self.keys = keys if keys is not None else ScopeKeys.from_file(settings.scope_keys)
         if start_hook is None and settings.start_command:
             start_hook = command_start_hook(settings.start_command,
-                                            timeout_s=settings.start_command_timeout_s)
+                                            timeout_s=settings.start_command_timeout_s,
+                                            env=settings.start_command_env)
         self.router = Router(self.registry, lookup, self.instances.prefetch, settings.placement,
                              keys=self.keys, start_hook=start_hook)
         self.failover = Failover(self.sessions, self._choose_for, self.instances.resume,
@@ -434,7 +441,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--listen", default=f"127.0.0.1:{DEFAULT_PORT}", metavar="HOST:PORT")
     parser.add_argument("--db", default="kvsp-pc.sqlite3", metavar="FILE",
                         help="SQLite file of sessions and shard maps")
-    parser.add_argument("--principals", metavar="FILE", help="principals file (TOML)")
+    parser.add_argument("--principals", metavar="FILE",
+                        help="principals file (TOML); without it the PC runs open, on loopback only")
+    parser.add_argument("--insecure-open", action="store_true", help=INSECURE_OPEN_HELP)
     parser.add_argument("--scope-keys", metavar="FILE",
                         help="keys file (TOML: scope name -> hex key)")
     parser.add_argument("--index", metavar="URL", help="base URL of the Index Service")
@@ -460,13 +469,26 @@ def settings_from_args(args: argparse.Namespace) -> PCSettings:
 
 def main(argv: Sequence[str] | None = None) -> None:
     from kvsp_moq.allocator import tune_allocator
-    from kvsp_moq.web import run
+    import sys
+
+    from kvsp_moq.errors import SettingError
+    from kvsp_moq.serving import check_exposure
+    from kvsp_moq.web import parse_listen, run
 
     parser = argparse.ArgumentParser(prog="kvsp-pc", description="KVSP Placement Controller")
     add_arguments(parser)
     args = parser.parse_args(argv)
     tune_allocator()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    try:
+        host, _ = parse_listen(args.listen, DEFAULT_PORT)
+        warnings = check_exposure("the PC", host, authenticated=args.principals is not None,
+                                  insecure_open=args.insecure_open)
+    except (KvspError, SettingError) as e:
+        print(f"kvsp-pc: {getattr(e, 'detail', e)}", file=sys.stderr)
+        raise SystemExit(2) from None
+    for warning in warnings:
+        log.warning("%s", warning)
     run(create_pc_app(settings_from_args(args)), args.listen, DEFAULT_PORT)
 
 

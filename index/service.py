@@ -7,7 +7,6 @@ and the IS takes instance status and links from the PC for lookup targets.
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import json
 import logging
 import sys
@@ -19,6 +18,7 @@ from index.store import MemoryReplicaStore, ReplicaStore
 from kvsp_moq.auth import Authenticator
 from kvsp_moq.errors import KvspError
 from kvsp_moq.protocol.compat import CompatDescriptor
+from kvsp_moq.serving import INSECURE_OPEN_HELP, check_advertised, check_exposure, normalize_public_url
 from kvsp_moq.web import parse_listen, run as serve
 
 if TYPE_CHECKING:
@@ -37,6 +37,11 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--principals", metavar="FILE",
                    help="principals file (TOML); without it the service runs open, on "
                         "loopback only")
+    p.add_argument("--insecure-open", action="store_true", help=INSECURE_OPEN_HELP)
+    p.add_argument("--public-url", metavar="URL",
+                   help="this service's base URL as others reach it: logged at start and given to "
+                        "--start-command as KVSP_INDEX_URL and KVSP_PC_URL (needed with "
+                        "--start-command when listening on 0.0.0.0 or ::)")
     p.add_argument("--role", choices=("is", "pc", "both"), default="both",
                    help="which services this process runs (default both)")
     p.add_argument("--db", default=None, metavar="FILE",
@@ -61,15 +66,6 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store", default="memory", metavar="memory|redis://HOST:PORT/DB",
                    help="where replica records live: in this process (default), or in Redis, "
                         "shared by every IS process that names the same URL")
-
-
-def _loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def store_from_arg(value: str) -> ReplicaStore:
@@ -115,9 +111,17 @@ def pc_settings_from_args(args: argparse.Namespace) -> "PCSettings":
         token = Path(args.token_file).read_text(encoding="utf-8").strip()
     placement = PlacementSettings(block_tokens=args.block_tokens or 16,
                                   max_cost_us=args.max_cost_us)
+    public_url = normalize_public_url(getattr(args, "public_url", None))
+    index_url = args.index if args.role == "pc" else public_url
+    start_env = {}
+    if public_url:
+        start_env["KVSP_PC_URL"] = public_url
+    if index_url:
+        start_env["KVSP_INDEX_URL"] = index_url
     return PCSettings(database=args.db or "kvsp-pc.sqlite3", principals=args.principals,
                       scope_keys=args.scope_keys, index_url=args.index, token=token,
-                      placement=placement, start_command=args.start_command)
+                      placement=placement, start_command=args.start_command,
+                      start_command_env=start_env)
 
 
 def create_combined_app(index_settings: IndexSettings, pc_settings: "PCSettings"):
@@ -134,22 +138,36 @@ def create_combined_app(index_settings: IndexSettings, pc_settings: "PCSettings"
     return app
 
 
+def check_serving(args: argparse.Namespace) -> list[str]:
+    """The refusals of `kvsp_moq.serving` for these options (SettingError), before anything is
+    bound; the warnings to log at start."""
+    host, _ = parse_listen(args.listen, DEFAULT_PORT)
+    warnings = check_exposure("the index", host, authenticated=args.principals is not None,
+                              insecure_open=getattr(args, "insecure_open", False))
+    public_url = normalize_public_url(getattr(args, "public_url", None))
+    if args.start_command and args.role != "is":  # the only place it tells others its URL
+        check_advertised(host, public_url)
+    return warnings
+
+
 def run(args: argparse.Namespace) -> int:
     """Serve until interrupted; 2 with one line on stderr when the options are refused."""
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
+        host, port = parse_listen(args.listen, DEFAULT_PORT)
+        warnings = check_serving(args)
+        public_url = normalize_public_url(getattr(args, "public_url", None))
         settings = settings_from_args(args)
         pc_settings = pc_settings_from_args(args) if args.role != "is" else None
-        host, port = parse_listen(args.listen, DEFAULT_PORT)
-    except (KvspError, ValueError, OSError) as e:
+    except (KvspError, ValueError, OSError) as e:  # SettingError is a ValueError
         print(f"kvsp index: {getattr(e, 'detail', e)}", file=sys.stderr)
         return 2
-    if settings.auth.is_open and not _loopback(host):
-        print(f"kvsp index: refusing to run open on {host}; give --principals or listen on "
-              "127.0.0.1", file=sys.stderr)
-        return 2
-    if settings.auth.is_open:
+    for warning in warnings:
+        log.warning("%s", warning)
+    if public_url:
+        log.info("public URL %s", public_url)
+    if settings.auth.is_open and not warnings:
         log.warning("running OPEN: no principals file, every request is allowed (loopback only)")
     else:
         log.info("authenticating with principals from %s", args.principals)

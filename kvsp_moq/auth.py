@@ -2,7 +2,8 @@
 
 A principals file (TOML) lists, per principal, the SHA-256 of its bearer token, the scopes it
 may use, the holder URIs it may publish for, and its roles. Tokens themselves are never stored.
-Without a file, servers run open on loopback and say so.
+Without a file, servers run open on loopback and say so; anywhere else they refuse to start
+unless given --insecure-open (kvsp_moq.serving).
 
 What a principal may do is the conjunction of three checks, each made where the request is
 served: its roles must include one that may take the action (`PERMISSIONS`, the one table of

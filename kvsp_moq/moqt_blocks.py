@@ -53,6 +53,7 @@ from kvsp_moq.errors import (
 )
 from kvsp_moq.fetch.http import FetchResult
 from kvsp_moq.holder.store import BlockId, BlockRead, BlockStore, StoredBlock
+from kvsp_moq.moqt.certs import CertificateRejected, ClientTls, check_trusted, untrusted_certificate
 from kvsp_moq.moqt.errors import (
     DoesNotExist,
     InvalidRange,
@@ -277,6 +278,7 @@ class BlockPublisher:
         verify: bool = True,
         cadata: bytes | None = None,
         cafile: str | None = None,
+        tls: ClientTls | None = None,
         retry_initial: float = 0.2,
         retry_max: float = 5.0,
         rescan_interval: float = 1.0,
@@ -291,7 +293,9 @@ class BlockPublisher:
         self.publisher_id = publisher_id(self.http_holder)
         self.token = token
         self.settings = settings or QuicSettings()
-        self.verify, self.cadata, self.cafile = verify, cadata, cafile
+        if tls is not None:  # `client_tls`'s decision; it also names the options in errors
+            verify, cafile = tls.verify, tls.cafile
+        self.verify, self.cadata, self.cafile, self.tls = verify, cadata, cafile, tls
         self.retry_initial, self.retry_max = retry_initial, retry_max
         self.rescan_interval = rescan_interval
         self.timeout = timeout
@@ -384,6 +388,7 @@ class BlockPublisher:
 
     async def _run(self) -> None:
         backoff = self.retry_initial
+        untrusted_said = False
         while not self._closed:
             try:
                 connection = await connect(
@@ -392,11 +397,22 @@ class BlockPublisher:
                     handlers={"subscribe": self._on_subscribe, "fetch": self._on_fetch,
                               "track_status": self._on_track_status})
             except Exception as e:  # any failure to connect: try again later
-                log.info("relay %s unreachable (%s); retrying in %.1fs", self.relay_url, e or "timeout", backoff)
+                line = untrusted_certificate(e, self.relay_url, self.tls)
+                if line is None:
+                    log.info("relay %s unreachable (%s); retrying in %.1fs", self.relay_url, e or "timeout",
+                             backoff)
+                elif not untrusted_said:  # said once, at error level; retried quietly (it may change)
+                    untrusted_said = True
+                    log.error("%s", line)
+                else:
+                    log.debug("%s; retrying in %.1fs", line, backoff)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, self.retry_max)
                 continue
             backoff = self.retry_initial
+            if untrusted_said:
+                log.info("the certificate of relay %s is trusted now", self.relay_url)
+                untrusted_said = False
             self.connection = connection
             self.stats.connections += 1
             self._announced.clear()
@@ -799,11 +815,16 @@ class MoqtBlockFetcher:
 
     def __init__(self, *, token: str | None = None, settings: QuicSettings | None = None,
                  verify: bool = True, cadata: bytes | None = None, cafile: str | None = None,
-                 timeout: float = 10.0, layer_timeout: float = 30.0, probe_timeout: float = 2.0) -> None:
+                 tls: ClientTls | None = None, timeout: float = 10.0, layer_timeout: float = 30.0,
+                 probe_timeout: float = 2.0) -> None:
         self.token = token
         self.probe_timeout = probe_timeout
         self.settings = settings or QuicSettings()
-        self.verify, self.cadata, self.cafile = verify, cadata, cafile
+        if tls is not None:  # `client_tls`'s decision; it also names the options in errors
+            verify, cafile = tls.verify, tls.cafile
+        self.verify, self.cadata, self.cafile, self.tls = verify, cadata, cafile, tls
+        #: relay URL -> the line of its last rejected certificate (until a session opens)
+        self.untrusted: dict[str, str] = {}
         self.timeout = timeout
         self.layer_timeout = layer_timeout
         self._pool = _Pool()
@@ -815,8 +836,17 @@ class MoqtBlockFetcher:
         async with lock:
             connection = pool.connections.get(url)
             if connection is None or connection.is_closed:
-                connection = await connect(url, settings=self.settings, verify=self.verify, cadata=self.cadata,
-                                           cafile=self.cafile, authorization=self.token, timeout=self.timeout)
+                try:
+                    connection = await connect(url, settings=self.settings, verify=self.verify, cadata=self.cadata,
+                                               cafile=self.cafile, authorization=self.token, timeout=self.timeout)
+                except MoqtError as e:
+                    try:
+                        check_trusted(e, url, self.tls)
+                    except CertificateRejected as rejected:
+                        self.untrusted[url] = str(rejected)
+                        raise
+                    raise
+                self.untrusted.pop(url, None)
                 pool.connections[url] = connection
             return connection
 

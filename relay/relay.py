@@ -49,7 +49,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Awaitable, Callable, Coroutine
 
 from kvsp_moq.auth import Authenticator, Principal
-from kvsp_moq.moqt.certs import SelfSignedCertificate
+from kvsp_moq.moqt.certs import ClientTls, SelfSignedCertificate, untrusted_certificate
 from kvsp_moq.moqt.data import ObjectStatus
 from kvsp_moq.moqt.errors import (
     DoesNotExist,
@@ -135,6 +135,12 @@ class RelaySettings:
     upstream_verify: bool = True
     upstream_cadata: bytes | None = None
     upstream_cafile: str | None = None
+    #: how `kvsp relay` decided to check the upstream's certificate (names the options that
+    #: fix a rejected one); None: from upstream_verify / upstream_cafile alone
+    upstream_tls: ClientTls | None = None
+    #: moqt:// URL at which others reach this relay (what `kvsp relay` prints; None: its
+    #: listen address); its host goes in a generated certificate
+    public_url: str | None = None
     #: without one the relay runs open
     authenticator: Authenticator | None = None
     quic: QuicSettings = field(default_factory=QuicSettings)
@@ -697,9 +703,12 @@ class Relay:
         s = self.settings
         certificate = s.certificate
         if certificate is None and s.certfile is None:
-            from kvsp_moq.moqt.certs import generate_self_signed  # noqa: PLC0415
+            from urllib.parse import urlsplit  # noqa: PLC0415
 
-            certificate = s.certificate = generate_self_signed()
+            from kvsp_moq.moqt.certs import certificate_names, generate_self_signed  # noqa: PLC0415
+
+            public_host = urlsplit(s.public_url).hostname if s.public_url else None
+            certificate = s.certificate = generate_self_signed(certificate_names(s.host, public_host))
         self._changed = asyncio.Event()
         self.server = await serve(s.host, s.port, certificate=certificate, certfile=s.certfile,
                                   keyfile=s.keyfile, settings=s.quic, on_connection=self._on_connection)
@@ -1354,6 +1363,9 @@ class Relay:
         s = self.settings
         assert s.upstream is not None and self._upstream_ready is not None
         backoff = s.upstream_retry_initial
+        untrusted_said = False
+        tls = s.upstream_tls or ClientTls(s.upstream_verify, s.upstream_cafile, peer="upstream relay",
+                                          ca_option="--upstream-ca", insecure_option="--upstream-insecure")
         while not self._closed:
             peer = self._new_peer(None, upstream=True)
             try:
@@ -1362,11 +1374,18 @@ class Relay:
                     cafile=s.upstream_cafile, authorization=s.upstream_token, handlers=self._handlers(peer),
                     timeout=s.upstream_timeout)
             except Exception as e:  # any failure to connect: try again later
-                log.info("upstream relay %s unreachable (%s); retrying in %.1fs", s.upstream, e or "timeout", backoff)
+                line = untrusted_certificate(e, s.upstream, tls)
+                if line is None:
+                    log.info("upstream relay %s unreachable (%s); retrying in %.1fs", s.upstream, e or "timeout",
+                             backoff)
+                elif not untrusted_said:  # said once; the upstream may get another certificate
+                    untrusted_said = True
+                    log.error("%s", line)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, s.upstream_retry_max)
                 continue
             backoff = s.upstream_retry_initial
+            untrusted_said = False
             peer.connection = connection
             self._upstream_peer = peer
             self._upstream_ready.set()

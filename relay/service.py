@@ -1,37 +1,43 @@
 """`kvsp relay`: the MOQT relay as a service, and the same relay on a background thread.
 
-    kvsp relay --listen 127.0.0.1:4443 [--cert CERT --key KEY] [--cache-bytes 1G]
-               [--upstream moqt://127.0.0.1:4444] [--principals FILE]
-               [--metrics 127.0.0.1:9464]
+    kvsp relay --listen 127.0.0.1:4443 [--public-url moqt://relay.example:4443]
+               [--cert CERT --key KEY | --cert-dir DIR] [--cache-bytes 1G]
+               [--upstream moqt://127.0.0.1:4444 [--upstream-ca FILE | --upstream-insecure]]
+               [--principals FILE | --insecure-open] [--metrics 127.0.0.1:9464]
 
-Without --cert a self-signed certificate is generated and written to a fresh directory; its
-location and SHA-256 fingerprint are printed so that clients can pin it. Without
---principals the relay runs open and says so at start. The first line on stdout is
-"relay listening on moqt://HOST:PORT"; with --metrics, the line after the notes is
-"metrics at http://HOST:PORT/metrics" (GET /metrics in Prometheus text, GET /healthz).
+Without --cert a self-signed certificate is generated for the listen address (unless it is
+0.0.0.0 or ::), the host of --public-url and the loopback names, and written to --cert-dir
+(kept, and reused at the next start while it covers those names and is valid) or to a
+temporary directory removed at exit; its path and SHA-256 fingerprint are
+printed so that clients elsewhere can trust it (`--relay-ca PATH`). Without --principals
+the relay runs open, on loopback only unless --insecure-open (kvsp_moq.serving). The first
+line on stdout is "relay listening on moqt://HOST:PORT" (the --public-url when given); with
+--metrics, the line after the notes is "metrics at http://HOST:PORT/metrics" (GET /metrics
+in Prometheus text, GET /healthz). The metrics listener takes no token, like every server's
+/metrics: it shows counters only, never names or data, so it may listen off loopback.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
+import contextlib
 import logging
 import re
+import shutil
 import signal
 import sys
 import tempfile
 import threading
 from pathlib import Path
 from typing import Any, Coroutine, Sequence, TypeVar
-
-from cryptography import x509
-from cryptography.hazmat.primitives import serialization
+from urllib.parse import urlsplit
 
 from kvsp_moq.allocator import tune_allocator
 from kvsp_moq.auth import Authenticator
-from kvsp_moq.errors import KvspError
-from kvsp_moq.moqt.certs import generate_self_signed
+from kvsp_moq.errors import KvspError, SettingError
+from kvsp_moq.moqt.certs import certificate_names, client_tls, fingerprint, load_or_generate
+from kvsp_moq.serving import INSECURE_OPEN_HELP, check_advertised, check_exposure, normalize_public_url
 from kvsp_moq.moqt.quic import new_event_loop
 from kvsp_moq.moqt.quic import run as run_loop
 
@@ -59,22 +65,19 @@ def parse_listen(text: str) -> tuple[str, int]:
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
-def fingerprint(certificate_pem: bytes) -> str:
-    """SHA-256 of the certificate's DER form, as colon-separated hex (as openssl prints it)."""
-    cert = x509.load_pem_x509_certificate(certificate_pem)
-    digest = hashlib.sha256(cert.public_bytes(serialization.Encoding.DER)).hexdigest().upper()
-    return ":".join(digest[i:i + 2] for i in range(0, len(digest), 2))
-
-
 def configure_parser(p: argparse.ArgumentParser) -> None:
     p.description = ("Relay MOQT (draft-18) sessions between KV block publishers and subscribers, "
                      "with an object cache, scope authorization and relay chaining.")
     p.add_argument("--listen", type=parse_listen, default=("127.0.0.1", DEFAULT_PORT), metavar="HOST:PORT",
                    help=f"UDP address to serve on (default 127.0.0.1:{DEFAULT_PORT})")
+    p.add_argument("--public-url", metavar="URL",
+                   help="moqt://HOST:PORT at which others reach this relay: printed at start and "
+                        "put in the generated certificate (needed when listening on 0.0.0.0 or ::)")
     p.add_argument("--cert", metavar="FILE", help="certificate chain (PEM); default: generate one")
     p.add_argument("--key", metavar="FILE", help="private key of --cert (PEM)")
     p.add_argument("--cert-dir", metavar="DIR",
-                   help="where to write a generated certificate (default: a new temporary directory)")
+                   help="where to write a generated certificate and key, kept after exit (default: "
+                        "a temporary directory removed at exit)")
     p.add_argument("--cache-bytes", type=parse_size, default=256 << 20, metavar="N",
                    help="object cache budget, e.g. 1G (default 256M)")
     p.add_argument("--upstream", metavar="URL",
@@ -82,11 +85,15 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--upstream-token", metavar="TOKEN",
                    help="token presented to the upstream relay: a principal there with the relay "
                         "role and the scopes this relay serves (it speaks upstream for itself)")
-    p.add_argument("--upstream-ca", metavar="FILE", help="CA (or pinned certificate) of the upstream relay")
-    p.add_argument("--upstream-insecure", action="store_true",
-                   help="do not verify the upstream relay's certificate")
+    tls = p.add_mutually_exclusive_group()
+    tls.add_argument("--upstream-ca", metavar="FILE",
+                     help="CA, or the upstream relay's own certificate, to verify it against; "
+                          "default: none for a loopback relay, the system's CAs otherwise")
+    tls.add_argument("--upstream-insecure", action="store_true",
+                     help="do not verify the upstream relay's certificate (warned at start)")
     p.add_argument("--principals", metavar="FILE",
-                   help="principals file (TOML); without it the relay runs open")
+                   help="principals file (TOML); without it the relay runs open, on loopback only")
+    p.add_argument("--insecure-open", action="store_true", help=INSECURE_OPEN_HELP)
     p.add_argument("--subscriber-queue-bytes", type=parse_size, default=32 << 20, metavar="N",
                    help="objects queued for one subscriber before it is dropped as too slow (default 32M)")
     p.add_argument("--max-rendezvous-ms", type=int, default=30_000, metavar="MS",
@@ -106,38 +113,75 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.set_defaults(func=run)
 
 
-def settings_from_args(args: argparse.Namespace) -> tuple[RelaySettings, list[str]]:
-    """Relay settings, and lines to print at start (certificate location and fingerprint)."""
+def settings_from_args(args: argparse.Namespace,
+                       cleanup: contextlib.ExitStack | None = None) -> tuple[RelaySettings, list[str]]:
+    """Relay settings, and lines to print at start (certificate location and fingerprint).
+
+    Refusals are SettingErrors, raised before anything is bound or written. A generated
+    certificate's temporary directory is removed when `cleanup` closes (at exit without it).
+    """
     host, port = args.listen
     notes: list[str] = []
+    authenticator = Authenticator.from_file(args.principals)
+    warnings = check_exposure("the relay", host, authenticated=not authenticator.is_open,
+                              insecure_open=getattr(args, "insecure_open", False))
+    public_url = normalize_public_url(getattr(args, "public_url", None), ("moqt",))
+    if public_url is not None:
+        public_url = public_url.rstrip("/")
+    check_advertised(host, public_url)
+    upstream_tls = None
+    if args.upstream:
+        upstream_tls = client_tls(args.upstream, cafile=args.upstream_ca, insecure=args.upstream_insecure,
+                                  peer="upstream relay", ca_option="--upstream-ca",
+                                  insecure_option="--upstream-insecure")
+    if args.probe_interval < 0 or args.probe_timeout <= 0:
+        raise SettingError("--probe-interval must be 0 or more and --probe-timeout more than 0")
+    if bool(args.cert) != bool(args.key):
+        raise SettingError("--cert and --key go together")
+    if args.cert and args.cert_dir:
+        raise SettingError("--cert-dir is where a generated certificate goes; not with --cert")
     settings = RelaySettings(
         host=host, port=port, cache_bytes=args.cache_bytes, upstream=args.upstream,
-        upstream_token=args.upstream_token, upstream_verify=not args.upstream_insecure,
-        upstream_cafile=args.upstream_ca, authenticator=Authenticator.from_file(args.principals),
+        upstream_token=args.upstream_token,
+        upstream_verify=upstream_tls.verify if upstream_tls else True,
+        upstream_cafile=upstream_tls.cafile if upstream_tls else None, upstream_tls=upstream_tls,
+        authenticator=authenticator, public_url=public_url,
         subscriber_queue_bytes=args.subscriber_queue_bytes, max_rendezvous_ms=args.max_rendezvous_ms,
         probe_interval=args.probe_interval, probe_timeout=args.probe_timeout,
     )
-    if args.probe_interval < 0 or args.probe_timeout <= 0:
-        raise SystemExit("kvsp relay: --probe-interval must be 0 or more and --probe-timeout more than 0")
     if args.no_draft14:
         settings.quic.draft14_fallback = False
     if args.cert:
-        if not args.key:
-            raise SystemExit("kvsp relay: --cert needs --key")
         settings.certfile, settings.keyfile = args.cert, args.key
-        notes.append(f"certificate {args.cert}")
-        notes.append(f"certificate SHA-256 fingerprint {fingerprint(Path(args.cert).read_bytes())}")
+        try:
+            pem = Path(args.cert).read_bytes()
+            notes.append(f"certificate {args.cert}")
+            notes.append(f"certificate SHA-256 fingerprint {fingerprint(pem)}")
+        except (OSError, ValueError) as e:
+            raise SettingError(f"cannot read --cert {args.cert}: {getattr(e, 'strerror', None) or e}") from None
     else:
-        certificate = generate_self_signed()
-        directory = Path(args.cert_dir) if args.cert_dir else Path(tempfile.mkdtemp(prefix="kvsp-relay-"))
-        directory.mkdir(parents=True, exist_ok=True)
+        names = certificate_names(host, urlsplit(public_url).hostname if public_url else None)
+        if args.cert_dir:
+            directory = Path(args.cert_dir)
+            directory.mkdir(parents=True, exist_ok=True)
+        else:
+            directory = Path(tempfile.mkdtemp(prefix="kvsp-relay-"))
+            if cleanup is not None:
+                cleanup.callback(shutil.rmtree, directory, ignore_errors=True)
+            else:
+                import atexit  # noqa: PLC0415
+
+                atexit.register(shutil.rmtree, directory, ignore_errors=True)
         cert_path, key_path = directory / "relay-cert.pem", directory / "relay-key.pem"
-        certificate.write(cert_path, key_path)
+        certificate, reused = load_or_generate(cert_path, key_path, names)
         settings.certificate = certificate
-        notes.append(f"self-signed certificate {cert_path} (key {key_path})")
+        notes.append(f"self-signed certificate {cert_path} (key {key_path}) for {', '.join(names)}"
+                     + ("; reused" if reused else "") + ("" if args.cert_dir else "; removed at exit")
+                     + "; clients on other machines take a copy as --relay-ca (relays: --upstream-ca)")
         notes.append(f"certificate SHA-256 fingerprint {fingerprint(certificate.certificate_pem)}")
-    if settings.authenticator is None or settings.authenticator.is_open:
+    if authenticator.is_open:
         notes.append("no principals file: running open, every client may announce, subscribe and fetch")
+    notes.extend(warnings)
     return settings, notes
 
 
@@ -146,10 +190,23 @@ async def serve_forever(settings: RelaySettings, notes: Sequence[str] = (),
     """Run the relay (and its metrics server, given an address) until SIGINT or SIGTERM."""
     from .metrics import start_metrics_server  # noqa: PLC0415  (web stack only when asked for)
 
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # from the start: a stop must clean up
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):
+            pass
     relay = await Relay(settings).start()
-    print(f"relay listening on {relay.url}", flush=True)
+    print(f"relay listening on {settings.public_url or relay.url}", flush=True)
+    if settings.public_url and settings.public_url != relay.url:
+        print(f"bound to {relay.url}", flush=True)
     for note in notes:
         print(note, flush=True)
+        if note.startswith("INSECURE"):
+            log.warning("%s", note)
+    if settings.upstream_tls is not None:
+        settings.upstream_tls.log_note(log)
     metrics_server = None
     if metrics is not None:
         try:
@@ -158,13 +215,6 @@ async def serve_forever(settings: RelaySettings, notes: Sequence[str] = (),
             await relay.aclose()
             raise
         print(f"metrics at {metrics_server.url}metrics", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        try:
-            loop.add_signal_handler(sig, stop.set)
-        except (NotImplementedError, RuntimeError):
-            pass
     try:
         await stop.wait()
     finally:
@@ -177,8 +227,15 @@ def run(args: argparse.Namespace) -> int:
     """Serve in the foreground until interrupted."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("quic").setLevel(logging.WARNING)  # aioquic logs every connection event
-    settings, notes = settings_from_args(args)
-    run_loop(serve_forever(settings, notes, getattr(args, "metrics", None)), settings=settings.quic)
+
+    def terminated(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)  # unwinds through the cleanup below
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, terminated)  # until the event loop takes it over
+    with contextlib.ExitStack() as cleanup:
+        settings, notes = settings_from_args(args, cleanup)
+        run_loop(serve_forever(settings, notes, getattr(args, "metrics", None)), settings=settings.quic)
     return 0
 
 
@@ -191,6 +248,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.func(args)
     except KvspError as e:
         print(f"kvsp relay: {e.detail}", file=sys.stderr)
+        return 2
+    except SettingError as e:
+        print(f"kvsp relay: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

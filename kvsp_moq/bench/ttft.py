@@ -226,7 +226,7 @@ def run(*, quick: bool = False, model: dict[str, int] | None = None,
     from agent.loader import MoqtLayerSource  # noqa: PLC0415
     from agent.service import Agent, AgentSettings, tune_interpreter  # noqa: PLC0415
     from index.app import IndexSettings, create_app as create_index_app  # noqa: PLC0415
-    from kvsp_moq.holder.app import relay_tls  # noqa: PLC0415
+    from kvsp_moq.moqt.certs import client_tls  # noqa: PLC0415
     from kvsp_moq.moqt_blocks import MoqtBlockFetcher  # noqa: PLC0415
     from kvsp_moq.web import BackgroundServer  # noqa: PLC0415
 
@@ -246,7 +246,7 @@ def run(*, quick: bool = False, model: dict[str, int] | None = None,
         relay_proc, relay_url = _start_relay(cert_dir.name)
         holder_proc, holder_url = _start_holder(index.url, relay_url)
         # MOQT first through the relay, HTTP as the fallback; the sources are switched per run.
-        fetcher = MoqtBlockFetcher(**relay_tls(relay_url, None, False))
+        fetcher = MoqtBlockFetcher(tls=client_tls(relay_url))
         moqt_source = MoqtLayerSource(fetcher, relay_url)
         agent = Agent(AgentSettings(listen="127.0.0.1:0", model="tiny", tiny_options=model,
                                     index_url=index.url, block_tokens=B, warmup_tokens=128,

@@ -18,12 +18,10 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import ipaddress
 import logging
 import re
 import time
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
 
 import httpx
 from starlette.applications import Starlette
@@ -46,6 +44,7 @@ from kvsp_moq.holder.leases import Clock, LeaseLimits, LeaseTable
 from kvsp_moq.holder.publisher import Publisher
 from kvsp_moq.holder.store import CHUNK, BlockId, BlockRead, BlockStore
 from kvsp_moq.index_client import IndexClient
+from kvsp_moq.moqt.certs import client_tls
 from kvsp_moq.moqt_blocks import BlockPublisher
 from kvsp_moq.protocol import validate as v
 from kvsp_moq.protocol.container import MEDIA_TYPE as BLOCK_MEDIA_TYPE
@@ -135,34 +134,6 @@ async def read_body(request: Request, limit: int) -> bytearray | memoryview:
             raise PayloadTooLarge(f"the body exceeds the limit of {limit} octets")
         buf += chunk
     return buf
-
-
-def relay_tls(relay: str, cafile: str | None, insecure: bool) -> dict[str, Any]:
-    """How the relay's certificate is checked: `connect()` keyword arguments.
-
-    With a CA file (or the relay's own self-signed certificate) it is verified against that.
-    Verification is skipped only for a relay at a loopback address (127.0.0.0/8, ::1): when
-    asked to (insecure), or by default, since a relay on this machine usually runs with a
-    generated self-signed certificate. Any other relay is verified against the system's CAs,
-    and asking to skip that is refused.
-    """
-    parts = urlsplit(relay)
-    if parts.scheme.lower() != "moqt" or not parts.hostname:
-        raise BadRecord(f"must be a moqt://host:port URI, not {relay!r}", member="relay")
-    if cafile and insecure:
-        raise BadRecord("give a relay CA or skip verification, not both", member="relay_ca")
-    if cafile:
-        return {"verify": True, "cafile": str(cafile)}
-    try:
-        loopback = ipaddress.ip_address(parts.hostname).is_loopback
-    except ValueError:
-        loopback = False
-    if not loopback:
-        if insecure:
-            raise BadRecord("the relay certificate may go unverified only for a loopback relay "
-                            f"(127.0.0.1 or ::1), not {parts.hostname}", member="relay_insecure")
-        return {"verify": True}
-    return {"verify": False}
 
 
 # --------------------------------------------------------------------------- responses
@@ -319,7 +290,7 @@ def create_app(settings: "HolderSettings", *, clock: Clock | None = None) -> Sta
         http_client = httpx.AsyncClient(timeout=5.0, trust_env=False)
         index = IndexClient(settings.index_url, token=settings.index_token, client=http_client)
     relay = settings.relay or None
-    tls = relay_tls(relay, settings.relay_ca, settings.relay_insecure) if relay else {}
+    tls = client_tls(relay, cafile=settings.relay_ca, insecure=settings.relay_insecure) if relay else None
     publisher = Publisher(store, index, holder_url=settings.public_url or "",
                           record_ttl_ms=settings.record_ttl_ms, relay_url=relay)
     store.withdraw = publisher.withdraw
@@ -339,11 +310,10 @@ def create_app(settings: "HolderSettings", *, clock: Clock | None = None) -> Sta
             raise BadRecord("the holder's public URL is unknown; records cannot be published",
                             member="public_url")
         if relay:
-            if not tls.get("verify", True):
-                log.warning("not verifying the certificate of the loopback relay %s "
-                            "(give --relay-ca to check it)", relay)
+            assert tls is not None
+            tls.log_note(log)
             block_publisher = BlockPublisher(store, relay, publisher.holder_url,
-                                             token=settings.index_token, **tls)
+                                             token=settings.index_token, tls=tls)
             moqt.append(block_publisher)
             app.state.moqt_publisher = block_publisher
             publisher.use_moqt(block_publisher)

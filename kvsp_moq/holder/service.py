@@ -1,14 +1,17 @@
 """`kvsp holder`: the block store as a service, and the same holder in process.
 
     kvsp holder --listen 127.0.0.1:8801 --data DIR --index http://127.0.0.1:8700/ \
+                [--public-url URL] [--principals FILE | --insecure-open] \
                 [--relay moqt://127.0.0.1:4443 [--relay-ca FILE | --relay-insecure]]
 
 With --relay the blocks are also published over MOQT through that relay (DESIGN §4), and each
-replica gets a second record in the index, the MOQT one. The relay's certificate is checked
-against --relay-ca when given; without it, a relay at a loopback address (127.0.0.1, ::1) is
-not verified (it usually runs with a generated self-signed certificate; a warning is logged),
-and any other relay is verified against the system's CAs. --relay-insecure skips verification
-and is accepted for a loopback relay only.
+replica gets a second record in the index, the MOQT one. The relay's certificate is checked as
+every MOQT client of the project checks it (`kvsp_moq.moqt.certs.client_tls`): against
+--relay-ca when given; else not at all for a loopback relay (127.0.0.0/8, ::1, localhost; said
+in a log line), and against the system's CAs for any other; --relay-insecure skips it anywhere,
+with a warning. A rejected certificate is logged once, at error level, and the holder keeps
+retrying. Without --principals the holder runs open, on loopback only unless --insecure-open;
+listening on 0.0.0.0 or :: needs --public-url (`kvsp_moq.serving`).
 
 `Holder` runs the app on a background uvicorn server (127.0.0.1, any free port) for tests and
 the demo; `run()` serves in the foreground for the command line.
@@ -31,7 +34,9 @@ from kvsp_moq.errors import BadRecord
 from kvsp_moq.holder.app import create_app
 from kvsp_moq.holder.leases import Clock, LeaseLimits
 from kvsp_moq.holder.store import TierRates
+from kvsp_moq.moqt.certs import add_relay_tls_options
 from kvsp_moq.protocol.compat import CompatDescriptor
+from kvsp_moq.serving import INSECURE_OPEN_HELP, check_advertised, check_exposure, normalize_public_url
 from kvsp_moq.web import BackgroundServer, bind_tcp, parse_listen, uvicorn_config
 
 log = logging.getLogger("kvsp.holder")
@@ -63,8 +68,8 @@ class HolderSettings:
     relay: str | None = None
     #: CA (or pinned certificate) file the relay's certificate is checked against
     relay_ca: str | Path | None = None
-    #: skip checking the relay's certificate (accepted for a loopback relay only; without
-    #: relay_ca a loopback relay is not verified anyway, see the module docstring)
+    #: skip checking the relay's certificate, wherever it is (a loopback relay is not checked
+    #: without relay_ca anyway, see the module docstring)
     relay_insecure: bool = False
     principals: str | Path | None = None
     #: an Authenticator to use instead of reading `principals`
@@ -169,7 +174,8 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--index", metavar="URL",
                    help="base URL of the Index Service to publish replica records to")
     p.add_argument("--public-url", metavar="URL",
-                   help="this holder's base URL as clients reach it (default http://LISTEN/)")
+                   help="this holder's base URL as clients reach it, put in its records "
+                        "(default http://LISTEN/; needed when listening on 0.0.0.0 or ::)")
     p.add_argument("--host-bytes", type=parse_size, default=1 << 30, metavar="N",
                    help="host memory budget, e.g. 4G (default 1G)")
     p.add_argument("--disk-bytes", type=parse_size, default=16 << 30, metavar="N",
@@ -183,14 +189,10 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--relay", metavar="URI",
                    help="moqt:// URI of a relay to publish the blocks through over MOQT "
                         "(each replica then also gets a MOQT record)")
-    tls = p.add_mutually_exclusive_group()
-    tls.add_argument("--relay-ca", metavar="FILE",
-                     help="CA (or the relay's own certificate) to verify the relay against; "
-                          "default: none for a loopback relay, the system's CAs otherwise")
-    tls.add_argument("--relay-insecure", action="store_true",
-                     help="do not verify the relay's certificate (loopback relays only)")
+    add_relay_tls_options(p)
     p.add_argument("--principals", metavar="FILE",
-                   help="principals file (TOML); without it the holder runs open")
+                   help="principals file (TOML); without it the holder runs open, on loopback only")
+    p.add_argument("--insecure-open", action="store_true", help=INSECURE_OPEN_HELP)
     p.add_argument("--token", metavar="TOKEN",
                    help="bearer token this holder presents to the Index Service and the relay")
     p.add_argument("--max-lease-ttl-ms", type=positive_int, default=600_000, metavar="N",
@@ -214,9 +216,7 @@ def settings_from_args(args: argparse.Namespace) -> HolderSettings:
             raise BadRecord(f"cannot read descriptor {path}: {e}", member="descriptor") from None
         d = CompatDescriptor.from_dict(data)
         descriptors[d.compat_hex] = d
-    public_url = args.public_url
-    if public_url and not public_url.endswith("/"):
-        public_url += "/"
+    public_url = normalize_public_url(args.public_url)
     return HolderSettings(
         listen=args.listen, data_dir=args.data, index_url=args.index, public_url=public_url,
         host_bytes=args.host_bytes, disk_bytes=args.disk_bytes, device_bytes=args.device_bytes,
@@ -228,12 +228,25 @@ def settings_from_args(args: argparse.Namespace) -> HolderSettings:
     )
 
 
+def check_serving(args: argparse.Namespace) -> list[str]:
+    """The refusals of `kvsp_moq.serving` for these options (SettingError), before anything is
+    bound; the warnings to log at start."""
+    host, _ = parse_listen(args.listen, DEFAULT_PORT)
+    warnings = check_exposure("the holder", host, authenticated=args.principals is not None,
+                              insecure_open=args.insecure_open)
+    check_advertised(host, normalize_public_url(args.public_url))
+    return warnings
+
+
 def run(args: argparse.Namespace) -> int:
     """Serve in the foreground until interrupted."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    warnings = check_serving(args)
     settings = settings_from_args(args)
     app = create_app(settings)
     host, port = parse_listen(settings.listen, DEFAULT_PORT)
+    for warning in warnings:
+        log.warning("%s", warning)
     sock = bind_tcp(host, port)
     bound_port = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host

@@ -1,19 +1,38 @@
-"""Self-signed certificates for MOQT servers in tests and local deployments."""
+"""Certificates on both sides of a MOQT session.
+
+Servers: self-signed certificates for relays in tests and deployments (`generate_self_signed`,
+`certificate_names`, `fingerprint`). Clients: the one rule that decides how a relay's
+certificate is checked (`client_tls`), and the one line that says what to do when it is not
+trusted (`untrusted_certificate`).
+"""
 
 from __future__ import annotations
 
+import argparse
 import datetime
+import hashlib
 import ipaddress
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Iterable
+from urllib.parse import urlsplit
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-__all__ = ["SelfSignedCertificate", "generate_self_signed"]
+from kvsp_moq.errors import SettingError
+from kvsp_moq.serving import is_loopback, is_unspecified
+
+from .errors import SessionClosed
+
+__all__ = ["LOOPBACK_NAMES", "CertificateRejected", "ClientTls", "SelfSignedCertificate",
+           "add_relay_tls_options", "certificate_names", "check_trusted", "client_tls", "fingerprint",
+           "generate_self_signed", "load_or_generate", "untrusted_certificate"]
+
+#: The names every generated certificate covers.
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 
 
 @dataclass(frozen=True)
@@ -43,12 +62,59 @@ class SelfSignedCertificate:
         key_file.write_bytes(self.private_key_pem)
 
 
+def certificate_names(*hosts: str | None) -> list[str]:
+    """The names a server's generated certificate covers: each given host that is not
+    unspecified (0.0.0.0, ::), then the loopback names, without repeats."""
+    names: list[str] = []
+    for host in (*hosts, *LOOPBACK_NAMES):
+        if not host or is_unspecified(host):
+            continue
+        host = host.strip("[]")
+        try:
+            host = str(ipaddress.ip_address(host))
+        except ValueError:
+            host = host.lower()
+        if host not in names:
+            names.append(host)
+    return names
+
+
+def load_or_generate(certificate_path: Path, key_path: Path, names: list[str], *,
+                     valid_days: int = 365) -> tuple[SelfSignedCertificate, bool]:
+    """The certificate already at these paths when it covers `names` and is valid for another
+    day (so clients keep trusting the copy they were given), else a new one written there;
+    True when reused."""
+    try:
+        certificate = x509.load_pem_x509_certificate(certificate_path.read_bytes())
+        key = serialization.load_pem_private_key(key_path.read_bytes(), password=None)
+        covered = certificate.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        have = {str(n) for n in covered.get_values_for_type(x509.DNSName)}
+        have |= {str(a) for a in covered.get_values_for_type(x509.IPAddress)}
+        fresh = certificate.not_valid_after_utc > (datetime.datetime.now(datetime.timezone.utc)
+                                                   + datetime.timedelta(days=1))
+        if (isinstance(key, ec.EllipticCurvePrivateKey) and fresh and set(names) <= have
+                and certificate.public_key().public_numbers() == key.public_key().public_numbers()):
+            return SelfSignedCertificate(certificate, key), True
+    except (OSError, ValueError, x509.ExtensionNotFound):
+        pass
+    generated = generate_self_signed(names, valid_days=valid_days)
+    generated.write(certificate_path, key_path)
+    return generated, False
+
+
+def fingerprint(certificate_pem: bytes) -> str:
+    """SHA-256 of the certificate's DER form, as colon-separated hex (as openssl prints it)."""
+    cert = x509.load_pem_x509_certificate(certificate_pem)
+    digest = hashlib.sha256(cert.public_bytes(serialization.Encoding.DER)).hexdigest().upper()
+    return ":".join(digest[i:i + 2] for i in range(0, len(digest), 2))
+
+
 def generate_self_signed(
-    hostnames: Iterable[str] = ("localhost", "127.0.0.1", "::1"),
+    hostnames: Iterable[str] = LOOPBACK_NAMES,
     *,
     valid_days: int = 30,
 ) -> SelfSignedCertificate:
-    """A P-256 certificate for `hostnames` (DNS names or IP addresses).
+    """A P-256 certificate for `hostnames` (IP addresses become IP SANs, names DNS SANs).
 
     Clients trust it by passing `certificate_pem` as `cadata`.
     """
@@ -77,3 +143,114 @@ def generate_self_signed(
         builder = builder.add_extension(x509.SubjectAlternativeName(alternative), critical=False)
     certificate = builder.sign(key, hashes.SHA256())
     return SelfSignedCertificate(certificate, key)
+
+
+# --------------------------------------------------------------------------- clients
+
+
+@dataclass(frozen=True)
+class ClientTls:
+    """How a client checks one relay's certificate, as `client_tls` decided."""
+
+    #: check the certificate at all
+    verify: bool
+    #: the CA (or the relay's own certificate) to check it against; None: the system's CAs
+    cafile: str | None = None
+    #: a line to log at start when the certificate goes unchecked (None when it is checked)
+    note: str | None = None
+    #: the note is a warning (--relay-insecure), not information (a loopback relay)
+    warn: bool = False
+    #: the options that fix a rejected certificate, named in `untrusted_certificate`'s line
+    peer: str = "relay"
+    ca_option: str = "--relay-ca"
+    insecure_option: str = "--relay-insecure"
+
+    def connect_options(self) -> dict[str, Any]:
+        """Keyword arguments of `connect()` (and of BlockPublisher, MoqtBlockFetcher)."""
+        options: dict[str, Any] = {"verify": self.verify}
+        if self.cafile is not None:
+            options["cafile"] = self.cafile
+        return options
+
+    def log_note(self, logger: Any) -> None:
+        if self.note:
+            (logger.warning if self.warn else logger.info)("%s", self.note)
+
+
+def add_relay_tls_options(p: argparse.ArgumentParser, *, aliases: bool = False) -> None:
+    """--relay-ca FILE and --relay-insecure, as every MOQT client of a relay takes them (read
+    by `client_tls`); `aliases` adds the older spellings --ca and --insecure."""
+    tls = p.add_mutually_exclusive_group()
+    tls.add_argument("--relay-ca", *(["--ca"] if aliases else []), dest="relay_ca", metavar="FILE",
+                     help="CA, or the relay's own certificate (printed at relay start), to verify "
+                          "the relay against; default: none for a loopback relay (127.0.0.0/8, "
+                          "::1, localhost), the system's CAs otherwise")
+    tls.add_argument("--relay-insecure", *(["--insecure"] if aliases else []), dest="relay_insecure",
+                     action="store_true",
+                     help="do not verify the relay's certificate, wherever it is (warned)")
+
+
+def client_tls(url: str, *, cafile: str | Path | None = None, insecure: bool = False,
+               peer: str = "relay", ca_option: str = "--relay-ca",
+               insecure_option: str = "--relay-insecure") -> ClientTls:
+    """The one rule for checking a relay's certificate, for every MOQT client of the project.
+
+    With `cafile` (a CA, or the relay's own certificate as printed at its start) the
+    certificate is verified against it. Otherwise a relay at a loopback address (127.0.0.0/8,
+    ::1, localhost) is not verified: on this machine it usually runs with a generated
+    certificate, and nobody else is on the path. Any other relay is verified against the
+    system's CAs. `insecure` skips verification anywhere, with a warning. SettingError for a
+    URL that is not moqt://, for both options at once, or an unreadable `cafile`.
+    """
+    parts = urlsplit(url)
+    if parts.scheme.lower() != "moqt" or not parts.hostname:
+        raise SettingError(f"the {peer} must be a moqt://HOST:PORT URL, not {url!r}")
+    names = {"peer": peer, "ca_option": ca_option, "insecure_option": insecure_option}
+    if cafile and insecure:
+        raise SettingError(f"give {ca_option} or {insecure_option}, not both")
+    if cafile:
+        try:
+            with open(cafile, "rb"):
+                pass
+        except OSError as e:
+            raise SettingError(f"cannot read {ca_option} {cafile}: {e.strerror or e}") from None
+        return ClientTls(True, str(cafile), **names)
+    if insecure:
+        return ClientTls(False, note=f"NOT verifying the certificate of the {peer} {url} "
+                                     f"({insecure_option}): anyone on the path can pose as it",
+                         warn=True, **names)
+    if is_loopback(parts.hostname):
+        return ClientTls(False, note=f"not verifying the certificate of the loopback {peer} {url} "
+                                     f"(give {ca_option} FILE to check it)", **names)
+    return ClientTls(True, **names)
+
+
+#: QUIC CRYPTO_ERROR codes (0x100 + TLS alert) that say a certificate was not accepted:
+#: bad_certificate, unsupported_certificate, certificate_revoked, certificate_expired,
+#: certificate_unknown, unknown_ca.
+_CERTIFICATE_ALERTS = frozenset(0x100 + alert for alert in (42, 43, 44, 45, 46, 48))
+
+
+def untrusted_certificate(error: BaseException, url: str, tls: ClientTls | None = None) -> str | None:
+    """When `error` (from `connect()`) is the client rejecting the peer's certificate, the one
+    line that says so and how to fix it; None for any other failure."""
+    code = getattr(error, "error_code", None)
+    if code not in _CERTIFICATE_ALERTS:
+        return None
+    tls = tls or ClientTls(True)
+    reason = str(error) or "certificate rejected"
+    return (f"the certificate of the {tls.peer} {url} is not trusted ({reason}); give "
+            f"{tls.ca_option} FILE (its certificate, printed at relay start) or "
+            f"{tls.insecure_option}")
+
+
+class CertificateRejected(SessionClosed):
+    """A session could not open because this client did not trust the peer's certificate;
+    its text is `untrusted_certificate`'s line (what failed and the options that fix it)."""
+
+
+def check_trusted(error: BaseException, url: str, tls: ClientTls | None = None) -> None:
+    """Raise CertificateRejected when `error`, from `connect()`, is a rejected certificate."""
+    line = untrusted_certificate(error, url, tls)
+    if line is not None:
+        raise CertificateRejected(line, error_code=getattr(error, "error_code", None)) from None

@@ -15,7 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvsp_moq.errors import NotFound
+from kvsp_moq.errors import KvspError, NotFound
+from kvsp_moq.moqt.certs import add_relay_tls_options
 from kvsp_moq.protocol.container import Container, Layer, encode
 from kvsp_moq.protocol.records import ReplicaRecord
 from kvsp_moq.tools import (
@@ -48,14 +49,28 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                         "is a terminal; nothing with --json)")
     p.add_argument("--json", action="store_true",
                    help="print a summary (timings, source, layers, failures) as JSON on stdout")
-    p.add_argument("--insecure", action="store_true",
-                   help="do not verify the relay's TLS certificate (moqt:// only)")
-    p.add_argument("--ca", metavar="FILE", help="CA file to verify the relay's certificate against")
+    add_relay_tls_options(p, aliases=True)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     return guarded("get", lambda: _get(args))
+
+
+def relay_tls(args: argparse.Namespace, relay: str) -> Any:
+    """`client_tls` for the relay, from --relay-ca / --relay-insecure; its note on stderr when
+    the certificate goes unchecked (a warning with --relay-insecure; a loopback relay's only
+    when stderr is a terminal, so scripts' stderr stays clean)."""
+    from kvsp_moq.errors import SettingError
+    from kvsp_moq.moqt.certs import client_tls
+
+    try:
+        tls = client_tls(relay, cafile=args.relay_ca, insecure=args.relay_insecure)
+    except SettingError as e:
+        raise UsageError(str(e)) from None
+    if tls.note and (tls.warn or sys.stderr.isatty()):
+        print(f"{'warning' if tls.warn else 'note'}: {tls.note}", file=sys.stderr)
+    return tls
 
 
 async def pick_record(args: argparse.Namespace, moqt: bool) -> ReplicaRecord:
@@ -165,8 +180,9 @@ async def _get(args: argparse.Namespace) -> int:
     if moqt:
         from kvsp_moq.moqt_blocks import MoqtBlockFetcher
 
-        fetcher: Any = MoqtBlockFetcher(token=args.token, verify=not args.insecure, cafile=args.ca,
-                                        timeout=args.timeout, layer_timeout=args.timeout)
+        tls = relay_tls(args, source)
+        fetcher: Any = MoqtBlockFetcher(token=args.token, tls=tls, timeout=args.timeout,
+                                        layer_timeout=args.timeout)
     else:
         from kvsp_moq.fetch.http import HttpFetcher
 
@@ -178,6 +194,10 @@ async def _get(args: argparse.Namespace) -> int:
             async for layer in stream:
                 got.append(layer)
                 progress.layer(layer)
+        except KvspError:
+            if moqt and source in fetcher.untrusted:  # not a failed fetch: fix the options
+                raise UsageError(fetcher.untrusted[source]) from None
+            raise
         finally:
             progress.finish()
         container = stream.container_if_single() if not moqt else None

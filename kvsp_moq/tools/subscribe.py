@@ -14,6 +14,7 @@ import json
 import time
 
 from kvsp_moq.errors import KvspError
+from kvsp_moq.moqt.certs import add_relay_tls_options
 from kvsp_moq.tools import Failed, UsageError, add_common, guarded, read_record
 
 
@@ -34,8 +35,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, metavar="S",
                    help="stop after S seconds (default: when the track ends)")
     p.add_argument("--json", action="store_true", help="print each line as a JSON object")
-    p.add_argument("--insecure", action="store_true", help="do not verify the relay's certificate")
-    p.add_argument("--ca", metavar="FILE", help="CA file to verify the relay's certificate against")
+    add_relay_tls_options(p, aliases=True)
     add_common(p, block=False, timeout=False)
     p.set_defaults(func=run)
 
@@ -45,12 +45,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _subscribe(args: argparse.Namespace) -> int:
+    from kvsp_moq.moqt.certs import untrusted_certificate
     from kvsp_moq.moqt.errors import MoqtError, RequestError
     from kvsp_moq.moqt.quic import connect
     from kvsp_moq.naming import decode_namespace
+    from kvsp_moq.tools.get import relay_tls
 
     if not args.relay.lower().startswith("moqt://"):
         raise UsageError(f"the relay must be a moqt:// URI, not {args.relay!r}")
+    tls = relay_tls(args, args.relay)
     if args.count is not None and args.count <= 0:
         raise UsageError("--count must be positive")
     if args.timeout is not None and args.timeout <= 0:
@@ -76,11 +79,13 @@ async def _subscribe(args: argparse.Namespace) -> int:
     deadline = None if args.timeout is None else started + args.timeout
     try:
         connection = await asyncio.wait_for(
-            connect(args.relay, verify=not args.insecure, cafile=args.ca,
-                    authorization=args.token, timeout=step), step)
+            connect(args.relay, **tls.connect_options(), authorization=args.token, timeout=step), step)
     except asyncio.TimeoutError:
         raise Failed(f"relay {args.relay} did not answer within {step:g} s") from None
     except (MoqtError, OSError, ValueError) as e:
+        untrusted = untrusted_certificate(e, args.relay, tls)
+        if untrusted is not None:
+            raise UsageError(untrusted) from None
         raise Failed(f"cannot reach relay {args.relay}: {e or type(e).__name__}") from None
     seen = mismatched = 0
     try:

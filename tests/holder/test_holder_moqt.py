@@ -17,8 +17,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from kvsp_moq.auth import Authenticator
-from kvsp_moq.errors import BadRecord
-from kvsp_moq.holder.app import relay_tls
+from kvsp_moq.errors import SettingError
+from kvsp_moq.moqt.certs import client_tls
 from kvsp_moq.holder.service import Holder, HolderSettings
 from kvsp_moq.moqt.certs import generate_self_signed
 from kvsp_moq.moqt_blocks import MoqtBlockFetcher
@@ -252,19 +252,23 @@ async def test_without_a_relay_there_is_no_moqt_side(fake_index, holders, client
 # --------------------------------------------------------------------------- the relay's certificate
 
 
-def test_relay_certificate_checks():
-    assert relay_tls("moqt://127.0.0.1:4443", None, False) == {"verify": False}  # loopback default
-    assert relay_tls("moqt://[::1]:4443", None, True) == {"verify": False}
-    assert relay_tls("moqt://127.0.0.1:4443", "ca.pem", False) == {"verify": True, "cafile": "ca.pem"}
-    assert relay_tls("moqt://relay.example:4443", None, False) == {"verify": True}  # system CAs
-    assert relay_tls("moqt://relay.example:4443", "ca.pem", False) == {"verify": True, "cafile": "ca.pem"}
-    assert relay_tls("moqt://localhost:4443", None, False) == {"verify": True}  # a name is not an address
-    with pytest.raises(BadRecord, match="loopback"):
-        relay_tls("moqt://10.0.0.5:4443", None, True)
-    with pytest.raises(BadRecord, match="not both"):
-        relay_tls("moqt://127.0.0.1:4443", "ca.pem", True)
-    with pytest.raises(BadRecord):
-        relay_tls("https://127.0.0.1:4443", None, False)
+def test_relay_certificate_checks(tmp_path):
+    """The holder checks its relay's certificate by the rule every MOQT client shares."""
+    ca = tmp_path / "ca.pem"
+    ca.write_bytes(b"")
+
+    def decided(url, cafile=None, insecure=False):
+        return client_tls(url, cafile=cafile, insecure=insecure).connect_options()
+
+    assert decided("moqt://127.0.0.1:4443") == {"verify": False}  # loopback default
+    assert decided("moqt://localhost:4443") == {"verify": False}
+    assert decided("moqt://127.0.0.1:4443", ca) == {"verify": True, "cafile": str(ca)}
+    assert decided("moqt://relay.example:4443") == {"verify": True}  # system CAs
+    assert decided("moqt://10.0.0.5:4443", insecure=True) == {"verify": False}  # anywhere, warned
+    with pytest.raises(SettingError, match="not both"):
+        client_tls("moqt://127.0.0.1:4443", cafile=ca, insecure=True)
+    with pytest.raises(SettingError):
+        client_tls("https://127.0.0.1:4443")
 
 
 def test_the_command_line_carries_the_relay_options():

@@ -7,6 +7,8 @@ import time
 
 import pytest
 
+from kvsp_moq.errors import SettingError
+
 from kvsp_moq.moqt.errors import DoesNotExist, PublishDoneCode, PublishDoneError
 from kvsp_moq.moqt.quic import MoqtConnection, connect
 
@@ -124,5 +126,5 @@ async def test_cli_sets_probing_and_can_refuse_draft14_clients(tmp_path):
     default, _ = settings_from_args(relay_args("--cert-dir", str(tmp_path)))
     assert default.quic.draft14_fallback and default.probe_interval == 2.0
     for bad in (["--probe-interval", "-1"], ["--probe-timeout", "0"]):
-        with pytest.raises(SystemExit):
+        with pytest.raises(SettingError):
             settings_from_args(relay_args("--cert-dir", str(tmp_path), *bad))

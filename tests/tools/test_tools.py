@@ -173,7 +173,8 @@ def test_get_from_an_unreachable_source_is_one_clear_line(system: System, tmp_pa
 def test_get_over_moqt_matches_http(system: System, tmp_path: Path) -> None:
     key = KEYS[0]
     out = tmp_path / "moqt.kvb"
-    done = kvsp("get", system.relay.url, *ids(key), "--index", system.index.url, "--insecure",
+    # A loopback relay's certificate goes unchecked without --relay-insecure, as for servers.
+    done = kvsp("get", system.relay.url, *ids(key), "--index", system.index.url,
                 "-o", str(out), "--json")
     assert done.returncode == 0, done.stderr.decode()
     assert out.read_bytes() == system.data[key]
@@ -181,18 +182,36 @@ def test_get_over_moqt_matches_http(system: System, tmp_path: Path) -> None:
     assert summary["source"] == system.relay.url and summary["layer_count"] == LAYERS
 
 
+def test_an_untrusted_relay_certificate_is_one_line_and_exit_2(system: System, tmp_path: Path) -> None:
+    from kvsp_moq.moqt.certs import generate_self_signed
+
+    other = tmp_path / "other-relay.pem"  # a certificate, but not the relay's
+    other.write_bytes(generate_self_signed().certificate_pem)
+    key = KEYS[0]
+    moqt = [r for r in system.indexed(key) if r["holder"].startswith("moqt://")][0]
+    for argv in (("get", system.relay.url, *ids(key), "--index", system.index.url, "-o",
+                  str(tmp_path / "x"), "--relay-ca", str(other)),
+                 ("subscribe", system.relay.url, "--namespace", moqt["moqt_namespace"], "--ca", str(other),
+                  "--timeout", "5")):
+        done = kvsp(*argv)
+        err = done.stderr.decode()
+        assert done.returncode == 2, err
+        assert err.count("\n") == 1 and "is not trusted" in err and system.relay.url in err, err
+        assert "--relay-ca FILE" in err and "--relay-insecure" in err
+
+
 def test_subscribe_prints_one_line_per_layer(system: System, tmp_path: Path) -> None:
     moqt = [r for r in system.indexed(KEYS[1]) if r["holder"].startswith("moqt://")][0]
     path = tmp_path / "moqt.json"
     path.write_text(json.dumps(moqt))
-    done = kvsp("subscribe", system.relay.url, "--record", str(path), "--insecure", "--timeout", "10")
+    done = kvsp("subscribe", system.relay.url, "--record", str(path), "--timeout", "10")
     assert done.returncode == 0, done.stderr.decode()
     lines = done.stdout.decode().splitlines()
     assert len(lines) == LAYERS
     for i, line in enumerate(lines):
         assert line.startswith(f"group 0 object {i} size ") and "digest-ok" in line
     done = kvsp("subscribe", system.relay.url, "--namespace", moqt["moqt_namespace"], "--insecure",
-                "--count", "2", "--json")
+                "--count", "2", "--json")  # the older spelling of --relay-insecure
     assert done.returncode == 0, done.stderr.decode()
     assert [json.loads(x)["object"] for x in done.stdout.decode().splitlines()] == [0, 1]
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import importlib
-import ipaddress
 import os
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Coroutine, Iterable, TypeVar
 
 from ...errors import SettingError
+from ...serving import is_loopback  # noqa: F401  (re-exported: where MOQT settings look it up)
 from .. import draft14
 from ..session import alpn_for_draft
 
@@ -108,16 +108,6 @@ def configured_datagram_size() -> int | None:
         raise SettingError(f"{DATAGRAM_SIZE_ENV}={size}: QUIC needs at least 1,200 bytes and "
                            f"UDP carries at most 65,507")
     return size
-
-
-def is_loopback(host: str) -> bool:
-    """Whether `host` is a loopback address (a name other than localhost counts as remote)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 @dataclass

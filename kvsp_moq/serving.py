@@ -1,0 +1,115 @@
+"""What every server checks about where it listens, before it binds (DESIGN §3).
+
+Two rules, shared by `kvsp index`, `kvsp holder`, `kvsp relay` and `kvsp agent`:
+
+* A server without a principals file (and an agent using the open scope, whose key is public)
+  runs only on a loopback address (127.0.0.0/8, ::1, localhost). Anywhere else, 0.0.0.0 and ::
+  included, it refuses to start unless given `--insecure-open`, and then it warns loudly.
+* A server never advertises an address nobody can reach: one that listens on 0.0.0.0 or ::
+  and puts its URL in records (or prints it for clients) needs `--public-url`, and a
+  `--public-url` whose host is 0.0.0.0 or :: is refused.
+
+Refusals are SettingErrors: one line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from urllib.parse import urlsplit
+
+from kvsp_moq.errors import SettingError
+
+__all__ = ["INSECURE_OPEN_HELP", "check_advertised", "check_exposure", "is_loopback",
+           "is_unspecified", "normalize_public_url"]
+
+#: The help of `--insecure-open`, the same on every server.
+INSECURE_OPEN_HELP = ("run without authentication on a non-loopback address: no principals file "
+                      "(and, for an agent, the open scope, whose key is public), so anyone who "
+                      "can reach the address may read and write; logged as a warning at start. "
+                      "Without it such a server refuses to start")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` is a loopback address or `localhost` (any other name counts as remote;
+    0.0.0.0 and :: are every interface, not loopback)."""
+    host = host.strip("[]").rstrip(".").lower()
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def is_unspecified(host: str) -> bool:
+    """Whether `host` is an unspecified ("any") address: 0.0.0.0, :: or empty."""
+    host = host.strip("[]")
+    if not host:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return False
+
+
+def check_exposure(service: str, host: str, *, authenticated: bool, open_scope: bool = False,
+                   insecure_open: bool = False) -> list[str]:
+    """Refuse (SettingError) to serve unauthenticated, or an agent's public open scope, on a
+    non-loopback `host` unless `insecure_open`; returns the warnings to log at start (empty
+    when nothing is open, or when it is open on loopback only)."""
+    what, fixes = [], []
+    if not authenticated:
+        what.append("open (without --principals)")
+        fixes.append("--principals FILE")
+    if open_scope:
+        what.append("with the open scope (no --scope-keys; its key is public)")
+        fixes.append("--scope-keys FILE")
+    if not what or is_loopback(host):
+        return []
+    shown = _shown(host)
+    if not insecure_open:
+        raise SettingError(f"refusing to run {' and '.join(what)} on {shown}: give "
+                           f"{' and '.join(fixes)}, listen on 127.0.0.1, or pass --insecure-open")
+    warnings = []
+    if not authenticated:
+        warnings.append(f"INSECURE: {service} serves {shown} WITHOUT AUTHENTICATION "
+                        "(--insecure-open): anyone who can reach it may read and write")
+    if open_scope:
+        warnings.append(f"INSECURE: {service} uses the open scope on {shown} (--insecure-open): "
+                        "its key is public, so anyone may compute its block keys")
+    return warnings
+
+
+def normalize_public_url(url: str | None, schemes: tuple[str, ...] = ("http", "https"),
+                         *, option: str = "--public-url") -> str | None:
+    """`url` checked (a scheme of `schemes`, a host that is not 0.0.0.0 or ::) and ending in
+    "/" for http(s); SettingError otherwise."""
+    if url is None:
+        return None
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018  (raises ValueError for a bad port)
+    except ValueError as e:
+        raise SettingError(f"{option} {url}: {e}") from None
+    if parts.scheme.lower() not in schemes or not parts.hostname:
+        raise SettingError(f"{option} must be a {' or '.join(s + '://' for s in schemes)}HOST:PORT "
+                           f"URL, not {url!r}")
+    if is_unspecified(parts.hostname):
+        raise SettingError(f"{option} {url} names {parts.hostname}: others cannot reach "
+                           f"{parts.hostname}; give the address or name they use")
+    if parts.scheme.lower() in ("http", "https") and not url.endswith("/"):
+        url += "/"
+    return url
+
+
+def check_advertised(host: str, public_url: str | None) -> None:
+    """Refuse (SettingError) to advertise an unspecified listen address: listening on 0.0.0.0
+    or :: needs `--public-url`."""
+    if is_unspecified(host) and not public_url:
+        shown = _shown(host)
+        raise SettingError(f"listening on {shown} needs --public-url: others cannot reach {shown}")
+
+
+def _shown(host: str) -> str:
+    host = host.strip("[]") or "0.0.0.0"
+    return f"[{host}]" if ":" in host else host
