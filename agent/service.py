@@ -33,7 +33,7 @@ from agent.loader import LayerSource
 from agent.model import ModelAdapter
 from agent.tiny import ensure_tiny_model
 from kvsp_moq.allocator import tune_allocator
-from kvsp_moq.auth import Authenticator
+from kvsp_moq.auth import Authenticator, add_token_options, token_from_args
 from kvsp_moq.errors import BadRecord, KvspError, SettingError
 from kvsp_moq.holder.service import parse_size, positive_int
 from kvsp_moq.scope_keys import read_scope_keys
@@ -261,7 +261,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--principals", metavar="FILE",
                    help="principals file (TOML); without it the agent runs open, on loopback only")
     p.add_argument("--insecure-open", action="store_true", help=INSECURE_OPEN_HELP)
-    p.add_argument("--token", metavar="TOKEN", help="bearer token presented to other services")
+    add_token_options(p, what="bearer token presented to other services")
     p.add_argument("--block-tokens", type=positive_int, default=AgentSettings.block_tokens,
                    metavar="B",
                    help="tokens per KV block; every instance and the Index Service of a fleet "
@@ -290,7 +290,7 @@ def settings_from_args(args: argparse.Namespace) -> AgentSettings:
         index_url=args.index, pc_url=args.pc, relay=args.relay, relay_ca=args.relay_ca,
         relay_insecure=args.relay_insecure, data_dir=args.data,
         scope_keys=keys, scope=args.scope, public_url=public, principals=args.principals,
-        token=args.token, block_tokens=args.block_tokens, status_ttl_ms=args.status_ttl_ms,
+        token=token_from_args(args), block_tokens=args.block_tokens, status_ttl_ms=args.status_ttl_ms,
         host_bytes=args.host_bytes, disk_bytes=args.disk_bytes,
         replicate_to=tuple(args.replicate_to), choose_by_cost=not args.always_load)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from index.app import IndexSettings, create_app
 from index.store import MemoryReplicaStore, ReplicaStore
-from kvsp_moq.auth import Authenticator
+from kvsp_moq.auth import Authenticator, add_token_options, token_from_args
 from kvsp_moq.errors import KvspError
 from kvsp_moq.protocol.compat import CompatDescriptor
 from kvsp_moq.serving import INSECURE_OPEN_HELP, check_advertised, check_exposure, normalize_public_url
@@ -51,8 +51,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                    help="PC: keys file (TOML: scope name -> hex key), to route from tokens")
     p.add_argument("--index", metavar="URL",
                    help="PC with --role pc: base URL of the Index Service to look up in")
-    p.add_argument("--token-file", metavar="FILE",
-                   help="PC: bearer token presented to instances and to a remote IS")
+    add_token_options(p, what="PC: bearer token presented to instances and to a remote IS")
     p.add_argument("--max-cost-us", type=float, metavar="US",
                    help="PC: cost above which a new instance is wanted")
     p.add_argument("--start-command", metavar="CMD",
@@ -106,9 +105,7 @@ def pc_settings_from_args(args: argparse.Namespace) -> "PCSettings":
     from index.pc_app import PCSettings
     from index.placement import PlacementSettings
 
-    token = None
-    if args.token_file:
-        token = Path(args.token_file).read_text(encoding="utf-8").strip()
+    token = token_from_args(args)
     placement = PlacementSettings(block_tokens=args.block_tokens or 16,
                                   max_cost_us=args.max_cost_us)
     public_url = normalize_public_url(getattr(args, "public_url", None))

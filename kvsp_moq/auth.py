@@ -15,6 +15,7 @@ replace them.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import tomllib
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ from enum import Enum
 from types import MappingProxyType
 from typing import Iterable, Mapping
 
-from kvsp_moq.errors import BadRecord, ForbiddenRole, ForbiddenScope, Unauthorized
+from kvsp_moq.errors import BadRecord, ForbiddenRole, ForbiddenScope, SettingError, Unauthorized
 
 #: holder: a block store (kvsp holder); pc: the Placement Controller; instance: an inference
 #: instance (kvsp agent), which is also the holder of its own pool; relay: a MOQT relay, as its
@@ -242,3 +243,29 @@ class Authenticator:
 
     def principals(self) -> Iterable[Principal]:
         return [] if self._by_digest is None else self._by_digest.values()
+
+
+def add_token_options(p: "argparse.ArgumentParser", name: str = "token", *, what: str) -> None:
+    """--NAME TOKEN or --NAME-file FILE: the same bearer token, given directly (seen by anyone
+    who lists processes) or read from a file (`kvsp keys token --out FILE` writes one)."""
+    group = p.add_mutually_exclusive_group()
+    group.add_argument(f"--{name}", metavar="TOKEN", help=f"{what} (visible in the process list: "
+                                                           f"prefer --{name}-file)")
+    group.add_argument(f"--{name}-file", metavar="FILE", help=f"file holding the {what}")
+
+
+def token_from_args(args: "argparse.Namespace", name: str = "token") -> str | None:
+    """The token of `add_token_options`: --NAME, else the text of --NAME-file (SettingError, one
+    line, when that file cannot be read or is empty)."""
+    attr = name.replace("-", "_")
+    token = getattr(args, attr, None)
+    path = getattr(args, attr + "_file", None)
+    if token or not path:
+        return token or None
+    try:
+        text = Path(path).read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise SettingError(f"cannot read --{name}-file {path}: {getattr(e, 'strerror', None) or e}") from None
+    if not text:
+        raise SettingError(f"--{name}-file {path} is empty")
+    return text

@@ -34,7 +34,7 @@ from typing import Any, Coroutine, Sequence, TypeVar
 from urllib.parse import urlsplit
 
 from kvsp_moq.allocator import tune_allocator
-from kvsp_moq.auth import Authenticator
+from kvsp_moq.auth import Authenticator, add_token_options, token_from_args
 from kvsp_moq.errors import KvspError, SettingError
 from kvsp_moq.moqt.certs import certificate_names, client_tls, fingerprint, load_or_generate
 from kvsp_moq.serving import INSECURE_OPEN_HELP, check_advertised, check_exposure, normalize_public_url
@@ -82,9 +82,8 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                    help="object cache budget, e.g. 1G (default 256M)")
     p.add_argument("--upstream", metavar="URL",
                    help="moqt:// URL of the relay asked for tracks no local publisher announced")
-    p.add_argument("--upstream-token", metavar="TOKEN",
-                   help="token presented to the upstream relay: a principal there with the relay "
-                        "role and the scopes this relay serves (it speaks upstream for itself)")
+    add_token_options(p, "upstream-token", what="token presented to the upstream relay: a principal "
+                      "there with the relay role and the scopes this relay serves")
     tls = p.add_mutually_exclusive_group()
     tls.add_argument("--upstream-ca", metavar="FILE",
                      help="CA, or the upstream relay's own certificate, to verify it against; "
@@ -142,7 +141,7 @@ def settings_from_args(args: argparse.Namespace,
         raise SettingError("--cert-dir is where a generated certificate goes; not with --cert")
     settings = RelaySettings(
         host=host, port=port, cache_bytes=args.cache_bytes, upstream=args.upstream,
-        upstream_token=args.upstream_token,
+        upstream_token=token_from_args(args, "upstream-token"),
         upstream_verify=upstream_tls.verify if upstream_tls else True,
         upstream_cafile=upstream_tls.cafile if upstream_tls else None, upstream_tls=upstream_tls,
         authenticator=authenticator, public_url=public_url,

@@ -29,7 +29,7 @@ from typing import Any, Coroutine, Mapping, TypeVar
 
 import uvicorn
 
-from kvsp_moq.auth import Authenticator
+from kvsp_moq.auth import Authenticator, add_token_options, token_from_args
 from kvsp_moq.errors import BadRecord
 from kvsp_moq.holder.app import create_app
 from kvsp_moq.holder.leases import Clock, LeaseLimits
@@ -193,8 +193,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--principals", metavar="FILE",
                    help="principals file (TOML); without it the holder runs open, on loopback only")
     p.add_argument("--insecure-open", action="store_true", help=INSECURE_OPEN_HELP)
-    p.add_argument("--token", metavar="TOKEN",
-                   help="bearer token this holder presents to the Index Service and the relay")
+    add_token_options(p, what="bearer token this holder presents to the Index Service and the relay")
     p.add_argument("--max-lease-ttl-ms", type=positive_int, default=600_000, metavar="N",
                    help="longest lease a client may hold (default %(default)s)")
     p.add_argument("--max-lease-bytes", type=parse_size, default=16 << 30, metavar="N",
@@ -223,7 +222,7 @@ def settings_from_args(args: argparse.Namespace) -> HolderSettings:
         device_layers=args.device_layers,
         record_ttl_ms=args.record_ttl_ms, relay=args.relay, relay_ca=args.relay_ca,
         relay_insecure=args.relay_insecure, principals=args.principals,
-        index_token=args.token, max_lease_ttl_ms=args.max_lease_ttl_ms,
+        index_token=token_from_args(args), max_lease_ttl_ms=args.max_lease_ttl_ms,
         max_lease_bytes=args.max_lease_bytes, descriptors=descriptors,
     )
 

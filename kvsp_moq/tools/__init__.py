@@ -15,7 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
-from kvsp_moq.errors import BadRecord, ForbiddenScope, KvspError, Unauthorized
+from kvsp_moq.auth import add_token_options, token_from_args
+from kvsp_moq.errors import BadRecord, ForbiddenScope, KvspError, SettingError, Unauthorized
 from kvsp_moq.protocol import validate as v
 from kvsp_moq.protocol.records import ReplicaRecord
 
@@ -38,11 +39,15 @@ def say(name: str, text: str) -> None:
     print(f"kvsp {name}: {text}", file=sys.stderr, flush=True)
 
 
-def guarded(name: str, body: Callable[[], Awaitable[int]]) -> int:
-    """Run a tool's coroutine and turn every error into one line and an exit status."""
+def guarded(name: str, body: Callable[[], Awaitable[int]],
+            args: argparse.Namespace | None = None) -> int:
+    """Run a tool's coroutine and turn every error into one line and an exit status; `args`'
+    --token-file, if any, is read first (its token replaces args.token)."""
     try:
+        if args is not None and hasattr(args, "token_file"):
+            args.token = token_from_args(args)
         return asyncio.run(body())
-    except UsageError as e:
+    except (UsageError, SettingError) as e:
         say(name, str(e))
         return EXIT_USAGE
     except Failed as e:
@@ -122,7 +127,7 @@ def add_common(p: argparse.ArgumentParser, *, block: bool = True, timeout: bool 
         p.add_argument("--compat", metavar="HEX", help="Compatibility ID (64 hex digits)")
         p.add_argument("--scope", metavar="HEX", help="Scope ID (32 hex digits)")
         p.add_argument("--key", metavar="HEX", help="Block Key (64 hex digits)")
-    p.add_argument("--token", metavar="TOKEN", help="bearer token presented to every server")
+    add_token_options(p, what="bearer token presented to every server")
     if timeout:
         p.add_argument("--timeout", type=float, default=10.0, metavar="S",
                        help="seconds any one network step may take (default %(default)s)")

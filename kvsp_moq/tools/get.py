@@ -54,7 +54,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    return guarded("get", lambda: _get(args))
+    return guarded("get", lambda: _get(args), args)
 
 
 def relay_tls(args: argparse.Namespace, relay: str) -> Any:

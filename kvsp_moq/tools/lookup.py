@@ -31,7 +31,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    return guarded("lookup", lambda: _lookup(args))
+    return guarded("lookup", lambda: _lookup(args), args)
 
 
 async def _lookup(args: argparse.Namespace) -> int:

@@ -26,7 +26,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    return guarded("put", lambda: _put(args))
+    return guarded("put", lambda: _put(args), args)
 
 
 async def _put(args: argparse.Namespace) -> int:

@@ -41,7 +41,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    return guarded("subscribe", lambda: _subscribe(args))
+    return guarded("subscribe", lambda: _subscribe(args), args)
 
 
 async def _subscribe(args: argparse.Namespace) -> int:

@@ -75,9 +75,11 @@ async def test_relay_service_serves_metrics_when_asked(tmp_path):
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
         cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
     try:
-        lines = [(await asyncio.wait_for(proc.stdout.readline(), 20)).decode() for _ in range(5)]
-        assert lines[4].startswith("metrics at http://127.0.0.1:") and lines[4].rstrip().endswith("/metrics")
-        url = lines[4].split()[-1]
+        lines = []
+        while not (lines and lines[-1].startswith("metrics at")) and len(lines) < 8:
+            lines.append((await asyncio.wait_for(proc.stdout.readline(), 20)).decode())
+        assert lines[-1].startswith("metrics at http://127.0.0.1:") and lines[-1].rstrip().endswith("/metrics")
+        url = lines[-1].split()[-1]
         response = await get(url)
         assert response.status_code == 200
         figures = parse(response.text)
