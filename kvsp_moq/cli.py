@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -20,6 +21,10 @@ from kvsp_moq.errors import KvspError, SettingError
 from kvsp_moq.scope_keys import add_scope_key_options
 
 EXIT_USAGE = 2
+
+#: when the command started (its imports but the first few included), for the totals commands
+#: report beside the time of the work itself
+STARTED = time.perf_counter()
 
 #: OpenMP threads (torch on the CPU) spin between parallel regions by default. The agent loads
 #: KV layers on other threads while the model computes, and spinning threads starve them: on

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvsp_moq.cli import STARTED
 from kvsp_moq.errors import KvspError, NotFound
 from kvsp_moq.moqt.certs import add_relay_tls_options
 from kvsp_moq.protocol.container import Container, Layer, encode
@@ -164,32 +165,52 @@ async def _get(args: argparse.Namespace) -> int:
         output = "-"
     if output == "-" and args.json:
         raise UsageError("--json and -o - both write to stdout; give -o FILE")
-    record = await pick_record(args, moqt)
-    if moqt and not record.is_moqt:
-        from kvsp_moq.moqt_blocks import moqt_record
-
-        record = moqt_record(record, source)  # an HTTP record names the same layers
-    if moqt and base_url(record.holder).lower() != base_url(source).lower():
-        record = dataclasses.replace(record, holder=source)
-    n = record.layer_count
-    if wanted is not None and n is not None and wanted[1] >= n:
-        raise UsageError(f"--layers {args.layers}: the block has layers 0-{n - 1}")
-    total = (wanted[1] - wanted[0] + 1) if wanted else (n or 0)
-    progress = Progress(total)
-    started = time.perf_counter()
-    if moqt:
-        from kvsp_moq.moqt_blocks import MoqtBlockFetcher
-
-        tls = relay_tls(args, source)
-        fetcher: Any = MoqtBlockFetcher(token=args.token, tls=tls, timeout=args.timeout,
-                                        layer_timeout=args.timeout)
+    if moqt:  # imported before the clock starts: a transfer's figures are the transfer's
+        from kvsp_moq.moqt_blocks import MoqtBlockFetcher, moqt_record
     else:
         from kvsp_moq.fetch.http import HttpFetcher
-
-        fetcher = HttpFetcher(token=args.token, timeout=args.timeout)
+    report: dict[str, Any] = {"source": source}
     try:
-        stream = fetcher.layers([source], record, wanted)
-        got: list[Layer] = []
+        record = await pick_record(args, moqt)
+        if moqt and not record.is_moqt:
+            record = moqt_record(record, source)  # an HTTP record names the same layers
+        if moqt and base_url(record.holder).lower() != base_url(source).lower():
+            record = dataclasses.replace(record, holder=source)
+        n = record.layer_count
+        if wanted is not None and n is not None and wanted[1] >= n:
+            raise UsageError(f"--layers {args.layers}: the block has layers 0-{n - 1}")
+        report["record_holder"] = record.holder
+        total = (wanted[1] - wanted[0] + 1) if wanted else (n or 0)
+        await _fetch(args, source, moqt, record, wanted, total, output, report,
+                     MoqtBlockFetcher if moqt else HttpFetcher)
+    except (KvspError, Failed, UsageError) as e:
+        if args.json:  # a script reading stdout learns why, not only the exit status
+            report["error"] = getattr(e, "detail", None) or str(e)
+            report["total_seconds"] = round(time.perf_counter() - STARTED, 6)
+            print(json.dumps(report))
+        raise
+    if args.json:
+        print(json.dumps(report))
+    return 0
+
+
+async def _fetch(args: argparse.Namespace, source: str, moqt: bool, record: ReplicaRecord,
+                 wanted: tuple[int, int] | None, total: int, output: str | None,
+                 report: dict[str, Any], fetcher_class: Any) -> None:
+    """Fetch, verify and write the layers, filling `report` as it goes: "seconds" is the
+    transfer (connection included, closing not), "close_seconds" the close after it, and
+    "total_seconds" everything since the command started (imports included)."""
+    progress = Progress(total)
+    if moqt:
+        fetcher: Any = fetcher_class(token=args.token, tls=relay_tls(args, source),
+                                     timeout=args.timeout, layer_timeout=args.timeout)
+    else:
+        fetcher = fetcher_class(token=args.token, timeout=args.timeout)
+    started = time.perf_counter()
+    stream = fetcher.layers([source], record, wanted)
+    got: list[Layer] = []
+    seconds = None
+    try:
         try:
             async for layer in stream:
                 got.append(layer)
@@ -200,34 +221,32 @@ async def _get(args: argparse.Namespace) -> int:
             raise
         finally:
             progress.finish()
+            seconds = time.perf_counter() - started
+            report.update({
+                "bytes_received": stream.bytes_received, "layer_count": len(got),
+                "seconds": round(seconds, 6),
+                "first_layer_ms": None if stream.first_layer_seconds is None
+                else round(stream.first_layer_seconds * 1000, 3),
+                "failures": [{"source": s, "reason": r} for s, r in stream.failures],
+                "notes": list(stream.notes)})
         container = stream.container_if_single() if not moqt else None
         if container is None or (container.first_layer, container.last_layer) != (
                 got[0].index, got[-1].index):  # several responses, or MOQT objects: rebuild
             container = Container(encode(got[0].index, stream.token_count or 0,
                                          [(layer.k, layer.v) for layer in got], codec=record.codec))
     finally:
+        closing = time.perf_counter()
         await fetcher.aclose()
-    seconds = time.perf_counter() - started
+        report["close_seconds"] = round(time.perf_counter() - closing, 6)
     data = container.buffer
     if output is not None:
         _write(output, data)
-    if args.json:
-        octets = sum(len(layer.k) + len(layer.v) for layer in got)
-        print(json.dumps({
-            "source": source,
-            "record_holder": record.holder,
-            "layers": [got[0].index, got[-1].index],
-            "layer_count": len(got),
-            "token_count": container.token_count,
-            "container_bytes": len(data),
-            "bytes_received": stream.bytes_received,
-            "seconds": round(seconds, 6),
-            "first_layer_ms": None if stream.first_layer_seconds is None
-            else round(stream.first_layer_seconds * 1000, 3),
-            "mb_per_s": round(octets / seconds / 1e6, 3) if seconds > 0 else None,
-            "served_by": [list(s) for s in stream.served_by],
-            "failures": [{"source": s, "reason": r} for s, r in stream.failures],
-            "notes": list(stream.notes),
-            "output": output,
-        }))
-    return 0
+    octets = sum(len(layer.k) + len(layer.v) for layer in got)
+    report.update({
+        "layers": [got[0].index, got[-1].index],
+        "token_count": container.token_count,
+        "container_bytes": len(data),
+        "mb_per_s": round(octets / seconds / 1e6, 3) if seconds else None,
+        "served_by": [list(s) for s in stream.served_by],
+        "output": output,
+        "total_seconds": round(time.perf_counter() - STARTED, 6)})

@@ -104,9 +104,27 @@ def test_put_then_get_over_http_is_byte_identical(system: System, tmp_path: Path
     summary = json.loads(done.stdout)
     assert summary["layers"] == [0, LAYERS - 1] and summary["failures"] == []
     assert summary["first_layer_ms"] is not None and summary["mb_per_s"] > 0
+    # the transfer apart from the closing and from the command's total (imports included)
+    assert 0 < summary["seconds"] < summary["total_seconds"]
+    assert summary["close_seconds"] >= 0
+    assert summary["seconds"] + summary["close_seconds"] <= summary["total_seconds"]
     # to stdout as well
     done = kvsp("get", system.holder.url, "--record", str(record), "-o", "-")
     assert done.returncode == 0 and done.stdout == system.data[key]
+
+
+def test_a_failed_get_still_reports_in_json(system: System, tmp_path: Path) -> None:
+    key = KEYS[0]
+    record = dict(system.records[key], block_key="0" * 64)  # a block nobody holds
+    path = tmp_path / "record.json"
+    path.write_text(json.dumps(record))
+    done = kvsp("get", system.holder.url, "--record", str(path), "-o", str(tmp_path / "x"), "--json")
+    assert done.returncode == 1
+    report = json.loads(done.stdout)
+    assert report["source"] == system.holder.url and report["error"]
+    assert report["failures"] and report["failures"][0]["source"] == system.holder.url
+    assert report["error"] in done.stderr.decode()  # and the one line on stderr
+    assert not (tmp_path / "x").exists()
 
 
 def test_put_of_a_held_block_says_it_exists(system: System, tmp_path: Path) -> None:
