@@ -37,6 +37,7 @@ requests already admitted, until the deadline.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import time
@@ -123,8 +124,10 @@ class MoqtLayerSource:
     """Layers over MOQT (DESIGN §4) through the agent's relay, via
     `kvsp_moq.moqt_blocks.MoqtBlockFetcher`; leases go to the record's "http_holder".
 
-    Only replicas published through that relay are taken: the fetcher's TLS settings were
-    chosen for it (a loopback relay's self-signed certificate is not verified).
+    Every MOQT replica is read through the agent's own relay (the fetcher's TLS settings
+    were chosen for it), whichever relay its record names: relays chained with --upstream
+    forward a request for a namespace published elsewhere in the chain, and where no chain
+    leads there the fetch is a miss like any other and the next candidate is tried.
 
     A relay that cannot be reached, or whose requests time out, is skipped for `down_s`:
     every block would otherwise wait for its own connection attempt (one at a time, as the
@@ -143,8 +146,13 @@ class MoqtLayerSource:
         self._probes: dict[str, asyncio.Future] = {}
 
     def accepts(self, record: ReplicaRecord) -> bool:
-        return (record.is_moqt and bool(record.moqt_namespace) and record.http_holder is not None
-                and record.holder.rstrip("/").lower() == self.relay)
+        return record.is_moqt and bool(record.moqt_namespace) and record.http_holder is not None
+
+    def _via(self, record: ReplicaRecord) -> ReplicaRecord:
+        """The record as read through this agent's relay."""
+        if record.holder.rstrip("/").lower() == self.relay:
+            return record
+        return dataclasses.replace(record, holder=self.relay)
 
     @property
     def reachable(self) -> bool:
@@ -182,6 +190,7 @@ class MoqtLayerSource:
             self._probes[self.relay] = probe
 
     async def layers(self, record: ReplicaRecord, first: int, last: int) -> AsyncIterator[LayerTuple]:
+        record = self._via(record)
         await self._ready(record.holder)
         stream = self.fetcher.layers([record.holder], record, (first, last))
         try:
@@ -195,6 +204,7 @@ class MoqtLayerSource:
 
     async def fetch_block(self, record: ReplicaRecord) -> FetchResult:
         """The whole block as one verified container (prefetch), under the same health gate."""
+        record = self._via(record)
         await self._ready(record.holder)
         try:
             return await self.fetcher.fetch_block([record.holder], record)
