@@ -96,6 +96,7 @@ from kvsp_moq.moqt.quic import (
     OutgoingSubscription,
     PublishedNamespace,
     QuicSettings,
+    SubgroupEnd,
     SubgroupSender,
     Subscription,
     connect,
@@ -272,7 +273,7 @@ class _Downstream:
         self.priority = priority
         self._expired: set[tuple[int, int]] = set()
         outgoing.on_update = self._on_update
-        self.queue: deque[MoqtObject] = deque()
+        self.queue: deque[MoqtObject | SubgroupEnd] = deque()
         self.queued_bytes = 0
         #: sending an object taken from its queue
         self.busy = False
@@ -306,6 +307,14 @@ class _Downstream:
             stats.subscriber_queue_peak_bytes = self.queued_bytes
         self._wake.set()
         return True
+
+    def end_subgroup(self, end: SubgroupEnd) -> None:
+        """The publisher finished a subgroup stream: finish ours after its queued objects
+        (draft-18 "Closing Subgroup Streams": once all objects of a subgroup are delivered,
+        the stream MUST be closed with a FIN)."""
+        if not self.finished:
+            self.queue.append(end)  # (never refused: it holds nothing)
+            self._wake.set()
 
     def _on_update(self, update: IncomingUpdate) -> None:
         """A REQUEST_UPDATE of this subscription (draft-18 "Updating Subscriptions")."""
@@ -377,6 +386,9 @@ class _Downstream:
                 while self.queue:
                     self.busy = True
                     obj = self.queue.popleft()
+                    if isinstance(obj, SubgroupEnd):
+                        self._close_stream((obj.group_id, obj.subgroup_id))
+                        continue
                     self.queued_bytes -= obj.size
                     if self.forward:  # objects queued before Forward turned 0 are not sent
                         await self._send(obj)
@@ -447,7 +459,7 @@ class _Downstream:
             self._close_stream(min(self._senders))
         sender = self.outgoing.open_subgroup(
             obj.group_id, obj.subgroup_id or 0, publisher_priority=obj.publisher_priority,
-            has_properties=bool(obj.properties) or reopen)
+            end_of_group=obj.end_of_group, has_properties=bool(obj.properties) or reopen)
         self._senders[key] = sender
         return sender
 
@@ -481,6 +493,7 @@ class _Feed:
 
     def start(self, upstream: Subscription) -> None:
         self.upstream = upstream
+        upstream.subgroup_ends = True  # each downstream stream ends where the upstream's did
         if upstream.largest is not None:
             self.largest = upstream.largest
         self.track_properties = upstream.track_properties
@@ -567,6 +580,10 @@ class _Feed:
         try:
             loop = asyncio.get_running_loop()
             async for obj in self.upstream:
+                if isinstance(obj, SubgroupEnd):
+                    for downstream in self.downstreams:
+                        downstream.end_subgroup(obj)
+                    continue
                 stats.objects_in += 1
                 stats.bytes_in += len(obj.payload)
                 cached = _cached(obj, loop.time())

@@ -61,7 +61,7 @@ from .incoming import (
     IncomingTrackStatus,
     IncomingUpdate,
 )
-from ..objects import MoqtObject
+from ..objects import MoqtObject, SubgroupEnd
 from .publisher import FetchSender, NamespacePublisher, NamespaceRegistration, OutgoingSubscription, SubgroupSender
 from .settings import (
     DATAGRAM_SIZE_ENV,
@@ -97,6 +97,7 @@ __all__ = [
     "LOOPBACK_DATAGRAM_SIZE",
     "PATH_DATAGRAM_SIZE",
     "MoqtObject",
+    "SubgroupEnd",
     "MoqtConnection",
     "MoqtServer",
     "Handler",

@@ -27,7 +27,7 @@ from ..errors import (
     Uninterested,
 )
 from ..messages import Location, Parameters, Properties, SubscriptionFilter, TrackNamespace
-from ..objects import MoqtObject
+from ..objects import MoqtObject, SubgroupEnd
 from ..session import UNKNOWN_STREAM_COUNT
 from .core import ConnectionCore, token_parameters
 
@@ -154,6 +154,11 @@ class Subscription:
         self.parameters = Parameters()
         #: subgroup streams the publisher reset because their objects outlived a delivery timeout
         self.streams_timed_out = 0
+        #: also yield a `SubgroupEnd` after the last object of each subgroup stream the
+        #: publisher finished (a relay ends its own stream of the subgroup there); they are
+        #: queued either way, so setting this after subscribe() returns misses none
+        self.subgroup_ends = False
+        self._subgroups: dict[int, tuple[int, int, bool]] = {}  # stream -> its subgroup
         self.done: ev.PublishDoneReceived | None = None
         self._queue = _ObjectQueue(connection)
         self._streams_ended = 0
@@ -165,7 +170,11 @@ class Subscription:
         return self
 
     async def __anext__(self) -> MoqtObject:
-        return await self._queue.get()
+        """The next object (or, with `subgroup_ends`, a `SubgroupEnd`)."""
+        while True:
+            item = await self._queue.get()
+            if self.subgroup_ends or not isinstance(item, SubgroupEnd):
+                return item
 
     async def unsubscribe(self) -> None:
         """Cancel the subscription (STOP_SENDING / reset of its request stream)."""
@@ -240,6 +249,8 @@ class Subscription:
     def _object(self, event: ev.ObjectReceived) -> None:
         if self._finished:
             return
+        if event.stream_id is not None and event.subgroup_id is not None:
+            self._subgroups[event.stream_id] = (event.group_id, event.subgroup_id, event.end_of_group)
         self._queue.push(
             MoqtObject(
                 event.group_id,
@@ -249,6 +260,7 @@ class Subscription:
                 event.status,
                 event.properties,
                 event.publisher_priority,
+                end_of_group=event.end_of_group,
             ),
             event.stream_id,
         )
@@ -260,6 +272,9 @@ class Subscription:
         if event.stream_id in self._open_streams:  # not already counted as stopped
             self._open_streams.discard(event.stream_id)
             self._streams_ended += 1
+        subgroup = self._subgroups.pop(event.stream_id, None)
+        if subgroup is not None and not event.reset and not self._finished:
+            self._queue.push(SubgroupEnd(*subgroup), None)  # type: ignore[arg-type]
         if event.reset and event.error_code == StreamResetCode.DELIVERY_TIMEOUT:
             # Objects that outlived a delivery timeout are dropped, the
             # subscription goes on.
