@@ -135,6 +135,26 @@ def test_a_request_right_behind_its_directive_waits_for_the_prefetch_instead_of_
     assert out["tokens"] == reference.generate_greedy(prompt + [9], 2)
 
 
+def test_prefetch_takes_one_lease_per_source_for_all_its_blocks(agents: tuple[Agent, Agent]) -> None:
+    """One round trip for the leases of every block at a source, not one per block, and
+    the lease is released once the blocks are loaded."""
+    a, b = agents
+    keys = computed_keys(a, tokens(PROMPT, 27))
+    metrics = a.app.state.metrics.requests
+    taken = [k for k in metrics if k[:2] == ("POST", "/leases")]
+    before = sum(metrics[k] for k in taken)
+    released = sum(v for k, v in metrics.items() if k[0] == "DELETE" and "leases" in k[1])
+    r = httpx.post(b.url + "prefetch", json=directive(b, keys, [a.url]))
+    assert wait_done(r.headers["location"])["state"] == "complete"
+    assert sum(v for k, v in metrics.items() if k[:2] == ("POST", "/leases")) == before + 1
+    for _ in range(100):  # released after the last block, in the background
+        if sum(v for k, v in metrics.items() if k[0] == "DELETE" and "leases" in k[1]) > released:
+            break
+        time.sleep(0.02)
+    else:
+        raise AssertionError("the batch lease was not released")
+
+
 def test_prefetch_refused_when_not_active(agents: tuple[Agent, Agent]) -> None:
     a, b = agents
     epoch = b.context.epoch
