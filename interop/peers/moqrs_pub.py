@@ -10,8 +10,8 @@ g as group sequence g, with a pause between groups; frame sizes cycle through SI
 "16,1K,64K,256K") and payloads are those of moqrs_common.payload. After each group it prints
 GROUP g, after the last it finishes the track (with --live: only when stopped, so that each
 group must end on its own) and prints DONE, then stays up (so that the relay
-can drain what it holds) until SIGTERM, stdin's end or the timeout. Runs with the moq-rs
-virtual environment (interop/.venv-moqrs/bin/python).
+can drain what it holds) until SIGTERM, the timeout or, with --linger, that many seconds.
+Runs with the moq-rs virtual environment (interop/.venv-moqrs/bin/python).
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ async def main(a: argparse.Namespace) -> None:
             track.finish()
         say("DONE")
         try:
-            await asyncio.wait_for(stop.wait(), a.timeout)
+            await asyncio.wait_for(stop.wait(), a.timeout if a.linger is None else a.linger)
         except asyncio.TimeoutError:
             pass
         if a.live:
@@ -82,6 +82,8 @@ if __name__ == "__main__":
     p.add_argument("--pause-ms", type=float, default=20.0)
     p.add_argument("--wait-subscriber", action="store_true")
     p.add_argument("--live", action="store_true", help="leave the track open after the last group, until stopped")
+    p.add_argument("--linger", type=float, default=None,
+                   help="seconds to stay up after DONE (default: until stopped or the timeout)")
     p.add_argument("--timeout", type=float, default=60.0)
     p.add_argument("--log", default=os.environ.get("MOQ_LOG", "info"))
     args = p.parse_args()
