@@ -17,6 +17,10 @@ interop/.venv-aiomoqt/.installed: interop/aiomoqt-requirements.txt interop/insta
 	bash interop/install-peer.sh
 	touch $@
 
+interop/.venv-moqrs/.installed: interop/moqrs-requirements.txt interop/install-moqrs.sh
+	bash interop/install-moqrs.sh
+	touch $@
+
 demo: $(BIN)/.installed
 	$(BIN)/kvsp demo
 
@@ -31,9 +35,9 @@ test-unit: $(BIN)/.installed
 test-aioquic: $(BIN)/.installed
 	KVSP_QUIC_ENGINE=aioquic $(BIN)/python -m pytest -q tests/moqt tests/relay tests/moqt_blocks
 
-# The independent peer binds wildcard addresses, so the interop suite runs in a private
-# network namespace with only loopback up.
-test-interop: $(BIN)/.installed interop/.venv-aiomoqt/.installed
+# The independent peers (aiomoqt, moq-rs) live in venvs of their own. aiomoqt binds wildcard
+# addresses, so the interop suite runs in a private network namespace with only loopback up.
+test-interop: $(BIN)/.installed interop/.venv-aiomoqt/.installed interop/.venv-moqrs/.installed
 	unshare -n sh -c 'ip link set lo up && KVSP_PRIVATE_NETNS=1 KVSP_QUIC_ENGINE=aioquic $(BIN)/python -m pytest -q interop'
 	unshare -n sh -c 'ip link set lo up && KVSP_PRIVATE_NETNS=1 $(BIN)/python -m pytest -q interop'
 
@@ -41,4 +45,4 @@ bench: $(BIN)/.installed
 	$(BIN)/kvsp bench core
 
 clean:
-	rm -rf $(VENV) interop/.venv-aiomoqt build *.egg-info
+	rm -rf $(VENV) interop/.venv-aiomoqt interop/.venv-moqrs build *.egg-info

@@ -1,0 +1,253 @@
+"""Interop with moq-rs 0.5.1 (the Python package of the Rust moq-dev stack, moq-ffi 0.4.18), a
+second independent MOQT implementation, through our relay over raw QUIC (moqt://, draft-18).
+
+The moq-rs side runs as child processes in its own virtual environment (interop/.venv-moqrs,
+made by interop/install-moqrs.sh): interop/peers/moqrs_pub.py writes groups of frames whose
+sizes cycle through 16 B, 1 KiB, 64 KiB and 256 KiB, interop/peers/moqrs_sub.py reads them and
+checks every byte (payloads: interop/peers/moqrs_common.py).
+
+1. moq-rs publisher -> our relay -> moq-rs subscriber, with the track finished after the last
+   group, and with the track left open: then every group must end by itself (its subgroup
+   stream ends with FIN, or its header says END_OF_GROUP), not at PUBLISH_DONE.
+2. moq-rs publisher -> our relay -> our subscriber.
+3. our publisher -> our relay -> moq-rs subscriber, the track finished or left open.
+4. 20 groups, a subscriber from the start and one joining late.
+
+Every test fails (never skips) when moq-rs is not installed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import secrets
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvsp_moq.moqt.objects import ObjectStatus
+from kvsp_moq.moqt.quic import IncomingSubscribe, connect
+
+from .conftest import HERE, PEERS, our_relay, spawn
+
+sys.path.insert(0, str(PEERS))
+from moqrs_common import DEFAULT_SIZES, object_size, payload  # noqa: E402
+
+MOQRS_VENV = HERE / ".venv-moqrs"
+MOQRS_PYTHON = MOQRS_VENV / "bin" / "python"
+SIZES = ",".join(str(s) for s in DEFAULT_SIZES)
+STEP = 20.0
+#: How long a moq-rs subscriber waits for its groups before it reports what it has.
+SUB_TIMEOUT = 15.0
+
+
+@pytest.fixture(scope="module", autouse=True)
+def moqrs_peer() -> None:
+    """Fail every test of this module, loudly, when the moq-rs peer is not installed."""
+    hint = "install it with network access: bash interop/install-moqrs.sh"
+    if not MOQRS_PYTHON.exists():
+        pytest.fail(f"the moq-rs peer is not installed ({MOQRS_PYTHON} is missing); {hint}", pytrace=False)
+    check = subprocess.run([str(MOQRS_PYTHON), "-c", "import moq, moq_ffi"], capture_output=True, text=True,
+                           timeout=60)
+    if check.returncode != 0:
+        pytest.fail(f"the moq-rs peer in {MOQRS_VENV} cannot be imported ({check.stderr.strip()[-300:]}); {hint}",
+                    pytrace=False)
+
+
+def broadcast_path() -> str:
+    return f"kvsp/{secrets.token_hex(6)}/layers"
+
+
+def publisher_argv(url: str, path: str, groups: int, objects: int, seed: str, *extra: str) -> list[str]:
+    return [str(MOQRS_PYTHON), str(PEERS / "moqrs_pub.py"), url, path, "t", str(groups), str(objects), SIZES,
+            seed, "--log", "debug", *extra]
+
+
+def subscriber_argv(url: str, path: str, objects: int, seed: str, *extra: str) -> list[str]:
+    return [str(MOQRS_PYTHON), str(PEERS / "moqrs_sub.py"), url, path, "t", str(objects), SIZES, seed,
+            "--timeout", str(SUB_TIMEOUT), "--log", "debug", *extra]
+
+
+class Received:
+    """What a moq-rs subscriber reported: one dict per object and its summary."""
+
+    def __init__(self, objects: list[dict], summary: dict, log: Path) -> None:
+        self.objects = objects
+        self.summary = summary
+        self.log = log
+
+    def explain(self) -> str:
+        text = self.log.read_text(errors="replace") if self.log.exists() else ""
+        lines = re.sub(r"\x1b\[[0-9;]*m", "", text).splitlines()
+        notable = [line for line in lines
+                   if (" WARN" in line or " ERROR" in line or "publish done" in line or "subscribe ok" in line
+                       or "error" in line.lower())
+                   and "moq_sock::bind" not in line and "verification is disabled" not in line]
+        return (f"\nmoq-rs subscriber summary: {json.dumps(self.summary)}\nits log ({self.log}), notable lines:\n  "
+                + "\n  ".join(notable[-15:]))
+
+
+async def read_subscriber(sub, timeout: float = SUB_TIMEOUT + 20) -> tuple[list[dict], dict]:
+    objects: list[dict] = []
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    for _ in range(100_000):
+        line = await sub.line(max(0.1, deadline - loop.time()))
+        if line.startswith("SUMMARY "):
+            return objects, json.loads(line[len("SUMMARY "):])
+        if line.startswith("{"):
+            objects.append(json.loads(line))
+    raise AssertionError("the moq-rs subscriber printed too many lines")
+
+
+def assert_all_groups(received: Received, groups: range, objects: int) -> None:
+    s = received.summary
+    why = received.explain()
+    assert s["error"] is None, f"the moq-rs subscriber failed: {s['error']}{why}"
+    assert s["mismatches"] == 0, f"{s['mismatches']} objects were not byte for byte what was sent{why}"
+    got = sorted((o["group"], o["object"]) for o in received.objects)
+    assert got == [(g, o) for g in groups for o in range(objects)], f"objects received: {got}{why}"
+    assert s["complete_groups"] == len(groups), (
+        f"{s['complete_groups']} of {len(groups)} groups ended (all their objects arrived: "
+        f"{s['objects']} of {len(groups) * objects}); the subscriber stopped on: {s['ended']}{why}")
+
+
+# --------------------------------------------------------------------------- 1
+
+
+@pytest.mark.parametrize("live", [False, True], ids=["track-finished", "track-live"])
+async def test_moqrs_publisher_through_our_relay_to_moqrs_subscriber(tmp_path, live):
+    """4 groups x 3 objects (16 B, 1 KiB, 64 KiB, 256 KiB cycled), byte for byte. With the
+    track left live, the subscriber sees a group end only when its subgroup stream ends (FIN or
+    END_OF_GROUP): a relay that keeps downstream streams open leaves every group unfinished."""
+    seed, groups, objects, path = secrets.token_hex(8), 4, 3, broadcast_path()
+    async with our_relay(tmp_path) as url, spawn(
+            *publisher_argv(url, path, groups, objects, seed, "--wait-subscriber", *(["--live"] if live else [])),
+            name="moq-rs publisher", stderr=tmp_path / "moqrs-pub.log") as pub:
+        await pub.wait_for_line("READY", STEP)
+        async with spawn(*subscriber_argv(url, path, objects, seed, "--groups", str(groups)),
+                         name="moq-rs subscriber", stderr=tmp_path / "moqrs-sub.log") as sub:
+            received = Received(*await read_subscriber(sub), tmp_path / "moqrs-sub.log")
+    assert_all_groups(received, range(groups), objects)
+    if not live:
+        assert received.summary["ended"] in ("groups", "track ended"), received.explain()
+
+
+# --------------------------------------------------------------------------- 2
+
+
+async def test_moqrs_publisher_through_our_relay_to_our_subscriber(tmp_path):
+    """moq-rs's broadcast path kvsp/<n>/layers is the namespace (kvsp, <n>, layers); our client
+    subscribes to its track t and receives every object byte for byte, in groups 0-3."""
+    seed, groups, objects, path = secrets.token_hex(8), 4, 3, broadcast_path()
+    async with our_relay(tmp_path) as url, spawn(
+            *publisher_argv(url, path, groups, objects, seed, "--wait-subscriber"),
+            name="moq-rs publisher", stderr=tmp_path / "moqrs-pub.log") as pub:
+        await pub.wait_for_line("READY", STEP)
+        client = await connect(url, verify=False, timeout=STEP)
+        got = []
+        try:
+            subscription = await client.subscribe(path.split("/"), "t", timeout=STEP)
+
+            async def read() -> None:
+                async for obj in subscription:
+                    got.append(obj)
+                    if len(got) >= groups * objects:
+                        return
+
+            try:
+                await asyncio.wait_for(read(), STEP)
+            except asyncio.TimeoutError:
+                pass
+        finally:
+            await client.aclose()
+    normal = [o for o in got if o.status == ObjectStatus.NORMAL]
+    summary = sorted((o.group_id, o.object_id, len(o.payload)) for o in normal)
+    expected = [(g, o, object_size(g, o, objects, DEFAULT_SIZES)) for g in range(groups) for o in range(objects)]
+    assert summary == expected, f"received {summary}"
+    for obj in normal:
+        assert obj.payload == payload(seed, obj.group_id, obj.object_id, objects, DEFAULT_SIZES), \
+            (obj.group_id, obj.object_id)
+
+
+# --------------------------------------------------------------------------- 3
+
+
+@pytest.mark.parametrize("live", [False, True], ids=["track-finished", "track-live"])
+async def test_our_publisher_through_our_relay_to_moqrs_subscriber(tmp_path, live):
+    """Our publisher announces (kvsp, <n>, layers) and answers the relay's SUBSCRIBE with 4
+    subgroup streams of 3 objects, each ended with FIN. Track finished: PUBLISH_DONE right after;
+    live: only after the moq-rs subscriber has reported, so each group must end by itself."""
+    seed, groups, objects, path = secrets.token_hex(8), 4, 3, broadcast_path()
+    release = asyncio.Event()
+    sent = asyncio.Event()
+    handlers: list[asyncio.Task] = []
+    async with our_relay(tmp_path) as url:
+        publisher = await connect(url, verify=False, timeout=STEP)
+
+        async def serve(req: IncomingSubscribe) -> None:
+            handlers.append(asyncio.current_task())
+            subscription = req.accept()
+            for g in range(groups):
+                sender = subscription.open_subgroup(g)
+                for o in range(objects):
+                    await sender.send(o, payload(seed, g, o, objects, DEFAULT_SIZES))
+                sender.close()
+                await asyncio.sleep(0.02)
+            sent.set()
+            if live:
+                await release.wait()
+            await subscription.finish()
+
+        publisher.on_subscribe(serve)
+        try:
+            await publisher.publish_namespace(path.split("/"), timeout=STEP)
+            async with spawn(*subscriber_argv(url, path, objects, seed, "--groups", str(groups)),
+                             name="moq-rs subscriber", stderr=tmp_path / "moqrs-sub.log") as sub:
+                received = Received(*await read_subscriber(sub), tmp_path / "moqrs-sub.log")
+            assert sent.is_set(), f"our publisher was never asked for the track{received.explain()}"
+        finally:
+            release.set()
+            if handlers:
+                await asyncio.wait(handlers, timeout=5)
+            await publisher.aclose()
+    assert_all_groups(received, range(groups), objects)
+
+
+# --------------------------------------------------------------------------- 4
+
+
+async def test_many_groups_and_a_late_subscriber(tmp_path):
+    """20 groups of 3 objects, 100 ms apart. A moq-rs subscriber from the start gets all 20,
+    byte for byte; one that joins after group 8 gets every later group whole (the group in
+    progress when it joined may start mid-group, but what it holds must be right) up to 19."""
+    seed, groups, objects, path = secrets.token_hex(8), 20, 3, broadcast_path()
+    async with our_relay(tmp_path) as url, spawn(
+            *publisher_argv(url, path, groups, objects, seed, "--wait-subscriber", "--pause-ms", "100"),
+            name="moq-rs publisher", stderr=tmp_path / "moqrs-pub.log") as pub:
+        await pub.wait_for_line("READY", STEP)
+        async with spawn(*subscriber_argv(url, path, objects, seed, "--groups", str(groups)),
+                         name="moq-rs subscriber (first)", stderr=tmp_path / "moqrs-sub-first.log") as first:
+            await pub.wait_for_line("GROUP 8", STEP)
+            async with spawn(*subscriber_argv(url, path, objects, seed), name="moq-rs subscriber (late)",
+                             stderr=tmp_path / "moqrs-sub-late.log") as late:
+                early = Received(*await read_subscriber(first), tmp_path / "moqrs-sub-first.log")
+                joined = Received(*await read_subscriber(late), tmp_path / "moqrs-sub-late.log")
+    assert_all_groups(early, range(groups), objects)
+
+    s = joined.summary
+    why = joined.explain()
+    assert s["error"] is None, f"the late subscriber failed: {s['error']}{why}"
+    assert s["mismatches"] == 0, why
+    assert s["ended"] == "track ended", why
+    seqs = sorted({o["group"] for o in joined.objects})
+    assert seqs and 8 <= seqs[0] <= 12 and seqs[-1] == groups - 1, f"late subscriber's groups: {seqs}{why}"
+    assert seqs == list(range(seqs[0], groups)), f"late subscriber's groups: {seqs}{why}"
+    for g in seqs[1:]:
+        got = [o["object"] for o in joined.objects if o["group"] == g]
+        assert got == list(range(objects)), f"group {g}: objects {got}{why}"
+    first_group = [o["object"] for o in joined.objects if o["group"] == seqs[0]]
+    assert first_group == list(range(objects - len(first_group), objects)), f"group {seqs[0]}: {first_group}{why}"
