@@ -61,13 +61,14 @@ def broadcast_path() -> str:
     return f"kvsp/{secrets.token_hex(6)}/layers"
 
 
-def publisher_argv(url: str, path: str, groups: int, objects: int, seed: str, *extra: str) -> list[str]:
-    return [str(MOQRS_PYTHON), str(PEERS / "moqrs_pub.py"), url, path, "t", str(groups), str(objects), SIZES,
+def publisher_argv(url: str, path: str, groups: int, objects: int, seed: str, *extra: str,
+                   sizes: str = SIZES) -> list[str]:
+    return [str(MOQRS_PYTHON), str(PEERS / "moqrs_pub.py"), url, path, "t", str(groups), str(objects), sizes,
             seed, "--log", "debug", *extra]
 
 
-def subscriber_argv(url: str, path: str, objects: int, seed: str, *extra: str) -> list[str]:
-    return [str(MOQRS_PYTHON), str(PEERS / "moqrs_sub.py"), url, path, "t", str(objects), SIZES, seed,
+def subscriber_argv(url: str, path: str, objects: int, seed: str, *extra: str, sizes: str = SIZES) -> list[str]:
+    return [str(MOQRS_PYTHON), str(PEERS / "moqrs_sub.py"), url, path, "t", str(objects), sizes, seed,
             "--timeout", str(SUB_TIMEOUT), "--log", "debug", *extra]
 
 
@@ -134,6 +135,23 @@ async def test_moqrs_publisher_through_our_relay_to_moqrs_subscriber(tmp_path, l
     assert_all_groups(received, range(groups), objects)
     if not live:
         assert received.summary["ended"] in ("groups", "track ended"), received.explain()
+
+
+async def test_moqrs_one_mib_objects_back_to_back_through_our_relay(tmp_path):
+    """1 MiB objects with no pause between groups, the track left live: a newer group's
+    stream must not overtake the end of an older one (moq-rs drops an unfinished group when
+    a newer one begins), so every group arrives whole and ends by itself."""
+    seed, groups, objects, path = secrets.token_hex(8), 6, 3, broadcast_path()
+    sizes = f"{1 << 20},16,{1 << 20},{64 << 10}"
+    async with our_relay(tmp_path) as url, spawn(
+            *publisher_argv(url, path, groups, objects, seed, "--wait-subscriber", "--live",
+                            "--pause-ms", "0", sizes=sizes),
+            name="moq-rs publisher", stderr=tmp_path / "moqrs-pub.log") as pub:
+        await pub.wait_for_line("READY", STEP)
+        async with spawn(*subscriber_argv(url, path, objects, seed, "--groups", str(groups), sizes=sizes),
+                         name="moq-rs subscriber", stderr=tmp_path / "moqrs-sub.log") as sub:
+            received = Received(*await read_subscriber(sub), tmp_path / "moqrs-sub.log")
+    assert_all_groups(received, range(groups), objects)
 
 
 # --------------------------------------------------------------------------- 2
