@@ -117,9 +117,9 @@ def test_prefetch_renews_its_leases_while_loading(model_dir: Path, index_url: st
         assert done["sources"] == {"http": len(keys)}
         assert done["elapsed_ms"] > 2 * LEASE_MS  # the load outlasted the lease's term
     after = counts(holder)
-    assert after[TAKEN] - before[TAKEN] == len(keys)  # one lease per block, at the listed source
-    assert after[RENEWED] - before[RENEWED] >= len(keys), (before, after)  # each renewed
-    assert after[RELEASED] - before[RELEASED] == len(keys), (before, after)  # while alive
+    assert after[TAKEN] - before[TAKEN] == 1  # one lease for all the blocks at the listed source
+    assert after[RENEWED] - before[RENEWED] >= 2, (before, after)  # renewed while loading
+    assert after[RELEASED] - before[RELEASED] == 1, (before, after)  # while alive
     assert after[GONE] == before[GONE] and after[EXPIRED] == before[EXPIRED]
     assert len(holder.leases) == 0
 
