@@ -12,8 +12,16 @@ checks every byte (payloads: interop/peers/moqrs_common.py).
 2. moq-rs publisher -> our relay -> our subscriber.
 3. our publisher -> our relay -> moq-rs subscriber, the track finished or left open.
 4. 20 groups, a subscriber from the start and one joining late.
+5. moq-rs publisher -> our relay -> aiomoqt subscriber (interop/peers/aiomoqt_sub.py).
+6. aiomoqt publisher (interop/peers/aiomoqt_pub.py) -> our relay -> moq-rs subscriber, the
+   track left live: each group must end by its own stream's end.
+7. moq-rs publisher -> aiomoqt's relay -> moq-rs subscriber: the two peers agree without us.
+8. Our client straight against a moq-rs server (moq.Server, draft-18 over raw QUIC, ALPN
+   moqt-18): our subscriber reads a broadcast the server publishes, and the server reads one
+   our publisher announces to it.
 
-Every test fails (never skips) when moq-rs is not installed.
+Cases 5 and 6 also run with 1 MiB objects. Every test fails (never skips) when moq-rs or
+aiomoqt is not installed.
 """
 
 from __future__ import annotations
@@ -24,14 +32,16 @@ import re
 import secrets
 import subprocess
 import sys
+from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import AsyncIterator
 
 import pytest
 
 from kvsp_moq.moqt.objects import ObjectStatus
 from kvsp_moq.moqt.quic import IncomingSubscribe, connect
 
-from .conftest import HERE, PEERS, our_relay, spawn
+from .conftest import HERE, PEER_PYTHON, PEERS, aiomoqt_relay, our_relay, spawn
 
 sys.path.insert(0, str(PEERS))
 from moqrs_common import DEFAULT_SIZES, object_size, payload  # noqa: E402
@@ -39,6 +49,8 @@ from moqrs_common import DEFAULT_SIZES, object_size, payload  # noqa: E402
 MOQRS_VENV = HERE / ".venv-moqrs"
 MOQRS_PYTHON = MOQRS_VENV / "bin" / "python"
 SIZES = ",".join(str(s) for s in DEFAULT_SIZES)
+#: Frame sizes of the 1 MiB cases: two 1 MiB objects in every group of three.
+MIB_SIZES = (1 << 20, 16, 1 << 20, 64 << 10)
 STEP = 20.0
 #: How long a moq-rs subscriber waits for its groups before it reports what it has.
 SUB_TIMEOUT = 15.0
@@ -104,10 +116,15 @@ async def read_subscriber(sub, timeout: float = SUB_TIMEOUT + 20) -> tuple[list[
     raise AssertionError("the moq-rs subscriber printed too many lines")
 
 
-def assert_all_groups(received: Received, groups: range, objects: int) -> None:
+def assert_all_groups(received: Received, groups: range, objects: int, end_marker: bool = False) -> None:
+    """Every object of `groups`, byte for byte, each group ended by itself. No group may arrive
+    empty, except (with `end_marker`) the one after the last, where moq-rs's publisher puts its
+    END_OF_TRACK status object."""
     s = received.summary
     why = received.explain()
     assert s["error"] is None, f"the moq-rs subscriber failed: {s['error']}{why}"
+    assert s["empty_groups"] in ([], [groups.stop] if end_marker else []), \
+        f"groups that arrived with no object: {s['empty_groups']}{why}"
     assert s["mismatches"] == 0, f"{s['mismatches']} objects were not byte for byte what was sent{why}"
     got = sorted((o["group"], o["object"]) for o in received.objects)
     assert got == [(g, o) for g in groups for o in range(objects)], f"objects received: {got}{why}"
@@ -157,6 +174,40 @@ async def test_moqrs_one_mib_objects_back_to_back_through_our_relay(tmp_path):
 # --------------------------------------------------------------------------- 2
 
 
+async def our_subscriber_reads(url: str, path: str, count: int, timeout: float = STEP) -> list:
+    """Our client subscribes to track t of the namespace `path` names (its "/"-separated fields)
+    at `url` and collects objects until it has `count` of them, or `timeout` has passed."""
+    client = await connect(url, verify=False, timeout=STEP)
+    got: list = []
+    try:
+        subscription = await client.subscribe(path.split("/"), "t", timeout=STEP)
+
+        async def read() -> None:
+            async for obj in subscription:
+                got.append(obj)
+                if len(got) >= count:
+                    return
+
+        try:
+            await asyncio.wait_for(read(), timeout)
+        except asyncio.TimeoutError:
+            pass
+    finally:
+        await client.aclose()
+    return got
+
+
+def assert_our_objects(got: list, seed: str, groups: int, objects: int,
+                       sizes: tuple[int, ...] = DEFAULT_SIZES) -> None:
+    normal = [o for o in got if o.status == ObjectStatus.NORMAL]
+    summary = sorted((o.group_id, o.object_id, len(o.payload)) for o in normal)
+    expected = [(g, o, object_size(g, o, objects, sizes)) for g in range(groups) for o in range(objects)]
+    assert summary == expected, f"received {summary}"
+    for obj in normal:
+        assert obj.payload == payload(seed, obj.group_id, obj.object_id, objects, sizes), \
+            (obj.group_id, obj.object_id)
+
+
 async def test_moqrs_publisher_through_our_relay_to_our_subscriber(tmp_path):
     """moq-rs's broadcast path kvsp/<n>/layers is the namespace (kvsp, <n>, layers); our client
     subscribes to its track t and receives every object byte for byte, in groups 0-3."""
@@ -165,33 +216,55 @@ async def test_moqrs_publisher_through_our_relay_to_our_subscriber(tmp_path):
             *publisher_argv(url, path, groups, objects, seed, "--wait-subscriber"),
             name="moq-rs publisher", stderr=tmp_path / "moqrs-pub.log") as pub:
         await pub.wait_for_line("READY", STEP)
-        client = await connect(url, verify=False, timeout=STEP)
-        got = []
-        try:
-            subscription = await client.subscribe(path.split("/"), "t", timeout=STEP)
-
-            async def read() -> None:
-                async for obj in subscription:
-                    got.append(obj)
-                    if len(got) >= groups * objects:
-                        return
-
-            try:
-                await asyncio.wait_for(read(), STEP)
-            except asyncio.TimeoutError:
-                pass
-        finally:
-            await client.aclose()
-    normal = [o for o in got if o.status == ObjectStatus.NORMAL]
-    summary = sorted((o.group_id, o.object_id, len(o.payload)) for o in normal)
-    expected = [(g, o, object_size(g, o, objects, DEFAULT_SIZES)) for g in range(groups) for o in range(objects)]
-    assert summary == expected, f"received {summary}"
-    for obj in normal:
-        assert obj.payload == payload(seed, obj.group_id, obj.object_id, objects, DEFAULT_SIZES), \
-            (obj.group_id, obj.object_id)
+        got = await our_subscriber_reads(url, path, groups * objects)
+    assert_our_objects(got, seed, groups, objects)
 
 
 # --------------------------------------------------------------------------- 3
+
+
+@asynccontextmanager
+async def our_publisher(url: str, path: str, seed: str, groups: int, objects: int, live: bool,
+                        sizes: tuple[int, ...] = DEFAULT_SIZES) -> AsyncIterator[asyncio.Event]:
+    """Our client at `url` announces the namespace `path` names and answers a SUBSCRIBE with
+    `groups` subgroup streams of `objects` objects, each stream ended with FIN. Track finished:
+    PUBLISH_DONE right after; live: only when the block is left. Yields an event set once the
+    last group is sent."""
+    release = asyncio.Event()
+    sent = asyncio.Event()
+    handlers: list[asyncio.Task] = []
+    publisher = await connect(url, verify=False, timeout=STEP)
+
+    async def serve(req: IncomingSubscribe) -> None:
+        handlers.append(asyncio.current_task())
+        subscription = req.accept()
+        for g in range(groups):
+            sender = subscription.open_subgroup(g)
+            for o in range(objects):
+                await sender.send(o, payload(seed, g, o, objects, sizes))
+            sender.close()
+            await asyncio.sleep(0.02)
+        sent.set()
+        if live:
+            await release.wait()
+        await subscription.finish()
+
+    publisher.on_subscribe(serve)
+    try:
+        await publisher.publish_namespace(path.split("/"), timeout=STEP)
+        yield sent
+    finally:
+        release.set()
+        if handlers:
+            await asyncio.wait(handlers, timeout=5)
+        await publisher.aclose()
+
+
+async def wait_sent(sent: asyncio.Event, received: Received) -> None:
+    try:  # (the subscriber may be done before the publisher's last pause is over)
+        await asyncio.wait_for(sent.wait(), STEP)
+    except asyncio.TimeoutError:
+        raise AssertionError(f"our publisher was never asked for the track{received.explain()}") from None
 
 
 @pytest.mark.parametrize("live", [False, True], ids=["track-finished", "track-live"])
@@ -200,41 +273,11 @@ async def test_our_publisher_through_our_relay_to_moqrs_subscriber(tmp_path, liv
     subgroup streams of 3 objects, each ended with FIN. Track finished: PUBLISH_DONE right after;
     live: only after the moq-rs subscriber has reported, so each group must end by itself."""
     seed, groups, objects, path = secrets.token_hex(8), 4, 3, broadcast_path()
-    release = asyncio.Event()
-    sent = asyncio.Event()
-    handlers: list[asyncio.Task] = []
-    async with our_relay(tmp_path) as url:
-        publisher = await connect(url, verify=False, timeout=STEP)
-
-        async def serve(req: IncomingSubscribe) -> None:
-            handlers.append(asyncio.current_task())
-            subscription = req.accept()
-            for g in range(groups):
-                sender = subscription.open_subgroup(g)
-                for o in range(objects):
-                    await sender.send(o, payload(seed, g, o, objects, DEFAULT_SIZES))
-                sender.close()
-                await asyncio.sleep(0.02)
-            sent.set()
-            if live:
-                await release.wait()
-            await subscription.finish()
-
-        publisher.on_subscribe(serve)
-        try:
-            await publisher.publish_namespace(path.split("/"), timeout=STEP)
-            async with spawn(*subscriber_argv(url, path, objects, seed, "--groups", str(groups)),
-                             name="moq-rs subscriber", stderr=tmp_path / "moqrs-sub.log") as sub:
-                received = Received(*await read_subscriber(sub), tmp_path / "moqrs-sub.log")
-            try:  # (the subscriber may be done before the publisher's last pause is over)
-                await asyncio.wait_for(sent.wait(), STEP)
-            except asyncio.TimeoutError:
-                raise AssertionError(f"our publisher was never asked for the track{received.explain()}")
-        finally:
-            release.set()
-            if handlers:
-                await asyncio.wait(handlers, timeout=5)
-            await publisher.aclose()
+    async with our_relay(tmp_path) as url, our_publisher(url, path, seed, groups, objects, live) as sent:
+        async with spawn(*subscriber_argv(url, path, objects, seed, "--groups", str(groups)),
+                         name="moq-rs subscriber", stderr=tmp_path / "moqrs-sub.log") as sub:
+            received = Received(*await read_subscriber(sub), tmp_path / "moqrs-sub.log")
+        await wait_sent(sent, received)
     assert_all_groups(received, range(groups), objects)
 
 
@@ -272,3 +315,112 @@ async def test_many_groups_and_a_late_subscriber(tmp_path):
         assert got == list(range(objects)), f"group {g}: objects {got}{why}"
     first_group = [o["object"] for o in joined.objects if o["group"] == seqs[0]]
     assert first_group == list(range(objects - len(first_group), objects)), f"group {seqs[0]}: {first_group}{why}"
+
+
+# --------------------------------------------------------------------------- 5
+
+
+def sizes_text(sizes: tuple[int, ...]) -> str:
+    return ",".join(str(s) for s in sizes)
+
+
+def assert_aiomoqt_received(out: Path, seed: str, groups: int, objects: int, sizes: tuple[int, ...],
+                            log: Path) -> None:
+    """What interop/peers/aiomoqt_sub.py wrote: every object once, byte for byte."""
+    why = f"\naiomoqt subscriber log ({log}):\n" + (log.read_text(errors="replace")[-2000:] if log.exists() else "")
+    assert out.exists(), f"the aiomoqt subscriber wrote nothing{why}"
+    got = [(g, o, bytes.fromhex(p)) for g, o, p in json.loads(out.read_text())]
+    keys = sorted((g, o) for g, o, _ in got)
+    assert keys == [(g, o) for g in range(groups) for o in range(objects)], f"objects received: {keys}{why}"
+    for g, o, data in got:
+        assert data == payload(seed, g, o, objects, sizes), \
+            f"object {g}/{o}: {len(data)} octets, not the {object_size(g, o, objects, sizes)} sent{why}"
+
+
+@pytest.mark.parametrize("sizes", [DEFAULT_SIZES, MIB_SIZES], ids=["16B-256KiB", "1MiB"])
+async def test_moqrs_publisher_through_our_relay_to_aiomoqt_subscriber(tmp_path, sizes):
+    """moq-rs publishes kvsp/<n>/layers; aiomoqt subscribes to (kvsp, <n>, layers)/t through our
+    relay and gets 4 groups x 3 objects byte for byte, the track finished after the last."""
+    seed, groups, objects, path = secrets.token_hex(8), 4, 3, broadcast_path()
+    out = tmp_path / "aiomoqt-received.json"
+    async with our_relay(tmp_path) as url, spawn(
+            *publisher_argv(url, path, groups, objects, seed, "--wait-subscriber", sizes=sizes_text(sizes)),
+            name="moq-rs publisher", stderr=tmp_path / "moqrs-pub.log") as pub:
+        await pub.wait_for_line("READY", STEP)
+        async with spawn(str(PEER_PYTHON), str(PEERS / "aiomoqt_sub.py"), url, path, "t", str(groups * objects),
+                         str(out), name="aiomoqt subscriber", stderr=tmp_path / "aiomoqt-sub.log") as sub:
+            await sub.wait_for_line("SUBSCRIBED", STEP)
+            await sub.wait_for_line("DONE", 40)
+    assert_aiomoqt_received(out, seed, groups, objects, sizes, tmp_path / "aiomoqt-sub.log")
+
+
+# --------------------------------------------------------------------------- 6
+
+
+@pytest.mark.parametrize("sizes", [DEFAULT_SIZES, MIB_SIZES], ids=["16B-256KiB", "1MiB"])
+async def test_aiomoqt_publisher_through_our_relay_to_moqrs_subscriber(tmp_path, sizes):
+    """aiomoqt announces (kvsp, <n>, layers) and sends 4 subgroup streams of 3 objects, each
+    ended by FIN, and no PUBLISH_DONE until the moq-rs subscriber has reported: every group
+    must reach moq-rs whole and end by its own stream's end."""
+    seed, groups, objects, path = secrets.token_hex(8), 4, 3, broadcast_path()
+    async with our_relay(tmp_path) as url, spawn(
+            str(PEER_PYTHON), str(PEERS / "aiomoqt_pub.py"), url, path, "t", str(groups), str(objects),
+            sizes_text(sizes), seed, "--live", "--pause-ms", "20", "--timeout", "60",
+            name="aiomoqt publisher", stderr=tmp_path / "aiomoqt-pub.log") as pub:
+        await pub.wait_for_line("READY", STEP)
+        async with spawn(*subscriber_argv(url, path, objects, seed, "--groups", str(groups),
+                                          sizes=sizes_text(sizes)),
+                         name="moq-rs subscriber", stderr=tmp_path / "moqrs-sub.log") as sub:
+            received = Received(*await read_subscriber(sub), tmp_path / "moqrs-sub.log")
+    assert_all_groups(received, range(groups), objects)
+
+
+# --------------------------------------------------------------------------- 7
+
+
+@pytest.mark.parametrize("live", [False, True], ids=["track-finished", "track-live"])
+async def test_moqrs_publisher_through_aiomoqt_relay_to_moqrs_subscriber(tmp_path, live):
+    """The reference pairing without us: moq-rs to moq-rs through aiomoqt's relay
+    (moq-interop-relay --quic --draft 18), the same 4 groups x 3 objects byte for byte. Track
+    finished, moq-rs's subscriber may also see an empty group 4, its END_OF_TRACK."""
+    seed, groups, objects, path = secrets.token_hex(8), 4, 3, broadcast_path()
+    async with aiomoqt_relay(tmp_path) as url, spawn(
+            *publisher_argv(url, path, groups, objects, seed, "--wait-subscriber", *(["--live"] if live else [])),
+            name="moq-rs publisher", stderr=tmp_path / "moqrs-pub.log") as pub:
+        await pub.wait_for_line("READY", STEP)
+        async with spawn(*subscriber_argv(url, path, objects, seed, "--groups", str(groups)),
+                         name="moq-rs subscriber", stderr=tmp_path / "moqrs-sub.log") as sub:
+            received = Received(*await read_subscriber(sub), tmp_path / "moqrs-sub.log")
+    # aiomoqt's relay forwards the stream of moq-rs's END_OF_TRACK (group 4, a status object
+    # alone) under its own subgroup header; moq-rs then no longer takes it for the end of the
+    # track and hands its subscriber an empty group 4 (through our relay it does not).
+    assert_all_groups(received, range(groups), objects, end_marker=not live)
+
+
+# --------------------------------------------------------------------------- 8
+
+
+async def test_our_subscriber_against_a_moqrs_server(tmp_path):
+    """moq-rs as a server (moq.Server, ALPN moqt-18): it publishes kvsp/<n>/layers itself and
+    our client, connected straight to it, subscribes and reads every object byte for byte."""
+    seed, groups, objects, path = secrets.token_hex(8), 4, 3, broadcast_path()
+    async with spawn(*publisher_argv("127.0.0.1:0", path, groups, objects, seed, "--wait-subscriber", "--serve"),
+                     name="moq-rs server (publisher)", stderr=tmp_path / "moqrs-server.log") as server:
+        url = (await server.wait_for_line("LISTEN ", STEP)).split()[-1]
+        await server.wait_for_line("READY", STEP)
+        got = await our_subscriber_reads(url, path, groups * objects)
+    assert_our_objects(got, seed, groups, objects)
+
+
+@pytest.mark.parametrize("live", [False, True], ids=["track-finished", "track-live"])
+async def test_our_publisher_against_a_moqrs_server(tmp_path, live):
+    """moq-rs as a server (moq.Server): our client connects, announces (kvsp, <n>, layers) and
+    answers the server's SUBSCRIBE; the server side reads every group whole, byte for byte."""
+    seed, groups, objects, path = secrets.token_hex(8), 4, 3, broadcast_path()
+    async with spawn(*subscriber_argv("127.0.0.1:0", path, objects, seed, "--groups", str(groups), "--serve"),
+                     name="moq-rs server (subscriber)", stderr=tmp_path / "moqrs-server.log") as server:
+        url = (await server.wait_for_line("LISTEN ", STEP)).split()[-1]
+        async with our_publisher(url, path, seed, groups, objects, live) as sent:
+            received = Received(*await read_subscriber(server), tmp_path / "moqrs-server.log")
+            await wait_sent(sent, received)
+    assert_all_groups(received, range(groups), objects)

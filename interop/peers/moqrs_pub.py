@@ -1,7 +1,7 @@
 """A moq-rs publisher of deterministic objects, driven by the interop tests.
 
     python moqrs_pub.py URL PATH TRACK GROUPS OBJECTS SIZES SEED
-        [--pause-ms 20] [--wait-subscriber] [--timeout 60] [--log LEVEL]
+        [--pause-ms 20] [--wait-subscriber] [--live] [--linger S] [--serve] [--timeout 60] [--log LEVEL]
 
 Connects to the relay at URL (moqt://host:port: raw QUIC, no certificate check), creates the
 broadcast PATH with the track TRACK and announces it, prints READY, then (after a first
@@ -11,7 +11,9 @@ g as group sequence g, with a pause between groups; frame sizes cycle through SI
 GROUP g, after the last it finishes the track (with --live: only when stopped, so that each
 group must end on its own) and prints DONE, then stays up (so that the relay
 can drain what it holds) until SIGTERM, the timeout or, with --linger, that many seconds.
-Runs with the moq-rs virtual environment (interop/.venv-moqrs/bin/python).
+With --serve, URL is a local address (127.0.0.1:0) on which a moq-rs server (moq.Server)
+listens and prints LISTEN moqt://HOST:PORT; the broadcast is then offered to whoever connects
+(moqrs_endpoint.py). Runs with the moq-rs virtual environment (interop/.venv-moqrs/bin/python).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import moq  # noqa: E402
 
 from moqrs_common import parse_sizes, payload  # noqa: E402
+from moqrs_endpoint import endpoint  # noqa: E402
 
 
 def say(text: str) -> None:
@@ -39,7 +42,7 @@ async def main(a: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    async with moq.Client(a.url, tls_verify=False, websocket_enabled=False, reconnect=False) as client:
+    async with endpoint(a.url, a.serve) as client:
         broadcast = client.create_broadcast(a.path)
         track = broadcast.publish_track(a.track)
         broadcast.announce()
@@ -84,6 +87,7 @@ if __name__ == "__main__":
     p.add_argument("--live", action="store_true", help="leave the track open after the last group, until stopped")
     p.add_argument("--linger", type=float, default=None,
                    help="seconds to stay up after DONE (default: until stopped or the timeout)")
+    p.add_argument("--serve", action="store_true", help="URL is a local address: be a moq-rs server there")
     p.add_argument("--timeout", type=float, default=60.0)
     p.add_argument("--log", default=os.environ.get("MOQ_LOG", "info"))
     args = p.parse_args()

@@ -1,7 +1,7 @@
 """A moq-rs subscriber that checks what it receives, driven by the interop tests.
 
     python moqrs_sub.py URL PATH TRACK OBJECTS SIZES SEED
-        [--groups N] [--wait announced|request] [--timeout 30] [--log LEVEL]
+        [--groups N] [--wait announced|request] [--serve] [--timeout 30] [--log LEVEL]
 
 Connects to the relay at URL (moqt://host:port, no certificate check), waits for the broadcast
 PATH (announced_broadcast, or request_broadcast retried), subscribes to TRACK, prints SUBSCRIBED,
@@ -11,8 +11,13 @@ group as read; object: the object whose payload it is byte for byte, per moqrs_c
 for OBJECTS objects per group and the frame sizes SIZES, -1 and ok false when none). It ends when
 the track ends, when N whole groups have arrived (with --groups), on an error or at the
 timeout, and prints a last line: SUMMARY {"groups", "complete_groups", "objects", "bytes",
-"mismatches", "first_group", "last_group", "error", "ended"}. Runs with the moq-rs virtual
-environment (interop/.venv-moqrs/bin/python).
+"mismatches", "first_group", "last_group", "per_group", "empty_groups", "error", "ended"}
+(empty_groups: groups that ended holding no frame at all, reported apart, not as an error: moq-rs
+surfaces a stream that carries only a status object, such as its END_OF_TRACK, as such a
+group when it does not recognize it). With --serve, URL is a local
+address (127.0.0.1:0) on which a moq-rs server (moq.Server) listens and prints LISTEN
+moqt://HOST:PORT; PATH is then the broadcast a connecting client announces (moqrs_endpoint.py).
+Runs with the moq-rs virtual environment (interop/.venv-moqrs/bin/python).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import moq  # noqa: E402
 
 from moqrs_common import parse_sizes, payload  # noqa: E402
+from moqrs_endpoint import endpoint  # noqa: E402
 
 
 def say(text: str) -> None:
@@ -39,6 +45,7 @@ class Tally:
     def __init__(self) -> None:
         self.groups: dict[int, int] = {}
         self.complete: set[int] = set()
+        self.empty: set[int] = set()
         self.objects = 0
         self.bytes = 0
         self.mismatches = 0
@@ -50,7 +57,7 @@ class Tally:
         return {"groups": len(seqs), "complete_groups": len(self.complete), "objects": self.objects,
                 "bytes": self.bytes, "mismatches": self.mismatches,
                 "first_group": seqs[0] if seqs else None, "last_group": seqs[-1] if seqs else None,
-                "per_group": {str(g): self.groups[g] for g in seqs}, "error": self.error, "ended": self.ended}
+                "per_group": {str(g): self.groups[g] for g in seqs}, "empty_groups": sorted(self.empty), "error": self.error, "ended": self.ended}
 
 
 async def read_group(group, a: argparse.Namespace, sizes, tally: Tally, enough: asyncio.Event) -> None:
@@ -84,6 +91,8 @@ async def read_group(group, a: argparse.Namespace, sizes, tally: Tally, enough: 
         return
     if o == a.objects and tally.groups[seq] == a.objects:
         tally.complete.add(seq)
+    elif o == 0 and tally.groups[seq] == 0:
+        tally.empty.add(seq)
     elif tally.error is None:
         tally.error = f"group {seq} ended after {o} of {a.objects} objects"
     if a.groups and len(tally.complete) >= a.groups:
@@ -109,7 +118,7 @@ async def main(a: argparse.Namespace, tally: Tally) -> None:
     deadline = time.monotonic() + a.timeout
     enough = asyncio.Event()
     readers: set[asyncio.Task] = set()
-    async with moq.Client(a.url, tls_verify=False, websocket_enabled=False, reconnect=False) as client:
+    async with endpoint(a.url, a.serve) as client:
         broadcast = await find_broadcast(client, a, deadline)
         # No staleness limit: every group is read, none skipped for being late.
         track = await broadcast.subscribe_track(a.track, moq.Subscription(max_age_us=600_000_000))
@@ -155,6 +164,7 @@ if __name__ == "__main__":
     p.add_argument("seed")
     p.add_argument("--groups", type=int, default=0)
     p.add_argument("--wait", choices=("announced", "request"), default="announced")
+    p.add_argument("--serve", action="store_true", help="URL is a local address: be a moq-rs server there")
     p.add_argument("--timeout", type=float, default=30.0)
     p.add_argument("--log", default=os.environ.get("MOQ_LOG", "info"))
     args = p.parse_args()
