@@ -11,7 +11,9 @@ A `Relay` accepts MOQT sessions on 127.0.0.1 and connects publishers with subscr
   expiry it is refused with TIMEOUT, and without the parameter at once with DOES_NOT_EXIST.
 * Every object that passes through is cached (cache.py). A FETCH is answered from the cache
   as far as the cache can vouch for the range, and the rest is fetched upstream, once,
-  appended to the response and cached in turn.
+  appended to the response and cached in turn. Cold FETCHes of one range that arrive while
+  it is in flight read the same upstream response (`_SharedFetch`), so N agents loading one
+  prefix cost the publisher one copy.
 * A subscriber's REQUEST_UPDATE changes its filter, Forward State and priority here; what
   matters upstream (Forward 1 while any subscriber forwards, the most urgent priority, a
   NEW_GROUP_REQUEST) is sent upstream as a REQUEST_UPDATE of the one upstream subscription.
@@ -46,7 +48,7 @@ import asyncio
 import logging
 from collections import deque
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Awaitable, Callable, Coroutine
+from typing import Any, AsyncIterator, Awaitable, Callable, Coroutine
 
 from kvsp_moq.auth import Authenticator, Principal
 from kvsp_moq.moqt.certs import ClientTls, SelfSignedCertificate, untrusted_certificate
@@ -183,6 +185,8 @@ class RelayStats:
     cache_misses: int = 0
     cache_objects_served: int = 0
     upstream_requests: int = 0
+    #: cold FETCHes that read a response already coming from upstream for another
+    fetches_shared: int = 0
     upstream_subscribes: int = 0
     upstream_fetches: int = 0
     upstream_track_statuses: int = 0
@@ -469,6 +473,77 @@ class _Downstream:
             sender.close()
 
 
+@dataclass(eq=False)
+class _SharedFetch:
+    """One upstream FETCH response read by every downstream FETCH of the same range that
+    arrived while it was in flight (N agents loading one prefix cost the publisher's link
+    one copy, not N). A task reads the upstream into `objects`; each reader sends them at
+    its own pace. The task reads no more than `window` octets (a stream's receive window)
+    ahead of the slowest reader, so QUIC flow control still slows the publisher to the
+    readers' pace, and it cancels the upstream FETCH when the last reader leaves."""
+
+    window: int
+    upstream: FetchResult | None = None
+    #: the upstream FETCH once it is answered (those who join meanwhile wait for it)
+    started: "asyncio.Future[FetchResult]" = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future())
+    objects: list[MoqtObject] = field(default_factory=list)
+    #: octets of objects[:i + 1]
+    offsets: list[int] = field(default_factory=list)
+    #: reader -> how many objects it has taken
+    readers: dict[int, int] = field(default_factory=dict)
+    done: bool = False
+    failed: BaseException | None = None
+    task: "asyncio.Task[None] | None" = None
+    _arrived: "asyncio.Event" = field(default_factory=asyncio.Event)
+    _taken: "asyncio.Event" = field(default_factory=asyncio.Event)
+
+    def append(self, obj: MoqtObject) -> None:
+        self.objects.append(obj)
+        self.offsets.append((self.offsets[-1] if self.offsets else 0) + len(obj.payload))
+        self._arrived.set()
+
+    def finish(self, error: BaseException | None = None) -> None:
+        self.done, self.failed = True, error
+        self._arrived.set()
+
+    def ahead(self) -> int:
+        """Octets read upstream that the slowest reader has not taken yet."""
+        if not self.readers or not self.offsets:
+            return 0
+        slowest = min(self.readers.values())
+        return self.offsets[-1] - (self.offsets[slowest - 1] if slowest else 0)
+
+    async def wait_for_readers(self) -> None:
+        while self.readers and self.ahead() > self.window:
+            self._taken.clear()
+            await self._taken.wait()
+
+    async def read(self, reader: int) -> AsyncIterator[MoqtObject]:
+        """The response's objects from the first, as they arrive; raises what ended it."""
+        self.readers[reader] = 0
+        i = 0
+        try:
+            while True:
+                while i < len(self.objects):
+                    obj = self.objects[i]
+                    i += 1
+                    self.readers[reader] = i
+                    self._taken.set()
+                    yield obj
+                if self.done:
+                    break
+                self._arrived.clear()
+                await self._arrived.wait()
+            if self.failed is not None:
+                raise self.failed
+        finally:
+            self.readers.pop(reader, None)
+            self._taken.set()
+            if not self.readers and not self.done and self.upstream is not None:
+                self.upstream.close()  # the last reader left: stop the upstream FETCH
+
+
 class _Feed:
     """One upstream subscription to a track and the subscribers it feeds."""
 
@@ -697,6 +772,9 @@ class Relay:
         self._route_tokens: dict[Route[_Peer], list[bytes]] = {}
         self._forwarded: dict[Route[_Peer], PublishedNamespace] = {}
         self._feeds: dict[TrackKey, _Feed] = {}
+        #: cold FETCHes in flight upstream, by track and range: a FETCH of the same range
+        #: that arrives meanwhile reads the same response instead of asking again
+        self._fetching: dict[tuple[TrackKey, Location, Location, bool], _SharedFetch] = {}
         self._closing: dict[TrackKey, asyncio.Task[Any]] = {}
         self._namespace_watchers: list[_NamespaceWatcher] = []
         self._track_watchers: list[_TrackWatcher] = []
@@ -1271,36 +1349,45 @@ class Relay:
         end = req.end
         whole = end.object == 0
         last = Location(end.group, 0) if whole else Location(end.group, end.object - 1)
-        for _ in range(3):  # a route whose session just ended is skipped
-            source = self._route(key[0], peer)
-            if descending or (source is not None and prefix and found.origin != source.id):
-                prefix, resume = [], req.start  # the response must come from one origin, in order
-            if source is None:
-                if prefix:
-                    await self._serve_prefix(req, prefix)
-                    return
-                raise DoesNotExist("no publisher for this track")
-            self.stats.upstream_requests += 1
-            self.stats.upstream_fetches += 1
-            try:
-                upstream = await source.connection.fetch(
-                    key[0], key[1], resume, last, whole_end_group=whole,
-                    group_order=req.parameters.group_order,
-                    timeout=self.settings.upstream_timeout)
-                break
-            except BaseException as e:
-                if isinstance(e, asyncio.CancelledError):
+        ident = (key, resume, last, whole)
+        shared: _SharedFetch | None = None
+        if not descending and not prefix:  # cold: the response may be shared
+            joined = self._fetching.get(ident)
+            if joined is not None and not joined.done:
+                try:
+                    upstream = await asyncio.shield(joined.started)
+                except asyncio.CancelledError:
                     raise
-                if isinstance(e, SessionClosed) and not source.alive:
-                    continue
-                if prefix:
-                    await self._serve_prefix(req, prefix)
-                    return
-                raise _request_error(e) from None
-        else:
-            raise DoesNotExist("the publishers of this track went away")
+                except BaseException as e:
+                    raise _request_error(e) from None
+                self.stats.fetches_shared += 1
+                sender = req.accept(end=upstream.end_location or req.end, end_of_track=upstream.end_of_track,
+                                    track_properties=upstream.track_properties)
+                await self._follow(joined, req, sender)
+                return
+            shared = self._fetching[ident] = _SharedFetch(self.settings.quic.max_stream_data)
+        try:
+            upstream, source, prefix = await self._fetch_upstream(req, peer, key, found, prefix, resume,
+                                                                  last, whole)
+        except BaseException as e:
+            if shared is not None:  # those who joined get the same answer
+                del self._fetching[ident]
+                shared.started.set_exception(e if not isinstance(e, asyncio.CancelledError)
+                                             else DoesNotExist("the FETCH this one joined was cancelled"))
+                shared.started.exception()  # (retrieved: nobody may have joined)
+                shared.finish(e)
+            raise
+        if upstream is None:
+            return  # served from the cache's prefix
         sender = req.accept(end=upstream.end_location or req.end, end_of_track=upstream.end_of_track,
                             track_properties=upstream.track_properties)
+        if shared is not None:
+            shared.upstream = upstream
+            shared.started.set_result(upstream)
+            shared.task = self._spawn(self._read_shared(key, source, shared, ident),
+                                      name="relay-shared-fetch")
+            await self._follow(shared, req, sender)
+            return
         # The subscriber's cancel stops the upstream FETCH; closing never waits, so it
         # needs no task of its own.
         sender.cancelled.add_done_callback(lambda _: upstream.close())
@@ -1309,6 +1396,104 @@ class Relay:
             await self._relay_fetch(key, source, upstream, req, sender)
         except (StreamClosed, SessionClosed):
             await upstream.aclose()  # the subscriber went away
+
+    async def _fetch_upstream(self, req: IncomingFetch, peer: _Peer, key: TrackKey, found: Any,
+                              prefix: list[MoqtObject], resume: Location, last: Location, whole: bool
+                              ) -> tuple[FetchResult | None, _Peer, list[MoqtObject]]:
+        """FETCH the rest of the range from a publisher of the track: the response, its
+        publisher and the cache's prefix to send before it (none when the response must
+        cover the whole range); no response when it could not and the prefix was served."""
+        descending = req.group_order == GroupOrder.DESCENDING
+        for _ in range(3):  # a route whose session just ended is skipped
+            source = self._route(key[0], peer)
+            if descending or (source is not None and prefix and found.origin != source.id):
+                prefix, resume = [], req.start  # the response must come from one origin, in order
+            if source is None:
+                if prefix:
+                    await self._serve_prefix(req, prefix)
+                    return None, peer, prefix
+                raise DoesNotExist("no publisher for this track")
+            self.stats.upstream_requests += 1
+            self.stats.upstream_fetches += 1
+            try:
+                upstream = await source.connection.fetch(
+                    key[0], key[1], resume, last, whole_end_group=whole,
+                    group_order=req.parameters.group_order,
+                    timeout=self.settings.upstream_timeout)
+                return upstream, source, prefix
+            except BaseException as e:
+                if isinstance(e, asyncio.CancelledError):
+                    raise
+                if isinstance(e, SessionClosed) and not source.alive:
+                    continue
+                if prefix:
+                    await self._serve_prefix(req, prefix)
+                    return None, peer, prefix
+                raise _request_error(e) from None
+        raise DoesNotExist("the publishers of this track went away")
+
+    async def _read_shared(self, key: TrackKey, source: _Peer, shared: _SharedFetch,
+                           ident: tuple[TrackKey, Location, Location, bool]) -> None:
+        """Read an upstream FETCH response into `shared` and the cache, no faster than its
+        slowest reader takes it."""
+        stats = self.stats
+        put = self.cache.put
+        upstream = shared.upstream
+        assert upstream is not None
+        last_in_group: dict[int, int] = {}
+        error: BaseException | None = None
+        try:
+            iterator = upstream.__aiter__()
+            while True:
+                obj = upstream.ready_object()
+                if obj is None:
+                    await shared.wait_for_readers()
+                    try:
+                        obj = await iterator.__anext__()
+                    except StopAsyncIteration:
+                        break
+                stats.objects_in += 1
+                stats.bytes_in += len(obj.payload)
+                put(key, source.id, obj)
+                if last_in_group.get(obj.group_id, -1) < obj.object_id:
+                    last_in_group[obj.group_id] = obj.object_id
+                shared.append(obj)
+            end = upstream.end_location
+            if end is not None:  # as in _relay_fetch: groups covered whole end where it says
+                for group, last in last_in_group.items():
+                    if group < end.group or (group == end.group and end.object == 0):
+                        self.cache.note_group_end(key, source.id, group, last)
+        except MoqtError as e:
+            log.info("upstream FETCH of %s failed: %s", _name(key), e)
+            error = e
+        finally:
+            if self._fetching.get(ident) is shared:
+                del self._fetching[ident]
+            shared.finish(error)
+
+    async def _follow(self, shared: _SharedFetch, req: IncomingFetch, sender: FetchSender) -> None:
+        """Send a shared response's objects in `req`'s range; reset the stream if the
+        upstream failed, stop reading if the subscriber left."""
+        includes = req.includes
+        normal = ObjectStatus.NORMAL
+        stream_closed = asyncio.Event()
+        sender.cancelled.add_done_callback(lambda _: stream_closed.set())
+        stream = shared.read(id(sender))
+        try:
+            async for obj in stream:
+                if stream_closed.is_set():
+                    break
+                if obj.status == normal and includes((obj.group_id, obj.object_id)):
+                    await self._send(sender, obj)
+        except MoqtError:
+            sender.reset(StreamResetCode.INTERNAL_ERROR)
+            return
+        except (StreamClosed, SessionClosed):
+            return  # the subscriber went away
+        finally:
+            await stream.aclose()
+        if not stream_closed.is_set():
+            sender.close()
 
     async def _serve_prefix(self, req: IncomingFetch, prefix: list[MoqtObject]) -> None:
         """Answer with what the cache holds from the start of the range (upstream failed)."""
