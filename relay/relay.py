@@ -1466,6 +1466,11 @@ class Relay:
         except MoqtError as e:
             log.info("upstream FETCH of %s failed: %s", _name(key), e)
             error = e
+        except BaseException:
+            # (the relay closing): the readers reset their streams rather than end them,
+            # since a FETCH response ended by FIN says the range is complete
+            error = InternalRequestError("the relay stopped reading this response")
+            raise
         finally:
             if self._fetching.get(ident) is shared:
                 del self._fetching[ident]
