@@ -13,7 +13,8 @@ A `Relay` accepts MOQT sessions on 127.0.0.1 and connects publishers with subscr
   as far as the cache can vouch for the range, and the rest is fetched upstream, once,
   appended to the response and cached in turn. Cold FETCHes of one range that arrive while
   it is in flight read the same upstream response (`_SharedFetch`), so N agents loading one
-  prefix cost the publisher one copy.
+  prefix cost the publisher one copy; a reader that takes nothing for `fetch_stall_timeout`
+  while the others wait for it has its response reset, and the others go on.
 * A subscriber's REQUEST_UPDATE changes its filter, Forward State and priority here; what
   matters upstream (Forward 1 while any subscriber forwards, the most urgent priority, a
   NEW_GROUP_REQUEST) is sent upstream as a REQUEST_UPDATE of the one upstream subscription.
@@ -156,6 +157,9 @@ class RelaySettings:
     upstream_timeout: float = 10.0
     #: how long a subscriber gets to take its queued objects once its track has ended
     drain_timeout: float = 30.0
+    #: how long a reader of a shared FETCH may take nothing while the others wait for it;
+    #: then its stream is reset and the others go on
+    fetch_stall_timeout: float = 10.0
     #: reconnect backoff towards the upstream relay
     upstream_retry_initial: float = 0.2
     upstream_retry_max: float = 5.0
@@ -187,6 +191,8 @@ class RelayStats:
     upstream_requests: int = 0
     #: cold FETCHes that read a response already coming from upstream for another
     fetches_shared: int = 0
+    #: readers of a shared FETCH response dropped for stalling the others
+    fetch_readers_dropped: int = 0
     upstream_subscribes: int = 0
     upstream_fetches: int = 0
     upstream_track_statuses: int = 0
@@ -483,6 +489,8 @@ class _SharedFetch:
     readers' pace, and it cancels the upstream FETCH when the last reader leaves."""
 
     window: int
+    #: seconds the slowest reader may take nothing while the response waits for it
+    stall_timeout: float = 10.0
     upstream: FetchResult | None = None
     #: the upstream FETCH once it is answered (those who join meanwhile wait for it)
     started: "asyncio.Future[FetchResult]" = field(
@@ -492,6 +500,9 @@ class _SharedFetch:
     offsets: list[int] = field(default_factory=list)
     #: reader -> how many objects it has taken
     readers: dict[int, int] = field(default_factory=dict)
+    #: reader -> what drops it (resets its stream) when it stalls the others
+    droppers: dict[int, Callable[[], None]] = field(default_factory=dict)
+    dropped: int = 0
     done: bool = False
     failed: BaseException | None = None
     task: "asyncio.Task[None] | None" = None
@@ -515,17 +526,29 @@ class _SharedFetch:
         return self.offsets[-1] - (self.offsets[slowest - 1] if slowest else 0)
 
     async def wait_for_readers(self) -> None:
+        """Until the slowest reader is within the window; a reader that takes nothing for
+        `stall_timeout` meanwhile is dropped, so one stalled reader cannot hold the rest."""
         while self.readers and self.ahead() > self.window:
             self._taken.clear()
-            await self._taken.wait()
+            try:
+                await asyncio.wait_for(self._taken.wait(), self.stall_timeout)
+            except asyncio.TimeoutError:
+                slowest = min(self.readers, key=self.readers.__getitem__)
+                self.readers.pop(slowest)
+                self.dropped += 1
+                self.droppers.pop(slowest, lambda: None)()
 
-    async def read(self, reader: int) -> AsyncIterator[MoqtObject]:
-        """The response's objects from the first, as they arrive; raises what ended it."""
+    async def read(self, reader: int, drop: Callable[[], None] = lambda: None) -> AsyncIterator[MoqtObject]:
+        """The response's objects from the first, as they arrive; raises what ended it.
+        `drop` ends the reader's response if it stalls the others."""
         self.readers[reader] = 0
+        self.droppers[reader] = drop
         i = 0
         try:
             while True:
                 while i < len(self.objects):
+                    if reader not in self.readers:
+                        return  # dropped
                     obj = self.objects[i]
                     i += 1
                     self.readers[reader] = i
@@ -539,6 +562,7 @@ class _SharedFetch:
                 raise self.failed
         finally:
             self.readers.pop(reader, None)
+            self.droppers.pop(reader, None)
             self._taken.set()
             if not self.readers and not self.done and self.upstream is not None:
                 self.upstream.close()  # the last reader left: stop the upstream FETCH
@@ -1365,7 +1389,8 @@ class Relay:
                                     track_properties=upstream.track_properties)
                 await self._follow(joined, req, sender)
                 return
-            shared = self._fetching[ident] = _SharedFetch(self.settings.quic.max_stream_data)
+            shared = self._fetching[ident] = _SharedFetch(self.settings.quic.max_stream_data,
+                                                          self.settings.fetch_stall_timeout)
         try:
             upstream, source, prefix = await self._fetch_upstream(req, peer, key, found, prefix, resume,
                                                                   last, whole)
@@ -1483,7 +1508,13 @@ class Relay:
         normal = ObjectStatus.NORMAL
         stream_closed = asyncio.Event()
         sender.cancelled.add_done_callback(lambda _: stream_closed.set())
-        stream = shared.read(id(sender))
+
+        def drop() -> None:  # it stalled the others: reset (not end) its response
+            self.stats.fetch_readers_dropped += 1
+            stream_closed.set()
+            sender.reset(StreamResetCode.INTERNAL_ERROR)
+
+        stream = shared.read(id(sender), drop)
         try:
             async for obj in stream:
                 if stream_closed.is_set():

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
+from kvsp_moq.moqt.errors import DataStreamReset
 from kvsp_moq.moqt.quic import QuicSettings
 
 from .conftest import STEP, TrackPublisher, collect, dial, make_objects, publishing, running_relay
@@ -132,3 +135,38 @@ async def test_the_upstream_fetch_stops_when_every_reader_left():
         finally:
             await asyncio.gather(*(c.aclose() for c in clients))
         assert publisher.fetch_sent < len(objects)  # the publisher was stopped early
+
+
+async def test_a_reader_that_stalls_a_shared_fetch_is_dropped_and_the_others_finish():
+    kib = 1024
+    objects = make_objects(1, 96, 64 * kib, seed=9)  # 6 MiB
+    gate = asyncio.Event()
+    publisher = SlowFetchPublisher(objects, gate)
+    quic = QuicSettings(stream_send_buffer=256 * kib, write_chunk_size=64 * kib,
+                        max_stream_data=512 * kib, max_data=1024 * kib)
+    async with running_relay(quic=quic, fetch_stall_timeout=0.5) as relay, \
+            publishing(relay.url, NS, publisher):
+        fast = await dial(relay.url)
+        stalled = await dial(relay.url, settings=QuicSettings(max_stream_data=64 * kib, max_data=128 * kib))
+        try:
+            pending = [asyncio.ensure_future(c.fetch(TRACK_NS, NAME, (0, 0), (1, 0), timeout=STEP))
+                       for c in (fast, stalled)]
+            for _ in range(200):
+                if relay.stats.fetches == 2:
+                    break
+                await asyncio.sleep(0.01)
+            gate.set()
+            fast_fetch, stalled_fetch = [await asyncio.wait_for(f, STEP) for f in pending]
+            got = await collect(fast_fetch)  # the stalled one never reads
+            assert triples(got) == objects
+            assert relay.stats.fetch_readers_dropped == 1
+            with pytest.raises(DataStreamReset):  # its response was reset, not ended
+                await collect(stalled_fetch)
+            for _ in range(300):
+                if not relay._fetching:
+                    break
+                await asyncio.sleep(0.01)
+            assert not relay._fetching
+        finally:
+            await asyncio.gather(fast.aclose(), stalled.aclose())
+        assert len(publisher.fetches) == 1
