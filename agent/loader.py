@@ -362,6 +362,17 @@ class LeaseKeeper:
         self.renewals = 0
         self._task: asyncio.Task | None = None
 
+    async def take(self, holder: str, keys: list[str], what: str = "") -> str | None:
+        """One lease at `holder` for all of `keys`, kept from now on; None when the holder
+        refuses it (then each block leases its own)."""
+        try:
+            lease = await self.client.acquire(holder, keys, self.ttl_ms)
+        except KvspError as e:
+            log.info("%sbatch lease at %s refused (%s); leasing block by block", what, holder, e.detail)
+            return None
+        self.add(holder, lease)
+        return lease
+
     def add(self, holder: str, lease: str) -> None:
         """Keep this lease alive from now on (the renewing task starts with the first one)."""
         self.leases.append((holder, lease))
@@ -610,14 +621,10 @@ class PrefixLoader:
                 by_holder.setdefault(blk.candidates[0].lease_holder, []).append(blk)
 
         async def one(holder: str, blocks: list[_Block]) -> None:
-            try:
-                lease = await self.leases.acquire(holder, [b.key for b in blocks], self.lease_ms)
-            except KvspError as e:
-                log.info("batch lease at %s refused (%s); leasing block by block", holder, e.detail)
-                return
-            self._keeper.add(holder, lease)
-            for b in blocks:
-                b.leases[holder] = lease
+            lease = await self._keeper.take(holder, [b.key for b in blocks])
+            if lease is not None:
+                for b in blocks:
+                    b.leases[holder] = lease
 
         await asyncio.gather(*(one(h, b) for h, b in by_holder.items()))
 
@@ -936,17 +943,7 @@ class Prefetcher:
             if b.sources and BlockId(d.compat_id, d.scope_id, b.block_key) not in self.store:
                 by_source.setdefault(b.sources[0], []).append(b.block_key)
 
-        async def one(source: str, keys: list[str]) -> str | None:
-            try:
-                lease = await self.leases.acquire(source, keys, d.lease_ms)
-            except KvspError as e:
-                log.info("prefetch %s: batch lease at %s refused (%s); leasing block by block",
-                         d.directive, source, e.detail)
-                return None
-            keeper.add(source, lease)
-            return lease
-
-        return ({source: asyncio.ensure_future(one(source, keys))
+        return ({source: asyncio.ensure_future(keeper.take(source, keys, f"prefetch {d.directive}: "))
                  for source, keys in by_source.items() if len(keys) > 1}, keeper)
 
     @staticmethod

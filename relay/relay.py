@@ -489,9 +489,8 @@ class _SharedFetch:
     readers' pace, and it cancels the upstream FETCH when the last reader leaves."""
 
     window: int
-    #: seconds the slowest reader may take nothing while the response waits for it
+    #: seconds the slowest reader may take nothing while the others wait for it
     stall_timeout: float = 10.0
-    upstream: FetchResult | None = None
     #: the upstream FETCH once it is answered (those who join meanwhile wait for it)
     started: "asyncio.Future[FetchResult]" = field(
         default_factory=lambda: asyncio.get_running_loop().create_future())
@@ -502,12 +501,15 @@ class _SharedFetch:
     readers: dict[int, int] = field(default_factory=dict)
     #: reader -> what drops it (resets its stream) when it stalls the others
     droppers: dict[int, Callable[[], None]] = field(default_factory=dict)
-    dropped: int = 0
     done: bool = False
     failed: BaseException | None = None
-    task: "asyncio.Task[None] | None" = None
     _arrived: "asyncio.Event" = field(default_factory=asyncio.Event)
     _taken: "asyncio.Event" = field(default_factory=asyncio.Event)
+
+    @property
+    def upstream(self) -> FetchResult | None:
+        started = self.started
+        return started.result() if started.done() and started.exception() is None else None
 
     def append(self, obj: MoqtObject) -> None:
         self.objects.append(obj)
@@ -526,16 +528,17 @@ class _SharedFetch:
         return self.offsets[-1] - (self.offsets[slowest - 1] if slowest else 0)
 
     async def wait_for_readers(self) -> None:
-        """Until the slowest reader is within the window; a reader that takes nothing for
-        `stall_timeout` meanwhile is dropped, so one stalled reader cannot hold the rest."""
+        """Until the slowest reader is within the window; with other readers waiting, one
+        that takes nothing for `stall_timeout` meanwhile is dropped, so that it cannot hold
+        the rest (a lone reader only slows its own response)."""
         while self.readers and self.ahead() > self.window:
             self._taken.clear()
             try:
-                await asyncio.wait_for(self._taken.wait(), self.stall_timeout)
+                await asyncio.wait_for(self._taken.wait(),
+                                       self.stall_timeout if len(self.readers) > 1 else None)
             except asyncio.TimeoutError:
                 slowest = min(self.readers, key=self.readers.__getitem__)
                 self.readers.pop(slowest)
-                self.dropped += 1
                 self.droppers.pop(slowest, lambda: None)()
 
     async def read(self, reader: int, drop: Callable[[], None] = lambda: None) -> AsyncIterator[MoqtObject]:
@@ -564,8 +567,9 @@ class _SharedFetch:
             self.readers.pop(reader, None)
             self.droppers.pop(reader, None)
             self._taken.set()
-            if not self.readers and not self.done and self.upstream is not None:
-                self.upstream.close()  # the last reader left: stop the upstream FETCH
+            upstream = self.upstream
+            if not self.readers and not self.done and upstream is not None:
+                upstream.close()  # the last reader left: stop the upstream FETCH
 
 
 class _Feed:
@@ -1406,21 +1410,16 @@ class Relay:
             return  # served from the cache's prefix
         sender = req.accept(end=upstream.end_location or req.end, end_of_track=upstream.end_of_track,
                             track_properties=upstream.track_properties)
-        if shared is not None:
-            shared.upstream = upstream
-            shared.started.set_result(upstream)
-            shared.task = self._spawn(self._read_shared(key, source, shared, ident),
-                                      name="relay-shared-fetch")
-            await self._follow(shared, req, sender)
-            return
-        # The subscriber's cancel stops the upstream FETCH; closing never waits, so it
-        # needs no task of its own.
-        sender.cancelled.add_done_callback(lambda _: upstream.close())
+        if shared is None:  # a response of this request's alone (after a prefix, or descending)
+            shared = _SharedFetch(self.settings.quic.max_stream_data, self.settings.fetch_stall_timeout)
+        shared.started.set_result(upstream)
+        self._spawn(self._read_shared(key, source, shared, ident), name="relay-fetch")
         try:
             await self._send_fetched(sender, prefix, from_cache=True)
-            await self._relay_fetch(key, source, upstream, req, sender)
         except (StreamClosed, SessionClosed):
-            await upstream.aclose()  # the subscriber went away
+            upstream.close()  # the subscriber went away
+            return
+        await self._follow(shared, req, sender)
 
     async def _fetch_upstream(self, req: IncomingFetch, peer: _Peer, key: TrackKey, found: Any,
                               prefix: list[MoqtObject], resume: Location, last: Location, whole: bool
@@ -1460,7 +1459,8 @@ class Relay:
     async def _read_shared(self, key: TrackKey, source: _Peer, shared: _SharedFetch,
                            ident: tuple[TrackKey, Location, Location, bool]) -> None:
         """Read an upstream FETCH response into `shared` and the cache, no faster than its
-        slowest reader takes it."""
+        slowest reader takes it (what arrives together is taken without a trip through the
+        event loop)."""
         stats = self.stats
         put = self.cache.put
         upstream = shared.upstream
@@ -1484,7 +1484,9 @@ class Relay:
                     last_in_group[obj.group_id] = obj.object_id
                 shared.append(obj)
             end = upstream.end_location
-            if end is not None:  # as in _relay_fetch: groups covered whole end where it says
+            # A response ended by FIN lists every object that exists in its range: the end
+            # of each group it covered whole is now known.
+            if end is not None:
                 for group, last in last_in_group.items():
                     if group < end.group or (group == end.group and end.object == 0):
                         self.cache.note_group_end(key, source.id, group, last)
@@ -1554,45 +1556,6 @@ class Relay:
         stats = self.stats
         stats.objects_out += 1
         stats.bytes_out += len(obj.payload)
-
-    async def _relay_fetch(self, key: TrackKey, source: _Peer, upstream: FetchResult,
-                           req: IncomingFetch, sender: FetchSender) -> None:
-        """Copy an upstream FETCH response downstream, caching each object."""
-        stats = self.stats
-        put = self.cache.put
-        origin = source.id
-        includes = req.includes
-        normal = ObjectStatus.NORMAL
-        last_in_group: dict[int, int] = {}
-        iterator = upstream.__aiter__()
-        while True:
-            # What has arrived is taken without a trip through the event loop.
-            obj = upstream.ready_object()
-            if obj is None:
-                try:
-                    obj = await iterator.__anext__()
-                except StopAsyncIteration:
-                    break
-                except MoqtError as e:
-                    log.info("upstream FETCH of %s failed: %s", _name(key), e)
-                    sender.reset(StreamResetCode.INTERNAL_ERROR)
-                    return
-            group_id, object_id = obj.group_id, obj.object_id
-            stats.objects_in += 1
-            stats.bytes_in += len(obj.payload)
-            put(key, origin, obj)  # as received: a FETCH object has no delivery timeout to stamp
-            if last_in_group.get(group_id, -1) < object_id:
-                last_in_group[group_id] = object_id
-            if obj.status == normal and includes((group_id, object_id)):
-                await self._send(sender, obj)
-        # A response ended by FIN lists every object that exists in its range: the end of
-        # each group it covered whole is now known.
-        end = upstream.end_location
-        if end is not None:
-            for group, last in last_in_group.items():
-                if group < end.group or (group == end.group and end.object == 0):
-                    self.cache.note_group_end(key, source.id, group, last)
-        sender.close()
 
     # ---------------------------------------------------------------- upstream relay
 

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-import httpx
 import pytest
 
 from kvsp_moq.netns import Host, Network, unavailable
@@ -245,8 +244,8 @@ def test_a_token_without_the_role_is_refused_at_every_server(deployment: Deploym
     assert http(d, "C", "GET", f"{holder}blocks/{compat}/{scope}/{'1' * 64}", "agent-c") == 404
     # fetching at a relay: the client's token may not
     done = d.host("C").run(
-        ["bash", "-c", f"kvsp get moqt://198.18.0.3:4443 --record /dev/stdin --relay-ca "
-                       f"relay-c/relay-cert.pem --token-file client.token -o /dev/null"],
+        ["bash", "-c", "kvsp get moqt://198.18.0.3:4443 --record /dev/stdin --relay-ca "
+                       "relay-c/relay-cert.pem --token-file client.token -o /dev/null"],
         input=json.dumps(next(r["record"] for b in lookup["blocks"] for r in b["replicas"]
                               if r["holder"].startswith("moqt://"))),
         cwd=d.workdir, env=env(), capture_output=True, text=True, timeout=60)
