@@ -28,8 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvsp_moq.errors import BadContainer, BadRecord  # noqa: E402
 from kvsp_moq.fetch.http import ContainerAssembler, _Bad  # noqa: E402
-from kvsp_moq.moqt import messages as m  # noqa: E402
-from kvsp_moq.moqt.data import (  # noqa: E402
+from kvsp_moq.moqt import wire
+from kvsp_moq.moqt.d18 import messages as m  # noqa: E402
+from kvsp_moq.moqt.d18.data import (
     DataStreamParser,
     FetchEndOfRange,
     FetchHeader,
@@ -39,7 +40,11 @@ from kvsp_moq.moqt.data import (  # noqa: E402
     SubgroupObject,
     decode_datagram,
 )
-from kvsp_moq.moqt.errors import KeyValueFormattingError, ProtocolViolation, SessionError  # noqa: E402
+from kvsp_moq.moqt.errors import (  # noqa: E402
+    KeyValueFormattingError,
+    ProtocolViolation,
+    SessionError,
+)
 from kvsp_moq.moqt.varint import encode_vi64  # noqa: E402
 from kvsp_moq.moqt_blocks import split_layer  # noqa: E402
 from kvsp_moq.protocol.container import Container, encode  # noqa: E402
@@ -156,18 +161,18 @@ def moqt_control_stream(data: bytes) -> None:
 
 def moqt_auth_token(data: bytes) -> None:
     try:
-        token = m.AuthToken.decode(data)
+        token = wire.AuthToken.decode(data)
     except KeyValueFormattingError:
         return
-    assert m.AuthToken.decode(token.encode()) == token
+    assert wire.AuthToken.decode(token.encode()) == token
 
 
 def moqt_filter(data: bytes) -> None:
     try:
-        decoded = m.SubscriptionFilter.decode(data)
+        decoded = wire.SubscriptionFilter.decode(data)
     except ProtocolViolation:
         return
-    assert m.SubscriptionFilter.decode(decoded.encode()) == decoded
+    assert wire.SubscriptionFilter.decode(decoded.encode()) == decoded
 
 
 def moqt_data_stream(data: bytes) -> None:

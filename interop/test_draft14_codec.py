@@ -7,8 +7,9 @@ from __future__ import annotations
 import json
 import subprocess
 
-from kvsp_moq.moqt import draft14 as d
-from kvsp_moq.moqt.messages import FetchType, GroupOrder, Location, SubscriptionFilter
+from kvsp_moq.moqt.d14 import data as d14data
+from kvsp_moq.moqt.d14 import messages as d
+from kvsp_moq.moqt.wire import FetchType, GroupOrder, Location, SubscriptionFilter
 
 from .conftest import PEER_PYTHON
 
@@ -86,15 +87,15 @@ def test_decodes_aiomoqt_draft14_encodings() -> None:
         assert d.decode_message(wire[name]) == message, name
         assert message.encode() == wire[name], name
 
-    header = d.SubgroupHeader(2, 5, 3, 7, True, True, d.SubgroupIdMode.EXPLICIT)
-    assert d.DataStreamParser().feed(wire["subgroup"], end_stream=True) == [
+    header = d14data.SubgroupHeader(2, 5, 3, 7, True, True, d.SubgroupIdMode.EXPLICIT)
+    assert d14data.DataStreamParser().feed(wire["subgroup"], end_stream=True) == [
         header,
-        d.SubgroupObject(0, 3, d.ObjectStatus.NORMAL, b"abcd", ((4, 9), (77, b"tr"))),
-        d.SubgroupObject(3, 3, d.ObjectStatus.END_OF_GROUP, b""),
+        d14data.SubgroupObject(0, 3, d.ObjectStatus.NORMAL, b"abcd", ((4, 9), (77, b"tr"))),
+        d14data.SubgroupObject(3, 3, d.ObjectStatus.END_OF_GROUP, b""),
     ]
-    assert d.DataStreamParser().feed(wire["fetch_stream"], end_stream=True) == [
-        d.FetchHeader(4),
-        d.FetchObject(1, 0, 2, 9, d.ObjectStatus.NORMAL, b"xy", ((2, 5),)),
+    assert d14data.DataStreamParser().feed(wire["fetch_stream"], end_stream=True) == [
+        d14data.FetchHeader(4),
+        d14data.FetchObject(1, 0, 2, 9, d.ObjectStatus.NORMAL, b"xy", ((2, 5),)),
     ]
-    assert d.decode_datagram(wire["datagram"]) == d.ObjectDatagram(1, 2, 0, b"hi", 5, end_of_group=True)
-    assert d.decode_datagram(wire["datagram_status"]) == d.ObjectDatagram(1, 2, 3, b"", 5, d.ObjectStatus.END_OF_TRACK)
+    assert d14data.decode_datagram(wire["datagram"]) == d14data.ObjectDatagram(1, 2, 0, b"hi", 5, end_of_group=True)
+    assert d14data.decode_datagram(wire["datagram_status"]) == d14data.ObjectDatagram(1, 2, 3, b"", 5, d.ObjectStatus.END_OF_TRACK)

@@ -52,8 +52,14 @@ from kvsp_moq.errors import (
     TransportError,
 )
 from kvsp_moq.fetch.http import FetchResult
+from kvsp_moq.fetch.stream import VerifiedLayerStream, record_layer_digests
 from kvsp_moq.holder.store import BlockId, BlockRead, BlockStore, StoredBlock
-from kvsp_moq.moqt.certs import CertificateRejected, ClientTls, check_trusted, untrusted_certificate
+from kvsp_moq.moqt.certs import (
+    CertificateRejected,
+    ClientTls,
+    check_trusted,
+    untrusted_certificate,
+)
 from kvsp_moq.moqt.errors import (
     DoesNotExist,
     InvalidRange,
@@ -64,7 +70,6 @@ from kvsp_moq.moqt.errors import (
     SessionClosed,
     StreamClosed,
 )
-from kvsp_moq.moqt.messages import FilterType, Location, Properties, SubscriptionFilter, property_value
 from kvsp_moq.moqt.quic import (
     IncomingFetch,
     IncomingSubscribe,
@@ -75,9 +80,22 @@ from kvsp_moq.moqt.quic import (
     QuicSettings,
     connect,
 )
+from kvsp_moq.moqt.wire import (
+    FilterType,
+    Location,
+    Properties,
+    SubscriptionFilter,
+    property_value,
+)
 from kvsp_moq.naming import GROUP, ROOT, BlockTrack, publisher_id
-from kvsp_moq.protocol.container import Container, Layer, encode, format_digest, layer_digest, replica_digest
-from kvsp_moq.fetch.stream import VerifiedLayerStream, record_layer_digests
+from kvsp_moq.protocol.container import (
+    Container,
+    Layer,
+    encode,
+    format_digest,
+    layer_digest,
+    replica_digest,
+)
 from kvsp_moq.protocol.records import ReplicaRecord
 
 __all__ = [

@@ -36,10 +36,11 @@ from __future__ import annotations
 from enum import Enum
 from typing import Iterable, Sequence
 
-from kvsp_moq.auth import ANY, PERMISSIONS, Action as Doing, Authenticator, Principal
+from kvsp_moq.auth import ANY, PERMISSIONS, Authenticator, Principal
+from kvsp_moq.auth import Action as Doing
 from kvsp_moq.errors import KvspError
 from kvsp_moq.moqt.errors import Unauthorized
-from kvsp_moq.moqt.messages import TrackNamespace
+from kvsp_moq.moqt.wire import TrackNamespace
 from kvsp_moq.naming import ROOT, publisher_id
 
 

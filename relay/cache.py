@@ -16,9 +16,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from kvsp_moq.moqt.data import ObjectStatus
-from kvsp_moq.moqt.messages import Location, TrackNamespace
 from kvsp_moq.moqt.objects import MoqtObject
+from kvsp_moq.moqt.wire import Location, ObjectStatus, TrackNamespace
 
 TrackKey = tuple[TrackNamespace, bytes]
 """A full track name: (namespace fields, track name)."""

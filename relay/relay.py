@@ -53,7 +53,6 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Coroutine
 
 from kvsp_moq.auth import Authenticator, Principal
 from kvsp_moq.moqt.certs import ClientTls, SelfSignedCertificate, untrusted_certificate
-from kvsp_moq.moqt.data import ObjectStatus
 from kvsp_moq.moqt.errors import (
     DoesNotExist,
     InternalRequestError,
@@ -64,20 +63,11 @@ from kvsp_moq.moqt.errors import (
     PublishDoneError,
     RequestError,
     RequestTimeout,
-    SessionClosed,
     SessionCloseCode,
+    SessionClosed,
     StreamClosed,
     StreamResetCode,
     Uninterested,
-)
-from kvsp_moq.moqt.messages import (
-    FilterType,
-    GroupOrder,
-    Location,
-    Properties,
-    SubscriptionFilter,
-    TrackPropertyType,
-    property_value,
 )
 from kvsp_moq.moqt.quic import (
     FetchResult,
@@ -104,6 +94,16 @@ from kvsp_moq.moqt.quic import (
     Subscription,
     connect,
     serve,
+)
+from kvsp_moq.moqt.wire import (
+    FilterType,
+    GroupOrder,
+    Location,
+    ObjectStatus,
+    Properties,
+    SubscriptionFilter,
+    TrackPropertyType,
+    property_value,
 )
 
 from .access import AccessPolicy, Action

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Generic, Iterator, TypeVar
 
-from kvsp_moq.moqt.messages import TrackNamespace
+from kvsp_moq.moqt.wire import TrackNamespace
 
 T = TypeVar("T")
 

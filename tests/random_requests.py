@@ -10,8 +10,13 @@ import random
 from contextlib import contextmanager
 from typing import Awaitable, Callable, Iterator
 
-from kvsp_moq.moqt.errors import MoqtError, RequestError, RequestErrorCode, SessionClosed
-from kvsp_moq.moqt.messages import FilterType, Location, SubscriptionFilter
+from kvsp_moq.moqt.errors import (
+    MoqtError,
+    RequestError,
+    RequestErrorCode,
+    SessionClosed,
+)
+from kvsp_moq.moqt.wire import FilterType, Location, SubscriptionFilter
 
 #: The loggers a failed handler or an unretrieved task error shows up in.
 WATCHED = ("kvsp_moq.moqt.quic", "kvsp.relay", "kvsp.moqt_blocks", "asyncio")

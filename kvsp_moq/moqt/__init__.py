@@ -1,5 +1,7 @@
-"""MOQT: the wire (messages, data, draft14), the sans-I/O sessions (session, session14)
-over the QUIC engine interface (engine), and their asyncio binding (quic).
+"""MOQT: what every draft shares (wire: value types and framing; session_base: the
+sans-I/O session machinery), one package per draft (d18, d14: messages, data, session),
+the registry of drafts by ALPN (drafts), the QUIC engine interface (engine), and the
+asyncio binding (quic).
 
 The binding's public names are available here too (`from kvsp_moq.moqt import connect,
 serve, QuicSettings`), imported on first use so that the codec alone stays light.

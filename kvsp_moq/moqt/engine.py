@@ -1,6 +1,6 @@
 """The QUIC engine as a MOQT session sees it: the events it consumes and the calls it makes.
 
-The sans-I/O sessions (session.py, session14.py) never import a QUIC engine. They read
+The sans-I/O sessions (`d18.session`, `d14.session`) never import a QUIC engine. They read
 the events below and write through `QuicEngine`, a handful of calls named as aioquic
 names them. One adapter per engine (`kvsp_moq.moqt.quic.aioquic_engine`,
 `kvsp_moq.moqt.quic.qh3_engine`) turns that engine's events into these and adds what

@@ -9,15 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .data import ObjectStatus, SubgroupHeader
-from .messages import (
+from .d18.data import SubgroupHeader
+from .d18.messages import Parameters, Redirect, Setup
+from .wire import (
     AuthToken,
     FetchType,
     Location,
-    Parameters,
+    ObjectStatus,
     Properties,
-    Redirect,
-    Setup,
     TrackNamespace,
 )
 

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .data import DEFAULT_PUBLISHER_PRIORITY, ObjectStatus
-from .messages import Location, Properties
+from .wire import DEFAULT_PUBLISHER_PRIORITY, Location, ObjectStatus, Properties
 
 __all__ = ["MoqtObject", "SubgroupEnd", "ENTRY_OVERHEAD"]
 

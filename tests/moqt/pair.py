@@ -5,13 +5,13 @@ from __future__ import annotations
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
 
+from kvsp_moq.moqt.certs import generate_self_signed
+from kvsp_moq.moqt.d18.messages import Setup
+from kvsp_moq.moqt.d18.session import MoqtSession
+from kvsp_moq.moqt.drafts import alpn_of
 from kvsp_moq.moqt.engine import ProtocolNegotiated
 from kvsp_moq.moqt.quic import QuicSettings
 from kvsp_moq.moqt.quic.aioquic_engine import AioquicEngine
-
-from kvsp_moq.moqt.certs import generate_self_signed
-from kvsp_moq.moqt.messages import Setup
-from kvsp_moq.moqt.session import MoqtSession, alpn_for_draft
 
 CERT = generate_self_signed()
 CLIENT_ADDR = ("127.0.0.1", 1234)
@@ -27,7 +27,7 @@ class SessionPair:
     def __init__(self, *, client_setup: Setup | None = None, server_kwargs: dict | None = None,
                  client_kwargs: dict | None = None, max_datagram_size: int = 1350,
                  client_session: bool = True) -> None:
-        alpn = [alpn_for_draft(18)]
+        alpn = [alpn_of(18)]
         self.now = 0.0
         client_config = QuicConfiguration(is_client=True, alpn_protocols=alpn, max_datagram_size=max_datagram_size,
                                           max_datagram_frame_size=65536)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from kvsp_moq.moqt import messages as m
+from kvsp_moq.moqt import wire
+from kvsp_moq.moqt.d18 import messages as m
 from kvsp_moq.moqt.varint import U64_MAX
 
 u62 = st.integers(0, 2**62 - 1)
@@ -13,26 +14,26 @@ field_bytes = st.binary(min_size=1, max_size=12)
 namespaces = st.lists(field_bytes, min_size=0, max_size=5).map(tuple)
 nonempty_namespaces = st.lists(field_bytes, min_size=1, max_size=5).map(tuple)
 track_names = st.binary(max_size=16)
-locations = st.builds(m.Location, u62, u62)
+locations = st.builds(wire.Location, u62, u62)
 reasons = st.text(max_size=40)
 
 tokens = st.one_of(
-    st.builds(m.AuthToken.use_value, st.binary(max_size=20), u62),
-    st.builds(m.AuthToken.register, u62, st.binary(max_size=20), u62),
-    st.builds(m.AuthToken.use_alias, u62),
-    st.builds(m.AuthToken.delete, u62),
+    st.builds(wire.AuthToken.use_value, st.binary(max_size=20), u62),
+    st.builds(wire.AuthToken.register, u62, st.binary(max_size=20), u62),
+    st.builds(wire.AuthToken.use_alias, u62),
+    st.builds(wire.AuthToken.delete, u62),
 )
 
 
 @st.composite
-def subscription_filters(draw) -> m.SubscriptionFilter:
-    kind = draw(st.sampled_from(list(m.FilterType)))
-    if kind == m.FilterType.ABSOLUTE_START:
-        return m.SubscriptionFilter.absolute_start(draw(u62), draw(u62))
-    if kind == m.FilterType.ABSOLUTE_RANGE:
+def subscription_filters(draw) -> wire.SubscriptionFilter:
+    kind = draw(st.sampled_from(list(wire.FilterType)))
+    if kind == wire.FilterType.ABSOLUTE_START:
+        return wire.SubscriptionFilter.absolute_start(draw(u62), draw(u62))
+    if kind == wire.FilterType.ABSOLUTE_RANGE:
         group = draw(st.integers(0, 2**40))
-        return m.SubscriptionFilter.absolute_range(group, draw(u62), group + draw(st.integers(0, 2**20)))
-    return m.SubscriptionFilter(kind)
+        return wire.SubscriptionFilter.absolute_range(group, draw(u62), group + draw(st.integers(0, 2**20)))
+    return wire.SubscriptionFilter(kind)
 
 
 _VALUES = {
@@ -46,7 +47,7 @@ _VALUES = {
     "forward": st.booleans(),
     "subscriber_priority": st.integers(0, 255),
     "subscription_filter": subscription_filters(),
-    "group_order": st.sampled_from(list(m.GroupOrder)),
+    "group_order": st.sampled_from(list(wire.GroupOrder)),
     "new_group_request": u62,
     "track_namespace_prefix": namespaces,
 }
@@ -66,7 +67,7 @@ def _property(ptype: int):
 
 
 @st.composite
-def properties(draw, max_size: int = 4) -> m.Properties:
+def properties(draw, max_size: int = 4) -> wire.Properties:
     types = sorted(draw(st.lists(st.integers(0x40, 0x3FFF), max_size=max_size)))
     return tuple(draw(_property(t)) for t in types)
 
@@ -80,8 +81,8 @@ def messages() -> st.SearchStrategy[m.Message]:
             max_auth_token_cache_size=st.none() | u62,
             authorization_tokens=st.lists(
                 st.one_of(
-                    st.builds(m.AuthToken.use_value, st.binary(max_size=8)),
-                    st.builds(m.AuthToken.register, u62, st.binary(max_size=8)),
+                    st.builds(wire.AuthToken.use_value, st.binary(max_size=8)),
+                    st.builds(wire.AuthToken.register, u62, st.binary(max_size=8)),
                 ),
                 max_size=2,
             ).map(tuple),
@@ -98,7 +99,7 @@ def messages() -> st.SearchStrategy[m.Message]:
         st.builds(
             m.Fetch,
             u62,
-            st.just(m.FetchType.STANDALONE),
+            st.just(wire.FetchType.STANDALONE),
             namespaces,
             track_names,
             locations,
@@ -108,7 +109,7 @@ def messages() -> st.SearchStrategy[m.Message]:
         st.builds(
             m.Fetch,
             u62,
-            st.sampled_from([m.FetchType.RELATIVE_JOINING, m.FetchType.ABSOLUTE_JOINING]),
+            st.sampled_from([wire.FetchType.RELATIVE_JOINING, wire.FetchType.ABSOLUTE_JOINING]),
             joining_request_id=u62,
             joining_start=u62,
             parameters=parameters(m._SCOPE_FETCH),

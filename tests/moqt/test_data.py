@@ -4,14 +4,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvsp_moq.moqt.data import (
+from kvsp_moq.moqt.d18.data import (
     DataStreamParser,
     FetchEndOfRange,
     FetchHeader,
     FetchObject,
     FetchStreamWriter,
     ObjectDatagram,
-    ObjectStatus,
     PaddingDatagram,
     PaddingHeader,
     SubgroupHeader,
@@ -23,8 +22,8 @@ from kvsp_moq.moqt.data import (
     is_subgroup_stream_type,
 )
 from kvsp_moq.moqt.errors import ObjectTooLarge, ProtocolViolation, SessionError
-from kvsp_moq.moqt.messages import GroupOrder, Location
 from kvsp_moq.moqt.varint import encode_vi64
+from kvsp_moq.moqt.wire import GroupOrder, Location, ObjectStatus
 
 from .strategies import properties
 

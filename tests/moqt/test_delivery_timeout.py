@@ -5,11 +5,11 @@ late, and the subscription goes on."""
 from __future__ import annotations
 
 import asyncio
-from dataclasses import replace
 import os
+from dataclasses import replace
 
-from kvsp_moq.moqt.messages import TrackPropertyType
 from kvsp_moq.moqt.quic import OutgoingSubscription, QuicSettings
+from kvsp_moq.moqt.wire import TrackPropertyType
 
 from .test_quic import NS, STEP, collect, dial, start
 

@@ -6,9 +6,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvsp_moq.moqt import data as data18
-from kvsp_moq.moqt import draft14 as d
-from kvsp_moq.moqt import messages as m18
+from kvsp_moq.moqt import wire
+from kvsp_moq.moqt.d14 import data as d14data
+from kvsp_moq.moqt.d14 import messages as d
+from kvsp_moq.moqt.d18 import data as data18
+from kvsp_moq.moqt.d18 import messages as m18
 from kvsp_moq.moqt.errors import (
     KeyValueFormattingError,
     MalformedAuthority,
@@ -16,8 +18,14 @@ from kvsp_moq.moqt.errors import (
     ObjectTooLarge,
     ProtocolViolation,
 )
-from kvsp_moq.moqt.messages import AuthToken, FetchType, GroupOrder, Location, SubscriptionFilter
 from kvsp_moq.moqt.varint import encode_quic_varint as qv
+from kvsp_moq.moqt.wire import (
+    AuthToken,
+    FetchType,
+    GroupOrder,
+    Location,
+    SubscriptionFilter,
+)
 
 # ---------------------------------------------------------------------------
 # Strategies
@@ -53,10 +61,10 @@ extensions = st.lists(u62.flatmap(_kvp), max_size=4).map(tuple)
 
 @st.composite
 def filters(draw) -> SubscriptionFilter:
-    kind = draw(st.sampled_from(list(m18.FilterType)))
-    if kind == m18.FilterType.ABSOLUTE_START:
+    kind = draw(st.sampled_from(list(wire.FilterType)))
+    if kind == wire.FilterType.ABSOLUTE_START:
         return SubscriptionFilter.absolute_start(draw(u62), draw(u62))
-    if kind == m18.FilterType.ABSOLUTE_RANGE:
+    if kind == wire.FilterType.ABSOLUTE_RANGE:
         group = draw(st.integers(0, 2**40))
         return SubscriptionFilter.absolute_range(group, draw(u62), group + draw(small))
     return SubscriptionFilter(kind)
@@ -297,25 +305,25 @@ def test_error_done_and_goaway_bytes() -> None:
 
 def test_subgroup_stream_bytes_from_the_draft_example() -> None:
     # Section 10.5 (Examples): type 0x14, alias 2, group 0, subgroup 0, priority 0.
-    header = d.SubgroupHeader(2, 0, 0, 0, subgroup_id_mode=d.SubgroupIdMode.EXPLICIT)
-    writer = d.SubgroupWriter(header)
+    header = d14data.SubgroupHeader(2, 0, 0, 0, subgroup_id_mode=d.SubgroupIdMode.EXPLICIT)
+    writer = d14data.SubgroupWriter(header)
     stream = (
         writer.header_bytes()
         + writer.object_header(0, 4) + b"abcd"
         + writer.object_header(1, 4) + b"efgh"
     )
     assert stream == bytes.fromhex("1402000000") + b"\x00\x04abcd" + b"\x00\x04efgh"
-    items = d.DataStreamParser().feed(stream, end_stream=True)
+    items = d14data.DataStreamParser().feed(stream, end_stream=True)
     assert items == [
         header,
-        d.SubgroupObject(0, 0, d.ObjectStatus.NORMAL, b"abcd"),
-        d.SubgroupObject(1, 0, d.ObjectStatus.NORMAL, b"efgh"),
+        d14data.SubgroupObject(0, 0, d.ObjectStatus.NORMAL, b"abcd"),
+        d14data.SubgroupObject(1, 0, d.ObjectStatus.NORMAL, b"efgh"),
     ]
 
 
 def test_subgroup_stream_with_extensions_bytes() -> None:
-    header = d.SubgroupHeader(2, 0, 0, 0, has_extensions=True, subgroup_id_mode=d.SubgroupIdMode.EXPLICIT)
-    writer = d.SubgroupWriter(header)
+    header = d14data.SubgroupHeader(2, 0, 0, 0, has_extensions=True, subgroup_id_mode=d.SubgroupIdMode.EXPLICIT)
+    writer = d14data.SubgroupWriter(header)
     exts = ((4, 2186796243), (77, b"traceID:123456"))
     block = qv(4) + qv(2186796243) + qv(77) + qv(14) + b"traceID:123456"
     assert len(block) == 1 + 8 + 2 + 1 + 14  # type 77 takes a 2-byte varint
@@ -325,57 +333,57 @@ def test_subgroup_stream_with_extensions_bytes() -> None:
     assert second == b"\x00\x00\x04"
     stream = writer.header_bytes() + first + b"abcd" + second + b"efgh"
     assert stream[:1] == b"\x15"
-    items = d.DataStreamParser().feed(stream)
-    assert items[1] == d.SubgroupObject(0, 0, d.ObjectStatus.NORMAL, b"abcd", exts)
-    assert items[2] == d.SubgroupObject(1, 0, d.ObjectStatus.NORMAL, b"efgh")
+    items = d14data.DataStreamParser().feed(stream)
+    assert items[1] == d14data.SubgroupObject(0, 0, d.ObjectStatus.NORMAL, b"abcd", exts)
+    assert items[2] == d14data.SubgroupObject(1, 0, d.ObjectStatus.NORMAL, b"efgh")
 
 
 def test_subgroup_types_and_status_objects() -> None:
     # 0x1A: subgroup ID is the first Object ID, end of group, no extensions.
-    header = d.SubgroupHeader(1, 5, None, 3, end_of_group=True, subgroup_id_mode=d.SubgroupIdMode.FIRST_OBJECT)
+    header = d14data.SubgroupHeader(1, 5, None, 3, end_of_group=True, subgroup_id_mode=d.SubgroupIdMode.FIRST_OBJECT)
     assert header.stream_type() == 0x1A
-    writer = d.SubgroupWriter(header)
+    writer = d14data.SubgroupWriter(header)
     stream = (
         header.encode()
         + writer.object_header(7, 1) + b"z"
         + writer.object_header(9, 0, status=d.ObjectStatus.END_OF_GROUP)
     )
     assert stream == bytes.fromhex("1a010503" "0701") + b"z" + bytes.fromhex("010003")
-    items = d.DataStreamParser().feed(stream, end_stream=True)
-    assert items[0] == d.SubgroupHeader(1, 5, None, 3, False, True, d.SubgroupIdMode.FIRST_OBJECT)
+    items = d14data.DataStreamParser().feed(stream, end_stream=True)
+    assert items[0] == d14data.SubgroupHeader(1, 5, None, 3, False, True, d.SubgroupIdMode.FIRST_OBJECT)
     assert items[1:] == [
-        d.SubgroupObject(7, 7, d.ObjectStatus.NORMAL, b"z"),
-        d.SubgroupObject(9, 7, d.ObjectStatus.END_OF_GROUP, b""),
+        d14data.SubgroupObject(7, 7, d.ObjectStatus.NORMAL, b"z"),
+        d14data.SubgroupObject(9, 7, d.ObjectStatus.END_OF_GROUP, b""),
     ]
-    assert [t for t in range(0x100) if d.is_subgroup_stream_type(t)] == [
+    assert [t for t in range(0x100) if d14data.is_subgroup_stream_type(t)] == [
         0x10, 0x11, 0x12, 0x13, 0x14, 0x15, 0x18, 0x19, 0x1A, 0x1B, 0x1C, 0x1D
     ]
 
 
 def test_fetch_stream_bytes() -> None:
-    obj = d.encode_fetch_object(3, 1, 4, 2, publisher_priority=9)
+    obj = d14data.encode_fetch_object(3, 1, 4, 2, publisher_priority=9)
     assert obj == bytes.fromhex("03" "01" "04" "09" "00" "02")
-    gone = d.encode_fetch_object(3, 1, 5, 0, status=d.ObjectStatus.END_OF_TRACK)
+    gone = d14data.encode_fetch_object(3, 1, 5, 0, status=d.ObjectStatus.END_OF_TRACK)
     assert gone == bytes.fromhex("030105" "80" "00" "00" "04")
-    stream = d.FetchHeader(6).encode() + obj + b"hi" + gone
+    stream = d14data.FetchHeader(6).encode() + obj + b"hi" + gone
     assert stream[:2] == b"\x05\x06"
-    items = d.DataStreamParser().feed(stream, end_stream=True)
+    items = d14data.DataStreamParser().feed(stream, end_stream=True)
     assert items == [
-        d.FetchHeader(6),
-        d.FetchObject(3, 1, 4, 9, d.ObjectStatus.NORMAL, b"hi"),
-        d.FetchObject(3, 1, 5, 128, d.ObjectStatus.END_OF_TRACK, b""),
+        d14data.FetchHeader(6),
+        d14data.FetchObject(3, 1, 4, 9, d.ObjectStatus.NORMAL, b"hi"),
+        d14data.FetchObject(3, 1, 5, 128, d.ObjectStatus.END_OF_TRACK, b""),
     ]
 
 
 def test_datagram_bytes() -> None:
-    assert d.ObjectDatagram(1, 2, 0, b"xy", 5).encode() == bytes.fromhex("04010205") + b"xy"
-    assert d.ObjectDatagram(1, 2, 3, b"xy", 5, end_of_group=True).encode() == bytes.fromhex("0201020305") + b"xy"
-    with_ext = d.ObjectDatagram(1, 2, 3, b"", 5, extensions=((2, 1),))
+    assert d14data.ObjectDatagram(1, 2, 0, b"xy", 5).encode() == bytes.fromhex("04010205") + b"xy"
+    assert d14data.ObjectDatagram(1, 2, 3, b"xy", 5, end_of_group=True).encode() == bytes.fromhex("0201020305") + b"xy"
+    with_ext = d14data.ObjectDatagram(1, 2, 3, b"", 5, extensions=((2, 1),))
     assert with_ext.encode() == bytes.fromhex("010102030502" "0201")
-    status = d.ObjectDatagram(1, 2, 0, b"", 5, status=d.ObjectStatus.END_OF_TRACK)
+    status = d14data.ObjectDatagram(1, 2, 0, b"", 5, status=d.ObjectStatus.END_OF_TRACK)
     assert status.encode() == bytes.fromhex("2001020005" "04")
     for datagram in (with_ext, status):
-        assert d.decode_datagram(datagram.encode()) == datagram
+        assert d14data.decode_datagram(datagram.encode()) == datagram
 
 
 # ---------------------------------------------------------------------------
@@ -388,7 +396,7 @@ def subgroup_streams(draw):
     mode = draw(st.sampled_from(list(d.SubgroupIdMode)))
     has_ext = draw(st.booleans())
     subgroup = {d.SubgroupIdMode.ZERO: 0, d.SubgroupIdMode.FIRST_OBJECT: None}.get(mode, draw(u62))
-    header = d.SubgroupHeader(draw(u62), draw(u62), subgroup, draw(u8), has_ext, draw(st.booleans()), mode)
+    header = d14data.SubgroupHeader(draw(u62), draw(u62), subgroup, draw(u8), has_ext, draw(st.booleans()), mode)
     ids = sorted(set(draw(st.lists(st.integers(0, 2**40), min_size=1, max_size=6))))
     objects = []
     for object_id in ids:
@@ -403,15 +411,15 @@ def subgroup_streams(draw):
 @given(subgroup_streams(), st.data())
 def test_subgroup_stream_round_trip(stream_spec, data: st.DataObject) -> None:
     header, objects = stream_spec
-    writer = d.SubgroupWriter(header)
+    writer = d14data.SubgroupWriter(header)
     stream = writer.header_bytes()
     for object_id, status, payload, exts in objects:
         stream += writer.object_header(object_id, len(payload), extensions=exts, status=status) + payload
     first = objects[0][0]
     subgroup = first if header.subgroup_id is None else header.subgroup_id
-    expected = [header] + [d.SubgroupObject(o, subgroup, s, p, e) for o, s, p, e in objects]
+    expected = [header] + [d14data.SubgroupObject(o, subgroup, s, p, e) for o, s, p, e in objects]
     cuts = sorted(data.draw(st.lists(st.integers(0, len(stream)), max_size=8)))
-    parser = d.DataStreamParser()
+    parser = d14data.DataStreamParser()
     items = []
     last = 0
     for cut in cuts:
@@ -425,17 +433,17 @@ def test_subgroup_stream_round_trip(stream_spec, data: st.DataObject) -> None:
 @given(st.lists(st.tuples(u62, u62, u62, u8, st.sampled_from(list(d.ObjectStatus)), st.binary(min_size=1, max_size=30),
                           extensions), max_size=5), u62)
 def test_fetch_stream_round_trip(objects, request_id: int) -> None:
-    stream = d.FetchHeader(request_id).encode()
-    expected: list = [d.FetchHeader(request_id)]
+    stream = d14data.FetchHeader(request_id).encode()
+    expected: list = [d14data.FetchHeader(request_id)]
     for group, subgroup, obj, priority, status, payload, exts in objects:
         if status != d.ObjectStatus.NORMAL:
             payload = b""
         if status == d.ObjectStatus.DOES_NOT_EXIST:
             exts = ()
-        stream += d.encode_fetch_object(group, subgroup, obj, len(payload), publisher_priority=priority,
+        stream += d14data.encode_fetch_object(group, subgroup, obj, len(payload), publisher_priority=priority,
                                         extensions=exts, status=status) + payload
-        expected.append(d.FetchObject(group, subgroup, obj, priority, status, payload, exts))
-    parser = d.DataStreamParser()
+        expected.append(d14data.FetchObject(group, subgroup, obj, priority, status, payload, exts))
+    parser = d14data.DataStreamParser()
     items = []
     for i in range(len(stream)):
         items += parser.feed(stream[i : i + 1])
@@ -444,17 +452,17 @@ def test_fetch_stream_round_trip(objects, request_id: int) -> None:
 
 
 datagrams = st.one_of(
-    st.builds(d.ObjectDatagram, u62, u62, u62, st.binary(max_size=20), u8, st.none(), extensions, st.booleans()),
-    st.builds(d.ObjectDatagram, u62, u62, u62, st.just(b""), u8,
+    st.builds(d14data.ObjectDatagram, u62, u62, u62, st.binary(max_size=20), u8, st.none(), extensions, st.booleans()),
+    st.builds(d14data.ObjectDatagram, u62, u62, u62, st.just(b""), u8,
               st.sampled_from([s for s in d.ObjectStatus if s != d.ObjectStatus.DOES_NOT_EXIST]), extensions),
-    st.builds(d.ObjectDatagram, u62, u62, u62, st.just(b""), u8, st.just(d.ObjectStatus.DOES_NOT_EXIST)),
+    st.builds(d14data.ObjectDatagram, u62, u62, u62, st.just(b""), u8, st.just(d.ObjectStatus.DOES_NOT_EXIST)),
 )
 
 
 @settings(max_examples=100, deadline=None)
 @given(datagrams)
-def test_datagram_round_trip(datagram: d.ObjectDatagram) -> None:
-    assert d.decode_datagram(datagram.encode()) == datagram
+def test_datagram_round_trip(datagram: d14data.ObjectDatagram) -> None:
+    assert d14data.decode_datagram(datagram.encode()) == datagram
 
 
 # ---------------------------------------------------------------------------
@@ -473,27 +481,27 @@ def test_truncated_message_waits_but_decode_message_raises() -> None:
 
 
 def test_truncated_data_stream_waits_and_fin_inside_raises() -> None:
-    writer = d.SubgroupWriter(d.SubgroupHeader(1, 2, 3, 4, has_extensions=True))
+    writer = d14data.SubgroupWriter(d14data.SubgroupHeader(1, 2, 3, 4, has_extensions=True))
     stream = writer.header_bytes() + writer.object_header(0, 3, extensions=((1, b"e" * 300),)) + b"abc"
     header_length = len(writer.header_bytes())
     for cut in range(1, len(stream)):
-        parser = d.DataStreamParser()
+        parser = d14data.DataStreamParser()
         items = parser.feed(stream[:cut])
-        assert all(not isinstance(i, d.SubgroupObject) for i in items)
+        assert all(not isinstance(i, d14data.SubgroupObject) for i in items)
         if cut == header_length:  # a subgroup stream with no objects may end here
             assert parser.feed(b"", end_stream=True) == []
             continue
         with pytest.raises(ProtocolViolation):
             parser.feed(b"", end_stream=True)
     with pytest.raises(ProtocolViolation):
-        d.DataStreamParser().feed(b"", end_stream=True)
+        d14data.DataStreamParser().feed(b"", end_stream=True)
 
 
 def test_data_stream_copies_what_the_caller_may_reuse() -> None:
-    writer = d.SubgroupWriter(d.SubgroupHeader(1, 2, 3, 4, has_extensions=True))
+    writer = d14data.SubgroupWriter(d14data.SubgroupHeader(1, 2, 3, 4, has_extensions=True))
     exts = ((1, b"e" * 300),)
     stream = writer.header_bytes() + writer.object_header(0, 5, extensions=exts) + b"hello"
-    parser = d.DataStreamParser()
+    parser = d14data.DataStreamParser()
     items = []
     chunk = bytearray(1)
     for byte in stream:
@@ -501,7 +509,7 @@ def test_data_stream_copies_what_the_caller_may_reuse() -> None:
         items += parser.feed(chunk)
         chunk[0] = 0xFF  # the caller reuses its buffer
     items += parser.feed(memoryview(b""), end_stream=True)
-    assert items[1:] == [d.SubgroupObject(0, 3, d.ObjectStatus.NORMAL, b"hello", exts)]
+    assert items[1:] == [d14data.SubgroupObject(0, 3, d.ObjectStatus.NORMAL, b"hello", exts)]
 
 
 def test_length_longer_than_fields_raises() -> None:
@@ -569,48 +577,48 @@ def test_unknown_types_raise() -> None:
         d.ControlStreamParser().feed(b"\x40\x41")
     for stream_type in (0x04, 0x16, 0x17, 0x1E):
         with pytest.raises(ProtocolViolation, match="stream type"):
-            d.DataStreamParser().feed(qv(stream_type) + b"\x00" * 8)
+            d14data.DataStreamParser().feed(qv(stream_type) + b"\x00" * 8)
     for dtype in (0x08, 0x22, 0x40):
         with pytest.raises(ProtocolViolation, match="datagram type"):
-            d.decode_datagram(qv(dtype) + b"\x00" * 8)
+            d14data.decode_datagram(qv(dtype) + b"\x00" * 8)
 
 
 def test_bad_objects_raise() -> None:
     with pytest.raises(ProtocolViolation, match="object status"):
-        d.DataStreamParser().feed(bytes.fromhex("1001020300" "0002"))
+        d14data.DataStreamParser().feed(bytes.fromhex("1001020300" "0002"))
     with pytest.raises(ProtocolViolation, match="does not exist"):
-        d.DataStreamParser().feed(bytes.fromhex("1101020300" "02" "0201" "0001"))
+        d14data.DataStreamParser().feed(bytes.fromhex("1101020300" "02" "0201" "0001"))
     with pytest.raises(ProtocolViolation, match="crosses"):
-        d.DataStreamParser().feed(bytes.fromhex("1101020300" "02" "0105" "05") + b"abcde")
+        d14data.DataStreamParser().feed(bytes.fromhex("1101020300" "02" "0105" "05") + b"abcde")
     with pytest.raises(ObjectTooLarge):
-        d.DataStreamParser(max_object_size=10).feed(bytes.fromhex("1001020300" "0b"))
+        d14data.DataStreamParser(max_object_size=10).feed(bytes.fromhex("1001020300" "0b"))
     with pytest.raises(ObjectTooLarge):
-        d.DataStreamParser(max_extensions_size=10).feed(bytes.fromhex("1101020300" "0b"))
+        d14data.DataStreamParser(max_extensions_size=10).feed(bytes.fromhex("1101020300" "0b"))
     with pytest.raises(ProtocolViolation, match="no extensions"):
-        d.decode_datagram(bytes.fromhex("0101020305" "00") + b"x")
+        d14data.decode_datagram(bytes.fromhex("0101020305" "00") + b"x")
     with pytest.raises(ProtocolViolation, match="trailing"):
-        d.decode_datagram(bytes.fromhex("2001020305" "03" "00"))
+        d14data.decode_datagram(bytes.fromhex("2001020305" "03" "00"))
     with pytest.raises(ProtocolViolation, match="does not exist"):
-        d.decode_datagram(bytes.fromhex("2101020305" "02" "0201" "01"))
+        d14data.decode_datagram(bytes.fromhex("2101020305" "02" "0201" "01"))
     with pytest.raises(ProtocolViolation, match="truncated"):
-        d.decode_datagram(bytes.fromhex("000102"))
+        d14data.decode_datagram(bytes.fromhex("000102"))
     with pytest.raises(ProtocolViolation, match="after the end"):
-        parser = d.DataStreamParser()
-        parser.feed(d.FetchHeader(1).encode(), end_stream=True)
+        parser = d14data.DataStreamParser()
+        parser.feed(d14data.FetchHeader(1).encode(), end_stream=True)
         parser.feed(b"\x00")
 
 
 def test_encoders_refuse_what_the_draft_forbids() -> None:
     with pytest.raises(ValueError):
-        d.SubgroupWriter(d.SubgroupHeader(1, 2)).object_header(0, 1, extensions=((2, 1),))
-    writer = d.SubgroupWriter(d.SubgroupHeader(1, 2))
+        d14data.SubgroupWriter(d14data.SubgroupHeader(1, 2)).object_header(0, 1, extensions=((2, 1),))
+    writer = d14data.SubgroupWriter(d14data.SubgroupHeader(1, 2))
     writer.object_header(5, 1)
     with pytest.raises(ValueError):
         writer.object_header(5, 1)
     with pytest.raises(ValueError):
-        d.encode_fetch_object(0, 0, 0, 3, status=d.ObjectStatus.END_OF_GROUP)
+        d14data.encode_fetch_object(0, 0, 0, 3, status=d.ObjectStatus.END_OF_GROUP)
     with pytest.raises(ValueError):
-        d.ObjectDatagram(1, 2, 3, b"", status=d.ObjectStatus.NORMAL, end_of_group=True).encode()
+        d14data.ObjectDatagram(1, 2, 3, b"", status=d.ObjectStatus.NORMAL, end_of_group=True).encode()
     with pytest.raises(ValueError):
         d.Subscribe(0, (b"a",), b"t", parameters=d.Parameters(max_cache_duration=1)).encode()
     with pytest.raises(ValueError):
@@ -740,25 +748,25 @@ def test_response_conversions() -> None:
 def test_object_conversions() -> None:
     inner = ((0x3E, 2), (0x2C, 1))
     immutable = d.encode_extensions(inner)
-    obj = d.SubgroupObject(3, 0, d.ObjectStatus.NORMAL, b"p", ((0x3C, 1), (0x0B, immutable), (0x02, 5)))
+    obj = d14data.SubgroupObject(3, 0, d.ObjectStatus.NORMAL, b"p", ((0x3C, 1), (0x0B, immutable), (0x02, 5)))
     obj18 = obj.to_draft18()
     assert obj18 is not None
     assert [t for t, _ in obj18.properties] == [0x02, 0x0B, 0x3C]
-    assert d.SubgroupObject.from_draft18(obj18).extensions == ((0x02, 5), (0x0B, d.encode_extensions(
+    assert d14data.SubgroupObject.from_draft18(obj18).extensions == ((0x02, 5), (0x0B, d.encode_extensions(
         sorted(inner))), (0x3C, 1))
-    assert d.SubgroupObject(3, 0, d.ObjectStatus.DOES_NOT_EXIST, b"").to_draft18() is None
+    assert d14data.SubgroupObject(3, 0, d.ObjectStatus.DOES_NOT_EXIST, b"").to_draft18() is None
 
-    header = d.SubgroupHeader(1, 2, None, 7, True, True, d.SubgroupIdMode.FIRST_OBJECT)
+    header = d14data.SubgroupHeader(1, 2, None, 7, True, True, d.SubgroupIdMode.FIRST_OBJECT)
     header18 = header.to_draft18()
     assert header18.stream_type() & 0x0F == header.stream_type() & 0x0F
-    assert d.SubgroupHeader.from_draft18(header18) == header
+    assert d14data.SubgroupHeader.from_draft18(header18) == header
 
-    fetched = d.FetchObject(1, 2, 3, 4, d.ObjectStatus.NORMAL, b"x")
-    assert d.FetchObject.from_draft18(fetched.to_draft18()) == fetched  # type: ignore[arg-type]
-    assert d.FetchObject(1, 2, 3, 4, d.ObjectStatus.END_OF_GROUP, b"").to_draft18() is None
+    fetched = d14data.FetchObject(1, 2, 3, 4, d.ObjectStatus.NORMAL, b"x")
+    assert d14data.FetchObject.from_draft18(fetched.to_draft18()) == fetched  # type: ignore[arg-type]
+    assert d14data.FetchObject(1, 2, 3, 4, d.ObjectStatus.END_OF_GROUP, b"").to_draft18() is None
 
-    datagram = d.ObjectDatagram(1, 2, 3, b"x", 9, extensions=((4, 4),), end_of_group=True)
+    datagram = d14data.ObjectDatagram(1, 2, 3, b"x", 9, extensions=((4, 4),), end_of_group=True)
     datagram18 = datagram.to_draft18()
     assert datagram18 is not None
     assert data18.decode_datagram(datagram18.encode()) == datagram18
-    assert d.ObjectDatagram.from_draft18(datagram18) == datagram
+    assert d14data.ObjectDatagram.from_draft18(datagram18) == datagram

@@ -6,8 +6,9 @@ import asyncio
 import pytest
 
 from kvsp_moq.moqt import events as ev
-from kvsp_moq.moqt import messages as m
+from kvsp_moq.moqt import wire
 from kvsp_moq.moqt.certs import generate_self_signed
+from kvsp_moq.moqt.d18 import messages as m
 from kvsp_moq.moqt.errors import RequestErrorCode, StreamResetCode
 from kvsp_moq.moqt.quic import connect, serve
 
@@ -50,12 +51,12 @@ def subscribe_and_join(pair: SessionPair, joining_start: int = 2, *, relative: b
 
 def test_held_joining_fetch_is_released_by_subscribe_ok_and_served(pair):
     sub, fetch = subscribe_and_join(pair, 2)
-    pair.server.subscribe_ok(sub, largest=m.Location(7, 3))
+    pair.server.subscribe_ok(sub, largest=wire.Location(7, 3))
     released = pair.server.take_events()
     request = one(released, ev.FetchReceived)
     assert (request.request_id, request.fetch_type, request.namespace, request.track_name) == (
-        fetch, m.FetchType.RELATIVE_JOINING, NS, b"1")
-    assert (request.start, request.end, request.joining_request_id) == (m.Location(5, 0), m.Location(7, 4), sub)
+        fetch, wire.FetchType.RELATIVE_JOINING, NS, b"1")
+    assert (request.start, request.end, request.joining_request_id) == (wire.Location(5, 0), wire.Location(7, 4), sub)
     assert pair.server.take_events() == []  # taken once
 
     sid = pair.server.open_fetch_stream(fetch)
@@ -66,7 +67,7 @@ def test_held_joining_fetch_is_released_by_subscribe_ok_and_served(pair):
     pair.exchange()
     events = pair.take("client")
     assert one(events, ev.SubscribeAccepted).request_id == sub
-    assert one(events, ev.FetchAccepted).end_location == m.Location(7, 4)
+    assert one(events, ev.FetchAccepted).end_location == wire.Location(7, 4)
     assert [(o.group_id, o.object_id, o.payload) for o in of(events, ev.FetchObjectReceived)] == [
         (5, 0, b"five"), (7, 3, b"seven")]
     assert of(events, ev.RequestRejected) == []
@@ -75,15 +76,15 @@ def test_held_joining_fetch_is_released_by_subscribe_ok_and_served(pair):
 
 def test_absolute_joining_fetch_is_released_too(pair):
     sub, fetch = subscribe_and_join(pair, 4, relative=False)
-    pair.server.subscribe_ok(sub, largest=m.Location(9, 0))
+    pair.server.subscribe_ok(sub, largest=wire.Location(9, 0))
     request = one(pair.server.take_events(), ev.FetchReceived)
     assert (request.fetch_type, request.start, request.end) == (
-        m.FetchType.ABSOLUTE_JOINING, m.Location(4, 0), m.Location(9, 1))
+        wire.FetchType.ABSOLUTE_JOINING, wire.Location(4, 0), wire.Location(9, 1))
 
 
 def test_released_events_not_taken_come_with_the_next_quic_event(pair):
     sub, fetch = subscribe_and_join(pair)
-    pair.server.subscribe_ok(sub, largest=m.Location(3, 0))
+    pair.server.subscribe_ok(sub, largest=wire.Location(3, 0))
     other = pair.client.subscribe(NS, b"2")
     pair.exchange()
     events = pair.take("server")
@@ -119,7 +120,7 @@ def test_held_fetch_cancelled_by_its_requester_is_dropped_quietly(pair):
     pair.client.cancel_request(fetch, StreamResetCode.CANCELLED)
     pair.exchange()
     assert of(pair.take("server"), ev.RequestCancelled) == []  # the application never saw it
-    pair.server.subscribe_ok(sub, largest=m.Location(1, 0))
+    pair.server.subscribe_ok(sub, largest=wire.Location(1, 0))
     assert pair.server.take_events() == []
     pair.exchange()
     assert of(pair.take("server"), ev.FetchReceived) == []
@@ -137,7 +138,7 @@ def test_released_fetch_of_an_empty_track_is_refused_with_invalid_range(pair):
 
 def test_released_fetch_of_a_forward_0_subscription_is_refused_with_invalid_range(pair):
     sub, fetch = subscribe_and_join(pair, forward=False)
-    pair.server.subscribe_ok(sub, largest=m.Location(2, 0))
+    pair.server.subscribe_ok(sub, largest=wire.Location(2, 0))
     assert pair.server.take_events() == []
     pair.exchange()
     rejected = one(pair.take("client"), ev.RequestRejected)
@@ -149,10 +150,10 @@ def test_several_fetches_held_for_one_subscribe_are_released_in_order(pair):
     fetches = [pair.client.joining_fetch(sub, n) for n in (0, 1, 2)]
     pair.exchange()
     assert of(pair.take("server"), ev.FetchReceived) == []
-    pair.server.subscribe_ok(sub, largest=m.Location(5, 1))
+    pair.server.subscribe_ok(sub, largest=wire.Location(5, 1))
     released = of(pair.server.take_events(), ev.FetchReceived)
     assert [(r.request_id, r.start) for r in released] == [
-        (fetches[0], m.Location(5, 0)), (fetches[1], m.Location(4, 0)), (fetches[2], m.Location(3, 0))]
+        (fetches[0], wire.Location(5, 0)), (fetches[1], wire.Location(4, 0)), (fetches[2], wire.Location(3, 0))]
 
 
 def test_joining_fetch_of_a_refused_subscription_is_refused_at_once(pair):
@@ -204,7 +205,7 @@ async def test_a_held_joining_fetch_reaches_the_fetch_handler_after_accept():
 
         assert await asyncio.wait_for(read(), 10) == [(2, 0, b"two"), (3, 1, b"three")]
         assert order == ["subscribe", "fetch"]
-        assert fetches == [(m.Location(2, 0), m.Location(3, 2), sub)]
+        assert fetches == [(wire.Location(2, 0), wire.Location(3, 2), sub)]
     finally:
         await client.aclose()
         await server.aclose()

@@ -2,8 +2,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvsp_moq.moqt import messages as m
-from kvsp_moq.moqt.errors import KeyValueFormattingError, MalformedPath, ProtocolViolation, SessionError
+from kvsp_moq.moqt import wire
+from kvsp_moq.moqt.d18 import messages as m
+from kvsp_moq.moqt.errors import (
+    KeyValueFormattingError,
+    MalformedPath,
+    ProtocolViolation,
+    SessionError,
+)
 from kvsp_moq.moqt.varint import encode_vi64
 
 from .strategies import messages
@@ -83,10 +89,10 @@ def test_subscribe_namespace_type_is_one_byte_vi64():
 
 def test_parameters_are_delta_coded_in_ascending_order():
     params = m.Parameters(
-        authorization_tokens=(m.AuthToken.use_value(b"x"), m.AuthToken.use_value(b"y")),
-        largest_object=m.Location(1, 2),
+        authorization_tokens=(wire.AuthToken.use_value(b"x"), wire.AuthToken.use_value(b"y")),
+        largest_object=wire.Location(1, 2),
     )
-    w = m.Writer()
+    w = wire.Writer()
     params.encode(w)
     # count 3; AUTH 0x03 (token USE_VALUE type 0), again delta 0, LARGEST 0x09 delta 6
     assert bytes(w.data) == b"\x03" + b"\x03\x03\x03\x00x" + b"\x00\x03\x03\x00y" + b"\x06\x01\x02"
@@ -209,7 +215,7 @@ def test_unknown_properties_are_kept_in_order():
     props = ((0x38, 5), (0x3801, b"abc"), (0x4000, 1))
     decoded = m.decode_message(m.Publish(1, NS, b"1", 4, track_properties=props).encode())
     assert decoded.track_properties == props
-    assert m.mandatory_properties(decoded.track_properties) == [0x4000]
+    assert wire.mandatory_properties(decoded.track_properties) == [0x4000]
 
 
 def test_setup_keeps_unknown_options_and_allows_their_duplicates():
@@ -252,13 +258,13 @@ def test_encoders_refuse_what_the_receiver_would_reject():
     with pytest.raises(ValueError):
         m.PublishDone(0, 0, "x" * 1025).encode()
     with pytest.raises(ValueError):
-        m.Fetch(0, m.FetchType.STANDALONE, NS, b"t")  # no range
+        m.Fetch(0, wire.FetchType.STANDALONE, NS, b"t")  # no range
 
 
 def test_subscription_filter_end_group_is_delta_coded():
-    f = m.SubscriptionFilter.absolute_range(10, 2, 13)
+    f = wire.SubscriptionFilter.absolute_range(10, 2, 13)
     assert f.encode() == b"\x04\x0a\x02\x03"
-    assert m.SubscriptionFilter.decode(f.encode()) == f
+    assert wire.SubscriptionFilter.decode(f.encode()) == f
 
 
 def test_parameters_merge_keeps_absent_values():
@@ -271,17 +277,17 @@ def test_parameters_merge_keeps_absent_values():
 @given(st.binary(max_size=40))
 def test_arbitrary_token_bytes_decode_or_raise_key_value_formatting_error(data):
     try:
-        token = m.AuthToken.decode(data)
+        token = wire.AuthToken.decode(data)
     except KeyValueFormattingError:
         return
-    assert m.AuthToken.decode(token.encode()) == token
+    assert wire.AuthToken.decode(token.encode()) == token
 
 
 @settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=40))
 def test_arbitrary_filter_bytes_decode_or_raise_a_protocol_violation(data):
     try:
-        decoded = m.SubscriptionFilter.decode(data)
+        decoded = wire.SubscriptionFilter.decode(data)
     except ProtocolViolation:
         return
-    assert m.SubscriptionFilter.decode(decoded.encode()) == decoded
+    assert wire.SubscriptionFilter.decode(decoded.encode()) == decoded

@@ -17,8 +17,8 @@ from kvsp_moq.moqt.errors import (
     Unauthorized,
     Uninterested,
 )
-from kvsp_moq.moqt.messages import GroupOrder, Location
 from kvsp_moq.moqt.quic import MoqtConnection, QuicSettings, connect, serve
+from kvsp_moq.moqt.wire import GroupOrder, Location
 
 CERT = generate_self_signed()
 NS = ("kvsp", "c" * 32, "s" * 16, "p" * 16, "k" * 32)

@@ -6,11 +6,11 @@ import asyncio
 import pytest
 
 from kvsp_moq.moqt.certs import generate_self_signed
+from kvsp_moq.moqt.d14.session import MoqtSession14
+from kvsp_moq.moqt.d18.session import MoqtSession
 from kvsp_moq.moqt.errors import DoesNotExist, PublishDoneCode, SessionClosed
-from kvsp_moq.moqt.messages import Location
 from kvsp_moq.moqt.quic import MoqtConnection, QuicSettings, alpn_of, connect, serve
-from kvsp_moq.moqt.session import MoqtSession
-from kvsp_moq.moqt.session14 import MoqtSession14
+from kvsp_moq.moqt.wire import Location
 
 CERT = generate_self_signed()
 NS = ("kvsp", "c" * 32, "s" * 16)

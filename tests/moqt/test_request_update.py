@@ -8,7 +8,8 @@ import asyncio
 import pytest
 
 from kvsp_moq.moqt import events as ev
-from kvsp_moq.moqt import messages as m
+from kvsp_moq.moqt import wire
+from kvsp_moq.moqt.d18 import messages as m
 from kvsp_moq.moqt.errors import (
     InvalidRange,
     PublishDoneCode,
@@ -18,14 +19,14 @@ from kvsp_moq.moqt.errors import (
     StreamClosed,
     Unauthorized,
 )
-from kvsp_moq.moqt.messages import Location, SubscriptionFilter
 from kvsp_moq.moqt.quic import IncomingUpdate
+from kvsp_moq.moqt.wire import Location, SubscriptionFilter
 
 from .pair import SessionPair
 from .test_quic import NS as TEXT_NS
 from .test_quic import STEP, collect, dial, start
 
-NS = m.namespace_of(TEXT_NS)
+NS = wire.namespace_of(TEXT_NS)
 
 
 def of(events, kind):
@@ -271,7 +272,7 @@ async def test_update_sent_while_the_subscribe_is_pending_is_answered_after_it()
     client = await dial(server)
     try:
         session = client.live_session()
-        rid = session.subscribe(m.namespace_of(NS), b"1", m.Parameters())
+        rid = session.subscribe(wire.namespace_of(NS), b"1", m.Parameters())
         future = client.begin_request(rid)
         update_id = session.request_update(rid, m.Parameters(subscriber_priority=9))
         update_answer = client.begin_request(update_id)

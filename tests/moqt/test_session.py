@@ -3,10 +3,17 @@
 import pytest
 
 from kvsp_moq.moqt import events as ev
-from kvsp_moq.moqt import messages as m
-from kvsp_moq.moqt.data import FetchStreamWriter, ObjectStatus, SubgroupHeader, SubgroupWriter
-from kvsp_moq.moqt.errors import PublishDoneCode, RequestErrorCode, SessionCloseCode, StreamClosed
+from kvsp_moq.moqt import wire
+from kvsp_moq.moqt.d18 import messages as m
+from kvsp_moq.moqt.d18.data import FetchStreamWriter, SubgroupHeader, SubgroupWriter
+from kvsp_moq.moqt.errors import (
+    PublishDoneCode,
+    RequestErrorCode,
+    SessionCloseCode,
+    StreamClosed,
+)
 from kvsp_moq.moqt.varint import encode_vi64
+from kvsp_moq.moqt.wire import ObjectStatus
 
 from .pair import SessionPair
 
@@ -50,7 +57,7 @@ def test_subscribe_objects_and_publish_done(pair):
     pair.exchange()
     request = one(pair.take("server"), ev.SubscribeReceived)
     assert (request.request_id, request.namespace, request.parameters.forward) == (rid, NS, True)
-    alias = pair.server.subscribe_ok(rid, largest=m.Location(0, 2), track_properties=((0x0E, 7),))
+    alias = pair.server.subscribe_ok(rid, largest=wire.Location(0, 2), track_properties=((0x0E, 7),))
     sid = pair.server.open_subgroup(rid, 0, 0, publisher_priority=None)
     for object_id in range(3):
         pair.server.write_object(sid, object_id, bytes([object_id]) * 5000)
@@ -59,7 +66,7 @@ def test_subscribe_objects_and_publish_done(pair):
     pair.exchange()
     events = pair.take("client")
     accepted = one(events, ev.SubscribeAccepted)
-    assert (accepted.track_alias, accepted.parameters.largest_object) == (alias, m.Location(0, 2))
+    assert (accepted.track_alias, accepted.parameters.largest_object) == (alias, wire.Location(0, 2))
     objects = of(events, ev.ObjectReceived)
     assert [(o.object_id, o.payload[:1], o.status) for o in objects] == [
         (0, b"\x00", ObjectStatus.NORMAL),
@@ -113,22 +120,22 @@ def test_request_error_closes_the_request(pair):
 
 
 def test_standalone_fetch(pair):
-    rid = pair.client.fetch(NS, b"1", m.Location(0, 2), m.Location(0, 5), m.Parameters(group_order=m.GroupOrder.DESCENDING))
+    rid = pair.client.fetch(NS, b"1", wire.Location(0, 2), wire.Location(0, 5), m.Parameters(group_order=wire.GroupOrder.DESCENDING))
     pair.exchange()
     request = one(pair.take("server"), ev.FetchReceived)
     assert (request.start, request.end, request.parameters.group_order) == (
-        m.Location(0, 2),
-        m.Location(0, 5),
-        m.GroupOrder.DESCENDING,
+        wire.Location(0, 2),
+        wire.Location(0, 5),
+        wire.GroupOrder.DESCENDING,
     )
     sid = pair.server.open_fetch_stream(rid)
     for object_id in (2, 3, 4):
         pair.server.write_fetch_object(sid, 0, object_id, b"o%d" % object_id)
     pair.server.close_data_stream(sid)
-    pair.server.fetch_ok(rid, m.Location(0, 5))
+    pair.server.fetch_ok(rid, wire.Location(0, 5))
     pair.exchange()
     events = pair.take("client")
-    assert one(events, ev.FetchAccepted).end_location == m.Location(0, 5)
+    assert one(events, ev.FetchAccepted).end_location == wire.Location(0, 5)
     assert [(o.object_id, o.payload) for o in of(events, ev.FetchObjectReceived)] == [(2, b"o2"), (3, b"o3"), (4, b"o4")]
     assert one(events, ev.DataStreamEnded).fetch
     assert pair.client._requests == {} and pair.server._requests == {}
@@ -138,17 +145,17 @@ def test_joining_fetch_is_resolved_from_the_subscription(pair):
     sub = pair.client.subscribe(NS, b"1")
     pair.exchange()
     pair.take("server")
-    pair.server.subscribe_ok(sub, largest=m.Location(7, 3))
+    pair.server.subscribe_ok(sub, largest=wire.Location(7, 3))
     pair.exchange()
     pair.take("client")
     fetch = pair.client.joining_fetch(sub, 2)
     pair.exchange()
     request = one(pair.take("server"), ev.FetchReceived)
     assert (request.fetch_type, request.namespace, request.start, request.end, request.joining_request_id) == (
-        m.FetchType.RELATIVE_JOINING,
+        wire.FetchType.RELATIVE_JOINING,
         NS,
-        m.Location(5, 0),
-        m.Location(7, 4),
+        wire.Location(5, 0),
+        wire.Location(7, 4),
         sub,
     )
     assert request.request_id == fetch
@@ -185,14 +192,14 @@ def test_publish_namespace_and_namespace_subscription(pair):
 
 
 def test_track_status(pair):
-    rid = pair.client.track_status(NS, b"1", m.Parameters(authorization_tokens=(m.AuthToken.use_value(b"t"),)))
+    rid = pair.client.track_status(NS, b"1", m.Parameters(authorization_tokens=(wire.AuthToken.use_value(b"t"),)))
     pair.exchange()
     request = one(pair.take("server"), ev.TrackStatusReceived)
-    assert request.authorization_tokens == (m.AuthToken.use_value(b"t"),)
-    pair.server.request_ok(rid, m.Parameters(largest_object=m.Location(3, 9)), ((0x0E, 4),))
+    assert request.authorization_tokens == (wire.AuthToken.use_value(b"t"),)
+    pair.server.request_ok(rid, m.Parameters(largest_object=wire.Location(3, 9)), ((0x0E, 4),))
     pair.exchange()
     accepted = one(pair.take("client"), ev.RequestAccepted)
-    assert accepted.parameters.largest_object == m.Location(3, 9)
+    assert accepted.parameters.largest_object == wire.Location(3, 9)
     assert accepted.track_properties == ((0x0E, 4),)
 
 
@@ -256,21 +263,21 @@ def test_unsubscribe_resets_the_publishers_streams(pair):
 
 def test_authorization_token_aliases(pair):
     pair.server._max_auth_token_cache_size = 1000
-    pair.client.subscribe(NS, b"1", m.Parameters(authorization_tokens=(m.AuthToken.register(5, b"secret"),)))
-    pair.client.subscribe(NS, b"2", m.Parameters(authorization_tokens=(m.AuthToken.use_alias(5),)))
+    pair.client.subscribe(NS, b"1", m.Parameters(authorization_tokens=(wire.AuthToken.register(5, b"secret"),)))
+    pair.client.subscribe(NS, b"2", m.Parameters(authorization_tokens=(wire.AuthToken.use_alias(5),)))
     pair.exchange()
     tokens = [e.authorization_tokens for e in of(pair.take("server"), ev.SubscribeReceived)]
-    assert tokens == [(m.AuthToken.use_value(b"secret"),)] * 2
+    assert tokens == [(wire.AuthToken.use_value(b"secret"),)] * 2
 
 
 def test_token_registration_over_the_cache_size_closes_the_session(pair):
-    pair.client.subscribe(NS, b"1", m.Parameters(authorization_tokens=(m.AuthToken.register(1, b"x"),)))
+    pair.client.subscribe(NS, b"1", m.Parameters(authorization_tokens=(wire.AuthToken.register(1, b"x"),)))
     pair.exchange()
     closed_with(pair.take("server"), SessionCloseCode.AUTH_TOKEN_CACHE_OVERFLOW)
 
 
 def test_unknown_token_alias_closes_the_session(pair):
-    pair.client.subscribe(NS, b"1", m.Parameters(authorization_tokens=(m.AuthToken.use_alias(9),)))
+    pair.client.subscribe(NS, b"1", m.Parameters(authorization_tokens=(wire.AuthToken.use_alias(9),)))
     pair.exchange()
     closed_with(pair.take("server"), SessionCloseCode.UNKNOWN_AUTH_TOKEN_ALIAS)
 
@@ -443,14 +450,14 @@ def test_fetch_ok_end_location_is_checked_against_the_start_as_the_draft_says(pa
     the receiver MUST close the session with a PROTOCOL_VIOLATION", End Location encoded as in
     the FETCH (last object + 1, or object 0 for the whole group): the rule a FETCH's own range
     is checked by."""
-    rid = pair.client.fetch(NS, b"t", m.Location(*start), m.Location(*start))
+    rid = pair.client.fetch(NS, b"t", wire.Location(*start), wire.Location(*start))
     pair.exchange()
     one(pair.take("server"), ev.FetchReceived)
-    pair.server.fetch_ok(rid, m.Location(*end))
+    pair.server.fetch_ok(rid, wire.Location(*end))
     pair.exchange()
     events = pair.take("client")
     if violation:
         closed_with(events, SessionCloseCode.PROTOCOL_VIOLATION)
     else:
         assert of(events, ev.SessionTerminated) == [], events
-        assert one(events, ev.FetchAccepted).end_location == m.Location(*end)
+        assert one(events, ev.FetchAccepted).end_location == wire.Location(*end)

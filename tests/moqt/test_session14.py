@@ -8,17 +8,18 @@ import pytest
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
 
+from kvsp_moq.moqt import events as ev
+from kvsp_moq.moqt import wire
+from kvsp_moq.moqt.certs import generate_self_signed
+from kvsp_moq.moqt.d14 import data as d14data
+from kvsp_moq.moqt.d14 import messages as d14
+from kvsp_moq.moqt.d14.session import ALPN, MoqtSession14
+from kvsp_moq.moqt.d18 import messages as m
 from kvsp_moq.moqt.engine import ProtocolNegotiated
+from kvsp_moq.moqt.errors import PublishDoneCode, RequestErrorCode, SessionCloseCode
 from kvsp_moq.moqt.quic import QuicSettings
 from kvsp_moq.moqt.quic.aioquic_engine import AioquicEngine
-
-from kvsp_moq.moqt import draft14 as d14
-from kvsp_moq.moqt import events as ev
-from kvsp_moq.moqt import messages as m
-from kvsp_moq.moqt.certs import generate_self_signed
-from kvsp_moq.moqt.data import ObjectStatus
-from kvsp_moq.moqt.errors import PublishDoneCode, RequestErrorCode, SessionCloseCode
-from kvsp_moq.moqt.session14 import ALPN, MoqtSession14
+from kvsp_moq.moqt.wire import ObjectStatus
 
 CERT = generate_self_signed()
 CLIENT_ADDR = ("127.0.0.1", 1234)
@@ -188,7 +189,7 @@ def test_requests_before_setup_are_sent_once_setup_is_done():
 
 
 def test_subscribe_objects_on_subgroup_streams_and_publish_done(pair):
-    rid, alias = subscribed(pair, largest=m.Location(0, 2), track_properties=((0x0E, 7),))
+    rid, alias = subscribed(pair, largest=wire.Location(0, 2), track_properties=((0x0E, 7),))
     sid = pair.server.open_subgroup(rid, 0, 0, publisher_priority=None)
     for object_id in range(3):
         pair.server.write_object(sid, object_id, bytes([object_id]) * 5000)
@@ -219,7 +220,7 @@ def test_objects_arriving_before_subscribe_ok_are_held_for_their_alias(pair):
     rid = pair.client.subscribe(NS, b"t")
     pair.exchange()
     assert one(pair.take("server"), ev.SubscribeReceived)
-    writer = d14.SubgroupWriter(d14.SubgroupHeader(0, 3))
+    writer = d14data.SubgroupWriter(d14data.SubgroupHeader(0, 3))
     sid = pair.server_quic.get_next_available_stream_id(is_unidirectional=True)
     pair.server_quic.send_stream_data(sid, writer.header_bytes() + writer.object_header(0, 2) + b"hi", end_stream=True)
     pair.exchange()
@@ -244,13 +245,13 @@ def test_subscribe_error_is_a_request_rejected_with_the_draft18_code(pair):
 
 
 def test_subscribe_fields_travel_as_draft14_fixed_fields(pair):
-    flt = m.SubscriptionFilter.absolute_range(3, 1, 9)
+    flt = wire.SubscriptionFilter.absolute_range(3, 1, 9)
     pair.client.subscribe(NS, b"t", m.Parameters(subscriber_priority=9, forward=False, subscription_filter=flt,
-                                                 group_order=m.GroupOrder.DESCENDING))
+                                                 group_order=wire.GroupOrder.DESCENDING))
     pair.exchange()
     p = one(pair.take("server"), ev.SubscribeReceived).parameters
     assert (p.subscriber_priority, p.forward, p.subscription_filter, p.group_order) == (
-        9, False, flt, m.GroupOrder.DESCENDING)
+        9, False, flt, wire.GroupOrder.DESCENDING)
 
 
 def test_unsubscribe_cancels_the_publisher_side(pair):
@@ -290,11 +291,11 @@ def test_objects_as_datagrams(pair):
 
 
 def test_publish_and_publish_ok(pair):
-    rid = pair.server.publish(NS, b"pushed", parameters=m.Parameters(largest_object=m.Location(1, 0)))
+    rid = pair.server.publish(NS, b"pushed", parameters=m.Parameters(largest_object=wire.Location(1, 0)))
     pair.exchange()
     received = one(pair.take("client"), ev.PublishReceived)
     assert (received.request_id, received.track_name, received.parameters.largest_object) == (
-        rid, b"pushed", m.Location(1, 0))
+        rid, b"pushed", wire.Location(1, 0))
     pair.client.request_ok(rid, m.Parameters(forward=True))
     pair.exchange()
     assert one(pair.take("server"), ev.RequestAccepted).request_id == rid
@@ -321,11 +322,11 @@ def test_subscriber_unsubscribes_from_a_publish(pair):
 
 
 def test_standalone_fetch(pair):
-    rid = pair.client.fetch(NS, b"t", m.Location(1, 0), m.Location(2, 0))
+    rid = pair.client.fetch(NS, b"t", wire.Location(1, 0), wire.Location(2, 0))
     pair.exchange()
     received = one(pair.take("server"), ev.FetchReceived)
-    assert (received.start, received.end, received.joining_request_id) == (m.Location(1, 0), m.Location(2, 0), None)
-    pair.server.fetch_ok(rid, m.Location(1, 3))
+    assert (received.start, received.end, received.joining_request_id) == (wire.Location(1, 0), wire.Location(2, 0), None)
+    pair.server.fetch_ok(rid, wire.Location(1, 3))
     sid = pair.server.open_fetch_stream(rid)
     for object_id in range(3):
         pair.server.write_fetch_object(sid, 1, object_id, b"f" * (object_id + 1), publisher_priority=5)
@@ -333,7 +334,7 @@ def test_standalone_fetch(pair):
     pair.exchange()
     events = pair.take("client")
     accepted = one(events, ev.FetchAccepted)
-    assert (accepted.end_location, accepted.end_of_track) == (m.Location(1, 3), False)
+    assert (accepted.end_location, accepted.end_of_track) == (wire.Location(1, 3), False)
     objects = of(events, ev.FetchObjectReceived)
     assert [(o.group_id, o.object_id, o.payload, o.publisher_priority) for o in objects] == [
         (1, 0, b"f", 5), (1, 1, b"ff", 5), (1, 2, b"fff", 5)]
@@ -342,7 +343,7 @@ def test_standalone_fetch(pair):
 
 
 def test_fetch_with_end_before_start_is_rejected(pair):
-    rid = pair.client.fetch(NS, b"t", m.Location(5, 0), m.Location(2, 1))
+    rid = pair.client.fetch(NS, b"t", wire.Location(5, 0), wire.Location(2, 1))
     pair.exchange()
     rejected = one(pair.take("client"), ev.RequestRejected)
     assert (rejected.request_id, rejected.error_code) == (rid, RequestErrorCode.INVALID_RANGE)
@@ -350,13 +351,13 @@ def test_fetch_with_end_before_start_is_rejected(pair):
 
 
 def test_joining_fetch(pair):
-    sub, _ = subscribed(pair, largest=m.Location(5, 3))
+    sub, _ = subscribed(pair, largest=wire.Location(5, 3))
     rid = pair.client.joining_fetch(sub, 2)
     pair.exchange()
     received = one(pair.take("server"), ev.FetchReceived)
     assert (received.fetch_type, received.namespace, received.joining_request_id) == (
-        m.FetchType.RELATIVE_JOINING, NS, sub)
-    assert (received.start, received.end) == (m.Location(3, 0), m.Location(5, 4))
+        wire.FetchType.RELATIVE_JOINING, NS, sub)
+    assert (received.start, received.end) == (wire.Location(3, 0), wire.Location(5, 4))
     pair.server.fetch_ok(rid, received.end)
     pair.exchange()
     assert one(pair.take("client"), ev.FetchAccepted).request_id == rid
@@ -367,9 +368,9 @@ def test_joining_fetch_waits_for_its_subscribe_ok(pair):
     rid = pair.client.joining_fetch(sub, 1, relative=False)
     pair.exchange()
     assert one(pair.take("server"), ev.SubscribeReceived)
-    pair.server.subscribe_ok(sub, largest=m.Location(4, 0))
+    pair.server.subscribe_ok(sub, largest=wire.Location(4, 0))
     received = one(pair.server.take_events(), ev.FetchReceived)
-    assert (received.request_id, received.start, received.end) == (rid, m.Location(1, 0), m.Location(4, 1))
+    assert (received.request_id, received.start, received.end) == (rid, wire.Location(1, 0), wire.Location(4, 1))
 
 
 def test_joining_fetch_of_an_unknown_subscription_is_rejected(pair):
@@ -380,10 +381,10 @@ def test_joining_fetch_of_an_unknown_subscription_is_rejected(pair):
 
 
 def test_fetch_cancel(pair):
-    rid = pair.client.fetch(NS, b"t", m.Location(0, 0), m.Location(9, 0))
+    rid = pair.client.fetch(NS, b"t", wire.Location(0, 0), wire.Location(9, 0))
     pair.exchange()
     assert one(pair.take("server"), ev.FetchReceived)
-    pair.server.fetch_ok(rid, m.Location(9, 0))
+    pair.server.fetch_ok(rid, wire.Location(9, 0))
     sid = pair.server.open_fetch_stream(rid)
     pair.server.write_fetch_object(sid, 0, 0, b"first")
     pair.exchange()
@@ -519,10 +520,10 @@ def test_track_status(pair):
     rid = pair.client.track_status(NS, b"t")
     pair.exchange()
     assert one(pair.take("server"), ev.TrackStatusReceived).request_id == rid
-    pair.server.request_ok(rid, m.Parameters(largest_object=m.Location(7, 2)))
+    pair.server.request_ok(rid, m.Parameters(largest_object=wire.Location(7, 2)))
     pair.exchange()
     accepted = one(pair.take("client"), ev.RequestAccepted)
-    assert accepted.parameters.largest_object == m.Location(7, 2)
+    assert accepted.parameters.largest_object == wire.Location(7, 2)
 
 
 def test_goaway(pair):
@@ -620,7 +621,7 @@ def test_a_request_draft_14_cannot_encode_is_refused_without_spending_its_reques
     refused locally. Its Request ID must not be spent: the peer would see the next request
     skip one and close the session (INVALID_REQUEST_ID)."""
     with pytest.raises(ValueError):
-        pair.client.fetch(NS, b"t", m.Location(0, 0), m.Location(0, 1 << 62))
+        pair.client.fetch(NS, b"t", wire.Location(0, 0), wire.Location(0, 1 << 62))
     rid = pair.client.subscribe(NS, b"t")
     pair.exchange()
     assert one(pair.take("server"), ev.SubscribeReceived).request_id == rid

@@ -4,10 +4,11 @@ close the session with a MOQT close code; no other exception leaves `handle_even
 
 from __future__ import annotations
 
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvsp_moq.moqt import events as ev
-from kvsp_moq.moqt.draft14 import SessionCloseCode
+from kvsp_moq.moqt.d14.messages import SessionCloseCode
 
 from .test_draft14 import any_message
 from .test_session14 import Pair14

@@ -4,10 +4,11 @@ stream, from either peer: the session handles each one or closes with a MOQT clo
 
 from __future__ import annotations
 
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvsp_moq.moqt import events as ev
-from kvsp_moq.moqt.data import FetchHeader, SubgroupHeader
+from kvsp_moq.moqt.d18.data import FetchHeader, SubgroupHeader
 from kvsp_moq.moqt.errors import SessionCloseCode
 
 from .pair import SessionPair

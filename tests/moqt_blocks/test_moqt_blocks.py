@@ -15,8 +15,8 @@ from kvsp_moq.fetch.http import HttpFetcher
 from kvsp_moq.holder.service import Holder, HolderSettings
 from kvsp_moq.holder.store import BlockId, BlockStore
 from kvsp_moq.moqt.certs import generate_self_signed
-from kvsp_moq.moqt.messages import property_value
 from kvsp_moq.moqt.quic import connect
+from kvsp_moq.moqt.wire import property_value
 from kvsp_moq.moqt_blocks import (
     K_LENGTH_PROPERTY,
     TOKEN_COUNT_PROPERTY,

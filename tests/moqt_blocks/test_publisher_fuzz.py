@@ -7,8 +7,8 @@ from __future__ import annotations
 import asyncio
 import random
 
-from kvsp_moq.moqt.messages import GroupOrder, Location
 from kvsp_moq.moqt.quic import connect
+from kvsp_moq.moqt.wire import GroupOrder, Location
 from kvsp_moq.naming import BlockTrack
 from tests.random_requests import outcome, random_filter, read_some, watching_logs
 

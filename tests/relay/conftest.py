@@ -8,8 +8,14 @@ from contextlib import asynccontextmanager
 from typing import AsyncIterator, Iterable
 
 from kvsp_moq.moqt.certs import generate_self_signed
-from kvsp_moq.moqt.messages import GroupOrder, Location
-from kvsp_moq.moqt.quic import IncomingFetch, IncomingSubscribe, MoqtConnection, QuicSettings, connect
+from kvsp_moq.moqt.quic import (
+    IncomingFetch,
+    IncomingSubscribe,
+    MoqtConnection,
+    QuicSettings,
+    connect,
+)
+from kvsp_moq.moqt.wire import GroupOrder, Location
 from relay.relay import Relay, RelaySettings
 
 CERT = generate_self_signed()

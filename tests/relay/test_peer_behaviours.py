@@ -9,8 +9,8 @@ from __future__ import annotations
 import asyncio
 
 from kvsp_moq.moqt.errors import PublishDoneCode
-from kvsp_moq.moqt.messages import GroupOrder, SubscriptionFilter
 from kvsp_moq.moqt.quic import IncomingFetch, IncomingSubscribe
+from kvsp_moq.moqt.wire import GroupOrder, SubscriptionFilter
 
 from .conftest import STEP, collect, dial, publishing, running_relay
 

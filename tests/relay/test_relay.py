@@ -19,11 +19,20 @@ from kvsp_moq.moqt.errors import (
     RequestTimeout,
     Unauthorized,
 )
-from kvsp_moq.moqt.messages import Location
 from kvsp_moq.moqt.quic import QuicSettings
+from kvsp_moq.moqt.wire import Location
 from kvsp_moq.naming import publisher_id
 
-from .conftest import CERT, STEP, TrackPublisher, collect, dial, make_objects, publishing, running_relay
+from .conftest import (
+    CERT,
+    STEP,
+    TrackPublisher,
+    collect,
+    dial,
+    make_objects,
+    publishing,
+    running_relay,
+)
 
 NS = (b"kvsp", b"c" * 32, b"s" * 16, b"p" * 16)
 TRACK_NS = NS + (b"k" * 32,)

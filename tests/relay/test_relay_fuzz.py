@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import random
 
-from kvsp_moq.moqt.messages import GroupOrder, Location
+from kvsp_moq.moqt.wire import GroupOrder, Location
 from tests.random_requests import outcome, random_filter, read_some, watching_logs
 
 from .conftest import TrackPublisher, dial, make_objects, publishing, running_relay

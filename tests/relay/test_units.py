@@ -3,9 +3,8 @@
 import pytest
 
 from kvsp_moq.auth import Authenticator
-from kvsp_moq.moqt.data import ObjectStatus
 from kvsp_moq.moqt.errors import RequestErrorCode, Unauthorized
-from kvsp_moq.moqt.messages import Location
+from kvsp_moq.moqt.wire import Location, ObjectStatus
 from kvsp_moq.naming import publisher_id
 from relay.access import AccessPolicy, Action
 from relay.cache import CachedObject, ObjectCache

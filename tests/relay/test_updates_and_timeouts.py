@@ -8,10 +8,23 @@ import asyncio
 import pytest
 
 from kvsp_moq.moqt.errors import InvalidRange, PublishDoneCode, PublishDoneError
-from kvsp_moq.moqt.messages import Location, SubscriptionFilter, TrackPropertyType
-from kvsp_moq.moqt.quic import IncomingSubscribe, MoqtConnection, OutgoingSubscription, QuicSettings
+from kvsp_moq.moqt.quic import (
+    IncomingSubscribe,
+    MoqtConnection,
+    OutgoingSubscription,
+    QuicSettings,
+)
+from kvsp_moq.moqt.wire import Location, SubscriptionFilter, TrackPropertyType
 
-from .conftest import STEP, TrackPublisher, collect, dial, make_objects, publishing, running_relay
+from .conftest import (
+    STEP,
+    TrackPublisher,
+    collect,
+    dial,
+    make_objects,
+    publishing,
+    running_relay,
+)
 
 NS = (b"kvsp", b"c" * 32, b"s" * 16, b"p" * 16)
 TRACK_NS = NS + (b"k" * 32,)

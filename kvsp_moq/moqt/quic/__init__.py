@@ -25,7 +25,7 @@ A QUIC connection that is lost ends every iterator and pending call with
 `SessionClosed`, never with a silent end of data.
 
 On a draft-14 session (``moq-00``) the API is the same, but draft-14 has no wire
-form for some of it (see session14.py), so these are lost or weakened:
+form for some of it (see `d14.session`), so these are lost or weakened:
 
 * `Subscription.update()` sends SUBSCRIBE_UPDATE, which has no answer: it returns
   at once with no LARGEST_OBJECT / EXPIRES, a publisher cannot refuse it except by
@@ -47,6 +47,7 @@ form for some of it (see session14.py), so these are lost or weakened:
   and the ``subscribe_tracks`` handler (the latter's answer sends nothing).
 """
 
+from ..objects import MoqtObject, SubgroupEnd
 from .connection import Handler, MoqtConnection
 from .endpoints import MoqtServer, connect, serve
 from .incoming import (
@@ -61,8 +62,13 @@ from .incoming import (
     IncomingTrackStatus,
     IncomingUpdate,
 )
-from ..objects import MoqtObject, SubgroupEnd
-from .publisher import FetchSender, NamespacePublisher, NamespaceRegistration, OutgoingSubscription, SubgroupSender
+from .publisher import (
+    FetchSender,
+    NamespacePublisher,
+    NamespaceRegistration,
+    OutgoingSubscription,
+    SubgroupSender,
+)
 from .settings import (
     DATAGRAM_SIZE_ENV,
     DEFAULT_ENGINE,

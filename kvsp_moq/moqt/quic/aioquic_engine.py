@@ -27,12 +27,12 @@ from aioquic.buffer import Buffer as QuicBuffer
 from aioquic.buffer import size_uint_var
 from aioquic.quic import events as aq
 from aioquic.quic.configuration import QuicConfiguration
+from aioquic.quic.congestion.base import create_congestion_control
 from aioquic.quic.connection import (
     CONNECTION_LIMIT_FRAME_CAPACITY,
     MAX_STREAM_DATA_FRAME_CAPACITY,
     QuicConnection,
 )
-from aioquic.quic.congestion.base import create_congestion_control
 from aioquic.quic.packet import QuicFrameType, pull_quic_transport_parameters
 from aioquic.quic.packet_builder import QuicDeliveryState
 from aioquic.quic.recovery import QuicPacketPacer

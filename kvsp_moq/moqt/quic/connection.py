@@ -16,21 +16,35 @@ import logging
 from typing import Any, Awaitable, Callable, Iterable
 
 from .. import events as ev
-from ..engine import ConnectionTerminated, EngineConnection, ProtocolNegotiated, QuicEvent
+from ..d14.session import MoqtSession14
+from ..d18.messages import Parameters, Setup
+from ..d18.session import MoqtSession
+from ..drafts import alpn_of, check_drafts, draft_of_alpn, session_class
+from ..engine import (
+    ConnectionTerminated,
+    EngineConnection,
+    ProtocolNegotiated,
+    QuicEvent,
+)
 from ..errors import (
     InternalRequestError,
     NotSupported,
     PublishDoneError,
     RequestError,
     RequestErrorCode,
-    SessionClosed,
     SessionCloseCode,
+    SessionClosed,
     StreamClosed,
     request_error_for,
 )
-from ..messages import GroupOrder, Location, Parameters, Properties, Setup, SubscriptionFilter, TrackNamespace, namespace_of
-from ..session import MoqtSession
-from ..session14 import MoqtSession14
+from ..wire import (
+    GroupOrder,
+    Location,
+    Properties,
+    SubscriptionFilter,
+    TrackNamespace,
+    namespace_of,
+)
 from .core import ConnectionCore, token_parameters
 from .incoming import (
     HANDLER_KINDS,
@@ -46,17 +60,17 @@ from .incoming import (
     IncomingUpdate,
 )
 from .publisher import OutgoingSubscription
-from .settings import QuicSettings, alpn_of, check_drafts
+from .settings import QuicSettings
 from .subscriber import (
     FetchResult,
     NamespaceSubscription,
     NamespaceUpdate,
     PublishBlocked,
     PublishedNamespace,
+    S,
     Subscription,
     TrackStatusInfo,
     TrackSubscriptions,
-    S,
 )
 
 __all__ = ["Handler", "MoqtConnection"]
@@ -181,17 +195,16 @@ class MoqtConnection(ConnectionCore):
     def _new_session(self, alpn: str | None) -> MoqtSession | MoqtSession14 | None:
         """The session of the negotiated ALPN, or None after closing the connection
         when it is none of the drafts offered."""
-        by_alpn = {alpn_of(draft): draft for draft in self.drafts}
-        draft = by_alpn.get(alpn or "")
+        draft = draft_of_alpn(alpn, self.drafts)
         if draft is None:
+            expected = ", ".join(repr(alpn_of(d)) for d in self.drafts)
             self._quic.close(
                 error_code=SessionCloseCode.VERSION_NEGOTIATION_FAILED,
-                reason_phrase=f"ALPN {alpn!r}, expected one of {', '.join(repr(a) for a in by_alpn)}",
+                reason_phrase=f"ALPN {alpn!r}, expected one of {expected}",
             )
             return None
         self.draft = draft
-        session_class = MoqtSession14 if draft == 14 else MoqtSession
-        return session_class(
+        return session_class(draft)(
             self._quic,
             is_client=self.is_client,
             draft=draft,

@@ -24,18 +24,29 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING, Any, Iterable
 
+from ..d14.session import MoqtSession14
+from ..d18.messages import Setup
+from ..d18.session import MoqtSession
 from ..engine import EngineConnection
 from ..errors import MoqtError, SessionClosed, StreamClosed, StreamResetCode
-from ..messages import AuthToken, Setup
-from ..session import MoqtSession
-from ..session14 import MoqtSession14
+from ..wire import AuthToken
 from .protocol import QuicProtocol
 from .settings import QuicSettings
 
 if TYPE_CHECKING:  # annotations only: the handle modules import this one
-    from .publisher import FetchSender, NamespacePublisher, NamespaceRegistration, OutgoingSubscription
-    from .subscriber import FetchResult, NamespaceSubscription, PublishedNamespace, Subscription
     from .. import events as ev
+    from .publisher import (
+        FetchSender,
+        NamespacePublisher,
+        NamespaceRegistration,
+        OutgoingSubscription,
+    )
+    from .subscriber import (
+        FetchResult,
+        NamespaceSubscription,
+        PublishedNamespace,
+        Subscription,
+    )
 
 __all__ = ["ConnectionCore", "token_parameters"]
 

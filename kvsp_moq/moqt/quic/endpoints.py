@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable
 from urllib.parse import urlsplit
 
 from ..certs import SelfSignedCertificate
-from ..messages import Setup
+from ..d18.messages import Setup
 from .connection import Handler, MoqtConnection
 from .core import token_parameters
 from .settings import QuicSettings, check_drafts, check_engine, engine_module

@@ -11,6 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 from .. import events as ev
+from ..d14.session import MoqtSession14
+from ..d18.messages import Parameters
+from ..d18.session import MoqtSession
 from ..errors import (
     DoesNotExist,
     NotSupported,
@@ -20,11 +23,21 @@ from ..errors import (
     StreamResetCode,
     Uninterested,
 )
-from ..messages import AuthToken, FetchType, GroupOrder, Location, Parameters, Properties, SubscriptionFilter
-from ..session import MoqtSession
-from ..session14 import MoqtSession14
+from ..wire import (
+    AuthToken,
+    FetchType,
+    GroupOrder,
+    Location,
+    Properties,
+    SubscriptionFilter,
+)
 from .core import ConnectionCore
-from .publisher import FetchSender, NamespacePublisher, NamespaceRegistration, OutgoingSubscription
+from .publisher import (
+    FetchSender,
+    NamespacePublisher,
+    NamespaceRegistration,
+    OutgoingSubscription,
+)
 from .subscriber import Subscription
 
 __all__ = [

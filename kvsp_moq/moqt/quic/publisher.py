@@ -12,11 +12,12 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..data import DEFAULT_PUBLISHER_PRIORITY, ObjectStatus
+from ..d18.messages import Parameters
 from ..errors import InvalidRange, PublishDoneCode, StreamClosed, StreamResetCode
-from ..messages import (
+from ..wire import (
+    DEFAULT_PUBLISHER_PRIORITY,
     Location,
-    Parameters,
+    ObjectStatus,
     Properties,
     TrackNamespace,
     TrackPropertyType,

@@ -11,16 +11,12 @@ from typing import Any, Coroutine, Iterable, TypeVar
 
 from ...errors import SettingError
 from ...serving import is_loopback  # noqa: F401  (re-exported: where MOQT settings look it up)
-from .. import draft14
-from ..session import alpn_for_draft
+from ..drafts import SUPPORTED_DRAFTS, alpn_of, check_drafts  # noqa: F401  (re-exported)
 
 T = TypeVar("T")
 
 KiB = 1024
 MiB = 1024 * 1024
-
-#: MOQT drafts this package can speak, most preferred first.
-SUPPORTED_DRAFTS: tuple[int, ...] = (18, 14)
 
 #: QUIC engines, by the name `--quic-engine` and KVSP_QUIC_ENGINE take: the module of each
 #: one's adapter and the package it needs.
@@ -43,25 +39,6 @@ PATH_DATAGRAM_SIZE = 1452
 #: The largest UDP payload a 65,536-byte loopback MTU carries comfortably (65,507 bytes
 #: over IPv4, 65,488 over IPv6): fewer, larger packets cost the engines far less CPU.
 LOOPBACK_DATAGRAM_SIZE = 60000
-
-
-def alpn_of(draft: int) -> str:
-    """The ALPN of a supported draft: "moqt-18", or "moq-00" for draft-14."""
-    if draft not in SUPPORTED_DRAFTS:
-        raise ValueError(f"unsupported MOQT draft {draft!r}; supported: {SUPPORTED_DRAFTS}")
-    return draft14.ALPN if draft == 14 else alpn_for_draft(draft)
-
-
-def check_drafts(drafts: Iterable[int]) -> tuple[int, ...]:
-    """The drafts as a tuple, each supported and listed once, at least one."""
-    result = tuple(drafts)
-    if not result:
-        raise ValueError("no MOQT draft to offer")
-    if len(set(result)) != len(result):
-        raise ValueError(f"a draft is listed twice in {result}")
-    for draft in result:
-        alpn_of(draft)
-    return result
 
 
 def check_engine(name: str) -> str:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator, TypeVar
 
 from .. import events as ev
-from ..data import ObjectStatus
+from ..d18.messages import Parameters
 from ..errors import (
     DataStreamReset,
     PublishDoneCode,
@@ -26,9 +26,15 @@ from ..errors import (
     StreamResetCode,
     Uninterested,
 )
-from ..messages import Location, Parameters, Properties, SubscriptionFilter, TrackNamespace
 from ..objects import MoqtObject, SubgroupEnd
-from ..session import UNKNOWN_STREAM_COUNT
+from ..session_base import UNKNOWN_STREAM_COUNT
+from ..wire import (
+    Location,
+    ObjectStatus,
+    Properties,
+    SubscriptionFilter,
+    TrackNamespace,
+)
 from .core import ConnectionCore, token_parameters
 
 if TYPE_CHECKING:

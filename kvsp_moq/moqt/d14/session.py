@@ -3,10 +3,10 @@
 `MoqtSession14` has the constructor shape, the `handle_event()` contract and the
 public methods of the draft-18 `MoqtSession`, and returns the same `events.py`
 events, so the layer above needs no second code path for the fallback version.
-Both derive from `session.SessionBase`, which keeps what the drafts share (token
+Both derive from `session_base.SessionBase`, which keeps what the drafts share (token
 cache, track aliases, joining FETCHes, data streams and datagrams, writing
 objects); data stream items and answers are converted to and from their
-draft-18 forms at the edges. The wire is draft-14's (codec in `draft14.py`):
+draft-18 forms at the edges. The wire is draft-14's (codec in `messages` and `data`):
 
 * the client opens one bidirectional control stream and sends CLIENT_SETUP with
   the versions it offers; the server answers SERVER_SETUP with the one it chose,
@@ -21,7 +21,7 @@ draft-18 forms at the edges. The wire is draft-14's (codec in `draft14.py`):
   returned at once) and sent when MAX_REQUEST_ID arrives; REQUESTS_BLOCKED is sent
   once per grant;
 * answers are *_OK / *_ERROR messages: each *_ERROR becomes a RequestRejected with
-  its code renumbered to the draft-18 REQUEST_ERROR code (see draft14.py), and a
+  its code renumbered to the draft-18 REQUEST_ERROR code (see `messages`), and a
   draft-18 code this side rejects with is renumbered back (a code without a
   draft-14 counterpart is sent as INTERNAL_ERROR);
 * cancellation is by message, not by stream reset: `cancel_request()` sends
@@ -86,14 +86,20 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable
 
-from .engine import QuicEngine, QuicEvent, StopSendingReceived, StreamDataReceived, StreamReset, stream_is_unidirectional
-
-from . import data as data18
-from . import draft14 as d14
-from . import events as ev
-from . import messages as m18
-from .data import DEFAULT_MAX_OBJECT_SIZE, DEFAULT_PUBLISHER_PRIORITY, ObjectStatus
-from .errors import (
+from .. import events as ev
+from .. import wire
+from ..d18 import data as data18
+from ..d18 import messages as m18
+from ..d18.messages import Parameters, Redirect, Setup
+from ..engine import (
+    QuicEngine,
+    QuicEvent,
+    StopSendingReceived,
+    StreamDataReceived,
+    StreamReset,
+    stream_is_unidirectional,
+)
+from ..errors import (
     DuplicateTrackAlias,
     InvalidRequestId,
     NotSupported,
@@ -105,21 +111,29 @@ from .errors import (
     StreamClosed,
     StreamResetCode,
 )
-from .messages import (
+from ..session_base import (
+    UNKNOWN_STREAM_COUNT,
+    IncomingDataStream,
+    RequestState,
+    SessionBase,
+    fetch_end_before_start,
+)
+from ..wire import (
+    DEFAULT_MAX_OBJECT_SIZE,
+    DEFAULT_PUBLISHER_PRIORITY,
     FetchType,
     FilterType,
     GroupOrder,
     Location,
-    Parameters,
+    ObjectStatus,
     Properties,
-    Redirect,
-    Setup,
     SubscriptionFilter,
     TrackNamespace,
     TrackPropertyType,
     property_value,
 )
-from .session import UNKNOWN_STREAM_COUNT, IncomingDataStream, RequestState, SessionBase, _fetch_end_before_start
+from . import data as d14data
+from . import messages as d14
 
 __all__ = ["MoqtSession14", "ALPN", "DEFAULT_MAX_REQUESTS", "UNKNOWN_STREAM_COUNT"]
 
@@ -174,7 +188,7 @@ class _DataStreamParser14:
     __slots__ = ("_parser",)
 
     def __init__(self, max_object_size: int) -> None:
-        self._parser = d14.DataStreamParser(max_object_size=max_object_size)
+        self._parser = d14data.DataStreamParser(max_object_size=max_object_size)
 
     def feed(self, data: bytes | bytearray | memoryview, end_stream: bool = False) -> list[object]:
         items: list[object] = []
@@ -190,8 +204,8 @@ class _SubgroupWriter14:
 
     __slots__ = ("_writer",)
 
-    def __init__(self, header: d14.SubgroupHeader) -> None:
-        self._writer = d14.SubgroupWriter(header)
+    def __init__(self, header: d14data.SubgroupHeader) -> None:
+        self._writer = d14data.SubgroupWriter(header)
 
     def header_bytes(self) -> bytes:
         return self._writer.header_bytes()
@@ -214,7 +228,7 @@ class _FetchWriter14:
         self.request_id = request_id
 
     def header_bytes(self) -> bytes:
-        return d14.FetchHeader(self.request_id).encode()
+        return d14data.FetchHeader(self.request_id).encode()
 
     def object_header(
         self,
@@ -227,7 +241,7 @@ class _FetchWriter14:
         properties: Properties = (),
     ) -> bytes:
         """`subgroup_id` None (a Datagram object) is sent as the Object ID, draft-14's convention."""
-        return d14.encode_fetch_object(
+        return d14data.encode_fetch_object(
             group_id, object_id if subgroup_id is None else subgroup_id, object_id, payload_length,
             publisher_priority=publisher_priority, extensions=_extensions(properties),
         )
@@ -525,7 +539,7 @@ class MoqtSession14(SessionBase):
             largest_object=message.largest_location,
             forward=message.forward,
         )
-        properties: list[m18.Property] = []
+        properties: list[wire.Property] = []
         if p.max_cache_duration is not None:
             properties.append((TrackPropertyType.MAX_CACHE_DURATION, p.max_cache_duration))
         properties.append((TrackPropertyType.DEFAULT_PUBLISHER_GROUP_ORDER, int(message.group_order)))
@@ -695,7 +709,7 @@ class MoqtSession14(SessionBase):
             return
         fetch = request.fetch
         assert fetch is not None
-        if fetch.fetch_type == FetchType.STANDALONE and _fetch_end_before_start(message.end_location, fetch.start):  # type: ignore[arg-type]
+        if fetch.fetch_type == FetchType.STANDALONE and fetch_end_before_start(message.end_location, fetch.start):  # type: ignore[arg-type]
             raise ProtocolViolation("FETCH_OK End Location before the FETCH start")
         ok = message.to_draft18()
         request.accepted = True
@@ -889,11 +903,11 @@ class MoqtSession14(SessionBase):
                     self._stop_incoming(sid, stream, error_code)
 
     def _decode_datagram(self, data: bytes) -> data18.ObjectDatagram | None:
-        return d14.decode_datagram(data).to_draft18()
+        return d14data.decode_datagram(data).to_draft18()
 
     def _encode_datagram(self, request: RequestState, datagram: data18.ObjectDatagram) -> bytes:
         """Draft-14 datagrams always carry a priority: an inherited one is the track's default."""
-        return d14.ObjectDatagram.from_draft18(datagram, request.default_priority).encode()
+        return d14data.ObjectDatagram.from_draft18(datagram, request.default_priority).encode()
 
     # ------------------------------------------------------------------
     # Sending: requests
@@ -1246,7 +1260,7 @@ class MoqtSession14(SessionBase):
     def _subgroup_writer(self, request: RequestState, header: data18.SubgroupHeader) -> _SubgroupWriter14:
         """Draft-14 headers always carry a priority (None: the track's default) and have
         no FIRST_OBJECT bit."""
-        return _SubgroupWriter14(d14.SubgroupHeader.from_draft18(header, request.default_priority))
+        return _SubgroupWriter14(d14data.SubgroupHeader.from_draft18(header, request.default_priority))
 
     def write_fetch_end_of_range(
         self, stream_id: int, group_id: int, object_id: int, *, unknown: bool = False, end_stream: bool = False
@@ -1332,4 +1346,4 @@ MoqtSession14._HANDLERS = {
 
 def _extensions(properties: Properties) -> tuple[d14.KeyValuePair, ...]:
     """Draft-18 Properties as draft-14 extension headers."""
-    return d14._properties_from_18(properties) if properties else ()
+    return d14data._properties_from_18(properties) if properties else ()

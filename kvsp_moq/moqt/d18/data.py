@@ -21,16 +21,20 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Callable, Union
 
-from .errors import BufferReadError, ObjectTooLarge, ProtocolViolation
-from .messages import (
+from ..errors import BufferReadError, ObjectTooLarge, ProtocolViolation
+from ..varint import U64_MAX, VI64, Buffer, encode_vi64
+from ..wire import (
+    DEFAULT_MAX_OBJECT_SIZE,
+    DEFAULT_MAX_PROPERTIES_SIZE,
+    DEFAULT_PUBLISHER_PRIORITY,
     GroupOrder,
     Location,
+    ObjectStatus,
     Properties,
     Writer,
     decode_properties,
     encode_properties,
 )
-from .varint import U64_MAX, VI64, Buffer, encode_vi64
 
 __all__ = [
     "STREAM_TYPE_FETCH_HEADER",
@@ -64,9 +68,6 @@ STREAM_TYPE_SETUP = 0x2F00
 STREAM_TYPE_PADDING = 0x132B3E28
 DATAGRAM_TYPE_PADDING = 0x132B3E29
 
-DEFAULT_PUBLISHER_PRIORITY = 128
-DEFAULT_MAX_OBJECT_SIZE = 64 * 1024 * 1024
-DEFAULT_MAX_PROPERTIES_SIZE = 1024 * 1024
 
 FETCH_END_OF_NON_EXISTENT_RANGE = 0x8C
 FETCH_END_OF_UNKNOWN_RANGE = 0x10C
@@ -79,12 +80,6 @@ _FLAG_PROPERTIES = 0x20
 _FLAG_DATAGRAM = 0x40
 
 
-class ObjectStatus(IntEnum):
-    """Object Status (section 11.2.1.1)."""
-
-    NORMAL = 0x0
-    END_OF_GROUP = 0x3
-    END_OF_TRACK = 0x4
 
 
 _STATUSES = frozenset(int(s) for s in ObjectStatus)

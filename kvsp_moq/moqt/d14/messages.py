@@ -1,8 +1,8 @@
-"""MOQT draft-14 wire format: control messages, data streams and datagrams, sans I/O.
+"""MOQT draft-14 control messages, sans I/O (data streams and datagrams: `data`).
 
 Draft-14 is the fallback for peers that do not speak draft-18. It differs from
 draft-18 in ways that reach every byte, so it has a codec of its own rather than a
-flag in `messages.py` / `data.py` (it reuses their helpers and types where the two
+flag in the draft-18 codec (it reuses `wire`'s helpers and types where the two
 wire formats agree: framing, reason phrases, locations, GOAWAY URIs, setup values):
 
 * every variable-length integer is an RFC 9000 varint (at most 2^62-1), not a vi64;
@@ -76,26 +76,33 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any, Callable, ClassVar, Iterable, Union
 
-from . import data as data18
-from . import messages as m18
-from .errors import (
+from .. import wire
+from ..d18 import data as data18
+from ..d18 import messages as m18
+from ..errors import (
     BufferReadError,
-    ObjectTooLarge,
     ProtocolViolation,
     RequestErrorCode,
 )
-from .errors import PublishDoneCode as PublishDoneCode18
-from .messages import (
+from ..errors import PublishDoneCode as PublishDoneCode18
+from ..varint import QUIC_VARINT, QUIC_VARINT_MAX, Buffer
+from ..wire import (
+    MAX_FULL_TRACK_NAME,
+    MAX_GOAWAY_URI,
+    MAX_KVP_VALUE,
+    MAX_MESSAGE_LENGTH,
+    MAX_NAMESPACE_FIELDS,
+    MAX_REASON_PHRASE,
     AuthToken,
     FetchType,
     FilterType,
     GroupOrder,
     Location,
     SubscriptionFilter,
-    _pull_location,
-    _pull_reason,
+    TrackNamespace,
+    pull_location,
+    pull_reason,
 )
-from .varint import QUIC_VARINT, QUIC_VARINT_MAX, VI64, Buffer, encode_quic_varint
 
 __all__ = [
     "DRAFT",
@@ -177,19 +184,12 @@ DRAFT = 14
 VERSION = 0xFF00000E
 ALPN = "moq-00"
 
-MAX_MESSAGE_LENGTH = 0xFFFF
-MAX_NAMESPACE_FIELDS = 32
-MAX_FULL_TRACK_NAME = 4096
-MAX_REASON_PHRASE = 1024
-MAX_GOAWAY_URI = 8192
-MAX_KVP_VALUE = 0xFFFF
 _U32_MAX = 0xFFFF_FFFF
 
 STREAM_TYPE_FETCH_HEADER = 0x05
-DEFAULT_MAX_OBJECT_SIZE = data18.DEFAULT_MAX_OBJECT_SIZE
-DEFAULT_MAX_EXTENSIONS_SIZE = data18.DEFAULT_MAX_PROPERTIES_SIZE
+DEFAULT_MAX_OBJECT_SIZE = wire.DEFAULT_MAX_OBJECT_SIZE
+DEFAULT_MAX_EXTENSIONS_SIZE = wire.DEFAULT_MAX_PROPERTIES_SIZE
 
-TrackNamespace = tuple[bytes, ...]
 KeyValuePair = tuple[int, Union[int, bytes]]
 
 
@@ -399,8 +399,8 @@ SubgroupIdMode = data18.SubgroupIdMode
 # ---------------------------------------------------------------------------
 
 
-def _writer() -> m18.Writer:
-    return m18.Writer(QUIC_VARINT)
+def _writer() -> wire.Writer:
+    return wire.Writer(QUIC_VARINT)
 
 
 def _check_varint(value: int, what: str) -> None:
@@ -420,13 +420,13 @@ def _check_namespace(namespace: TrackNamespace, track_name: bytes = b"") -> None
         raise ValueError(f"full track name over {MAX_FULL_TRACK_NAME} bytes")
 
 
-def _put_namespace(w: m18.Writer, namespace: TrackNamespace) -> None:
+def _put_namespace(w: wire.Writer, namespace: TrackNamespace) -> None:
     w.varint(len(namespace))
     for part in namespace:
         w.length_prefixed(part)
 
 
-def _put_full_track_name(w: m18.Writer, namespace: TrackNamespace, name: bytes) -> None:
+def _put_full_track_name(w: wire.Writer, namespace: TrackNamespace, name: bytes) -> None:
     _check_namespace(namespace, name)
     _put_namespace(w, namespace)
     w.length_prefixed(name)
@@ -448,7 +448,7 @@ def _pull_namespace(buf: Buffer, budget: int = MAX_FULL_TRACK_NAME) -> TrackName
 
 
 def _pull_full_track_name(buf: Buffer) -> tuple[TrackNamespace, bytes]:
-    return m18._pull_full_track_name(buf, _pull_namespace)
+    return wire.pull_full_track_name(buf, _pull_namespace)
 
 
 def _pull_flag(buf: Buffer, what: str) -> bool:
@@ -468,13 +468,13 @@ def _pull_group_order(buf: Buffer, *, allow_default: bool) -> GroupOrder | None:
     return GroupOrder(raw)
 
 
-def _put_group_order(w: m18.Writer, order: GroupOrder | None, *, allow_default: bool) -> None:
+def _put_group_order(w: wire.Writer, order: GroupOrder | None, *, allow_default: bool) -> None:
     if order is None and not allow_default:
         raise ValueError("this message needs an explicit group order")
     w.uint8(0 if order is None else int(order))
 
 
-def _put_filter(w: m18.Writer, flt: SubscriptionFilter) -> None:
+def _put_filter(w: wire.Writer, flt: SubscriptionFilter) -> None:
     w.varint(flt.filter_type)
     if flt.start is not None:
         w.location(flt.start)
@@ -489,13 +489,13 @@ def _pull_filter(buf: Buffer) -> SubscriptionFilter:
     filter_type = FilterType(raw)
     start = end_group = None
     if filter_type in (FilterType.ABSOLUTE_START, FilterType.ABSOLUTE_RANGE):
-        start = _pull_location(buf)
+        start = pull_location(buf)
     if filter_type == FilterType.ABSOLUTE_RANGE:
         end_group = buf.pull_varint()
     return SubscriptionFilter(filter_type, start, end_group)
 
 
-def _put_largest(w: m18.Writer, largest: Location | None) -> None:
+def _put_largest(w: wire.Writer, largest: Location | None) -> None:
     """Content Exists (8) and, when 1, the Largest Location."""
     w.uint8(0 if largest is None else 1)
     if largest is not None:
@@ -503,7 +503,7 @@ def _put_largest(w: m18.Writer, largest: Location | None) -> None:
 
 
 def _pull_largest(buf: Buffer) -> Location | None:
-    return _pull_location(buf) if _pull_flag(buf, "Content Exists") else None
+    return pull_location(buf) if _pull_flag(buf, "Content Exists") else None
 
 
 # ---------------------------------------------------------------------------
@@ -511,7 +511,7 @@ def _pull_largest(buf: Buffer) -> Location | None:
 # ---------------------------------------------------------------------------
 
 
-def _put_kvp(w: m18.Writer, ktype: int, value: int | bytes) -> None:
+def _put_kvp(w: wire.Writer, ktype: int, value: int | bytes) -> None:
     _check_varint(ktype, "Key-Value-Pair type")
     w.varint(ktype)
     if ktype & 1:
@@ -616,7 +616,7 @@ class SetupParameters:
             pairs.append((ktype, value))
         return pairs
 
-    def encode(self, w: m18.Writer) -> None:
+    def encode(self, w: wire.Writer) -> None:
         pairs = self._pairs()
         w.varint(len(pairs))
         for ktype, value in pairs:
@@ -673,7 +673,7 @@ class Parameters:
     max_cache_duration: int | None = None
     unknown: tuple[KeyValuePair, ...] = ()
 
-    def encode(self, w: m18.Writer, scope: frozenset[int], message: str) -> None:
+    def encode(self, w: wire.Writer, scope: frozenset[int], message: str) -> None:
         pairs: list[KeyValuePair] = []
         if self.delivery_timeout is not None:
             pairs.append((_P.DELIVERY_TIMEOUT, self.delivery_timeout))
@@ -723,20 +723,20 @@ _NO_SETUP_PARAMETERS = SetupParameters()
 
 # A field codec: (put, pull) of one field, or of adjacent fields read together.
 # Both get the message class, whose SCOPE and NAME a Parameters field needs.
-_Codec = tuple[Callable[[m18.Writer, Any, type], None], Callable[[Buffer, type], Any]]
+_Codec = tuple[Callable[[wire.Writer, Any, type], None], Callable[[Buffer, type], Any]]
 
 
-def _put_priority(w: m18.Writer, value: int, cls: type) -> None:
+def _put_priority(w: wire.Writer, value: int, cls: type) -> None:
     _check_uint8(value, "subscriber priority")
     w.uint8(value)
 
 
-def _put_checked_namespace(w: m18.Writer, namespace: TrackNamespace, cls: type) -> None:
+def _put_checked_namespace(w: wire.Writer, namespace: TrackNamespace, cls: type) -> None:
     _check_namespace(namespace)
     _put_namespace(w, namespace)
 
 
-def _put_version(w: m18.Writer, version: int, cls: type) -> None:
+def _put_version(w: wire.Writer, version: int, cls: type) -> None:
     if not 0 <= version <= _U32_MAX:
         raise ValueError(f"version {version:#x} is not 32-bit")
     w.varint(version)
@@ -758,8 +758,8 @@ _VARINT: _Codec = (lambda w, v, c: w.varint(v), lambda b, c: b.pull_varint())
 _PRIORITY: _Codec = (_put_priority, lambda b, c: b.pull_uint8())
 _NAMESPACE: _Codec = (_put_checked_namespace, lambda b, c: _pull_namespace(b))
 _FULL_TRACK_NAME: _Codec = (lambda w, v, c: _put_full_track_name(w, *v), lambda b, c: _pull_full_track_name(b))
-_REASON: _Codec = (lambda w, v, c: w.reason(v), lambda b, c: _pull_reason(b))
-_LOCATION: _Codec = (lambda w, v, c: w.location(v), lambda b, c: _pull_location(b))
+_REASON: _Codec = (lambda w, v, c: w.reason(v), lambda b, c: pull_reason(b))
+_LOCATION: _Codec = (lambda w, v, c: w.location(v), lambda b, c: pull_location(b))
 _LARGEST: _Codec = (lambda w, v, c: _put_largest(w, v), lambda b, c: _pull_largest(b))
 _FILTER: _Codec = (lambda w, v, c: _put_filter(w, v), lambda b, c: _pull_filter(b))
 _FORWARD = _flag("Forward")
@@ -799,9 +799,9 @@ class Message:
         """The framed message: Type (varint), Length (16), payload."""
         w = _writer()
         self._encode(w)
-        return m18.frame_message(QUIC_VARINT, self.TYPE, self.NAME, w.data)
+        return wire.frame_message(QUIC_VARINT, self.TYPE, self.NAME, w.data)
 
-    def _encode(self, w: m18.Writer) -> None:
+    def _encode(self, w: wire.Writer) -> None:
         for names, (put, _) in self.FIELDS:
             if isinstance(names, str):
                 put(w, getattr(self, names), type(self))
@@ -828,7 +828,7 @@ class ClientSetup(Message):
     versions: tuple[int, ...] = (VERSION,)
     parameters: SetupParameters = _NO_SETUP_PARAMETERS
 
-    def _encode(self, w: m18.Writer) -> None:
+    def _encode(self, w: wire.Writer) -> None:
         if not self.versions:
             raise ValueError("CLIENT_SETUP offers no version")
         w.varint(len(self.versions))
@@ -1021,10 +1021,10 @@ class SubscribeOk(Message):
     def to_draft18(self) -> m18.SubscribeOk:
         """The draft-18 SUBSCRIBE_OK; group order and cache duration become Track Properties."""
         p = self.parameters
-        properties: list[m18.Property] = []
+        properties: list[wire.Property] = []
         if p.max_cache_duration is not None:
-            properties.append((m18.TrackPropertyType.MAX_CACHE_DURATION, p.max_cache_duration))
-        properties.append((m18.TrackPropertyType.DEFAULT_PUBLISHER_GROUP_ORDER, int(self.group_order)))
+            properties.append((wire.TrackPropertyType.MAX_CACHE_DURATION, p.max_cache_duration))
+        properties.append((wire.TrackPropertyType.DEFAULT_PUBLISHER_GROUP_ORDER, int(self.group_order)))
         parameters = m18.Parameters(
             expires=self.expires or None,
             largest_object=self.largest_location,
@@ -1045,10 +1045,10 @@ class SubscribeOk(Message):
         )
 
 
-def _ok_properties(properties: m18.Properties) -> tuple[GroupOrder, int | None]:
+def _ok_properties(properties: wire.Properties) -> tuple[GroupOrder, int | None]:
     """Group order (default Ascending) and cache duration from draft-18 Track Properties."""
-    order = m18.property_value(properties, m18.TrackPropertyType.DEFAULT_PUBLISHER_GROUP_ORDER, 1)
-    return GroupOrder(order), m18.property_value(properties, m18.TrackPropertyType.MAX_CACHE_DURATION)
+    order = wire.property_value(properties, wire.TrackPropertyType.DEFAULT_PUBLISHER_GROUP_ORDER, 1)
+    return GroupOrder(order), wire.property_value(properties, wire.TrackPropertyType.MAX_CACHE_DURATION)
 
 
 @dataclass(frozen=True, slots=True)
@@ -1074,7 +1074,7 @@ class SubscribeUpdate(Message):
     forward: bool = True
     parameters: Parameters = _NO_PARAMETERS
 
-    def _encode(self, w: m18.Writer) -> None:
+    def _encode(self, w: wire.Writer) -> None:
         _check_uint8(self.subscriber_priority, "subscriber priority")
         if self.end_group is not None and self.end_group < self.start.group:
             raise ValueError("end group before the start group")
@@ -1090,7 +1090,7 @@ class SubscribeUpdate(Message):
     def _decode(cls, buf: Buffer) -> "SubscribeUpdate":
         request_id = buf.pull_varint()
         subscription = buf.pull_varint()
-        start = _pull_location(buf)
+        start = pull_location(buf)
         raw_end = buf.pull_varint()
         end_group = None if raw_end == 0 else raw_end - 1
         if end_group is not None and end_group < start.group:
@@ -1219,7 +1219,7 @@ class Fetch(Message):
 
     __post_init__ = m18.Fetch.__post_init__  # the same standalone / joining fields as draft-18
 
-    def _encode(self, w: m18.Writer) -> None:
+    def _encode(self, w: wire.Writer) -> None:
         _check_uint8(self.subscriber_priority, "subscriber priority")
         w.varint(self.request_id)
         w.uint8(self.subscriber_priority)
@@ -1245,8 +1245,8 @@ class Fetch(Message):
         fetch_type = FetchType(raw_type)
         if fetch_type == FetchType.STANDALONE:
             namespace, name = _pull_full_track_name(buf)
-            start = _pull_location(buf)
-            end = _pull_location(buf)
+            start = pull_location(buf)
+            end = pull_location(buf)
             parameters = Parameters.decode(buf, cls.SCOPE, cls.NAME)
             return cls(
                 request_id, fetch_type, namespace, name, start, end,
@@ -1306,16 +1306,16 @@ class FetchOk(Message):
 
     def to_draft18(self) -> m18.FetchOk:
         """The draft-18 FETCH_OK; the group order is known to the FETCH's sender."""
-        properties: tuple[m18.Property, ...] = ()
+        properties: tuple[wire.Property, ...] = ()
         if self.parameters.max_cache_duration is not None:
-            properties = ((m18.TrackPropertyType.MAX_CACHE_DURATION, self.parameters.max_cache_duration),)
+            properties = ((wire.TrackPropertyType.MAX_CACHE_DURATION, self.parameters.max_cache_duration),)
         return m18.FetchOk(self.end_of_track, self.end_location, track_properties=properties)
 
     @classmethod
     def from_draft18(
         cls, message: m18.FetchOk, request_id: int, group_order: GroupOrder = GroupOrder.ASCENDING
     ) -> "FetchOk":
-        cache = m18.property_value(message.track_properties, m18.TrackPropertyType.MAX_CACHE_DURATION)
+        cache = wire.property_value(message.track_properties, wire.TrackPropertyType.MAX_CACHE_DURATION)
         return cls(
             request_id, group_order, message.end_of_track, message.end_location, Parameters(max_cache_duration=cache)
         )
@@ -1508,15 +1508,15 @@ def _decode_payload(mtype: int, payload: Buffer) -> Message:
     cls = MESSAGE_TYPES.get(mtype)
     if cls is None:
         raise ProtocolViolation(f"unknown message type 0x{mtype:x}")
-    return m18.decode_checked(cls.NAME, payload, cls._decode)
+    return wire.decode_checked(cls.NAME, payload, cls._decode)
 
 
 def decode_message(data: bytes | bytearray | memoryview) -> Message:
     """Decode exactly one framed message; raises ProtocolViolation otherwise."""
-    return m18.decode_framed(data, QUIC_VARINT, _decode_payload)
+    return wire.decode_framed(data, QUIC_VARINT, _decode_payload)
 
 
-class ControlStreamParser(m18.FramedMessageParser):
+class ControlStreamParser(wire.FramedMessageParser):
     """Splits the control stream into messages as bytes arrive.
 
     Holds at most one partial message (under 64 KiB by construction). An unknown
@@ -1539,577 +1539,39 @@ class ControlStreamParser(m18.FramedMessageParser):
 # ---------------------------------------------------------------------------
 
 
-def is_subgroup_stream_type(stream_type: int) -> bool:
-    """True for a SUBGROUP_HEADER type: 0x10-0x15 and 0x18-0x1D."""
-    return 0x10 <= stream_type <= 0x1D and stream_type & 0x06 != 0x06
-
-
-def _status(raw: int) -> ObjectStatus:
-    if raw not in _STATUSES:
-        raise ProtocolViolation(f"unknown object status 0x{raw:x}")
-    return ObjectStatus(raw)
-
-
-def _properties_to_18(extensions: tuple[KeyValuePair, ...]) -> m18.Properties:
-    """Extension headers as draft-18 Properties: type order, immutable block re-encoded."""
-    out: list[m18.Property] = []
-    for ktype, value in extensions:
-        if ktype == ExtensionType.IMMUTABLE_EXTENSIONS and isinstance(value, bytes):
-            inner = sorted(_decode_extensions(value), key=lambda kv: kv[0])
-            w = m18.Writer(VI64)
-            m18.encode_properties(w, tuple(inner))
-            value = bytes(w.data)
-        out.append((ktype, value))
-    return tuple(sorted(out, key=lambda kv: kv[0]))
-
-
-def _properties_from_18(properties: m18.Properties) -> tuple[KeyValuePair, ...]:
-    out: list[KeyValuePair] = []
-    for ktype, value in properties:
-        if ktype == ExtensionType.IMMUTABLE_EXTENSIONS and isinstance(value, bytes):
-            inner = m18.decode_properties(Buffer(value), len(value))
-            value = encode_extensions(inner)
-        out.append((ktype, value))
-    return tuple(out)
-
-
-@dataclass(frozen=True, slots=True)
-class SubgroupHeader:
-    """SUBGROUP_HEADER. `subgroup_id` None means FIRST_OBJECT mode before the first
-    object is seen; `subgroup_id_mode` None picks ZERO for subgroup 0, else EXPLICIT."""
-
-    track_alias: int
-    group_id: int
-    subgroup_id: int | None = 0
-    publisher_priority: int = data18.DEFAULT_PUBLISHER_PRIORITY
-    has_extensions: bool = False
-    end_of_group: bool = False
-    subgroup_id_mode: SubgroupIdMode | None = None
-
-    resolved_mode = data18.SubgroupHeader.resolved_mode
-
-    def stream_type(self) -> int:
-        value = 0x10 | (self.resolved_mode() << 1)
-        if self.has_extensions:
-            value |= 0x01
-        if self.end_of_group:
-            value |= 0x08
-        return value
-
-    def encode(self) -> bytes:
-        mode = self.resolved_mode()
-        if mode == SubgroupIdMode.ZERO and self.subgroup_id not in (0, None):
-            raise ValueError("ZERO subgroup mode with a non-zero subgroup ID")
-        if mode == SubgroupIdMode.EXPLICIT and self.subgroup_id is None:
-            raise ValueError("EXPLICIT subgroup mode needs a subgroup ID")
-        _check_uint8(self.publisher_priority, "publisher priority")
-        parts = [
-            encode_quic_varint(self.stream_type()),
-            encode_quic_varint(self.track_alias),
-            encode_quic_varint(self.group_id),
-        ]
-        if mode == SubgroupIdMode.EXPLICIT:
-            parts.append(encode_quic_varint(self.subgroup_id))  # type: ignore[arg-type]
-        parts.append(bytes((self.publisher_priority,)))
-        return b"".join(parts)
-
-    def to_draft18(self) -> data18.SubgroupHeader:
-        """The draft-18 header; FIRST_OBJECT is left clear (draft-14 does not say)."""
-        return data18.SubgroupHeader(
-            self.track_alias, self.group_id, self.subgroup_id, self.publisher_priority,
-            self.has_extensions, self.end_of_group, False, self.resolved_mode(),
-        )
-
-    @classmethod
-    def from_draft18(
-        cls, header: data18.SubgroupHeader, default_priority: int = data18.DEFAULT_PUBLISHER_PRIORITY
-    ) -> "SubgroupHeader":
-        """This header for a draft-18 one; an inherited priority becomes `default_priority`."""
-        priority = default_priority if header.publisher_priority is None else header.publisher_priority
-        return cls(
-            header.track_alias, header.group_id, header.subgroup_id, priority,
-            header.has_properties, header.end_of_group, header.resolved_mode(),
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class SubgroupObject:
-    """An object read from a subgroup stream; `extensions` in wire order."""
-
-    object_id: int
-    subgroup_id: int
-    status: ObjectStatus
-    payload: bytes
-    extensions: tuple[KeyValuePair, ...] = ()
-
-    def to_draft18(self) -> data18.SubgroupObject | None:
-        """The draft-18 object, or None for "Does Not Exist" (no draft-18 form)."""
-        if self.status == ObjectStatus.DOES_NOT_EXIST:
-            return None
-        return data18.SubgroupObject(
-            self.object_id, self.subgroup_id, data18.ObjectStatus(int(self.status)),
-            self.payload, _properties_to_18(self.extensions),
-        )
-
-    @classmethod
-    def from_draft18(cls, obj: data18.SubgroupObject) -> "SubgroupObject":
-        return cls(obj.object_id, obj.subgroup_id, ObjectStatus(int(obj.status)), obj.payload,
-                   _properties_from_18(obj.properties))
-
-
-@dataclass(frozen=True, slots=True)
-class FetchHeader(data18.FetchHeader):
-    """FETCH_HEADER: the stream answers the FETCH with this Request ID (draft-18's
-    header, written with draft-14 varints)."""
-
-    def encode(self) -> bytes:
-        return encode_quic_varint(STREAM_TYPE_FETCH_HEADER) + encode_quic_varint(self.request_id)
-
-
-@dataclass(frozen=True, slots=True)
-class FetchObject:
-    """An object read from a fetch stream; every field is explicit in draft-14."""
-
-    group_id: int
-    subgroup_id: int
-    object_id: int
-    publisher_priority: int
-    status: ObjectStatus
-    payload: bytes
-    extensions: tuple[KeyValuePair, ...] = ()
-
-    @property
-    def location(self) -> Location:
-        return Location(self.group_id, self.object_id)
-
-    def to_draft18(self) -> data18.FetchObject | None:
-        """The draft-18 fetch object, or None when the status is not Normal."""
-        if self.status != ObjectStatus.NORMAL:
-            return None
-        return data18.FetchObject(
-            self.group_id, self.subgroup_id, self.object_id, self.publisher_priority,
-            self.payload, _properties_to_18(self.extensions),
-        )
-
-    @classmethod
-    def from_draft18(cls, obj: data18.FetchObject) -> "FetchObject":
-        """A Datagram object (no Subgroup ID) gets its Object ID as Subgroup ID."""
-        subgroup = obj.object_id if obj.subgroup_id is None else obj.subgroup_id
-        return cls(obj.group_id, subgroup, obj.object_id, obj.publisher_priority, ObjectStatus.NORMAL,
-                   obj.payload, _properties_from_18(obj.properties))
-
-
-def _check_object(status: ObjectStatus, payload_length: int, extensions: tuple[KeyValuePair, ...]) -> None:
-    if status != ObjectStatus.NORMAL and payload_length:
-        raise ValueError("a status object has no payload")
-    if status == ObjectStatus.DOES_NOT_EXIST and extensions:
-        raise ValueError("an object that does not exist has no extensions")
-
-
-def _object_tail(payload_length: int, status: ObjectStatus) -> bytes:
-    """Object Payload Length and, for an empty object, the Object Status."""
-    if payload_length == 0:
-        return encode_quic_varint(0) + encode_quic_varint(status)
-    return encode_quic_varint(payload_length)
-
-
-def _length_prefixed_extensions(extensions: tuple[KeyValuePair, ...]) -> bytes:
-    block = encode_extensions(extensions)
-    return encode_quic_varint(len(block)) + block
-
-
-class SubgroupWriter:
-    """Frames the objects of one subgroup stream, in ascending Object ID.
-
-    `object_header` returns the bytes before the payload, so a payload is never
-    copied to be framed.
-    """
-
-    __slots__ = ("header", "_last_object_id")
-
-    def __init__(self, header: SubgroupHeader) -> None:
-        self.header = header
-        self._last_object_id: int | None = None
-
-    def header_bytes(self) -> bytes:
-        return self.header.encode()
-
-    def object_header(
-        self,
-        object_id: int,
-        payload_length: int,
-        *,
-        extensions: tuple[KeyValuePair, ...] = (),
-        status: ObjectStatus = ObjectStatus.NORMAL,
-    ) -> bytes:
-        last = self._last_object_id
-        delta = object_id if last is None else object_id - last - 1
-        if delta < 0:
-            raise ValueError(f"object {object_id} after {last}: subgroup objects ascend")
-        if extensions and not self.header.has_extensions:
-            raise ValueError("extensions on a subgroup opened without extensions")
-        _check_object(status, payload_length, extensions)
-        _check_varint(object_id, "object ID")
-        self._last_object_id = object_id
-        parts = [encode_quic_varint(delta)]
-        if self.header.has_extensions:
-            parts.append(_length_prefixed_extensions(extensions))
-        parts.append(_object_tail(payload_length, status))
-        return b"".join(parts)
-
-
-def encode_fetch_object(
-    group_id: int,
-    subgroup_id: int,
-    object_id: int,
-    payload_length: int,
-    *,
-    publisher_priority: int = data18.DEFAULT_PUBLISHER_PRIORITY,
-    extensions: tuple[KeyValuePair, ...] = (),
-    status: ObjectStatus = ObjectStatus.NORMAL,
-) -> bytes:
-    """The bytes before the payload of one object on a fetch stream."""
-    _check_uint8(publisher_priority, "publisher priority")
-    _check_object(status, payload_length, extensions)
-    return b"".join(
-        (
-            encode_quic_varint(group_id),
-            encode_quic_varint(subgroup_id),
-            encode_quic_varint(object_id),
-            bytes((publisher_priority,)),
-            _length_prefixed_extensions(extensions),
-            _object_tail(payload_length, status),
-        )
-    )
-
-
-@dataclass(frozen=True, slots=True)
-class ObjectDatagram:
-    """OBJECT_DATAGRAM (types 0x00-0x07) or its status form (0x20-0x21, `status` set)."""
-
-    track_alias: int
-    group_id: int
-    object_id: int
-    payload: bytes = b""
-    publisher_priority: int = data18.DEFAULT_PUBLISHER_PRIORITY
-    status: ObjectStatus | None = None
-    extensions: tuple[KeyValuePair, ...] = ()
-    end_of_group: bool = False
-
-    def datagram_type(self) -> int:
-        if self.status is not None:
-            return 0x20 | (0x01 if self.extensions else 0)
-        dtype = 0x01 if self.extensions else 0
-        if self.end_of_group:
-            dtype |= 0x02
-        if self.object_id == 0:
-            dtype |= 0x04
-        return dtype
-
-    def encode(self) -> bytes:
-        _check_uint8(self.publisher_priority, "publisher priority")
-        if self.status is not None:
-            if self.end_of_group:
-                raise ValueError("a status datagram cannot carry End of Group")
-            if self.payload:
-                raise ValueError("a status datagram has no payload")
-            _check_object(self.status, 0, self.extensions)
-        dtype = self.datagram_type()
-        parts = [encode_quic_varint(dtype), encode_quic_varint(self.track_alias), encode_quic_varint(self.group_id)]
-        if not dtype & 0x04:
-            parts.append(encode_quic_varint(self.object_id))
-        parts.append(bytes((self.publisher_priority,)))
-        if self.extensions:
-            parts.append(_length_prefixed_extensions(self.extensions))
-        parts.append(self.payload if self.status is None else encode_quic_varint(self.status))
-        return b"".join(parts)
-
-    def to_draft18(self) -> data18.ObjectDatagram | None:
-        """The draft-18 datagram, or None for "Does Not Exist"."""
-        if self.status == ObjectStatus.DOES_NOT_EXIST:
-            return None
-        status = None if self.status is None else data18.ObjectStatus(int(self.status))
-        return data18.ObjectDatagram(
-            self.track_alias, self.group_id, self.object_id, self.payload, self.publisher_priority,
-            status, _properties_to_18(self.extensions), self.end_of_group,
-        )
-
-    @classmethod
-    def from_draft18(
-        cls, datagram: data18.ObjectDatagram, default_priority: int = data18.DEFAULT_PUBLISHER_PRIORITY
-    ) -> "ObjectDatagram":
-        priority = default_priority if datagram.publisher_priority is None else datagram.publisher_priority
-        status = None if datagram.status is None else ObjectStatus(int(datagram.status))
-        return cls(datagram.track_alias, datagram.group_id, datagram.object_id, datagram.payload, priority,
-                   status, _properties_from_18(datagram.properties), datagram.end_of_group)
-
-
-def decode_datagram(
-    data: bytes | memoryview, *, max_extensions_size: int = DEFAULT_MAX_EXTENSIONS_SIZE
-) -> ObjectDatagram:
-    """Decode one QUIC DATAGRAM payload; raises ProtocolViolation when malformed."""
-    buf = Buffer(data, codec=QUIC_VARINT)
-    try:
-        dtype = buf.pull_varint()
-        if dtype > 0x07 and dtype not in (0x20, 0x21):
-            raise ProtocolViolation(f"unknown datagram type 0x{dtype:x}")
-        is_status = bool(dtype & 0x20)
-        alias = buf.pull_varint()
-        group = buf.pull_varint()
-        obj = 0 if dtype & 0x04 else buf.pull_varint()
-        priority = buf.pull_uint8()
-        extensions: tuple[KeyValuePair, ...] = ()
-        if dtype & 0x01:
-            length = buf.pull_varint()
-            if length == 0:
-                raise ProtocolViolation("datagram with Extensions Present and no extensions")
-            if length > max_extensions_size:
-                raise ObjectTooLarge(f"datagram extensions of {length} bytes")
-            extensions = _decode_extensions(buf.pull_view(length))
-        if is_status:
-            status: ObjectStatus | None = _status(buf.pull_varint())
-            if status == ObjectStatus.DOES_NOT_EXIST and extensions:
-                raise ProtocolViolation("extensions on an object that does not exist")
-            if not buf.eof():
-                raise ProtocolViolation("status datagram with trailing bytes")
-            payload = b""
-        else:
-            status = None
-            payload = buf.pull_rest()
-    except BufferReadError:
-        raise ProtocolViolation("truncated datagram") from None
-    return ObjectDatagram(alias, group, obj, payload, priority, status, extensions, bool(dtype & 0x02))
-
-
-DataItem = Union[SubgroupHeader, SubgroupObject, FetchHeader, FetchObject]
-
-
-class _Incomplete(BufferReadError):
-    """A header needs at least `need` bytes from its start before it can be parsed."""
-
-    def __init__(self, need: int) -> None:
-        super().__init__("incomplete header")
-        self.need = need
-
-
-_S_TYPE, _S_SUBGROUP_OBJECT, _S_FETCH_OBJECT, _S_PAYLOAD = range(4)
-
-
-class DataStreamParser:
-    """Parses one unidirectional data stream incrementally.
-
-    `feed()` returns the items completed by the new bytes: the stream header
-    (SubgroupHeader or FetchHeader) first, then SubgroupObject or FetchObject
-    items, each as soon as its last payload byte arrives. Malformed input raises
-    ProtocolViolation (ObjectTooLarge for a length over the configured maximum); a
-    FIN inside an object or header raises ProtocolViolation too. A header split
-    across reads is kept and parsed again only once enough bytes are there.
-    """
-
-    __slots__ = (
-        "max_object_size",
-        "max_extensions_size",
-        "_state",
-        "_pending",
-        "_need",
-        "_parts",
-        "_remaining",
-        "_header",
-        "_subgroup_id",
-        "_last_object_id",
-        "_current",
-        "stream_type",
-        "finished",
-    )
-
-    def __init__(
-        self,
-        *,
-        max_object_size: int = DEFAULT_MAX_OBJECT_SIZE,
-        max_extensions_size: int = DEFAULT_MAX_EXTENSIONS_SIZE,
-    ) -> None:
-        self.max_object_size = max_object_size
-        self.max_extensions_size = max_extensions_size
-        self._state = _S_TYPE
-        self._pending = bytearray()
-        self._need = 0
-        self._parts: list[bytes | memoryview] = []
-        self._remaining = 0
-        self._header: SubgroupHeader | FetchHeader | None = None
-        self._subgroup_id: int | None = None
-        self._last_object_id: int | None = None
-        self._current: Callable[[bytes], DataItem] | None = None
-        self.stream_type: int | None = None
-        self.finished = False
-
-    @property
-    def header(self) -> SubgroupHeader | FetchHeader | None:
-        return self._header
-
-    @property
-    def at_boundary(self) -> bool:
-        """True when no object or header is partially received."""
-        return self._state in (_S_SUBGROUP_OBJECT, _S_FETCH_OBJECT) and not self._pending
-
-    def feed(self, data: bytes | bytearray | memoryview, end_stream: bool = False) -> list[DataItem]:
-        if self.finished:
-            if data:
-                raise ProtocolViolation("data after the end of the stream")
-            return []
-        items: list[DataItem] = []
-        immutable = isinstance(data, bytes)
-        view = memoryview(data) if immutable else memoryview(data).cast("B")
-        pos = 0
-        while True:
-            if self._state == _S_PAYLOAD:
-                take = min(self._remaining, len(view) - pos)
-                if take:
-                    chunk = view[pos : pos + take]
-                    # A view into immutable input is kept as is (one copy, at the end);
-                    # anything the caller may reuse is copied now.
-                    self._parts.append(chunk if immutable else bytes(chunk))
-                    pos += take
-                    self._remaining -= take
-                if self._remaining:
-                    break
-                items.append(self._finish_payload())
-                continue
-            if self._pending:
-                self._pending += view[pos:]
-                pos = len(view)
-                if len(self._pending) < self._need:
-                    break
-                view = memoryview(bytes(self._pending))
-                immutable = True
-                self._pending = bytearray()
-                pos = 0
-            if pos >= len(view):
-                break
-            try:
-                pos = self._parse_header(view, pos, items)
-            except _Incomplete as short:
-                self._pending = bytearray(view[pos:])
-                self._need = short.need
-                pos = len(view)
-                break
-            except BufferReadError:
-                self._pending = bytearray(view[pos:])
-                self._need = len(self._pending) + 1
-                pos = len(view)
-                break
-        if end_stream:
-            self.finished = True
-            if not self.at_boundary:
-                raise ProtocolViolation("stream ended inside an object or header")
-        return items
-
-    def _parse_header(self, view: memoryview, start: int, items: list[DataItem]) -> int:
-        buf = Buffer(view, start, codec=QUIC_VARINT)
-        if self._state == _S_TYPE:
-            self._parse_stream_header(buf, items)
-        elif self._state == _S_SUBGROUP_OBJECT:
-            self._parse_subgroup_object(buf, start, items)
-        else:
-            self._parse_fetch_object(buf, start, items)
-        return buf.tell()
-
-    def _parse_stream_header(self, buf: Buffer, items: list[DataItem]) -> None:
-        stream_type = buf.pull_varint()
-        if stream_type == STREAM_TYPE_FETCH_HEADER:
-            header: SubgroupHeader | FetchHeader = FetchHeader(buf.pull_varint())
-            self._state = _S_FETCH_OBJECT
-        elif is_subgroup_stream_type(stream_type):
-            alias = buf.pull_varint()
-            group = buf.pull_varint()
-            mode = SubgroupIdMode((stream_type >> 1) & 0x03)
-            subgroup: int | None
-            if mode == SubgroupIdMode.EXPLICIT:
-                subgroup = buf.pull_varint()
-            else:
-                subgroup = 0 if mode == SubgroupIdMode.ZERO else None
-            priority = buf.pull_uint8()
-            header = SubgroupHeader(
-                alias, group, subgroup, priority, bool(stream_type & 0x01), bool(stream_type & 0x08), mode
-            )
-            self._subgroup_id = subgroup
-            self._state = _S_SUBGROUP_OBJECT
-        else:
-            raise ProtocolViolation(f"unknown data stream type 0x{stream_type:x}")
-        self._header = header
-        self.stream_type = stream_type
-        items.append(header)
-
-    def _pull_extensions(self, buf: Buffer, start: int) -> tuple[KeyValuePair, ...]:
-        length = buf.pull_varint()
-        if length == 0:
-            return ()
-        if length > self.max_extensions_size:
-            raise ObjectTooLarge(f"extension headers of {length} bytes (max {self.max_extensions_size})")
-        if buf.remaining < length:
-            # Wait for the whole block, plus at least one byte of what follows it.
-            raise _Incomplete(buf.tell() - start + length + 1)
-        return _decode_extensions(buf.pull_view(length))
-
-    def _pull_length_and_status(self, buf: Buffer, extensions: tuple[KeyValuePair, ...]) -> tuple[int, ObjectStatus]:
-        length = buf.pull_varint()
-        if length > self.max_object_size:
-            raise ObjectTooLarge(f"object of {length} bytes (max {self.max_object_size})")
-        status = ObjectStatus.NORMAL
-        if length == 0:
-            status = _status(buf.pull_varint())
-            if status == ObjectStatus.DOES_NOT_EXIST and extensions:
-                raise ProtocolViolation("extensions on an object that does not exist")
-        return length, status
-
-    def _parse_subgroup_object(self, buf: Buffer, start: int, items: list[DataItem]) -> None:
-        delta = buf.pull_varint()
-        header = self._header
-        assert isinstance(header, SubgroupHeader)
-        extensions = self._pull_extensions(buf, start) if header.has_extensions else ()
-        length, status = self._pull_length_and_status(buf, extensions)
-        # Every field is read: commit the object.
-        last = self._last_object_id
-        object_id = delta if last is None else last + delta + 1
-        if object_id > QUIC_VARINT_MAX:
-            raise ProtocolViolation("object ID over 2^62-1")
-        self._last_object_id = object_id
-        if self._subgroup_id is None:
-            self._subgroup_id = object_id
-        subgroup = self._subgroup_id
-
-        def make(payload: bytes) -> DataItem:
-            return SubgroupObject(object_id, subgroup, status, payload, extensions)
-
-        self._begin(length, make, items)
-
-    def _parse_fetch_object(self, buf: Buffer, start: int, items: list[DataItem]) -> None:
-        group = buf.pull_varint()
-        subgroup = buf.pull_varint()
-        obj = buf.pull_varint()
-        priority = buf.pull_uint8()
-        extensions = self._pull_extensions(buf, start)
-        length, status = self._pull_length_and_status(buf, extensions)
-
-        def make(payload: bytes) -> DataItem:
-            return FetchObject(group, subgroup, obj, priority, status, payload, extensions)
-
-        self._begin(length, make, items)
-
-    def _begin(self, length: int, make: Callable[[bytes], DataItem], items: list[DataItem]) -> None:
-        if length == 0:
-            items.append(make(b""))
-            return
-        self._current = make
-        self._remaining = length
-        self._parts = []
-        self._state = _S_PAYLOAD
-
-    def _finish_payload(self) -> DataItem:
-        parts = self._parts
-        payload = bytes(parts[0]) if len(parts) == 1 else b"".join(parts)
-        self._parts = []
-        make = self._current
-        assert make is not None
-        self._current = None
-        self._state = _S_FETCH_OBJECT if isinstance(self._header, FetchHeader) else _S_SUBGROUP_OBJECT
-        return make(payload)
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+

@@ -1,0 +1,1 @@
+"""MOQT draft-18 (ALPN "moqt-18"): control messages, data streams, the session."""
