@@ -14,13 +14,13 @@ if TYPE_CHECKING:
     from .session_base import SessionBase
 
 #: MOQT drafts this package can speak, most preferred first.
-SUPPORTED_DRAFTS: tuple[int, ...] = (18, 14)
+SUPPORTED_DRAFTS: tuple[int, ...] = (18, 20, 22, 14)
 
 _DRAFT14_ALPN = "moq-00"
 
 
 def alpn_of(draft: int) -> str:
-    """The ALPN of a supported draft: "moqt-18", or "moq-00" for draft-14."""
+    """The ALPN of a supported draft: "moqt-18" (20, 22), or "moq-00" for draft-14."""
     if draft not in SUPPORTED_DRAFTS:
         raise ValueError(f"unsupported MOQT draft {draft!r}; supported: {SUPPORTED_DRAFTS}")
     return _DRAFT14_ALPN if draft == 14 else f"moqt-{draft}"
@@ -50,6 +50,6 @@ def session_class(draft: int) -> type[SessionBase]:
         from .d14.session import MoqtSession14
 
         return MoqtSession14
-    from .d18.session import MoqtSession
+    from .d18.session import MoqtSession  # 20 and 22 too: d18.profiles
 
     return MoqtSession

@@ -915,7 +915,7 @@ class SessionBase:
             raise StreamClosed(f"fetch {request_id} was cancelled")
         if request.data_streams_opened:
             raise ValueError("a FETCH is answered on one stream")
-        return self._open_data_stream(request, self._FETCH_WRITER(request_id, request.fetch_group_order))
+        return self._open_data_stream(request, self._FETCH_WRITER(self._wire_id(request), request.fetch_group_order))
 
     def begin_fetch_object(
         self,
@@ -1052,6 +1052,10 @@ class SessionBase:
 
     def _on_stop_sending(self, event: StopSendingReceived, out: list[ev.MoqtEvent]) -> None:
         raise NotImplementedError
+
+    def _wire_id(self, request: RequestState) -> int:
+        """The Request ID a request's data streams carry."""
+        return request.request_id
 
     def _on_data_header(self, sid: int, stream: IncomingDataStream, item: object, out: list[ev.MoqtEvent]) -> bool:
         """The first item of an incoming data stream; False when the stream is dropped."""

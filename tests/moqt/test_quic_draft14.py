@@ -34,11 +34,12 @@ def payload(group: int, obj: int) -> bytes:
 
 def test_alpns_offered_by_default():
     settings = QuicSettings()
-    assert settings.quic_configuration(is_client=False).alpn_protocols == ["moqt-18", "moq-00"]
+    assert settings.quic_configuration(is_client=False).alpn_protocols == ["moqt-18", "moqt-20", "moqt-22", "moq-00"]
     assert settings.quic_configuration(is_client=True).alpn_protocols == ["moqt-18"]
-    assert QuicSettings(draft14_fallback=False).quic_configuration(is_client=False).alpn_protocols == ["moqt-18"]
+    assert QuicSettings(draft14_fallback=False).quic_configuration(is_client=False).alpn_protocols == [
+        "moqt-18", "moqt-20", "moqt-22"]
     assert settings.quic_configuration(is_client=True, drafts=(14,)).alpn_protocols == ["moq-00"]
-    assert (alpn_of(18), alpn_of(14)) == ("moqt-18", "moq-00")
+    assert (alpn_of(18), alpn_of(20), alpn_of(22), alpn_of(14)) == ("moqt-18", "moqt-20", "moqt-22", "moq-00")
     with pytest.raises(ValueError):
         alpn_of(16)
     with pytest.raises(ValueError):

@@ -71,6 +71,7 @@ DATAGRAM_TYPE_PADDING = 0x132B3E29
 
 FETCH_END_OF_NON_EXISTENT_RANGE = 0x8C
 FETCH_END_OF_UNKNOWN_RANGE = 0x10C
+FETCH_END_OF_TIMED_OUT_RANGE = 0x20C  # draft-20+: read as an unknown range
 
 _FLAG_SUBGROUP_MASK = 0x03
 _FLAG_OBJECT_ID = 0x04
@@ -481,6 +482,10 @@ def decode_datagram(
 _S_TYPE, _S_SUBGROUP_OBJECT, _S_FETCH_OBJECT, _S_PAYLOAD, _S_DISCARD = range(5)
 
 
+_END_MARKERS_18 = frozenset({FETCH_END_OF_NON_EXISTENT_RANGE, FETCH_END_OF_UNKNOWN_RANGE})
+_END_MARKERS_20 = _END_MARKERS_18 | {FETCH_END_OF_TIMED_OUT_RANGE}
+
+
 class DataStreamParser:
     """Parses one unidirectional data stream incrementally.
 
@@ -500,6 +505,7 @@ class DataStreamParser:
         "max_object_size",
         "max_properties_size",
         "_fetch_group_order",
+        "_end_markers",
         "_state",
         "_pending",
         "_parts",
@@ -525,8 +531,11 @@ class DataStreamParser:
         max_object_size: int = DEFAULT_MAX_OBJECT_SIZE,
         max_properties_size: int = DEFAULT_MAX_PROPERTIES_SIZE,
         fetch_group_order: Callable[[int], GroupOrder] | None = None,
+        timed_out_range: bool = False,
     ) -> None:
+        """`timed_out_range`: End of Timed-Out Range markers are valid (draft-20+)."""
         self.max_object_size = max_object_size
+        self._end_markers = _END_MARKERS_20 if timed_out_range else _END_MARKERS_18
         self.max_properties_size = max_properties_size
         self._fetch_group_order = fetch_group_order
         self._state = _S_TYPE
@@ -719,11 +728,11 @@ class DataStreamParser:
     def _parse_fetch_object(self, buf: Buffer, items: list[DataItem]) -> None:
         flags = buf.pull_varint()
         prior_group = self._prior_group
-        if flags in (FETCH_END_OF_NON_EXISTENT_RANGE, FETCH_END_OF_UNKNOWN_RANGE):
+        if flags in self._end_markers:
             group = buf.pull_varint()
             obj = buf.pull_varint()
             self._prior_group, self._prior_object = group, obj
-            items.append(FetchEndOfRange(Location(group, obj), flags == FETCH_END_OF_UNKNOWN_RANGE))
+            items.append(FetchEndOfRange(Location(group, obj), flags != FETCH_END_OF_NON_EXISTENT_RANGE))
             return
         if flags >= 0x80:
             raise ProtocolViolation(f"invalid fetch serialization flags 0x{flags:x}")

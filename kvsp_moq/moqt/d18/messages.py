@@ -34,11 +34,12 @@ from ..errors import (
     ProtocolViolation,
     RequestErrorCode,
 )
-from ..varint import U64_MAX, VI64, Buffer, IntegerCodec
+from ..varint import U64_MAX, VI64, Buffer
 from ..wire import (
     MAX_GOAWAY_URI,
     AuthToken,
     FetchType,
+    FilterType,
     FramedMessageParser,
     GroupOrder,
     Location,
@@ -59,6 +60,7 @@ from ..wire import (
     pull_namespace,
     pull_reason,
 )
+from .profiles import D18, Profile, profile
 
 __all__ = [
     "DRAFT",
@@ -116,7 +118,7 @@ __all__ = [
 ]
 
 DRAFT = 18
-SUPPORTED_DRAFTS = (18,)
+SUPPORTED_DRAFTS = (18, 20, 22)
 
 
 
@@ -141,10 +143,12 @@ class ParameterType(IntEnum):
     FILL_TIMEOUT = 0x0A
     FORWARD = 0x10
     SUBSCRIBER_PRIORITY = 0x20
-    SUBSCRIPTION_FILTER = 0x21
+    SUBSCRIPTION_FILTER = 0x21  # LOCATION_FILTER from draft-20
     GROUP_ORDER = 0x22
+    FILL_PARAMETERS = 0x23  # draft-20+
     NEW_GROUP_REQUEST = 0x32
     TRACK_NAMESPACE_PREFIX = 0x34
+    INCLUDE_PROPERTIES = 0x35  # draft-20+
 
 
 class SetupOption(IntEnum):
@@ -154,7 +158,9 @@ class SetupOption(IntEnum):
     AUTHORIZATION_TOKEN = 0x03
     MAX_AUTH_TOKEN_CACHE_SIZE = 0x04
     AUTHORITY = 0x05
+    MAX_FILTER_RANGES = 0x06  # draft-20+
     MOQT_IMPLEMENTATION = 0x07
+    MAX_REQUEST_UPDATES = 0x08  # draft-20+
 
 
 
@@ -226,7 +232,7 @@ def _check_track_properties(properties: Properties) -> None:
 
 
 # Value kinds of the draft-18 Message Parameters (section 10.2).
-_VARINT, _UINT8, _LOCATION, _TOKEN, _FILTER, _NAMESPACE = range(6)
+_VARINT, _UINT8, _LOCATION, _TOKEN, _FILTER, _NAMESPACE, _FILL = range(7)
 
 _PARAMETER_FIELDS: dict[int, tuple[str, int]] = {
     ParameterType.OBJECT_DELIVERY_TIMEOUT: ("object_delivery_timeout", _VARINT),
@@ -241,9 +247,210 @@ _PARAMETER_FIELDS: dict[int, tuple[str, int]] = {
     ParameterType.SUBSCRIPTION_FILTER: ("subscription_filter", _FILTER),
     ParameterType.GROUP_ORDER: ("group_order", _UINT8),
     ParameterType.NEW_GROUP_REQUEST: ("new_group_request", _VARINT),
+    ParameterType.FILL_PARAMETERS: ("fill", _FILL),
     ParameterType.TRACK_NAMESPACE_PREFIX: ("track_namespace_prefix", _NAMESPACE),
+    ParameterType.INCLUDE_PROPERTIES: ("include_properties", _UINT8),
 }
+# Parameters that exist from draft-20 on.
+_SINCE_20 = frozenset({ParameterType.FILL_PARAMETERS, ParameterType.INCLUDE_PROPERTIES})
 _FIELD_TYPES = {name: ptype for ptype, (name, _) in _PARAMETER_FIELDS.items()}
+
+
+class LocationFilterType(IntEnum):
+    """Forms of a draft-20+ LOCATION_FILTER (0x21); every range is inclusive."""
+
+    NONE = 0x0  # a SUBSCRIBE unfiltered; a FETCH {0, 0} to Largest
+    RELATIVE_START = 0x1  # (S): from {Largest.Group + 1 - S, 0}; S = 0 is the next group
+    ABSOLUTE_START = 0x2  # (G, O)
+    ABSOLUTE_GROUP_END = 0x3  # (G, O, end group delta): to the end of group G + delta
+    ABSOLUTE_RANGE = 0x4  # (G, O, end group delta, end object)
+    NEXT_OBJECT = 0x5  # from the object after Largest
+
+
+#: Fields of each LOCATION_FILTER form.
+_LF_FIELDS = {0: 0, 1: 1, 2: 2, 3: 3, 4: 4, 5: 0}
+
+LocationFilter = tuple[LocationFilterType, tuple[int, ...]]
+
+
+def put_location_filter(w: Writer, flt: LocationFilter, p: Profile) -> None:
+    """A LOCATION_FILTER value: draft-20 a length and 0-4 fields (two zero fields meaning
+    Next Object, so an absolute start at {0, 0} is sent as none), draft-22 a type and its
+    fields."""
+    kind, values = flt
+    if len(values) != _LF_FIELDS[kind]:
+        raise ValueError(f"{kind.name} location filter with {len(values)} fields")
+    if p.location_filter_typed:
+        w.varint(kind)
+        for value in values:
+            w.varint(value)
+        return
+    if kind == LocationFilterType.NEXT_OBJECT:
+        values = (0, 0)
+    elif kind == LocationFilterType.ABSOLUTE_START and values == (0, 0):
+        values = ()
+    inner = Writer()
+    for value in values:
+        inner.varint(value)
+    w.length_prefixed(inner.data)
+
+
+def pull_location_filter(buf: Buffer, p: Profile) -> LocationFilter:
+    if p.location_filter_typed:
+        raw = buf.pull_varint()
+        if raw not in _LF_FIELDS:
+            raise ProtocolViolation(f"unknown location filter type {raw}")
+        kind = LocationFilterType(raw)
+        return kind, tuple(buf.pull_varint() for _ in range(_LF_FIELDS[kind]))
+    inner = buf.pull_buffer(buf.pull_varint())
+    values: list[int] = []
+    while not inner.eof():
+        if len(values) == 4:
+            raise ProtocolViolation("location filter of more than 4 fields")
+        values.append(inner.pull_varint())
+    if values == [0, 0]:
+        return LocationFilterType.NEXT_OBJECT, ()
+    return LocationFilterType(len(values)), tuple(values)
+
+
+def _end_group(start: int, delta: int) -> int:
+    if start + delta > U64_MAX:
+        raise ProtocolViolation("location filter end group over 2^64-1")
+    return start + delta
+
+
+def subscription_to_location_filter(flt: SubscriptionFilter) -> LocationFilter:
+    """The draft-20 form of a subscription filter."""
+    kind = flt.filter_type
+    if kind == FilterType.NEXT_GROUP_START:
+        return LocationFilterType.RELATIVE_START, (0,)
+    if kind == FilterType.LARGEST_OBJECT:
+        return LocationFilterType.NEXT_OBJECT, ()
+    start = flt.start
+    assert start is not None
+    if kind == FilterType.ABSOLUTE_START:
+        return LocationFilterType.ABSOLUTE_START, (start.group, start.object)
+    return LocationFilterType.ABSOLUTE_GROUP_END, (start.group, start.object, flt.end_group - start.group)  # type: ignore[operator]
+
+
+def location_to_subscription_filter(flt: LocationFilter) -> SubscriptionFilter | None:
+    """A draft-20 LOCATION_FILTER as a subscription filter; None for none. A relative
+    start of S > 0 groups has no such form (ProtocolViolation); an end object narrows
+    nothing (draft-20 subscriptions do not end at their end)."""
+    kind, v = flt
+    if kind == LocationFilterType.NONE:
+        return None
+    if kind == LocationFilterType.NEXT_OBJECT:
+        return SubscriptionFilter(FilterType.LARGEST_OBJECT)
+    if kind == LocationFilterType.RELATIVE_START:
+        if v[0] != 0:
+            raise ProtocolViolation(f"relative start {v[0]} groups back is not supported in a subscription")
+        return SubscriptionFilter(FilterType.NEXT_GROUP_START)
+    if kind == LocationFilterType.ABSOLUTE_START:
+        return SubscriptionFilter(FilterType.ABSOLUTE_START, Location(v[0], v[1]))
+    return SubscriptionFilter(FilterType.ABSOLUTE_RANGE, Location(v[0], v[1]), _end_group(v[0], v[2]))
+
+
+#: A FETCH range end with no end: everything to the Largest Object.
+OPEN_END = Location(U64_MAX, 0)
+
+
+def range_to_location_filter(start: Location, end: Location) -> LocationFilter:
+    """The draft-20 (inclusive) form of a draft-18 FETCH range (end is last + 1, Object 0
+    meaning the whole group)."""
+    if end == OPEN_END:
+        return LocationFilterType.ABSOLUTE_START, (start.group, start.object)
+    if end.group < start.group:
+        raise ValueError("FETCH end before its start")
+    if end.object == 0:
+        return LocationFilterType.ABSOLUTE_GROUP_END, (start.group, start.object, end.group - start.group)
+    return LocationFilterType.ABSOLUTE_RANGE, (start.group, start.object, end.group - start.group, end.object - 1)
+
+
+def location_filter_to_range(flt: LocationFilter) -> tuple[Location, Location]:
+    """A FETCH's LOCATION_FILTER as the draft-18 range (start, end + 1). Forms relative
+    to the Largest Object have none here (ProtocolViolation)."""
+    kind, v = flt
+    if kind == LocationFilterType.NONE:
+        return Location(0, 0), OPEN_END
+    if kind == LocationFilterType.ABSOLUTE_START:
+        return Location(v[0], v[1]), OPEN_END
+    if kind == LocationFilterType.ABSOLUTE_GROUP_END:
+        return Location(v[0], v[1]), Location(_end_group(v[0], v[2]), 0)
+    if kind == LocationFilterType.ABSOLUTE_RANGE:
+        return Location(v[0], v[1]), inclusive_end_to_exclusive(Location(_end_group(v[0], v[2]), v[3]))
+    raise ProtocolViolation(f"FETCH with a {kind.name} location filter is not supported")
+
+
+def exclusive_end_to_inclusive(end: Location) -> Location:
+    """A draft-18 End Location (last + 1; Object 0 the whole group) as draft-20's last
+    Location; the whole group's last Object is written as 2^64-1."""
+    return Location(end.group, U64_MAX) if end.object == 0 else Location(end.group, end.object - 1)
+
+
+def inclusive_end_to_exclusive(end: Location) -> Location:
+    return Location(end.group, 0) if end.object == U64_MAX else Location(end.group, end.object + 1)
+
+
+@dataclass(frozen=True, slots=True)
+class Fill:
+    """FILL_PARAMETERS (0x23, draft-20+): objects already published in the subscription's
+    range (or `location_filter`'s) arrive on a fetch stream under the request's ID, the
+    draft-20 successor of the joining FETCH. Sent as a length, a count and parameters."""
+
+    location_filter: LocationFilter | None = None
+    fill_timeout: int | None = None
+    subscriber_priority: int | None = None
+    group_order: GroupOrder | None = None
+
+    def encode(self, w: Writer, p: Profile) -> None:
+        inner = Writer()
+        items: list[tuple[int, Any]] = [
+            (t, v) for t, v in ((0x0A, self.fill_timeout), (0x20, self.subscriber_priority),
+                                (0x21, self.location_filter), (0x22, self.group_order)) if v is not None
+        ]
+        inner.varint(len(items))
+        previous = 0
+        for ptype, value in items:
+            inner.varint(ptype - previous)
+            previous = ptype
+            if ptype == 0x0A:
+                inner.varint(value)
+            elif ptype == 0x21:
+                put_location_filter(inner, value, p)
+            else:
+                inner.uint8(int(value))
+        w.length_prefixed(inner.data)
+
+    @classmethod
+    def decode(cls, buf: Buffer, p: Profile) -> "Fill":
+        inner = buf.pull_buffer(buf.pull_varint())
+        count = inner.pull_varint()
+        values: dict[str, Any] = {}
+        ptype = 0
+        for _ in range(count):
+            ptype += inner.pull_varint()
+            name = {0x0A: "fill_timeout", 0x20: "subscriber_priority", 0x21: "location_filter",
+                    0x22: "group_order"}.get(ptype)
+            if name is None:
+                raise ProtocolViolation(f"FILL_PARAMETERS: parameter 0x{ptype:x} not allowed here")
+            if name in values:
+                raise ProtocolViolation(f"FILL_PARAMETERS: parameter 0x{ptype:x} repeated")
+            if ptype == 0x0A:
+                values[name] = inner.pull_varint()
+            elif ptype == 0x21:
+                values[name] = pull_location_filter(inner, p)
+            else:
+                byte = inner.pull_uint8()
+                if ptype == 0x22:
+                    if byte not in (1, 2):
+                        raise ProtocolViolation(f"GROUP_ORDER value {byte}")
+                    values[name] = GroupOrder(byte)
+                else:
+                    values[name] = byte
+        if not inner.eof():
+            raise ProtocolViolation("FILL_PARAMETERS longer than its parameters")
+        return cls(**values)
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,6 +475,8 @@ class Parameters:
     group_order: GroupOrder | None = None
     new_group_request: int | None = None
     track_namespace_prefix: TrackNamespace | None = None
+    fill: Fill | None = None
+    include_properties: bool | None = None
 
     def types(self) -> list[int]:
         """Parameter types present, in wire order."""
@@ -279,8 +488,9 @@ class Parameters:
             present.extend([ptype] * (len(value) if name == "authorization_tokens" else 1))
         return present
 
-    def encode(self, w: Writer, codec: IntegerCodec = VI64) -> None:
-        items: list[tuple[int, Any]] = []
+    def encode(self, w: Writer, p: Profile = D18, extra: dict[int, bytes] | None = None) -> None:
+        """`extra`: parameters already encoded (value bytes as on the wire), by type."""
+        items: list[tuple[int, Any]] = list((extra or {}).items())
         for ptype, (name, _) in sorted(_PARAMETER_FIELDS.items()):
             value = getattr(self, name)
             if value is None or (name == "authorization_tokens" and not value):
@@ -289,11 +499,17 @@ class Parameters:
                 items.extend((ptype, token) for token in value)
             else:
                 items.append((ptype, value))
+        items.sort(key=lambda item: item[0])
         w.varint(len(items))
         previous = 0
         for ptype, value in items:
             w.varint(ptype - previous)
             previous = ptype
+            if extra and ptype in extra:
+                w.raw(value)
+                continue
+            if ptype in _SINCE_20 and not p.location_filter:
+                raise ValueError(f"parameter 0x{ptype:x} does not exist in draft-{p.draft}")
             kind = _PARAMETER_FIELDS[ptype][1]
             if kind == _VARINT:
                 w.varint(value)
@@ -302,16 +518,28 @@ class Parameters:
             elif kind == _LOCATION:
                 w.location(value)
             elif kind == _TOKEN:
-                w.length_prefixed(value.encode(codec))
+                w.length_prefixed(value.encode())
             elif kind == _FILTER:
-                w.length_prefixed(value.encode(codec))
+                if p.location_filter:
+                    put_location_filter(w, subscription_to_location_filter(value), p)
+                else:
+                    w.length_prefixed(value.encode())
+            elif kind == _FILL:
+                value.encode(w, p)
+            elif p.bare_namespace_prefix:
+                w.namespace(value)
             else:
-                inner = Writer(codec)
+                inner = Writer()
                 inner.namespace(value)
                 w.length_prefixed(inner.data)
 
     @classmethod
-    def decode(cls, buf: Buffer, allowed: frozenset[int], message: str) -> "Parameters":
+    def decode(
+        cls, buf: Buffer, allowed: frozenset[int], message: str, p: Profile, raw: dict[int, bytes] | None = None
+    ) -> "Parameters":
+        """`raw`: filled with the undecoded value bytes of the types it holds as keys
+        (a message that gives a parameter its own meaning decodes it itself)."""
+        allowed = _scope_in(allowed, message, p)
         count = buf.pull_varint()
         if count > buf.remaining // 2:
             raise ProtocolViolation(f"{message}: {count} parameters cannot fit in the message")
@@ -323,29 +551,51 @@ class Parameters:
             if ptype > U64_MAX:
                 raise ProtocolViolation("parameter type over 2^64-1")
             spec = _PARAMETER_FIELDS.get(ptype)
+            if ptype in _SINCE_20 and not p.location_filter:
+                spec = None
             if spec is None:
                 raise ProtocolViolation(f"{message}: unknown parameter 0x{ptype:x}")
             if ptype not in allowed:
                 raise ProtocolViolation(f"{message}: parameter 0x{ptype:x} not allowed here")
             name, kind = spec
-            if name in values:
+            if name in values or (raw is not None and raw.get(ptype)):
                 raise ProtocolViolation(f"{message}: parameter 0x{ptype:x} repeated")
+            if raw is not None and ptype in raw:
+                start = buf.tell()
+                if p.location_filter and ptype == ParameterType.SUBSCRIPTION_FILTER:
+                    pull_location_filter(buf, p)
+                else:
+                    raise AssertionError(f"no raw form of parameter 0x{ptype:x}")
+                end = buf.tell()
+                buf.seek(start)
+                raw[ptype] = buf.pull_bytes(end - start)
+                continue
             if kind == _VARINT:
                 values[name] = buf.pull_varint()
             elif kind == _UINT8:
-                raw = buf.pull_uint8()
+                byte = buf.pull_uint8()
                 if ptype == ParameterType.FORWARD:
-                    if raw > 1:
-                        raise ProtocolViolation(f"FORWARD value {raw}")
-                    values[name] = bool(raw)
+                    if byte > 1:
+                        raise ProtocolViolation(f"FORWARD value {byte}")
+                    values[name] = bool(byte)
                 elif ptype == ParameterType.GROUP_ORDER:
-                    if raw not in (1, 2):
-                        raise ProtocolViolation(f"GROUP_ORDER value {raw}")
-                    values[name] = GroupOrder(raw)
+                    if byte not in (1, 2):
+                        raise ProtocolViolation(f"GROUP_ORDER value {byte}")
+                    values[name] = GroupOrder(byte)
+                elif ptype == ParameterType.INCLUDE_PROPERTIES:
+                    if byte > 1:
+                        raise ProtocolViolation(f"INCLUDE_PROPERTIES value {byte}")
+                    values[name] = bool(byte)
                 else:
-                    values[name] = raw
+                    values[name] = byte
             elif kind == _LOCATION:
                 values[name] = pull_location(buf)
+            elif kind == _FILTER and p.location_filter:
+                values[name] = location_to_subscription_filter(pull_location_filter(buf, p))
+            elif kind == _FILL:
+                values[name] = Fill.decode(buf, p)
+            elif kind == _NAMESPACE and p.bare_namespace_prefix:
+                values[name] = pull_namespace(buf)
             else:
                 raw_value = buf.pull_view(buf.pull_varint())
                 if kind == _TOKEN:
@@ -432,7 +682,31 @@ SCOPE_TRACK_STATUS_OK = _scope(P.LARGEST_OBJECT)
 del P
 
 
-def _check_parameters(parameters: Parameters, allowed: frozenset[int], message: str) -> None:
+# What draft-20 allows beyond draft-18, by message (PUBLISH_OK, a REQUEST_OK, carries
+# only EXPIRES there: the session sends the rest in a REQUEST_UPDATE).
+P = ParameterType
+_SUBSCRIBE_20 = _scope(P.FILL_PARAMETERS, P.INCLUDE_PROPERTIES)
+_SCOPE_ADDED_20: dict[str, frozenset[int]] = {
+    "SUBSCRIBE": _SUBSCRIBE_20,
+    "PUBLISH": _scope(P.OBJECT_DELIVERY_TIMEOUT, P.SUBGROUP_DELIVERY_TIMEOUT, P.SUBSCRIBER_PRIORITY,
+                      P.SUBSCRIPTION_FILTER, P.GROUP_ORDER),
+    "FETCH": _scope(P.INCLUDE_PROPERTIES),
+    "TRACK_STATUS": _scope(P.INCLUDE_PROPERTIES),
+    "SUBSCRIBE_TRACKS": _SCOPE_SUBSCRIBE | _SUBSCRIBE_20,
+    "REQUEST_UPDATE": _scope(P.FILL_PARAMETERS),
+}
+del P
+
+
+def _scope_in(allowed: frozenset[int], message: str, p: Profile) -> frozenset[int]:
+    """A message's parameter scope in the profile's draft."""
+    if not p.location_filter:
+        return allowed
+    return allowed | _SCOPE_ADDED_20.get(message, frozenset())
+
+
+def _check_parameters(parameters: Parameters, allowed: frozenset[int], message: str, p: Profile) -> None:
+    allowed = _scope_in(allowed, message, p)
     for ptype in parameters.types():
         if ptype not in allowed:
             raise ValueError(f"{message} may not carry parameter 0x{ptype:x}")
@@ -451,17 +725,16 @@ class Message:
 
     def encode(self, draft: int = DRAFT) -> bytes:
         """The framed message: Type, 16-bit Length, payload."""
-        if draft != 18:
-            raise NotImplementedError(f"no codec for draft-{draft}")
+        p = profile(draft)
         w = Writer(VI64)
-        self._encode18(w)
-        return frame_message(VI64, _TYPE_OF[18][type(self)], self.NAME, w.data)
+        self._encode18(w, p)
+        return frame_message(VI64, _TYPE_OF[draft][type(self)], self.NAME, w.data)
 
-    def _encode18(self, w: Writer) -> None:
+    def _encode18(self, w: Writer, p: Profile) -> None:
         raise NotImplementedError
 
     @classmethod
-    def _decode18(cls, buf: Buffer) -> "Message":
+    def _decode18(cls, buf: Buffer, p: Profile) -> "Message":
         raise NotImplementedError
 
 
@@ -510,7 +783,7 @@ class Setup(Message):
     implementation: str | None = None
     unknown_options: Properties = ()
 
-    def _encode18(self, w: Writer) -> None:
+    def _encode18(self, w: Writer, p: Profile) -> None:
         options: list[Property] = []
         if self.path is not None:
             options.append((SetupOption.PATH, self.path.encode("utf-8")))
@@ -527,7 +800,7 @@ class Setup(Message):
         encode_properties(w, tuple(options))
 
     @classmethod
-    def _decode18(cls, buf: Buffer) -> "Setup":
+    def _decode18(cls, buf: Buffer, p: Profile) -> "Setup":
         options = decode_properties(buf, buf.end)
         values: dict[str, Any] = {}
         tokens = []
@@ -560,17 +833,17 @@ class Goaway(Message):
     timeout_ms: int = 0
     request_id: int | None = None
 
-    def _encode18(self, w: Writer) -> None:
+    def _encode18(self, w: Writer, p: Profile) -> None:
         _put_goaway_uri(w, self.new_session_uri)
         w.varint(self.timeout_ms)
-        if self.request_id is not None:
+        if self.request_id is not None and p.goaway_request_id:
             w.varint(self.request_id)
 
     @classmethod
-    def _decode18(cls, buf: Buffer) -> "Goaway":
+    def _decode18(cls, buf: Buffer, p: Profile) -> "Goaway":
         uri = _pull_goaway_uri(buf)
         timeout = buf.pull_varint()
-        request_id = None if buf.eof() else buf.pull_varint()
+        request_id = None if buf.eof() or not p.goaway_request_id else buf.pull_varint()
         return cls(uri, timeout, request_id)
 
 
@@ -584,19 +857,19 @@ class Subscribe(Message):
     track_name: bytes
     parameters: Parameters = _NO_PARAMETERS
 
-    def _encode18(self, w: Writer) -> None:
+    def _encode18(self, w: Writer, p: Profile) -> None:
         check_full_track_name(self.namespace, self.track_name)
-        _check_parameters(self.parameters, _SCOPE_SUBSCRIBE, self.NAME)
+        _check_parameters(self.parameters, _SCOPE_SUBSCRIBE, self.NAME, p)
         w.varint(self.request_id)
         w.namespace(self.namespace)
         w.track_name(self.track_name)
-        self.parameters.encode(w)
+        self.parameters.encode(w, p)
 
     @classmethod
-    def _decode18(cls, buf: Buffer) -> "Subscribe":
+    def _decode18(cls, buf: Buffer, p: Profile) -> "Subscribe":
         request_id = buf.pull_varint()
         namespace, name = pull_full_track_name(buf)
-        return cls(request_id, namespace, name, Parameters.decode(buf, _SCOPE_SUBSCRIBE, cls.NAME))
+        return cls(request_id, namespace, name, Parameters.decode(buf, _SCOPE_SUBSCRIBE, cls.NAME, p))
 
 
 @dataclass(frozen=True, slots=True)
@@ -608,16 +881,16 @@ class SubscribeOk(Message):
     parameters: Parameters = _NO_PARAMETERS
     track_properties: Properties = ()
 
-    def _encode18(self, w: Writer) -> None:
-        _check_parameters(self.parameters, _SCOPE_SUBSCRIBE_OK, self.NAME)
+    def _encode18(self, w: Writer, p: Profile) -> None:
+        _check_parameters(self.parameters, _SCOPE_SUBSCRIBE_OK, self.NAME, p)
         w.varint(self.track_alias)
-        self.parameters.encode(w)
+        self.parameters.encode(w, p)
         encode_properties(w, self.track_properties)
 
     @classmethod
-    def _decode18(cls, buf: Buffer) -> "SubscribeOk":
+    def _decode18(cls, buf: Buffer, p: Profile) -> "SubscribeOk":
         alias = buf.pull_varint()
-        parameters = Parameters.decode(buf, _SCOPE_SUBSCRIBE_OK, cls.NAME)
+        parameters = Parameters.decode(buf, _SCOPE_SUBSCRIBE_OK, cls.NAME, p)
         properties = decode_properties(buf, buf.end)
         _check_track_properties(properties)
         return cls(alias, parameters, properties)
@@ -635,22 +908,22 @@ class Publish(Message):
     parameters: Parameters = _NO_PARAMETERS
     track_properties: Properties = ()
 
-    def _encode18(self, w: Writer) -> None:
+    def _encode18(self, w: Writer, p: Profile) -> None:
         check_full_track_name(self.namespace, self.track_name)
-        _check_parameters(self.parameters, _SCOPE_PUBLISH, self.NAME)
+        _check_parameters(self.parameters, _SCOPE_PUBLISH, self.NAME, p)
         w.varint(self.request_id)
         w.namespace(self.namespace)
         w.track_name(self.track_name)
         w.varint(self.track_alias)
-        self.parameters.encode(w)
+        self.parameters.encode(w, p)
         encode_properties(w, self.track_properties)
 
     @classmethod
-    def _decode18(cls, buf: Buffer) -> "Publish":
+    def _decode18(cls, buf: Buffer, p: Profile) -> "Publish":
         request_id = buf.pull_varint()
         namespace, name = pull_full_track_name(buf)
         alias = buf.pull_varint()
-        parameters = Parameters.decode(buf, _SCOPE_PUBLISH, cls.NAME)
+        parameters = Parameters.decode(buf, _SCOPE_PUBLISH, cls.NAME, p)
         properties = decode_properties(buf, buf.end)
         _check_track_properties(properties)
         return cls(request_id, namespace, name, alias, parameters, properties)
@@ -665,13 +938,13 @@ class PublishDone(Message):
     stream_count: int
     reason: str = ""
 
-    def _encode18(self, w: Writer) -> None:
+    def _encode18(self, w: Writer, p: Profile) -> None:
         w.varint(self.status_code)
         w.varint(self.stream_count)
         w.reason(self.reason)
 
     @classmethod
-    def _decode18(cls, buf: Buffer) -> "PublishDone":
+    def _decode18(cls, buf: Buffer, p: Profile) -> "PublishDone":
         status = buf.pull_varint()
         count = buf.pull_varint()
         return cls(status, count, pull_reason(buf))
@@ -703,9 +976,20 @@ class Fetch(Message):
         if not standalone and (any(j is None for j in joining) or any(p is not None for p in parts)):
             raise ValueError("a joining FETCH has joining fields only")
 
-    def _encode18(self, w: Writer) -> None:
-        _check_parameters(self.parameters, _SCOPE_FETCH, self.NAME)
+    def _encode18(self, w: Writer, p: Profile) -> None:
+        _check_parameters(self.parameters, _SCOPE_FETCH, self.NAME, p)
         w.varint(self.request_id)
+        if p.location_filter:
+            # Draft-20: standalone only, its range in LOCATION_FILTER, inclusive.
+            if self.fetch_type != FetchType.STANDALONE:
+                raise ValueError(f"draft-{p.draft} has no joining FETCH (FILL_PARAMETERS replaces it)")
+            check_full_track_name(self.namespace, self.track_name)  # type: ignore[arg-type]
+            w.namespace(self.namespace)  # type: ignore[arg-type]
+            w.track_name(self.track_name)  # type: ignore[arg-type]
+            lf = Writer()
+            put_location_filter(lf, range_to_location_filter(self.start, self.end), p)  # type: ignore[arg-type]
+            self.parameters.encode(w, p, {int(ParameterType.SUBSCRIPTION_FILTER): bytes(lf.data)})
+            return
         w.varint(self.fetch_type)
         if self.fetch_type == FetchType.STANDALONE:
             check_full_track_name(self.namespace, self.track_name)  # type: ignore[arg-type]
@@ -716,11 +1000,19 @@ class Fetch(Message):
         else:
             w.varint(self.joining_request_id)  # type: ignore[arg-type]
             w.varint(self.joining_start)  # type: ignore[arg-type]
-        self.parameters.encode(w)
+        self.parameters.encode(w, p)
 
     @classmethod
-    def _decode18(cls, buf: Buffer) -> "Fetch":
+    def _decode18(cls, buf: Buffer, p: Profile) -> "Fetch":
         request_id = buf.pull_varint()
+        if p.location_filter:
+            namespace, name = pull_full_track_name(buf)
+            raw: dict[int, bytes] = {int(ParameterType.SUBSCRIPTION_FILTER): b""}
+            parameters = Parameters.decode(buf, _SCOPE_FETCH | {ParameterType.SUBSCRIPTION_FILTER}, cls.NAME, p, raw)
+            start, end = Location(0, 0), OPEN_END
+            if raw[ParameterType.SUBSCRIPTION_FILTER]:
+                start, end = location_filter_to_range(pull_location_filter(Buffer(raw[ParameterType.SUBSCRIPTION_FILTER]), p))
+            return cls(request_id, FetchType.STANDALONE, namespace, name, start, end, parameters=parameters)
         raw_type = buf.pull_varint()
         if raw_type not in (1, 2, 3):
             raise ProtocolViolation(f"unknown fetch type {raw_type}")
@@ -729,11 +1021,11 @@ class Fetch(Message):
             namespace, name = pull_full_track_name(buf)
             start = pull_location(buf)
             end = pull_location(buf)
-            parameters = Parameters.decode(buf, _SCOPE_FETCH, cls.NAME)
+            parameters = Parameters.decode(buf, _SCOPE_FETCH, cls.NAME, p)
             return cls(request_id, fetch_type, namespace, name, start, end, parameters=parameters)
         joining_id = buf.pull_varint()
         joining_start = buf.pull_varint()
-        parameters = Parameters.decode(buf, _SCOPE_FETCH, cls.NAME)
+        parameters = Parameters.decode(buf, _SCOPE_FETCH, cls.NAME, p)
         return cls(
             request_id,
             fetch_type,
@@ -753,20 +1045,22 @@ class FetchOk(Message):
     parameters: Parameters = _NO_PARAMETERS
     track_properties: Properties = ()
 
-    def _encode18(self, w: Writer) -> None:
-        _check_parameters(self.parameters, _SCOPE_FETCH_OK, self.NAME)
+    def _encode18(self, w: Writer, p: Profile) -> None:
+        _check_parameters(self.parameters, _SCOPE_FETCH_OK, self.NAME, p)
         w.uint8(1 if self.end_of_track else 0)
-        w.location(self.end_location)
-        self.parameters.encode(w)
+        w.location(exclusive_end_to_inclusive(self.end_location) if p.location_filter else self.end_location)
+        self.parameters.encode(w, p)
         encode_properties(w, self.track_properties)
 
     @classmethod
-    def _decode18(cls, buf: Buffer) -> "FetchOk":
+    def _decode18(cls, buf: Buffer, p: Profile) -> "FetchOk":
         raw = buf.pull_uint8()
         if raw > 1:
             raise ProtocolViolation(f"FETCH_OK End Of Track value {raw}")
         end = pull_location(buf)
-        parameters = Parameters.decode(buf, _SCOPE_FETCH_OK, cls.NAME)
+        if p.location_filter:
+            end = inclusive_end_to_exclusive(end)
+        parameters = Parameters.decode(buf, _SCOPE_FETCH_OK, cls.NAME, p)
         properties = decode_properties(buf, buf.end)
         _check_track_properties(properties)
         return cls(bool(raw), end, parameters, properties)
@@ -782,19 +1076,19 @@ class TrackStatus(Message):
     track_name: bytes
     parameters: Parameters = _NO_PARAMETERS
 
-    def _encode18(self, w: Writer) -> None:
+    def _encode18(self, w: Writer, p: Profile) -> None:
         check_full_track_name(self.namespace, self.track_name)
-        _check_parameters(self.parameters, _SCOPE_TRACK_STATUS, self.NAME)
+        _check_parameters(self.parameters, _SCOPE_TRACK_STATUS, self.NAME, p)
         w.varint(self.request_id)
         w.namespace(self.namespace)
         w.track_name(self.track_name)
-        self.parameters.encode(w)
+        self.parameters.encode(w, p)
 
     @classmethod
-    def _decode18(cls, buf: Buffer) -> "TrackStatus":
+    def _decode18(cls, buf: Buffer, p: Profile) -> "TrackStatus":
         request_id = buf.pull_varint()
         namespace, name = pull_full_track_name(buf)
-        return cls(request_id, namespace, name, Parameters.decode(buf, _SCOPE_TRACK_STATUS, cls.NAME))
+        return cls(request_id, namespace, name, Parameters.decode(buf, _SCOPE_TRACK_STATUS, cls.NAME, p))
 
 
 @dataclass(frozen=True, slots=True)
@@ -806,17 +1100,17 @@ class PublishNamespace(Message):
     namespace: TrackNamespace
     parameters: Parameters = _NO_PARAMETERS
 
-    def _encode18(self, w: Writer) -> None:
-        _check_parameters(self.parameters, _SCOPE_NAMESPACE_REQUEST, self.NAME)
+    def _encode18(self, w: Writer, p: Profile) -> None:
+        _check_parameters(self.parameters, _SCOPE_NAMESPACE_REQUEST, self.NAME, p)
         w.varint(self.request_id)
         w.namespace(self.namespace)
-        self.parameters.encode(w)
+        self.parameters.encode(w, p)
 
     @classmethod
-    def _decode18(cls, buf: Buffer) -> "PublishNamespace":
+    def _decode18(cls, buf: Buffer, p: Profile) -> "PublishNamespace":
         request_id = buf.pull_varint()
         namespace = pull_namespace(buf)
-        return cls(request_id, namespace, Parameters.decode(buf, _SCOPE_NAMESPACE_REQUEST, cls.NAME))
+        return cls(request_id, namespace, Parameters.decode(buf, _SCOPE_NAMESPACE_REQUEST, cls.NAME, p))
 
 
 @dataclass(frozen=True, slots=True)
@@ -828,17 +1122,17 @@ class SubscribeNamespace(Message):
     namespace_prefix: TrackNamespace
     parameters: Parameters = _NO_PARAMETERS
 
-    def _encode18(self, w: Writer) -> None:
-        _check_parameters(self.parameters, _SCOPE_NAMESPACE_REQUEST, self.NAME)
+    def _encode18(self, w: Writer, p: Profile) -> None:
+        _check_parameters(self.parameters, _SCOPE_NAMESPACE_REQUEST, self.NAME, p)
         w.varint(self.request_id)
         w.namespace(self.namespace_prefix)
-        self.parameters.encode(w)
+        self.parameters.encode(w, p)
 
     @classmethod
-    def _decode18(cls, buf: Buffer) -> "SubscribeNamespace":
+    def _decode18(cls, buf: Buffer, p: Profile) -> "SubscribeNamespace":
         request_id = buf.pull_varint()
         prefix = pull_namespace(buf)
-        return cls(request_id, prefix, Parameters.decode(buf, _SCOPE_NAMESPACE_REQUEST, cls.NAME))
+        return cls(request_id, prefix, Parameters.decode(buf, _SCOPE_NAMESPACE_REQUEST, cls.NAME, p))
 
 
 @dataclass(frozen=True, slots=True)
@@ -850,17 +1144,17 @@ class SubscribeTracks(Message):
     namespace_prefix: TrackNamespace
     parameters: Parameters = _NO_PARAMETERS
 
-    def _encode18(self, w: Writer) -> None:
-        _check_parameters(self.parameters, _SCOPE_SUBSCRIBE_TRACKS, self.NAME)
+    def _encode18(self, w: Writer, p: Profile) -> None:
+        _check_parameters(self.parameters, _SCOPE_SUBSCRIBE_TRACKS, self.NAME, p)
         w.varint(self.request_id)
         w.namespace(self.namespace_prefix)
-        self.parameters.encode(w)
+        self.parameters.encode(w, p)
 
     @classmethod
-    def _decode18(cls, buf: Buffer) -> "SubscribeTracks":
+    def _decode18(cls, buf: Buffer, p: Profile) -> "SubscribeTracks":
         request_id = buf.pull_varint()
         prefix = pull_namespace(buf)
-        return cls(request_id, prefix, Parameters.decode(buf, _SCOPE_SUBSCRIBE_TRACKS, cls.NAME))
+        return cls(request_id, prefix, Parameters.decode(buf, _SCOPE_SUBSCRIBE_TRACKS, cls.NAME, p))
 
 
 @dataclass(frozen=True, slots=True)
@@ -870,11 +1164,11 @@ class Namespace(Message):
     NAME: ClassVar[str] = "NAMESPACE"
     namespace_suffix: TrackNamespace
 
-    def _encode18(self, w: Writer) -> None:
+    def _encode18(self, w: Writer, p: Profile) -> None:
         w.namespace(self.namespace_suffix)
 
     @classmethod
-    def _decode18(cls, buf: Buffer) -> "Namespace":
+    def _decode18(cls, buf: Buffer, p: Profile) -> "Namespace":
         return cls(pull_namespace(buf))
 
 
@@ -885,11 +1179,11 @@ class NamespaceDone(Message):
     NAME: ClassVar[str] = "NAMESPACE_DONE"
     namespace_suffix: TrackNamespace
 
-    def _encode18(self, w: Writer) -> None:
+    def _encode18(self, w: Writer, p: Profile) -> None:
         w.namespace(self.namespace_suffix)
 
     @classmethod
-    def _decode18(cls, buf: Buffer) -> "NamespaceDone":
+    def _decode18(cls, buf: Buffer, p: Profile) -> "NamespaceDone":
         return cls(pull_namespace(buf))
 
 
@@ -901,13 +1195,13 @@ class PublishBlocked(Message):
     namespace_suffix: TrackNamespace
     track_name: bytes
 
-    def _encode18(self, w: Writer) -> None:
+    def _encode18(self, w: Writer, p: Profile) -> None:
         check_full_track_name(self.namespace_suffix, self.track_name)
         w.namespace(self.namespace_suffix)
         w.track_name(self.track_name)
 
     @classmethod
-    def _decode18(cls, buf: Buffer) -> "PublishBlocked":
+    def _decode18(cls, buf: Buffer, p: Profile) -> "PublishBlocked":
         suffix, name = pull_full_track_name(buf)
         return cls(suffix, name)
 
@@ -920,15 +1214,15 @@ class RequestUpdate(Message):
     request_id: int
     parameters: Parameters = _NO_PARAMETERS
 
-    def _encode18(self, w: Writer) -> None:
-        _check_parameters(self.parameters, _SCOPE_REQUEST_UPDATE, self.NAME)
+    def _encode18(self, w: Writer, p: Profile) -> None:
+        _check_parameters(self.parameters, _SCOPE_REQUEST_UPDATE, self.NAME, p)
         w.varint(self.request_id)
-        self.parameters.encode(w)
+        self.parameters.encode(w, p)
 
     @classmethod
-    def _decode18(cls, buf: Buffer) -> "RequestUpdate":
+    def _decode18(cls, buf: Buffer, p: Profile) -> "RequestUpdate":
         request_id = buf.pull_varint()
-        return cls(request_id, Parameters.decode(buf, _SCOPE_REQUEST_UPDATE, cls.NAME))
+        return cls(request_id, Parameters.decode(buf, _SCOPE_REQUEST_UPDATE, cls.NAME, p))
 
 
 @dataclass(frozen=True, slots=True)
@@ -940,14 +1234,14 @@ class RequestOk(Message):
     parameters: Parameters = _NO_PARAMETERS
     track_properties: Properties = ()
 
-    def _encode18(self, w: Writer) -> None:
-        _check_parameters(self.parameters, _SCOPE_REQUEST_OK, self.NAME)
-        self.parameters.encode(w)
+    def _encode18(self, w: Writer, p: Profile) -> None:
+        _check_parameters(self.parameters, _SCOPE_REQUEST_OK, self.NAME, p)
+        self.parameters.encode(w, p)
         encode_properties(w, self.track_properties)
 
     @classmethod
-    def _decode18(cls, buf: Buffer) -> "RequestOk":
-        parameters = Parameters.decode(buf, _SCOPE_REQUEST_OK, cls.NAME)
+    def _decode18(cls, buf: Buffer, p: Profile) -> "RequestOk":
+        parameters = Parameters.decode(buf, _SCOPE_REQUEST_OK, cls.NAME, p)
         properties = decode_properties(buf, buf.end)
         _check_track_properties(properties)
         return cls(parameters, properties)
@@ -972,7 +1266,7 @@ class RequestErrorMessage(Message):
     reason: str = ""
     redirect: Redirect | None = None
 
-    def _encode18(self, w: Writer) -> None:
+    def _encode18(self, w: Writer, p: Profile) -> None:
         is_redirect = self.error_code == RequestErrorCode.REDIRECT
         if is_redirect != (self.redirect is not None):
             raise ValueError("a Redirect goes with the REDIRECT code, and only with it")
@@ -986,7 +1280,7 @@ class RequestErrorMessage(Message):
             w.track_name(self.redirect.track_name)
 
     @classmethod
-    def _decode18(cls, buf: Buffer) -> "RequestErrorMessage":
+    def _decode18(cls, buf: Buffer, p: Profile) -> "RequestErrorMessage":
         code = buf.pull_varint()
         retry = buf.pull_varint()
         reason = pull_reason(buf)
@@ -1000,6 +1294,25 @@ class RequestErrorMessage(Message):
             redirect = Redirect(uri, namespace, name)
         return cls(code, retry, reason, redirect)
 
+
+@dataclass(frozen=True, slots=True)
+class PublishStateNotify(Message):
+    """PUBLISH_STATE_NOTIFY (0x22, draft-20+): the publisher changed a subscription's
+    Forward, filter or Largest Object itself; never answered."""
+
+    NAME: ClassVar[str] = "PUBLISH_STATE_NOTIFY"
+    parameters: Parameters = _NO_PARAMETERS
+
+    def _encode18(self, w: Writer, p: Profile) -> None:
+        _check_parameters(self.parameters, _SCOPE_PUBLISH_STATE_NOTIFY, self.NAME, p)
+        self.parameters.encode(w, p)
+
+    @classmethod
+    def _decode18(cls, buf: Buffer, p: Profile) -> "PublishStateNotify":
+        return cls(Parameters.decode(buf, _SCOPE_PUBLISH_STATE_NOTIFY, cls.NAME, p))
+
+
+_SCOPE_PUBLISH_STATE_NOTIFY = _scope(ParameterType.LARGEST_OBJECT, ParameterType.FORWARD, ParameterType.SUBSCRIPTION_FILTER)
 
 MESSAGE_TYPES: dict[int, dict[int, type[Message]]] = {
     18: {
@@ -1023,6 +1336,7 @@ MESSAGE_TYPES: dict[int, dict[int, type[Message]]] = {
         0x5: RequestErrorMessage,
     }
 }
+MESSAGE_TYPES[20] = MESSAGE_TYPES[22] = {**MESSAGE_TYPES[18], 0x22: PublishStateNotify}
 _TYPE_OF: dict[int, dict[type[Message], int]] = {
     draft: {cls: mtype for mtype, cls in table.items()} for draft, table in MESSAGE_TYPES.items()
 }
@@ -1049,7 +1363,8 @@ def _decode_payload(mtype: int, payload: Buffer, draft: int) -> Message:
     cls = MESSAGE_TYPES[draft].get(mtype)
     if cls is None:
         raise ProtocolViolation(f"unknown message type 0x{mtype:x}")
-    return decode_checked(cls.NAME, payload, cls._decode18)
+    p = profile(draft)
+    return decode_checked(cls.NAME, payload, lambda buf: cls._decode18(buf, p))
 
 
 

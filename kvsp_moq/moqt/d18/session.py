@@ -46,7 +46,7 @@ Interpretations of points the draft leaves open:
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterable
 
 from .. import events as ev
@@ -61,6 +61,7 @@ from ..engine import (
 from ..errors import (
     DuplicateTrackAlias,
     InvalidRequestId,
+    NotSupported,
     ProtocolViolation,
     PublishDoneCode,
     RequestErrorCode,
@@ -82,6 +83,7 @@ from ..wire import (
     GroupOrder,
     Location,
     Properties,
+    SubscriptionFilter,
     TrackNamespace,
     TrackPropertyType,
     mandatory_properties,
@@ -106,7 +108,9 @@ from .messages import (
     ControlStreamParser,
     Fetch,
     FetchOk,
+    Fill,
     Goaway,
+    LocationFilterType,
     Message,
     Namespace,
     NamespaceDone,
@@ -126,6 +130,7 @@ from .messages import (
     SubscribeTracks,
     TrackStatus,
 )
+from .profiles import profile
 
 __all__ = ["MoqtSession"]
 
@@ -173,6 +178,40 @@ class _Request(RequestState):
 
 
 
+@dataclass(eq=False)
+class _Fill(RequestState):
+    """A draft-20+ fill: FILL_PARAMETERS on a peer's SUBSCRIBE (or REQUEST_UPDATE),
+    served as the joining FETCH it replaces. It has no stream of its own and no answer
+    (no FETCH_OK; a refusal sends nothing, or resets the fetch stream); its fetch stream
+    carries the Request ID of the message that asked for it (`wire_id`)."""
+
+    wire_id: int = field(kw_only=True)
+
+
+#: Fills are kept under IDs no peer request can have.
+_FILL_ID_BASE = 1 << 64
+
+
+def _fill_as_joining(fill: Fill, subscription: SubscriptionFilter | None) -> tuple[FetchType, int] | None:
+    """The joining FETCH a fill amounts to: its type and Joining Start, or None when its
+    range is empty (it starts after the Largest Object). The range ends at the Largest
+    Object, as a joining FETCH's does; a start object other than 0 widens to its group."""
+    if fill.location_filter is not None:
+        kind, values = fill.location_filter
+        if kind == LocationFilterType.NEXT_OBJECT or (kind == LocationFilterType.RELATIVE_START and values[0] == 0):
+            return None
+        if kind == LocationFilterType.RELATIVE_START:
+            return FetchType.RELATIVE_JOINING, values[0] - 1
+        if kind == LocationFilterType.NONE:
+            return FetchType.ABSOLUTE_JOINING, 0
+        return FetchType.ABSOLUTE_JOINING, values[0]
+    if subscription is None:
+        return FetchType.ABSOLUTE_JOINING, 0
+    if subscription.start is None:  # Next Group Start, Largest Object: nothing before them
+        return None
+    return FetchType.ABSOLUTE_JOINING, subscription.start.group
+
+
 class MoqtSession(SessionBase):
     """The MOQT state of one QUIC connection.
 
@@ -198,8 +237,7 @@ class MoqtSession(SessionBase):
         accept_path: Iterable[str] | None = None,
         accept_authority: Iterable[str] | None = None,
     ) -> None:
-        if draft != 18:
-            raise NotImplementedError(f"draft-{draft} is not implemented")
+        self.profile = profile(draft)
         super().__init__(
             quic,
             is_client=is_client,
@@ -294,7 +332,11 @@ class MoqtSession(SessionBase):
                 raise ProtocolViolation("control stream closed")
             self._on_control_data(bytes(prefix), out)
             return
-        parser = DataStreamParser(max_object_size=self.max_object_size, fetch_group_order=self._fetch_order_of)
+        parser = DataStreamParser(
+            max_object_size=self.max_object_size,
+            fetch_group_order=self._fetch_order_of,
+            timed_out_range=self.profile.timed_out_range,
+        )
         data_stream = IncomingDataStream(parser)
         self._incoming_data[sid] = data_stream
         if self.peer_setup is None:
@@ -391,6 +433,8 @@ class MoqtSession(SessionBase):
 
         if isinstance(message, Subscribe):
             out.append(ev.SubscribeReceived(request_id, message.namespace, message.track_name, parameters, tokens))
+            if parameters.fill is not None:
+                self._open_fill(request, parameters.fill, request_id, tokens, out)
         elif isinstance(message, Publish):
             unsupported = mandatory_properties(message.track_properties)
             other = self._aliases_in.get(message.track_alias)
@@ -426,6 +470,39 @@ class MoqtSession(SessionBase):
             out.append(ev.SubscribeNamespaceReceived(request_id, message.namespace_prefix, parameters, tokens))
         elif isinstance(message, SubscribeTracks):
             out.append(ev.SubscribeTracksReceived(request_id, message.namespace_prefix, parameters, tokens))
+
+    def _open_fill(
+        self, joined: RequestState, fill: Fill, wire_id: int, tokens: tuple, out: list[ev.MoqtEvent]
+    ) -> None:
+        """Serve a fill as the joining FETCH it replaces (held until the SUBSCRIBE is
+        answered, like one); the layer above sees a FetchReceived."""
+        joining = _fill_as_joining(fill, joined.parameters.subscription_filter)
+        if joining is None:
+            return
+        fetch_type, joining_start = joining
+        internal = _FILL_ID_BASE + wire_id
+        parameters = Parameters(
+            subscriber_priority=fill.subscriber_priority,
+            group_order=fill.group_order or joined.parameters.group_order,
+        )
+        message = Fetch(internal, fetch_type, joining_request_id=joined.request_id, joining_start=joining_start,
+                        parameters=parameters)
+        request = _Fill(internal, Fetch, False, parameters, wire_id=wire_id)
+        self._requests[internal] = request  # type: ignore[assignment]
+        self._on_fetch_request(request, message, tokens, out)
+
+    def _wire_id(self, request: RequestState) -> int:
+        return request.wire_id if isinstance(request, _Fill) else request.request_id
+
+    def _end_fill(self, request: _Fill, error_code: int | None = None) -> None:
+        """A fill is over: reset its stream when it failed, and forget it."""
+        request.answered = request.closed = True
+        if error_code is not None:
+            for sid in list(request.open_data_streams):
+                if sid in self._outgoing_data:
+                    self.reset_data_stream(sid, error_code)
+        if not request.open_data_streams:
+            self._requests.pop(request.request_id, None)
 
     def _on_request_message(self, request: _Request, message: Message, out: list[ev.MoqtEvent]) -> None:
         if request.closed:
@@ -568,6 +645,8 @@ class MoqtSession(SessionBase):
         if request.local and request.kind is not Publish:
             raise ProtocolViolation(f"REQUEST_UPDATE from the responder of {request.kind.NAME}")
         allowed = _UPDATE_SCOPE.get(request.kind, frozenset())
+        if self.profile.location_filter and request.kind in (Subscribe, Publish):
+            allowed = allowed | {0x23}
         for ptype in message.parameters.types():
             if ptype not in allowed:
                 raise ProtocolViolation(f"REQUEST_UPDATE of {request.kind.NAME} with parameter 0x{ptype:x}")
@@ -576,6 +655,8 @@ class MoqtSession(SessionBase):
         self._update_parameters[message.request_id] = message.parameters
         tokens = self._resolve_tokens(message.parameters.authorization_tokens)
         out.append(ev.RequestUpdateReceived(message.request_id, request.request_id, message.parameters, tokens))
+        if message.parameters.fill is not None and request.kind is Subscribe and not request.local:
+            self._open_fill(request, message.parameters.fill, message.request_id, tokens, out)
 
     def _on_request_fin(self, request: _Request, out: list[ev.MoqtEvent]) -> None:
         request.fin_received = True
@@ -592,6 +673,9 @@ class MoqtSession(SessionBase):
             # SUBSCRIBE_TRACKS; for PUBLISH_NAMESPACE it withdraws the namespace; a
             # PUBLISH ended without PUBLISH_DONE is over too.
             cancels = kind in (SubscribeNamespace, SubscribeTracks, PublishNamespace, Publish)
+            if not self.profile.fin_cancels_discovery:
+                # Draft-20: a FIN only ends what the requester sends; cancelling is a reset.
+                cancels = kind is Publish
         if cancels:
             request.closed = True
             out.append(ev.RequestCancelled(request.request_id, StreamResetCode.CANCELLED, request.local))
@@ -721,7 +805,10 @@ class MoqtSession(SessionBase):
     def joining_fetch(
         self, subscribe_request_id: int, joining_start: int, *, relative: bool = True, parameters: Parameters = Parameters()
     ) -> int:
-        """Send a joining FETCH for one of our subscriptions."""
+        """Send a joining FETCH for one of our subscriptions (draft-18 only: from
+        draft-20 on, FILL_PARAMETERS in the SUBSCRIBE asks for the same objects)."""
+        if self.profile.location_filter:
+            raise NotSupported(f"draft-{self.draft} has no joining FETCH")
         fetch_type = FetchType.RELATIVE_JOINING if relative else FetchType.ABSOLUTE_JOINING
         return self._open_request(
             lambda rid: Fetch(
@@ -850,8 +937,15 @@ class MoqtSession(SessionBase):
         request = self._peer_request(
             request_id, (Publish, TrackStatus, PublishNamespace, SubscribeNamespace, SubscribeTracks)
         )
+        follow_up = None
         if request.kind is Publish:
             _check_scope(parameters, SCOPE_PUBLISH_OK, "PUBLISH_OK")
+            if self.profile.publish_ok_expires_only:
+                # Draft-20: PUBLISH_OK carries EXPIRES; the subscriber's settings follow
+                # in a REQUEST_UPDATE (which has no GROUP_ORDER).
+                rest = replace(parameters, expires=None, group_order=None)
+                follow_up = rest if rest.types() else None
+                parameters = Parameters(expires=parameters.expires)
         elif request.kind is TrackStatus:
             _check_scope(parameters, SCOPE_TRACK_STATUS_OK, "TRACK_STATUS_OK")
         else:
@@ -863,6 +957,8 @@ class MoqtSession(SessionBase):
         request.answered = request.accepted = True
         if request.kind is Publish:
             request.parameters = request.parameters.merged(parameters)
+            if follow_up is not None:
+                self.request_update(request_id, follow_up)
         if final:
             request.closed = True
             self._forget_if_done(request)
@@ -915,6 +1011,13 @@ class MoqtSession(SessionBase):
     def _reject(
         self, request: _Request, error_code: int, reason: str, retry_interval: int = 0, redirect: Redirect | None = None
     ) -> None:
+        if isinstance(request, _Fill):
+            self._end_fill(request, StreamResetCode.INTERNAL_ERROR)
+            return
+        if not self.profile.joining_error_codes and error_code in (
+            RequestErrorCode.DUPLICATE_SUBSCRIPTION, RequestErrorCode.INVALID_JOINING_REQUEST_ID
+        ):
+            error_code = RequestErrorCode.INTERNAL_ERROR  # codes draft-20 removed
         request.answered = True
         request.closed = True
         message = RequestErrorMessage(error_code, retry_interval, reason, redirect)
@@ -978,6 +1081,8 @@ class MoqtSession(SessionBase):
         return subscribe.namespace, subscribe.track_name
 
     def _send_answer(self, request: RequestState, message: SubscribeOk | FetchOk) -> None:
+        if isinstance(request, _Fill):
+            return  # a fill has no FETCH_OK
         self._send_on_request(request, message)  # type: ignore[arg-type]
 
     def _send_publish_done(self, request: RequestState, status_code: int, reason: str) -> None:
@@ -987,9 +1092,15 @@ class MoqtSession(SessionBase):
         self._send_on_request(request, done, end_stream=True)  # type: ignore[arg-type]
 
     def _fetch_stream_reset(self, request: RequestState) -> None:
+        if isinstance(request, _Fill):
+            self._end_fill(request, StreamResetCode.CANCELLED)
+            return
         self._cancel(request, StreamResetCode.CANCELLED)  # type: ignore[arg-type]
 
     def _close_request(self, request: RequestState) -> None:
+        if isinstance(request, _Fill):
+            self._end_fill(request)
+            return
         request.closed = True
         self._forget_if_done(request)  # type: ignore[arg-type]
 
@@ -1000,6 +1111,10 @@ class MoqtSession(SessionBase):
     def _maybe_finish_fetch(self, request: _Request) -> None:
         """A fetch ends once it was accepted and its data stream is done."""
         if not request.accepted or request.closed:
+            return
+        if isinstance(request, _Fill):
+            if request.fetch_stream_closed and not request.open_data_streams:
+                self._end_fill(request)
             return
         if request.local:
             if request.fetch_stream_closed:
@@ -1039,6 +1154,9 @@ class MoqtSession(SessionBase):
             request.fin_received = True
 
     def _cancel(self, request: _Request, error_code: int) -> None:
+        if isinstance(request, _Fill):
+            self._end_fill(request, error_code)
+            return
         request.closed = True
         self._abort_stream(request, error_code)
         self._forget_if_done(request)

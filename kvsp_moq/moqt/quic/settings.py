@@ -141,8 +141,10 @@ class QuicSettings:
 
     def default_drafts(self, *, is_client: bool) -> tuple[int, ...]:
         """The drafts offered when none are given, most preferred first."""
-        if is_client or not self.draft14_fallback:
-            return (18,)
+        if is_client:
+            return (18,)  # what every peer in the field speaks (moq-rs: up to 19)
+        if not self.draft14_fallback:
+            return tuple(d for d in SUPPORTED_DRAFTS if d != 14)
         return SUPPORTED_DRAFTS
 
     def datagram_size_for(self, host: str) -> int:
