@@ -120,9 +120,11 @@ async def spawn(*argv: str, name: str, stderr: Path | None = None) -> AsyncItera
 
 
 @asynccontextmanager
-async def our_relay(tmp_path: Path) -> AsyncIterator[str]:
-    """Our relay as its own process (`python -m relay.service`); yields its moqt:// URL."""
-    async with spawn(sys.executable, "-m", "relay.service", "--listen", "127.0.0.1:0",
+async def our_relay(tmp_path: Path, drafts: str | None = None) -> AsyncIterator[str]:
+    """Our relay as its own process (`python -m relay.service`); yields its moqt:// URL.
+    `drafts` pins the drafts it serves ("18,14"), else it serves its default list."""
+    extra = ["--drafts", drafts] if drafts else []
+    async with spawn(sys.executable, "-m", "relay.service", "--listen", "127.0.0.1:0", *extra,
                      "--cert-dir", str(tmp_path / "relay-cert"), name="our relay",
                      stderr=tmp_path / "our-relay.log") as relay:
         line = await relay.wait_for_line("relay listening on ")
@@ -169,3 +171,46 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from agent.tiny import ensure_tiny_model
 
     return ensure_tiny_model(tmp_path_factory.getbasetemp() / "kvsp-tiny")
+
+
+# --------------------------------------------------------------------------- the matrix
+
+#: Cells of the interop matrix printed at the end of a run: (pairing, path, draft) -> results.
+_MATRIX: dict[tuple[str, str, str], list[str]] = {}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "matrix(pairing, path, draft=None): a cell of the interop matrix; the draft comes from "
+        "the test's `draft` parameter when not given",
+    )
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> object:
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    mark = item.get_closest_marker("matrix")
+    if mark is None or not (report.when == "call" or report.failed):
+        return
+    params = getattr(item, "callspec", None)
+    draft = mark.kwargs.get("draft") or (params.params.get("draft") if params else None) or "18"
+    pairing, path = mark.args
+    _MATRIX.setdefault((pairing, path, str(draft)), []).append("ok" if report.passed else "FAILED")
+
+
+def pytest_terminal_summary(terminalreporter: object) -> None:
+    if not _MATRIX:
+        return
+    rows = [("peers", "through", "draft", "result")]
+    for (pairing, path, draft), results in sorted(_MATRIX.items()):
+        failed = results.count("FAILED")
+        rows.append((pairing, path, draft, f"{len(results) - failed}/{len(results)} ok" + (" FAILED" if failed else "")))
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    write = terminalreporter.write_line  # type: ignore[attr-defined]
+    terminalreporter.section("MOQT interop matrix")  # type: ignore[attr-defined]
+    for n, row in enumerate(rows):
+        write("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+        if n == 0:
+            write("  ".join("-" * width for width in widths))

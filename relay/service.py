@@ -37,6 +37,7 @@ from kvsp_moq.allocator import tune_allocator
 from kvsp_moq.auth import Authenticator, add_token_options, token_from_args
 from kvsp_moq.errors import KvspError, SettingError
 from kvsp_moq.moqt.certs import certificate_names, client_tls, fingerprint, load_or_generate
+from kvsp_moq.moqt.drafts import parse_drafts
 from kvsp_moq.serving import INSECURE_OPEN_HELP, check_advertised, check_exposure, normalize_public_url
 from kvsp_moq.moqt.quic import new_event_loop
 from kvsp_moq.moqt.quic import run as run_loop
@@ -66,7 +67,7 @@ def parse_listen(text: str) -> tuple[str, int]:
 
 
 def configure_parser(p: argparse.ArgumentParser) -> None:
-    p.description = ("Relay MOQT (draft-18) sessions between KV block publishers and subscribers, "
+    p.description = ("Relay MOQT sessions (drafts 18, 20, 22 and 14) between KV block publishers and subscribers, "
                      "with an object cache, scope authorization and relay chaining.")
     p.add_argument("--listen", type=parse_listen, default=("127.0.0.1", DEFAULT_PORT), metavar="HOST:PORT",
                    help=f"UDP address to serve on (default 127.0.0.1:{DEFAULT_PORT})")
@@ -104,8 +105,11 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--probe-timeout", type=float, default=6.0, metavar="SECONDS",
                    help="how long a PING may go unanswered (default %(default)s)")
     p.add_argument("--no-draft14", action="store_true",
-                   help="accept only draft-18 sessions (ALPN moqt-18); by default draft-14 clients "
-                        "(ALPN moq-00) are served too")
+                   help="do not serve draft-14 clients (ALPN moq-00); by default they are served "
+                        "after drafts 18, 20 and 22")
+    p.add_argument("--drafts", type=parse_drafts, default=None, metavar="N,N,...",
+                   help="the MOQT drafts to serve, most preferred first: a client offering several "
+                        "gets the first of these it offers (default: 18,20,22,14)")
     p.add_argument("--metrics", type=parse_listen, default=None, metavar="HOST:PORT",
                    help="serve GET /metrics (Prometheus text) and GET /healthz over HTTP on this "
                         "TCP address (default: no metrics server)")
@@ -150,6 +154,8 @@ def settings_from_args(args: argparse.Namespace,
     )
     if args.no_draft14:
         settings.quic.draft14_fallback = False
+    if args.drafts is not None:
+        settings.quic.server_drafts = tuple(d for d in args.drafts if not (args.no_draft14 and d == 14))
     if args.cert:
         settings.certfile, settings.keyfile = args.cert, args.key
         try:

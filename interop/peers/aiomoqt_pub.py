@@ -78,7 +78,7 @@ async def main(a: argparse.Namespace) -> None:
         loop.add_signal_handler(sig, stop.set)
     relay = parse_relay_url(a.url)
     client = MOQTClient(relay.host, relay.port, path=relay.path or "", use_quic=True, verify_tls=False,
-                        supported_drafts=18)
+                        supported_drafts=a.draft)
     publisher = Publisher(a.track)
     client.register_handler(MOQTMessageType.SUBSCRIBE, publisher.on_subscribe)
     async with client.connect() as session:
@@ -104,5 +104,6 @@ if __name__ == "__main__":
     p.add_argument("--live", action="store_true", help="send PUBLISH_DONE only when stopped")
     p.add_argument("--pause-ms", type=float, default=0.0)
     p.add_argument("--timeout", type=float, default=60.0)
+    p.add_argument("--draft", type=int, default=18, help="the only MOQT draft offered")
     args = p.parse_args()
     asyncio.run(asyncio.wait_for(main(args), args.timeout * 2 + 10))

@@ -18,10 +18,10 @@ from aiomoqt.types import ObjectStatus
 from aiomoqt.utils.url import parse_relay_url
 
 
-async def main(url: str, namespace: str, track: str, count: int, out: str) -> None:
+async def main(url: str, namespace: str, track: str, count: int, out: str, draft: int = 18) -> None:
     relay = parse_relay_url(url)
     client = MOQTClient(relay.host, relay.port, path=relay.path or "", use_quic=True, verify_tls=False,
-                        supported_drafts=18)
+                        supported_drafts=draft)
     received: list = []
     enough = asyncio.Event()
 
@@ -52,4 +52,5 @@ async def main(url: str, namespace: str, track: str, count: int, out: str) -> No
 
 if __name__ == "__main__":
     u, ns, tr, n, o = sys.argv[1:6]
-    asyncio.run(asyncio.wait_for(main(u, ns, tr, int(n), o), 60))
+    d = int(sys.argv[sys.argv.index("--draft") + 1]) if "--draft" in sys.argv else 18
+    asyncio.run(asyncio.wait_for(main(u, ns, tr, int(n), o, d), 60))

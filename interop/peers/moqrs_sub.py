@@ -7,7 +7,7 @@ Connects to the relay at URL (moqt://host:port, no certificate check), waits for
 PATH (announced_broadcast, or request_broadcast retried), subscribes to TRACK, prints SUBSCRIBED,
 then reads groups as they arrive, each group's frames in order, and prints one JSON line per
 object: {"group", "frame", "object", "size", "ok", "timestamp_us"} (frame: its place in the
-group as read; object: the object whose payload it is byte for byte, per moqrs_common.payload
+group as read; sha256: of the payload; object: the object whose payload it is byte for byte, per moqrs_common.payload
 for OBJECTS objects per group and the frame sizes SIZES, -1 and ok false when none). It ends when
 the track ends, when N whole groups have arrived (with --groups), on an error or at the
 timeout, and prints a last line: SUMMARY {"groups", "complete_groups", "objects", "bytes",
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import os
 import sys
@@ -82,7 +83,7 @@ async def read_group(group, a: argparse.Namespace, sizes, tally: Tally, enough: 
             tally.mismatches += not ok
             tally.groups[seq] += 1
             say(json.dumps({"group": seq, "frame": o, "object": obj, "size": len(data), "ok": ok,
-                            "timestamp_us": frame.timestamp_us}))
+                            "timestamp_us": frame.timestamp_us, "sha256": hashlib.sha256(data).hexdigest()}))
             o += 1
     except Exception as e:  # noqa: BLE001 - reported, not raised
         if tally.error is None:

@@ -53,3 +53,13 @@ def session_class(draft: int) -> type[SessionBase]:
     from .d18.session import MoqtSession  # 20 and 22 too: d18.profiles
 
     return MoqtSession
+
+
+def parse_drafts(text: str) -> tuple[int, ...]:
+    """A command-line list of drafts ("18,20,22,14"), checked; argparse reports the error."""
+    import argparse
+
+    try:
+        return check_drafts(int(part) for part in text.split(",") if part.strip())
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e) if "draft" in str(e) else f"not a list of draft numbers: {text!r}") from None

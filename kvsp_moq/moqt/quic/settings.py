@@ -118,6 +118,9 @@ class QuicSettings:
         offered after "moqt-18", so a client offering both gets draft-18). Off,
         a client offering only "moq-00" fails the TLS handshake (no common ALPN).
         Clients choose with `connect(drafts=...)`.
+    server_drafts: the drafts a server accepts, in its order of preference (it
+        picks the first one the client offers); None: 18, 20, 22, then 14 (see
+        `draft14_fallback`).
     """
 
     engine: str = field(default_factory=default_engine)
@@ -138,9 +141,12 @@ class QuicSettings:
     publish_done_grace: float = 2.0
     use_uvloop: bool = True
     draft14_fallback: bool = True
+    server_drafts: tuple[int, ...] | None = None
 
     def default_drafts(self, *, is_client: bool) -> tuple[int, ...]:
         """The drafts offered when none are given, most preferred first."""
+        if not is_client and self.server_drafts is not None:
+            return check_drafts(self.server_drafts)
         if is_client:
             return (18,)  # what every peer in the field speaks (moq-rs: up to 19)
         if not self.draft14_fallback:
