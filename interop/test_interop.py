@@ -1,7 +1,8 @@
 """Interop with aiomoqt 0.13.3 over draft-18 raw QUIC, in both directions:
 
-1. aiomoqt's conformance client against our relay: the 12 default cases, then `fetch` and
-   `join`; every case must be `ok`, none skipped, none accepted only under a COMPAT tolerance.
+1. aiomoqt's conformance client against our relay, at drafts 18, 20 and 22: the 12 default
+   cases, then `fetch` and `join`; every case must be `ok`, none skipped, none accepted only
+   under a COMPAT tolerance.
 2. KV blocks through aiomoqt's relay: our BlockPublisher announces, our MoqtBlockFetcher
    fetches a stored block and subscribes to one being produced.
 3. Objects byte for byte: an aiomoqt publisher through our relay to our subscriber, and our
@@ -18,6 +19,7 @@ import secrets
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from kvsp_moq.holder.store import BlockId, BlockStore
 from kvsp_moq.moqt.quic import IncomingSubscribe, connect
@@ -50,8 +52,8 @@ def parse_tap(text: str) -> tuple[int, list[tuple[bool, str, str]]]:
     return plan, results
 
 
-async def run_interop_client(url: str, case: str | None, log: Path) -> str:
-    argv = [str(PEER_BIN / "moq-interop-client"), "--draft", "18", "--tls-disable-verify", "-r", url]
+async def run_interop_client(url: str, case: str | None, log: Path, draft: str = "18") -> str:
+    argv = [str(PEER_BIN / "moq-interop-client"), "--draft", draft, "--tls-disable-verify", "-r", url]
     if case:
         argv += ["-t", case]
     with open(log, "ab") as err:
@@ -80,21 +82,28 @@ def assert_all_ok(tap: str, expected: list[str]) -> None:
 # --------------------------------------------------------------------------- 1
 
 
-async def test_aiomoqt_conformance_client_against_our_relay(tmp_path):
+@pytest.mark.matrix("aiomoqt interop client: 12 default cases, fetch", "our relay")
+@pytest.mark.parametrize("draft", ["18", "20", "22"])
+async def test_aiomoqt_conformance_client_against_our_relay(tmp_path, draft):
     async with our_relay(tmp_path) as url:
         log = tmp_path / "interop-client.log"
-        assert_all_ok(await run_interop_client(url, None, log), STANDARD_CASES)
-        assert_all_ok(await run_interop_client(url, "fetch", log), ["fetch"])
+        tap = await run_interop_client(url, None, log, draft)
+        assert_all_ok(tap, STANDARD_CASES)
+        assert tap.count(f'moqt_version: "moqt-{draft}"') >= len(STANDARD_CASES), tap
+        assert_all_ok(await run_interop_client(url, "fetch", log, draft), ["fetch"])
 
 
-async def test_aiomoqt_conformance_client_join_against_our_relay(tmp_path):
+@pytest.mark.matrix("aiomoqt interop client: join (from 20: FILL)", "our relay")
+@pytest.mark.parametrize("draft", ["18", "20", "22"])
+async def test_aiomoqt_conformance_client_join_against_our_relay(tmp_path, draft):
     """aiomoqt sends SUBSCRIBE and its joining FETCH back to back; the relay answers the
     SUBSCRIBE from a handler task, which runs after the session has already seen the FETCH
     whenever both arrive in one batch of datagrams: the session holds the FETCH until
-    SUBSCRIBE_OK goes out. Repeated, since the order in which the two arrive varies."""
+    SUBSCRIBE_OK goes out. Repeated, since the order in which the two arrive varies. From
+    draft-20 the joining FETCH is FILL_PARAMETERS in the SUBSCRIBE, served the same way."""
     async with our_relay(tmp_path) as url:
         for _ in range(JOIN_RUNS):
-            assert_all_ok(await run_interop_client(url, "join", tmp_path / "interop-client.log"), ["join"])
+            assert_all_ok(await run_interop_client(url, "join", tmp_path / "interop-client.log", draft), ["join"])
 
 
 # --------------------------------------------------------------------------- 2
@@ -124,6 +133,7 @@ def assert_layers(got, data: bytes, first: int, last: int) -> None:
         assert bytes(layer.k) == bytes(ref.k) and bytes(layer.v) == bytes(ref.v)
 
 
+@pytest.mark.matrix("our holder -> our fetcher (KV blocks: FETCH, SUBSCRIBE)", "aiomoqt relay")
 async def test_kv_blocks_through_the_aiomoqt_relay(tmp_path):
     async with aiomoqt_relay(tmp_path) as url:
         store = BlockStore(host_bytes=64 << 20)
@@ -174,6 +184,7 @@ def payload(seed: str, group: int, obj: int, size: int) -> bytes:
     return hashlib.shake_256(f"{seed}:{group}:{obj}".encode()).digest(size)
 
 
+@pytest.mark.matrix("aiomoqt publisher -> our subscriber", "our relay")
 async def test_aiomoqt_publisher_through_our_relay_to_our_subscriber(tmp_path):
     seed, groups, objects, size = secrets.token_hex(8), 3, 6, 30_000
     namespace = f"interop/{seed}"
@@ -198,6 +209,7 @@ async def test_aiomoqt_publisher_through_our_relay_to_our_subscriber(tmp_path):
         assert sorted((x.group_id, x.object_id, x.payload) for x in got) == expected
 
 
+@pytest.mark.matrix("our publisher -> aiomoqt subscriber", "aiomoqt relay")
 async def test_our_publisher_through_aiomoqt_relay_to_aiomoqt_subscriber(tmp_path):
     seed, groups, objects, size = secrets.token_hex(8), 3, 5, 20_000
     namespace = ("interop", seed)

@@ -15,6 +15,8 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import pytest
+
 from .conftest import PEER_BIN, our_relay
 from .test_interop import JOIN_RUNS, STANDARD_CASES, assert_all_ok, parse_tap
 
@@ -67,6 +69,7 @@ def assert_default_run_ok(tap: str) -> None:
     assert_draft14(tap)
 
 
+@pytest.mark.matrix("aiomoqt interop client: 12 default cases, fetch", "our relay", draft="14")
 async def test_aiomoqt_draft14_conformance_client_against_our_relay(tmp_path):
     async with our_relay(tmp_path) as url:
         log = tmp_path / "interop-client.log"
@@ -77,6 +80,7 @@ async def test_aiomoqt_draft14_conformance_client_against_our_relay(tmp_path):
             assert_draft14(tap)
 
 
+@pytest.mark.matrix("aiomoqt interop client: join (from 20: FILL)", "our relay", draft="14")
 async def test_aiomoqt_draft14_conformance_client_join_against_our_relay(tmp_path):
     """SUBSCRIBE and its joining FETCH back to back, as in the draft-18 suite; repeated, since
     the order in which the two arrive varies."""

@@ -136,13 +136,17 @@ def assert_all_groups(received: Received, groups: range, objects: int, end_marke
 # --------------------------------------------------------------------------- 1
 
 
+@pytest.mark.matrix("moq-rs publisher -> moq-rs subscriber", "our relay")
+@pytest.mark.parametrize("draft", ["18", "14"], ids=["relay-picks-18", "relay-pinned-14"])
 @pytest.mark.parametrize("live", [False, True], ids=["track-finished", "track-live"])
-async def test_moqrs_publisher_through_our_relay_to_moqrs_subscriber(tmp_path, live):
+async def test_moqrs_publisher_through_our_relay_to_moqrs_subscriber(tmp_path, live, draft):
     """4 groups x 3 objects (16 B, 1 KiB, 64 KiB, 256 KiB cycled), byte for byte. With the
     track left live, the subscriber sees a group end only when its subgroup stream ends (FIN or
     END_OF_GROUP): a relay that keeps downstream streams open leaves every group unfinished."""
     seed, groups, objects, path = secrets.token_hex(8), 4, 3, broadcast_path()
-    async with our_relay(tmp_path) as url, spawn(
+    # moq-rs offers moqt-19 down to moq-00: our relay's own list picks 18; pinned to 14 it
+    # answers moq-00 (draft-14), the other draft both speak.
+    async with our_relay(tmp_path, None if draft == "18" else draft) as url, spawn(
             *publisher_argv(url, path, groups, objects, seed, "--wait-subscriber", *(["--live"] if live else [])),
             name="moq-rs publisher", stderr=tmp_path / "moqrs-pub.log") as pub:
         await pub.wait_for_line("READY", STEP)
@@ -154,6 +158,7 @@ async def test_moqrs_publisher_through_our_relay_to_moqrs_subscriber(tmp_path, l
         assert received.summary["ended"] in ("groups", "track ended"), received.explain()
 
 
+@pytest.mark.matrix("moq-rs publisher -> moq-rs subscriber (1 MiB objects)", "our relay")
 async def test_moqrs_one_mib_objects_back_to_back_through_our_relay(tmp_path):
     """1 MiB objects with no pause between groups, the track left live: a newer group's
     stream must not overtake the end of an older one (moq-rs drops an unfinished group when
@@ -208,6 +213,7 @@ def assert_our_objects(got: list, seed: str, groups: int, objects: int,
             (obj.group_id, obj.object_id)
 
 
+@pytest.mark.matrix("moq-rs publisher -> our subscriber", "our relay")
 async def test_moqrs_publisher_through_our_relay_to_our_subscriber(tmp_path):
     """moq-rs's broadcast path kvsp/<n>/layers is the namespace (kvsp, <n>, layers); our client
     subscribes to its track t and receives every object byte for byte, in groups 0-3."""
@@ -267,6 +273,7 @@ async def wait_sent(sent: asyncio.Event, received: Received) -> None:
         raise AssertionError(f"our publisher was never asked for the track{received.explain()}") from None
 
 
+@pytest.mark.matrix("our publisher -> moq-rs subscriber", "our relay")
 @pytest.mark.parametrize("live", [False, True], ids=["track-finished", "track-live"])
 async def test_our_publisher_through_our_relay_to_moqrs_subscriber(tmp_path, live):
     """Our publisher announces (kvsp, <n>, layers) and answers the relay's SUBSCRIBE with 4
@@ -284,6 +291,7 @@ async def test_our_publisher_through_our_relay_to_moqrs_subscriber(tmp_path, liv
 # --------------------------------------------------------------------------- 4
 
 
+@pytest.mark.matrix("moq-rs publisher -> moq-rs subscribers, one late", "our relay")
 async def test_many_groups_and_a_late_subscriber(tmp_path):
     """20 groups of 3 objects, 100 ms apart. A moq-rs subscriber from the start gets all 20,
     byte for byte; one that joins after group 8 gets every later group whole (the group in
@@ -337,6 +345,7 @@ def assert_aiomoqt_received(out: Path, seed: str, groups: int, objects: int, siz
             f"object {g}/{o}: {len(data)} octets, not the {object_size(g, o, objects, sizes)} sent{why}"
 
 
+@pytest.mark.matrix("moq-rs publisher -> aiomoqt subscriber", "our relay")
 @pytest.mark.parametrize("sizes", [DEFAULT_SIZES, MIB_SIZES], ids=["16B-256KiB", "1MiB"])
 async def test_moqrs_publisher_through_our_relay_to_aiomoqt_subscriber(tmp_path, sizes):
     """moq-rs publishes kvsp/<n>/layers; aiomoqt subscribes to (kvsp, <n>, layers)/t through our
@@ -357,6 +366,7 @@ async def test_moqrs_publisher_through_our_relay_to_aiomoqt_subscriber(tmp_path,
 # --------------------------------------------------------------------------- 6
 
 
+@pytest.mark.matrix("aiomoqt publisher -> moq-rs subscriber", "our relay")
 @pytest.mark.parametrize("sizes", [DEFAULT_SIZES, MIB_SIZES], ids=["16B-256KiB", "1MiB"])
 async def test_aiomoqt_publisher_through_our_relay_to_moqrs_subscriber(tmp_path, sizes):
     """aiomoqt announces (kvsp, <n>, layers) and sends 4 subgroup streams of 3 objects, each
@@ -378,6 +388,7 @@ async def test_aiomoqt_publisher_through_our_relay_to_moqrs_subscriber(tmp_path,
 # --------------------------------------------------------------------------- 7
 
 
+@pytest.mark.matrix("moq-rs publisher -> moq-rs subscriber", "aiomoqt relay")
 @pytest.mark.parametrize("live", [False, True], ids=["track-finished", "track-live"])
 async def test_moqrs_publisher_through_aiomoqt_relay_to_moqrs_subscriber(tmp_path, live):
     """The reference pairing without us: moq-rs to moq-rs through aiomoqt's relay
@@ -400,6 +411,7 @@ async def test_moqrs_publisher_through_aiomoqt_relay_to_moqrs_subscriber(tmp_pat
 # --------------------------------------------------------------------------- 8
 
 
+@pytest.mark.matrix("our subscriber -> moq-rs server", "direct")
 async def test_our_subscriber_against_a_moqrs_server(tmp_path):
     """moq-rs as a server (moq.Server, ALPN moqt-18): it publishes kvsp/<n>/layers itself and
     our client, connected straight to it, subscribes and reads every object byte for byte."""
@@ -412,6 +424,7 @@ async def test_our_subscriber_against_a_moqrs_server(tmp_path):
     assert_our_objects(got, seed, groups, objects)
 
 
+@pytest.mark.matrix("our publisher -> moq-rs server", "direct")
 @pytest.mark.parametrize("live", [False, True], ids=["track-finished", "track-live"])
 async def test_our_publisher_against_a_moqrs_server(tmp_path, live):
     """moq-rs as a server (moq.Server): our client connects, announces (kvsp, <n>, layers) and

@@ -569,6 +569,17 @@ def test_namespace_limits() -> None:
         d.PublishNamespaceDone(()).encode()
 
 
+def test_a_subscribe_namespace_prefix_of_no_fields_is_accepted() -> None:
+    """moq-rs subscribes to every namespace with a prefix of no fields right after SETUP; a
+    namespace of no fields anywhere else still closes the session."""
+    # SUBSCRIBE_NAMESPACE (0x11): Request ID 2, prefix of 0 fields, 0 parameters
+    assert d.decode_message(frame(0x11, bytes.fromhex("02" "00" "00"))) == d.SubscribeNamespace(2, ())
+    assert d.decode_message(frame(0x14, bytes.fromhex("00"))) == d.UnsubscribeNamespace(())
+    # PUBLISH_NAMESPACE (0x6): Request ID 2, namespace of 0 fields
+    with pytest.raises(ProtocolViolation, match="namespace of 0 fields"):
+        d.decode_message(frame(0x6, bytes.fromhex("02" "00" "00")))
+
+
 def test_unknown_types_raise() -> None:
     with pytest.raises(ProtocolViolation, match="unknown message type"):
         d.decode_message(frame(0x50, b""))

@@ -432,10 +432,10 @@ def _put_full_track_name(w: wire.Writer, namespace: TrackNamespace, name: bytes)
     w.length_prefixed(name)
 
 
-def _pull_namespace(buf: Buffer, budget: int = MAX_FULL_TRACK_NAME) -> TrackNamespace:
+def _pull_namespace(buf: Buffer, budget: int = MAX_FULL_TRACK_NAME, *, least: int = 1) -> TrackNamespace:
     count = buf.pull_varint()
-    if not 1 <= count <= MAX_NAMESPACE_FIELDS:
-        raise ProtocolViolation(f"namespace of {count} fields (1 to {MAX_NAMESPACE_FIELDS})")
+    if not least <= count <= MAX_NAMESPACE_FIELDS:
+        raise ProtocolViolation(f"namespace of {count} fields ({least} to {MAX_NAMESPACE_FIELDS})")
     parts = []
     total = 0
     for _ in range(count):
@@ -757,6 +757,10 @@ def _group_order_codec(allow_default: bool) -> _Codec:
 _VARINT: _Codec = (lambda w, v, c: w.varint(v), lambda b, c: b.pull_varint())
 _PRIORITY: _Codec = (_put_priority, lambda b, c: b.pull_uint8())
 _NAMESPACE: _Codec = (_put_checked_namespace, lambda b, c: _pull_namespace(b))
+# A namespace prefix of no fields (every namespace) is accepted, not refused as the text's
+# 1-32 bound would have it: moq-rs subscribes to every namespace that way right after SETUP
+# (on every draft it speaks), and later drafts allow it. It is never sent.
+_PREFIX: _Codec = (_put_checked_namespace, lambda b, c: _pull_namespace(b, least=0))
 _FULL_TRACK_NAME: _Codec = (lambda w, v, c: _put_full_track_name(w, *v), lambda b, c: _pull_full_track_name(b))
 _REASON: _Codec = (lambda w, v, c: w.reason(v), lambda b, c: pull_reason(b))
 _LOCATION: _Codec = (lambda w, v, c: w.location(v), lambda b, c: pull_location(b))
@@ -1437,7 +1441,7 @@ class SubscribeNamespace(Message):
 
     TYPE: ClassVar[int] = MessageType.SUBSCRIBE_NAMESPACE
     SCOPE: ClassVar[frozenset[int]] = _SCOPE_AUTH
-    FIELDS = (("request_id", _VARINT), ("namespace_prefix", _NAMESPACE), ("parameters", _PARAMETERS))
+    FIELDS = (("request_id", _VARINT), ("namespace_prefix", _PREFIX), ("parameters", _PARAMETERS))
     request_id: int
     namespace_prefix: TrackNamespace
     parameters: Parameters = _NO_PARAMETERS
@@ -1463,7 +1467,7 @@ class UnsubscribeNamespace(Message):
     """UNSUBSCRIBE_NAMESPACE (0x14)."""
 
     TYPE: ClassVar[int] = MessageType.UNSUBSCRIBE_NAMESPACE
-    FIELDS = (("namespace_prefix", _NAMESPACE),)
+    FIELDS = (("namespace_prefix", _PREFIX),)
     namespace_prefix: TrackNamespace
 
 
