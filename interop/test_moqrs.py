@@ -20,8 +20,10 @@ checks every byte (payloads: interop/peers/moqrs_common.py).
    moqt-18): our subscriber reads a broadcast the server publishes, and the server reads one
    our publisher announces to it.
 
-Cases 5 and 6 also run with 1 MiB objects. Every test fails (never skips) when moq-rs or
-aiomoqt is not installed.
+Cases 5 and 6 also run with 1 MiB objects, and with aiomoqt on drafts 20 and 22 (moq-rs on
+18: the relay carries the objects across). Cases 1-3 run on the draft our relay picks from
+moq-rs's offer (18), and with the relay pinned to draft-14 (moq-00), the other draft both speak.
+Every test fails (never skips) when moq-rs or aiomoqt is not installed.
 """
 
 from __future__ import annotations
@@ -179,10 +181,10 @@ async def test_moqrs_one_mib_objects_back_to_back_through_our_relay(tmp_path):
 # --------------------------------------------------------------------------- 2
 
 
-async def our_subscriber_reads(url: str, path: str, count: int, timeout: float = STEP) -> list:
+async def our_subscriber_reads(url: str, path: str, count: int, timeout: float = STEP, draft: int = 18) -> list:
     """Our client subscribes to track t of the namespace `path` names (its "/"-separated fields)
     at `url` and collects objects until it has `count` of them, or `timeout` has passed."""
-    client = await connect(url, verify=False, timeout=STEP)
+    client = await connect(url, verify=False, timeout=STEP, drafts=(draft,))
     got: list = []
     try:
         subscription = await client.subscribe(path.split("/"), "t", timeout=STEP)
@@ -214,15 +216,16 @@ def assert_our_objects(got: list, seed: str, groups: int, objects: int,
 
 
 @pytest.mark.matrix("moq-rs publisher -> our subscriber", "our relay")
-async def test_moqrs_publisher_through_our_relay_to_our_subscriber(tmp_path):
+@pytest.mark.parametrize("draft", ["18", "14"], ids=["relay-picks-18", "relay-pinned-14"])
+async def test_moqrs_publisher_through_our_relay_to_our_subscriber(tmp_path, draft):
     """moq-rs's broadcast path kvsp/<n>/layers is the namespace (kvsp, <n>, layers); our client
     subscribes to its track t and receives every object byte for byte, in groups 0-3."""
     seed, groups, objects, path = secrets.token_hex(8), 4, 3, broadcast_path()
-    async with our_relay(tmp_path) as url, spawn(
+    async with our_relay(tmp_path, None if draft == "18" else draft) as url, spawn(
             *publisher_argv(url, path, groups, objects, seed, "--wait-subscriber"),
             name="moq-rs publisher", stderr=tmp_path / "moqrs-pub.log") as pub:
         await pub.wait_for_line("READY", STEP)
-        got = await our_subscriber_reads(url, path, groups * objects)
+        got = await our_subscriber_reads(url, path, groups * objects, draft=int(draft))
     assert_our_objects(got, seed, groups, objects)
 
 
@@ -231,7 +234,7 @@ async def test_moqrs_publisher_through_our_relay_to_our_subscriber(tmp_path):
 
 @asynccontextmanager
 async def our_publisher(url: str, path: str, seed: str, groups: int, objects: int, live: bool,
-                        sizes: tuple[int, ...] = DEFAULT_SIZES) -> AsyncIterator[asyncio.Event]:
+                        sizes: tuple[int, ...] = DEFAULT_SIZES, draft: int = 18) -> AsyncIterator[asyncio.Event]:
     """Our client at `url` announces the namespace `path` names and answers a SUBSCRIBE with
     `groups` subgroup streams of `objects` objects, each stream ended with FIN. Track finished:
     PUBLISH_DONE right after; live: only when the block is left. Yields an event set once the
@@ -239,7 +242,7 @@ async def our_publisher(url: str, path: str, seed: str, groups: int, objects: in
     release = asyncio.Event()
     sent = asyncio.Event()
     handlers: list[asyncio.Task] = []
-    publisher = await connect(url, verify=False, timeout=STEP)
+    publisher = await connect(url, verify=False, timeout=STEP, drafts=(draft,))
 
     async def serve(req: IncomingSubscribe) -> None:
         handlers.append(asyncio.current_task())
@@ -274,13 +277,15 @@ async def wait_sent(sent: asyncio.Event, received: Received) -> None:
 
 
 @pytest.mark.matrix("our publisher -> moq-rs subscriber", "our relay")
+@pytest.mark.parametrize("draft", ["18", "14"], ids=["relay-picks-18", "relay-pinned-14"])
 @pytest.mark.parametrize("live", [False, True], ids=["track-finished", "track-live"])
-async def test_our_publisher_through_our_relay_to_moqrs_subscriber(tmp_path, live):
+async def test_our_publisher_through_our_relay_to_moqrs_subscriber(tmp_path, live, draft):
     """Our publisher announces (kvsp, <n>, layers) and answers the relay's SUBSCRIBE with 4
     subgroup streams of 3 objects, each ended with FIN. Track finished: PUBLISH_DONE right after;
     live: only after the moq-rs subscriber has reported, so each group must end by itself."""
     seed, groups, objects, path = secrets.token_hex(8), 4, 3, broadcast_path()
-    async with our_relay(tmp_path) as url, our_publisher(url, path, seed, groups, objects, live) as sent:
+    async with our_relay(tmp_path, None if draft == "18" else draft) as url, our_publisher(
+            url, path, seed, groups, objects, live, draft=int(draft)) as sent:
         async with spawn(*subscriber_argv(url, path, objects, seed, "--groups", str(groups)),
                          name="moq-rs subscriber", stderr=tmp_path / "moqrs-sub.log") as sub:
             received = Received(*await read_subscriber(sub), tmp_path / "moqrs-sub.log")
@@ -345,9 +350,15 @@ def assert_aiomoqt_received(out: Path, seed: str, groups: int, objects: int, siz
             f"object {g}/{o}: {len(data)} octets, not the {object_size(g, o, objects, sizes)} sent{why}"
 
 
-@pytest.mark.matrix("moq-rs publisher -> aiomoqt subscriber", "our relay")
-@pytest.mark.parametrize("sizes", [DEFAULT_SIZES, MIB_SIZES], ids=["16B-256KiB", "1MiB"])
-async def test_moqrs_publisher_through_our_relay_to_aiomoqt_subscriber(tmp_path, sizes):
+#: (object sizes, pub->sub drafts): moq-rs speaks 18 to our relay; aiomoqt, on 18, 20 or 22,
+#: has its objects carried across drafts by the relay.
+CROSS_DRAFT = [(DEFAULT_SIZES, "18->18"), (MIB_SIZES, "18->18"), (DEFAULT_SIZES, "18->20"), (DEFAULT_SIZES, "18->22")]
+CROSS_IDS = [f"{'1MiB' if sizes is MIB_SIZES else '16B-256KiB'}-{d}" for sizes, d in CROSS_DRAFT]
+
+
+@pytest.mark.matrix("moq-rs publisher -> aiomoqt subscriber (pub->sub draft)", "our relay")
+@pytest.mark.parametrize(("sizes", "draft"), CROSS_DRAFT, ids=CROSS_IDS)
+async def test_moqrs_publisher_through_our_relay_to_aiomoqt_subscriber(tmp_path, sizes, draft):
     """moq-rs publishes kvsp/<n>/layers; aiomoqt subscribes to (kvsp, <n>, layers)/t through our
     relay and gets 4 groups x 3 objects byte for byte, the track finished after the last."""
     seed, groups, objects, path = secrets.token_hex(8), 4, 3, broadcast_path()
@@ -357,7 +368,8 @@ async def test_moqrs_publisher_through_our_relay_to_aiomoqt_subscriber(tmp_path,
             name="moq-rs publisher", stderr=tmp_path / "moqrs-pub.log") as pub:
         await pub.wait_for_line("READY", STEP)
         async with spawn(str(PEER_PYTHON), str(PEERS / "aiomoqt_sub.py"), url, path, "t", str(groups * objects),
-                         str(out), name="aiomoqt subscriber", stderr=tmp_path / "aiomoqt-sub.log") as sub:
+                         str(out), "--draft", draft.split("->")[1], name="aiomoqt subscriber",
+                         stderr=tmp_path / "aiomoqt-sub.log") as sub:
             await sub.wait_for_line("SUBSCRIBED", STEP)
             await sub.wait_for_line("DONE", 40)
     assert_aiomoqt_received(out, seed, groups, objects, sizes, tmp_path / "aiomoqt-sub.log")
@@ -366,16 +378,18 @@ async def test_moqrs_publisher_through_our_relay_to_aiomoqt_subscriber(tmp_path,
 # --------------------------------------------------------------------------- 6
 
 
-@pytest.mark.matrix("aiomoqt publisher -> moq-rs subscriber", "our relay")
-@pytest.mark.parametrize("sizes", [DEFAULT_SIZES, MIB_SIZES], ids=["16B-256KiB", "1MiB"])
-async def test_aiomoqt_publisher_through_our_relay_to_moqrs_subscriber(tmp_path, sizes):
+@pytest.mark.matrix("aiomoqt publisher -> moq-rs subscriber (pub->sub draft)", "our relay")
+@pytest.mark.parametrize(("sizes", "draft"), [(sizes, "->".join(reversed(d.split("->")))) for sizes, d in CROSS_DRAFT],
+                         ids=[f"{'1MiB' if sizes is MIB_SIZES else '16B-256KiB'}-{'->'.join(reversed(d.split('->')))}"
+                              for sizes, d in CROSS_DRAFT])
+async def test_aiomoqt_publisher_through_our_relay_to_moqrs_subscriber(tmp_path, sizes, draft):
     """aiomoqt announces (kvsp, <n>, layers) and sends 4 subgroup streams of 3 objects, each
     ended by FIN, and no PUBLISH_DONE until the moq-rs subscriber has reported: every group
     must reach moq-rs whole and end by its own stream's end."""
     seed, groups, objects, path = secrets.token_hex(8), 4, 3, broadcast_path()
     async with our_relay(tmp_path) as url, spawn(
             str(PEER_PYTHON), str(PEERS / "aiomoqt_pub.py"), url, path, "t", str(groups), str(objects),
-            sizes_text(sizes), seed, "--live", "--pause-ms", "20", "--timeout", "60",
+            sizes_text(sizes), seed, "--live", "--pause-ms", "20", "--timeout", "60", "--draft", draft.split("->")[0],
             name="aiomoqt publisher", stderr=tmp_path / "aiomoqt-pub.log") as pub:
         await pub.wait_for_line("READY", STEP)
         async with spawn(*subscriber_argv(url, path, objects, seed, "--groups", str(groups),
