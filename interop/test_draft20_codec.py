@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import json
 import subprocess
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -22,7 +23,13 @@ from kvsp_moq.moqt.d18.data import (
     FetchStreamWriter,
 )
 from kvsp_moq.moqt.errors import ProtocolViolation
-from kvsp_moq.moqt.wire import FetchType, FilterType, GroupOrder, Location, SubscriptionFilter
+from kvsp_moq.moqt.wire import (
+    FetchType,
+    FilterType,
+    GroupOrder,
+    Location,
+    SubscriptionFilter,
+)
 
 from .conftest import PEER_PYTHON
 
@@ -161,7 +168,7 @@ print(json.dumps(res))
 
 def _run_peer(script: str, stdin: str | None = None) -> dict[str, Any]:
     done = subprocess.run([str(PEER_PYTHON), "-c", script], input=stdin, capture_output=True, text=True,
-                          timeout=120)
+                          timeout=120, check=False)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 

@@ -383,8 +383,8 @@ class SubgroupStreamOpened(MoqtEvent):
     "Request ID of the subscription."
     stream_id: int
     "QUIC stream ID."
-    header: SubgroupHeader
-    "The SUBGROUP_HEADER as received."
+    header: SubgroupHeader | None
+    "The SUBGROUP_HEADER as received; None for a fill's fetch stream (draft-20+)."
 
 
 @dataclass(frozen=True, slots=True)

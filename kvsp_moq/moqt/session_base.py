@@ -114,6 +114,8 @@ class IncomingDataStream:
     held: list = field(default_factory=list)  # items waiting for their track alias; None = FIN
     held_bytes: int = 0
     discard: bool = False
+    fill: bool = False  # draft-20+: a fetch stream carrying a fill of `request`, a subscription
+
 
 @dataclass(eq=False)
 class OutgoingDataStream:
@@ -444,6 +446,12 @@ class SessionBase:
         if request is None or stream.discard:
             return
         request.open_data_streams.discard(sid)
+        if stream.fill:
+            # A fill that failed: the subscription goes on without those objects.
+            out.append(ev.DataStreamEnded(request.request_id, sid, False, False, None))
+            request.data_streams_ended += 1
+            self._maybe_end_subscription(request)
+            return
         out.append(ev.DataStreamEnded(request.request_id, sid, stream.fetch, True, error_code))
         if stream.fetch:
             if not request.closed:
@@ -561,6 +569,24 @@ class SessionBase:
                     header.end_of_group,
                 )
             )
+        elif isinstance(item, FetchObject) and stream.fill:
+            out.append(
+                ev.ObjectReceived(
+                    request.request_id,
+                    request.track_alias,
+                    item.group_id,
+                    None,
+                    item.object_id,
+                    request.default_priority if item.publisher_priority is None else item.publisher_priority,
+                    ObjectStatus.NORMAL,
+                    item.payload,
+                    item.properties,
+                    sid,
+                    False,
+                )
+            )
+        elif isinstance(item, FetchEndOfRange) and stream.fill:
+            pass  # a gap in a fill: nothing to deliver
         elif isinstance(item, FetchObject):
             out.append(
                 ev.FetchObjectReceived(
@@ -583,8 +609,8 @@ class SessionBase:
         request = stream.request
         assert request is not None
         request.open_data_streams.discard(sid)
-        out.append(ev.DataStreamEnded(request.request_id, sid, stream.fetch, False, None))
-        if stream.fetch:
+        out.append(ev.DataStreamEnded(request.request_id, sid, stream.fetch and not stream.fill, False, None))
+        if stream.fetch and not stream.fill:
             request.fetch_stream_closed = True
             self._maybe_finish_fetch(request)
         else:

@@ -301,11 +301,14 @@ class AuthToken:
 
 @dataclass(frozen=True, slots=True)
 class SubscriptionFilter:
-    """A Subscription Filter (section 5.1.2); `end_group` is absolute and inclusive."""
+    """A Subscription Filter (section 5.1.2); `end_group` is absolute and inclusive.
+    `end_object` (inclusive) narrows the end group; only draft-20+ LOCATION_FILTERs carry
+    it (a draft-18 filter ends with the whole end group)."""
 
     filter_type: FilterType
     start: Location | None = None
     end_group: int | None = None
+    end_object: int | None = None
 
     def __post_init__(self) -> None:
         has_start = self.filter_type in (FilterType.ABSOLUTE_START, FilterType.ABSOLUTE_RANGE)
@@ -316,6 +319,8 @@ class SubscriptionFilter:
             raise ValueError(f"{self.filter_type.name} filter {'needs' if has_end else 'has no'} an end group")
         if has_end and self.end_group < self.start.group:  # type: ignore[operator, union-attr]
             raise ValueError("end group before the start group")
+        if self.end_object is not None and not has_end:
+            raise ValueError("an end object needs an end group")
 
     @classmethod
     def next_group_start(cls) -> "SubscriptionFilter":

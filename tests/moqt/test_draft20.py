@@ -703,7 +703,8 @@ def test_cancelling_a_subscription_resets_its_fill_stream(peer: RawPeerPair) -> 
 def test_our_subscriber_receives_the_fill_it_asked_for(draft: int) -> None:
     """Two of our sessions: a SUBSCRIBE with FILL_PARAMETERS is answered with a fetch
     stream under the SUBSCRIBE's Request ID, which the subscriber must accept (draft-20:
-    a FETCH_HEADER may name a SUBSCRIBE) rather than close the session."""
+    a FETCH_HEADER may name a SUBSCRIBE) rather than close the session: its objects are the
+    subscription's, and its end is one of the subscription's streams ending."""
     pair = RawPeerPair(draft, client_session=True)
     sub = pair.client.subscribe(NS, b"t", m.Parameters(
         subscription_filter=SubscriptionFilter(FilterType.LARGEST_OBJECT),
@@ -719,8 +720,14 @@ def test_our_subscriber_receives_the_fill_it_asked_for(draft: int) -> None:
     events = pair.client_events
     assert of(events, ev.SessionTerminated) == []
     assert one(events, ev.SubscribeAccepted).request_id == sub
-    assert [(o.group_id, o.object_id, o.payload) for o in of(events, ev.FetchObjectReceived)] == [
-        (0, 0, b"a"), (0, 1, b"b")]
+    assert of(events, ev.FetchObjectReceived) == []
+    assert [(o.request_id, o.group_id, o.object_id, o.payload) for o in of(events, ev.ObjectReceived)] == [
+        (sub, 0, 0, b"a"), (sub, 0, 1, b"b")]
+    assert one(events, ev.SubgroupStreamOpened).request_id == sub
+    pair.server.close_data_stream(fetch_sid)
+    pair.exchange()
+    ended = one(pair.client_events, ev.DataStreamEnded)
+    assert (ended.request_id, ended.fetch, ended.reset) == (sub, False, False)
 
 
 @pytest.mark.parametrize("draft", ALL_DRAFTS)
@@ -802,7 +809,7 @@ def test_our_fetch_and_a_timed_out_range_on_its_stream(draft: int) -> None:
     peer = RawPeerPair(draft)
     rid = peer.server.fetch(NS, b"t", Location(0, 2), Location(0, 6))
     peer.exchange()
-    request_sid = [sid for sid in peer.raw if not sid & 2][0]
+    request_sid = next(sid for sid in peer.raw if not sid & 2)
     track = h("02 04 6b 76 73 70 01 78 01 74")
     if draft == 18:  # Request ID 1, Fetch Type 1, track, Start (0,2), End (0,6), no parameters
         wire = frame(0x16, h("01 01") + track + h("00 02 00 06 00"))

@@ -58,12 +58,18 @@ def make_objects(groups: int, per_group: int, size: int = 1000, seed: int = 0) -
     return out
 
 
+#: The object property moq-rs puts on every object (a timestamp in microseconds).
+TIMESTAMP_PROPERTY = 0x10
+
+
 class TrackPublisher:
     """A publisher that serves fixed objects: SUBSCRIBE sends them (once `gate` opens) on one
-    subgroup stream per group; FETCH answers the requested range."""
+    subgroup stream per group; FETCH answers the requested range. With `timestamps`, every
+    object carries a timestamp property, as moq-rs's do."""
 
     def __init__(self, objects: Iterable[tuple[int, int, bytes]], *, gate: asyncio.Event | None = None,
-                 pace: float = 0.0, end: bool = True) -> None:
+                 pace: float = 0.0, end: bool = True, timestamps: bool = False) -> None:
+        self.timestamps = timestamps
         self.objects = sorted(objects)
         self.gate = gate
         self.pace = pace
@@ -87,8 +93,8 @@ class TrackPublisher:
             if g != group:
                 if sender is not None:
                     sender.close()
-                sender, group = sub.open_subgroup(g), g
-            await sender.send(o, payload)
+                sender, group = sub.open_subgroup(g, has_properties=self.timestamps), g
+            await sender.send(o, payload, properties=self.properties_of(g, o))
             self.sent += 1
             if self.pace:
                 await asyncio.sleep(self.pace)
@@ -98,6 +104,9 @@ class TrackPublisher:
             await sub.finish()
         else:
             await asyncio.sleep(3600)
+
+    def properties_of(self, group: int, obj: int) -> tuple:
+        return ((TIMESTAMP_PROPERTY, 1000 * group + obj),) if self.timestamps else ()
 
     async def on_fetch(self, req: IncomingFetch) -> None:
         self.fetches.append((req.start, req.end))
@@ -111,7 +120,7 @@ class TrackPublisher:
         if req.group_order == GroupOrder.DESCENDING:  # groups newest first, objects ascending
             wanted.sort(key=lambda x: (-x[0], x[1]))
         for g, o, payload in wanted:
-            await sender.send(g, o, payload)
+            await sender.send(g, o, payload, properties=self.properties_of(g, o))
             self.fetch_sent += 1
         sender.close()
 

@@ -1,14 +1,20 @@
 """Random well-formed requests against a relay with a live publisher behind it: every one is
 answered (objects, or a REQUEST_ERROR naming what is wrong), never with INTERNAL_ERROR, never a
 handler failure in the relay's log, and the session stays open. Seeded, so a failure names the
-seed and step that reproduce it; bounded in requests and in time."""
+seed and step that reproduce it; bounded in requests and in time.
+
+The publisher does what moq-rs does: a timestamp property on every object, and an object of
+1 MiB; among the requests is moq-rs's join (SUBSCRIBE in descending order from the Largest
+Object, then at once a joining FETCH of offset 0). Clients speak drafts 18, 14, 20 and 22 (the
+last two join with FILL_PARAMETERS, as they have no joining FETCH)."""
 
 from __future__ import annotations
 
 import asyncio
 import random
 
-from kvsp_moq.moqt.wire import GroupOrder, Location
+from kvsp_moq.moqt.d18.messages import Fill, Parameters
+from kvsp_moq.moqt.wire import GroupOrder, Location, SubscriptionFilter
 from tests.random_requests import outcome, random_filter, read_some, watching_logs
 
 from .conftest import TrackPublisher, dial, make_objects, publishing, running_relay
@@ -37,7 +43,9 @@ def _location(rnd: random.Random) -> Location:
 
 async def _step(rnd: random.Random, client, subscriptions: list) -> str:
     kind = rnd.choice(["subscribe", "fetch", "joining_fetch", "track_status", "subscribe_namespace",
-                       "subscribe_tracks", "publish_namespace", "cancel"])
+                       "subscribe_tracks", "publish_namespace", "cancel", "join"])
+    if client.draft >= 20 and kind == "joining_fetch":
+        kind = "join"
     if rnd.random() < 0.5:  # the published track, so that requests get past routing
         ns, track = NS, TRACK
     else:
@@ -54,6 +62,18 @@ async def _step(rnd: random.Random, client, subscriptions: list) -> str:
                                     whole_end_group=rnd.random() < 0.3,
                                     group_order=rnd.choice([None, *GroupOrder]), timeout=5)
         await read_some(result, READ, limit=20)
+    elif kind == "join":
+        # moq-rs: the newest objects first, and what came before them at once (draft-20+:
+        # FILL_PARAMETERS in the SUBSCRIBE instead of a joining FETCH).
+        fill = Parameters(fill=Fill()) if client.draft >= 20 else None
+        sub = await client.subscribe(ns, track, subscription_filter=SubscriptionFilter.largest_object(),
+                                     group_order=GroupOrder.DESCENDING, timeout=5,
+                                     **({"parameters": fill} if fill is not None else {}))
+        subscriptions.append(sub)
+        if fill is None:
+            result = await client.joining_fetch(sub, 0, absolute=False, timeout=5)
+            await read_some(result, READ, limit=20)
+        await read_some(sub, READ, limit=20)
     elif kind == "joining_fetch":
         if not subscriptions:
             return "skipped"
@@ -85,7 +105,8 @@ async def _step(rnd: random.Random, client, subscriptions: list) -> str:
 async def _run(seed: int, drafts: tuple[int, ...] = (18,)) -> dict[str, int]:
     rnd = random.Random(seed)
     outcomes: dict[str, int] = {}
-    publisher = TrackPublisher(make_objects(3, 4, size=200, seed=1), end=False)
+    objects = make_objects(3, 4, size=200, seed=1) + [(3, 0, bytes([3]) * (1 << 20)), (3, 1, b"after 1 MiB")]
+    publisher = TrackPublisher(objects, end=False, timestamps=True)
     async with running_relay() as relay:
         async with publishing(relay.url, NS, publisher):
             client = await dial(relay.url, drafts=drafts)
@@ -105,7 +126,7 @@ async def _run(seed: int, drafts: tuple[int, ...] = (18,)) -> dict[str, int]:
 async def test_random_requests_are_answered_without_internal_errors() -> None:
     seen: dict[str, int] = {}
     with watching_logs() as failures:
-        for seed, drafts in ((1, (18,)), (2, (18,)), (3, (14,))):  # the last one as a draft-14 client
+        for seed, drafts in ((1, (18,)), (2, (18,)), (3, (14,)), (4, (20,)), (5, (22,))):
             failures.seed = seed
             for kind, n in (await asyncio.wait_for(_run(seed, drafts), 120)).items():
                 seen[kind] = seen.get(kind, 0) + n

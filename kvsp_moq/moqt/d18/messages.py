@@ -330,13 +330,15 @@ def subscription_to_location_filter(flt: SubscriptionFilter) -> LocationFilter:
     assert start is not None
     if kind == FilterType.ABSOLUTE_START:
         return LocationFilterType.ABSOLUTE_START, (start.group, start.object)
-    return LocationFilterType.ABSOLUTE_GROUP_END, (start.group, start.object, flt.end_group - start.group)  # type: ignore[operator]
+    delta = flt.end_group - start.group  # type: ignore[operator]
+    if flt.end_object is not None:
+        return LocationFilterType.ABSOLUTE_RANGE, (start.group, start.object, delta, flt.end_object)
+    return LocationFilterType.ABSOLUTE_GROUP_END, (start.group, start.object, delta)
 
 
 def location_to_subscription_filter(flt: LocationFilter) -> SubscriptionFilter | None:
     """A draft-20 LOCATION_FILTER as a subscription filter; None for none. A relative
-    start of S > 0 groups has no such form (ProtocolViolation); an end object narrows
-    nothing (draft-20 subscriptions do not end at their end)."""
+    start of S > 0 groups has no such form (ProtocolViolation)."""
     kind, v = flt
     if kind == LocationFilterType.NONE:
         return None
@@ -348,7 +350,8 @@ def location_to_subscription_filter(flt: LocationFilter) -> SubscriptionFilter |
         return SubscriptionFilter(FilterType.NEXT_GROUP_START)
     if kind == LocationFilterType.ABSOLUTE_START:
         return SubscriptionFilter(FilterType.ABSOLUTE_START, Location(v[0], v[1]))
-    return SubscriptionFilter(FilterType.ABSOLUTE_RANGE, Location(v[0], v[1]), _end_group(v[0], v[2]))
+    end_object = v[3] if kind == LocationFilterType.ABSOLUTE_RANGE else None
+    return SubscriptionFilter(FilterType.ABSOLUTE_RANGE, Location(v[0], v[1]), _end_group(v[0], v[2]), end_object)
 
 
 #: A FETCH range end with no end: everything to the Largest Object.
