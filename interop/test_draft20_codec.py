@@ -216,8 +216,8 @@ OURS: dict[str, tuple[Callable[[int], m.Message], bool]] = {
     "sub_next_object_fill": (lambda d: _sub(subscription_filter=SubscriptionFilter(FilterType.LARGEST_OBJECT),
                                             fill=m.Fill(location_filter=(LF.RELATIVE_START, (1,)))), True),
     # Our subscription filter has no end Object: only the decode is compared here.
-    "sub_range_fill": (lambda d: _sub(subscription_filter=SubscriptionFilter(FilterType.ABSOLUTE_RANGE, Location(0, 2), 0),
-                                      fill=m.Fill()), False),
+    "sub_range_fill": (lambda d: _sub(subscription_filter=SubscriptionFilter(FilterType.ABSOLUTE_RANGE, Location(0, 2), 0, 5),
+                                      fill=m.Fill()), True),
     "sub_next_group": (lambda d: _sub(subscription_filter=SubscriptionFilter(FilterType.NEXT_GROUP_START)), True),
     "sub_abs_start": (lambda d: _sub(subscription_filter=SubscriptionFilter(FilterType.ABSOLUTE_START, Location(3, 4))),
                       True),
