@@ -19,6 +19,8 @@ checks every byte (payloads: interop/peers/moqrs_common.py).
 8. Our client straight against a moq-rs server (moq.Server, draft-18 over raw QUIC, ALPN
    moqt-18): our subscriber reads a broadcast the server publishes, and the server reads one
    our publisher announces to it.
+9. A KV block track (2 MiB, 32 layers) from our holder, read by a moq-rs subscriber through
+   our relay byte for byte; and moq-rs sessions on a relay where a KV holder announces.
 
 Cases 5 and 6 also run with 1 MiB objects, and with aiomoqt on drafts 20 and 22 (moq-rs on
 18: the relay carries the objects across). Cases 1-3 run on the draft our relay picks from
@@ -29,6 +31,7 @@ Every test fails (never skips) when moq-rs or aiomoqt is not installed.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import re
 import secrets
@@ -40,10 +43,15 @@ from typing import AsyncIterator
 
 import pytest
 
+from kvsp_moq.holder.store import BlockId, BlockStore
 from kvsp_moq.moqt.objects import ObjectStatus
 from kvsp_moq.moqt.quic import IncomingSubscribe, connect
+from kvsp_moq.moqt_blocks import BlockPublisher
+from kvsp_moq.naming import BlockTrack
+from kvsp_moq.protocol.container import Container
 
 from .conftest import HERE, PEER_PYTHON, PEERS, aiomoqt_relay, our_relay, spawn
+from .test_drafts import kv_block
 
 sys.path.insert(0, str(PEERS))
 from moqrs_common import DEFAULT_SIZES, object_size, payload  # noqa: E402
@@ -81,8 +89,9 @@ def publisher_argv(url: str, path: str, groups: int, objects: int, seed: str, *e
             seed, "--log", "debug", *extra]
 
 
-def subscriber_argv(url: str, path: str, objects: int, seed: str, *extra: str, sizes: str = SIZES) -> list[str]:
-    return [str(MOQRS_PYTHON), str(PEERS / "moqrs_sub.py"), url, path, "t", str(objects), sizes, seed,
+def subscriber_argv(url: str, path: str, objects: int, seed: str, *extra: str, sizes: str = SIZES,
+                    track: str = "t") -> list[str]:
+    return [str(MOQRS_PYTHON), str(PEERS / "moqrs_sub.py"), url, path, track, str(objects), sizes, seed,
             "--timeout", str(SUB_TIMEOUT), "--log", "debug", *extra]
 
 
@@ -450,4 +459,62 @@ async def test_our_publisher_against_a_moqrs_server(tmp_path, live):
         async with our_publisher(url, path, seed, groups, objects, live) as sent:
             received = Received(*await read_subscriber(server), tmp_path / "moqrs-server.log")
             await wait_sent(sent, received)
+    assert_all_groups(received, range(groups), objects)
+
+
+# --------------------------------------------------------------------------- 9
+
+
+@asynccontextmanager
+async def kv_holder(url: str, data: bytes, tag: bytes) -> AsyncIterator[BlockTrack]:
+    """Our holder's BlockPublisher at the relay `url`, holding one block (`data`) and announcing
+    its ("kvsp", compat, scope, publisher) prefix; yields the block's track."""
+    http = "http://127.0.0.1:8801/"
+    store = BlockStore(host_bytes=64 << 20)
+    publisher = await BlockPublisher(store, url, http, verify=False, rescan_interval=0.1).start()
+    try:
+        bid = BlockId("ab" * 32, "cd" * 16, hashlib.sha256(tag).hexdigest())
+        await store.put(bid, data)
+        await publisher.wait_connected(STEP)
+        for _ in range(200):
+            if (bid.compat_id, bid.scope_id) in publisher.announced:
+                break
+            await asyncio.sleep(0.05)
+        assert (bid.compat_id, bid.scope_id) in publisher.announced
+        yield BlockTrack.for_holder(bid.compat_id, bid.scope_id, bid.block_key, http)
+    finally:
+        await publisher.aclose()
+
+
+@pytest.mark.matrix("our holder -> moq-rs subscriber (KV block, 2 MiB, 32 layers)", "our relay")
+async def test_kv_block_track_reaches_moqrs_byte_exact(tmp_path):
+    """moq-rs names the block's track by its path, the namespace's fields joined by "/" (each
+    ID is hex text), subscribes (newest first, then its joining FETCH) and reads group 0: the
+    32 layers, each byte for byte (its SHA-256 is the layer digest of the record)."""
+    data = kv_block()
+    async with our_relay(tmp_path) as url, kv_holder(url, data, b"moq-rs") as track:
+        path = "/".join(field.decode() for field in track.namespace)
+        async with spawn(*subscriber_argv(url, path, 32, "unused", "--groups", "1", "--wait", "request",
+                                          track=track.track_name.decode()),
+                         name="moq-rs subscriber", stderr=tmp_path / "moqrs-sub.log") as sub:
+            received = Received(*await read_subscriber(sub), tmp_path / "moqrs-sub.log")
+    why = received.explain()
+    assert received.summary["error"] is None, why
+    assert [(o["group"], o["frame"]) for o in received.objects] == [(0, i) for i in range(32)], why
+    assert [o["sha256"] for o in received.objects] == [d.hex() for d in Container(data).layer_digests()], why
+
+
+@pytest.mark.matrix("moq-rs publisher -> moq-rs subscriber, beside a KV holder", "our relay")
+async def test_moqrs_sessions_survive_kv_namespaces_on_our_relay(tmp_path):
+    """moq-rs discovers every namespace (SUBSCRIBE_NAMESPACE with no prefix) and closes its
+    session on a field that is not UTF-8: with a KV holder announcing on the same relay, a
+    moq-rs publisher and subscriber still exchange every object."""
+    seed, groups, objects, path = secrets.token_hex(8), 3, 3, broadcast_path()
+    async with our_relay(tmp_path) as url, kv_holder(url, kv_block(4, 1 << 16), b"beside"), spawn(
+            *publisher_argv(url, path, groups, objects, seed, "--wait-subscriber"),
+            name="moq-rs publisher", stderr=tmp_path / "moqrs-pub.log") as pub:
+        await pub.wait_for_line("READY", STEP)
+        async with spawn(*subscriber_argv(url, path, objects, seed, "--groups", str(groups)),
+                         name="moq-rs subscriber", stderr=tmp_path / "moqrs-sub.log") as sub:
+            received = Received(*await read_subscriber(sub), tmp_path / "moqrs-sub.log")
     assert_all_groups(received, range(groups), objects)

@@ -95,11 +95,11 @@ async def test_http_and_moqt_deliver_the_same_blocks(tmp_path: Path) -> None:
             assert replica_id(http.holder, http.moqt_namespace) != replica_id(moqt.holder, moqt.moqt_namespace)
             # moqt_namespace: ("kvsp", compat_id, scope_id, publisher_id, block_key), DESIGN §4.
             fields = namespace_fields(moqt.moqt_namespace)
-            assert fields == [b"kvsp", bytes.fromhex(COMPAT), bytes.fromhex(SCOPE),
-                              hashlib.sha256(holder.url.encode()).digest()[:16], bytes.fromhex(key)]
-            assert [len(f) for f in fields] == [4, 32, 16, 16, 32]
+            assert fields == [b"kvsp", COMPAT.encode(), SCOPE.encode(),
+                              hashlib.sha256(holder.url.encode()).digest()[:16].hex().encode(), key.encode()]
+            assert [len(f) for f in fields] == [4, 64, 32, 32, 64]
             assert tuple(fields) == decode_namespace(moqt.moqt_namespace)
-            assert fields[3] == publisher_id(holder.url)
+            assert fields[3] == publisher_id(holder.url).hex().encode()
 
         async with HttpFetcher(timeout=STEP) as over_http, MoqtBlockFetcher(
                 cafile=str(relay_cert(relay)), timeout=STEP, layer_timeout=STEP) as over_moqt:

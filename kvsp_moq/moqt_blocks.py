@@ -87,7 +87,7 @@ from kvsp_moq.moqt.wire import (
     SubscriptionFilter,
     property_value,
 )
-from kvsp_moq.naming import GROUP, ROOT, BlockTrack, publisher_id
+from kvsp_moq.naming import GROUP, BlockTrack, publisher_id
 from kvsp_moq.protocol.container import (
     Container,
     Layer,
@@ -373,7 +373,8 @@ class BlockPublisher:
         return (compat_id.lower(), scope_id.lower()) in self._announced
 
     def namespace(self, compat_id: str, scope_id: str) -> tuple[bytes, ...]:
-        return (ROOT, bytes.fromhex(compat_id), bytes.fromhex(scope_id), self.publisher_id)
+        return BlockTrack(bytes.fromhex(compat_id), bytes.fromhex(scope_id), self.publisher_id,
+                          bytes(32)).announce_prefix
 
     def track(self, bid: BlockId, codec: int = 1) -> BlockTrack:
         return BlockTrack.for_holder(bid.compat_id, bid.scope_id, bid.block_key, self.http_holder, codec)

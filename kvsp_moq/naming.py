@@ -1,9 +1,14 @@
 """KV blocks as MOQT tracks (DESIGN §4).
 
 A replica is one track. Its namespace has five fields, ("kvsp", compat_id, scope_id,
-publisher_id, block_key); the track name is the codec number in ASCII. The Replica Record
-carries the namespace as base64url (no padding) of the fields, each preceded by its length in
-one octet (KVSP §4.4).
+publisher_id, block_key), each ID written as lowercase hex in ASCII; the track name is the
+codec number in ASCII. The Replica Record carries the namespace as base64url (no padding) of
+the fields, each preceded by its length in one octet (KVSP §4.4).
+
+The IDs are text, not their raw octets, so that every field is valid UTF-8: MOQT lets a field
+be any octets, but moq-rs, the most used stack, names tracks by UTF-8 paths and closes its
+session on a NAMESPACE whose field is not UTF-8, which a relay carrying KV blocks would send
+to every moq-rs client that discovers namespaces.
 """
 
 from __future__ import annotations
@@ -17,6 +22,23 @@ from kvsp_moq.errors import BadRecord
 
 ROOT = b"kvsp"
 GROUP = 0  # a block is group 0; object id = layer number
+
+
+def id_field(raw: bytes) -> bytes:
+    """An ID as a namespace field: its lowercase hex, in ASCII."""
+    return raw.hex().encode("ascii")
+
+
+def id_of_field(field: bytes, size: int, member: str) -> bytes:
+    """The ID a namespace field writes (`size` octets); BadRecord unless it is exactly
+    lowercase hex of that many octets."""
+    text = bytes(field)
+    if len(text) != 2 * size or text.lower() != text:
+        raise BadRecord(f"must be {2 * size} lowercase hex digits", member=member)
+    try:
+        return bytes.fromhex(text.decode("ascii"))
+    except (UnicodeDecodeError, ValueError):
+        raise BadRecord(f"must be {2 * size} lowercase hex digits", member=member) from None
 
 
 def publisher_id(http_holder: str) -> bytes:
@@ -48,7 +70,8 @@ class BlockTrack:
 
     @property
     def namespace(self) -> tuple[bytes, ...]:
-        return (ROOT, self.compat_id, self.scope_id, self.publisher_id, self.block_key)
+        return (ROOT, id_field(self.compat_id), id_field(self.scope_id), id_field(self.publisher_id),
+                id_field(self.block_key))
 
     @property
     def announce_prefix(self) -> tuple[bytes, ...]:
@@ -73,17 +96,19 @@ class BlockTrack:
             codec = int(track_name.decode("ascii"))
         except (UnicodeDecodeError, ValueError):
             raise BadRecord("track name must be a codec number", member="track") from None
-        return cls(fields[1], fields[2], fields[3], fields[4], codec)
+        return cls(id_of_field(fields[1], 32, "compat_id"), id_of_field(fields[2], 16, "scope_id"),
+                   id_of_field(fields[3], 16, "publisher_id"), id_of_field(fields[4], 32, "block_key"), codec)
 
     @classmethod
     def from_record_namespace(cls, text: str, codec: int = 1) -> "BlockTrack":
         return cls.from_namespace(decode_namespace(text), str(codec).encode())
 
 
-def scope_of_namespace(fields: tuple[bytes, ...] | list[bytes]) -> bytes | None:
-    """The Scope ID of a "kvsp" namespace (its third field), for authorization."""
+def scope_of_namespace(fields: tuple[bytes, ...] | list[bytes]) -> str | None:
+    """The Scope ID (hex) a "kvsp" namespace names in its third field, for authorization;
+    a field that is not text names no scope a token can hold."""
     if len(fields) >= 3 and fields[0] == ROOT:
-        return fields[2]
+        return bytes(fields[2]).decode("ascii", errors="replace")
     return None
 
 

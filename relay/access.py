@@ -41,7 +41,7 @@ from kvsp_moq.auth import Action as Doing
 from kvsp_moq.errors import KvspError
 from kvsp_moq.moqt.errors import Unauthorized
 from kvsp_moq.moqt.wire import TrackNamespace
-from kvsp_moq.naming import ROOT, publisher_id
+from kvsp_moq.naming import id_field, publisher_id, scope_of_namespace
 
 
 class Action(Enum):
@@ -63,17 +63,11 @@ ROLE_ACTION = {Action.ANNOUNCE: Doing.ANNOUNCE, Action.PUBLISH: Doing.ANNOUNCE,
 UPSTREAM = Principal("upstream relay", frozenset({ANY}), frozenset({ANY}), frozenset({"relay"}))
 
 
-def scope_field(namespace: TrackNamespace) -> bytes | None:
-    """The Scope ID of a "kvsp" namespace long enough to have one."""
-    if len(namespace) >= 3 and namespace[0] == ROOT:
-        return namespace[2]
-    return None
-
-
 def _may_publish_as(principal: Principal, pid: bytes) -> bool:
+    """Whether the publisher_id field `pid` names one of the principal's holders."""
     if ANY in principal.holders or principal.has_role("admin"):
         return True
-    return any(publisher_id(h) == pid or publisher_id(h.rstrip("/")) == pid
+    return any(id_field(publisher_id(h)) == pid or id_field(publisher_id(h.rstrip("/"))) == pid
                for h in principal.holders)
 
 
@@ -107,10 +101,10 @@ class AccessPolicy:
     @staticmethod
     def in_scope(principal: Principal, action: Action, namespace: TrackNamespace) -> bool:
         """The scope (and, for publishing, publisher_id) half of `permits`, without roles."""
-        scope = scope_field(namespace)
+        scope = scope_of_namespace(namespace)
         if scope is None:
             return ANY in principal.scopes
-        if not principal.may_use_scope(scope.hex()):
+        if not principal.may_use_scope(scope):
             return False
         if action in _PUBLISHING and len(namespace) >= 4:
             return _may_publish_as(principal, namespace[3])
@@ -141,10 +135,10 @@ class AccessPolicy:
         namespace = tuple(namespace)
         if any(self.permits(p, action, namespace) for p in principals):
             return principals
-        scope = scope_field(namespace)
-        what = f"scope {scope.hex()}" if scope is not None else "this namespace"
+        scope = scope_of_namespace(namespace)
+        what = f"scope {scope}" if scope is not None else "this namespace"
         if scope is not None and action in _PUBLISHING and any(
-                p.may_use_scope(scope.hex()) and p.may(doing) for p in principals):
+                p.may_use_scope(scope) and p.may(doing) for p in principals):
             what = "this publisher_id"
         raise Unauthorized(f"not authorized to {action.value} in {what}")
 

@@ -12,13 +12,29 @@ def test_block_track_namespace_known_answer():
     t = BlockTrack.for_holder("aa" * 32, "bb" * 16, "cc" * 32, "http://127.0.0.1:8801/")
     pid = hashlib.sha256(b"http://127.0.0.1:8801/").digest()[:16]
     assert t.publisher_id == pid == publisher_id("http://127.0.0.1:8801/")
-    raw = (b"\x04kvsp" + b"\x20" + b"\xaa" * 32 + b"\x10" + b"\xbb" * 16 + b"\x10" + pid
-           + b"\x20" + b"\xcc" * 32)
+    # Every ID is its lowercase hex in ASCII: 64, 32, 32 and 64 octets.
+    raw = (b"\x04kvsp" + b"\x40" + b"aa" * 32 + b"\x20" + b"bb" * 16 + b"\x20" + pid.hex().encode()
+           + b"\x40" + b"cc" * 32)
     assert t.moqt_namespace == base64.urlsafe_b64encode(raw).decode().rstrip("=")
     assert t.track_name == b"1" and t.announce_prefix == t.namespace[:4]
     assert BlockTrack.from_record_namespace(t.moqt_namespace) == t
-    assert scope_of_namespace(t.namespace) == b"\xbb" * 16
+    assert BlockTrack.from_namespace(t.namespace) == t
+    assert scope_of_namespace(t.namespace) == "bb" * 16
     assert scope_of_namespace((b"other", b"x", b"y")) is None
+
+
+def test_every_namespace_field_is_text():
+    """moq-rs closes its session on a namespace field that is not UTF-8."""
+    t = BlockTrack.for_holder("ff" * 32, "80" * 16, "00" * 32, "http://h/")
+    for field in t.namespace:
+        field.decode("ascii")
+
+
+@pytest.mark.parametrize("field", [b"\xaa" * 32, b"AA" * 32, b"aa" * 31, b"aa" * 33, b"zz" * 32])
+def test_a_compat_field_that_is_not_lowercase_hex_is_refused(field):
+    t = BlockTrack.for_holder("aa" * 32, "bb" * 16, "cc" * 32, "http://h/")
+    with pytest.raises(BadRecord, match="compat_id"):
+        BlockTrack.from_namespace((b"kvsp", field) + t.namespace[2:])
 
 
 def test_two_holders_give_two_tracks():

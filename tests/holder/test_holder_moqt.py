@@ -156,11 +156,12 @@ async def test_a_holder_with_a_relay_publishes_both_records(relay, fake_index, h
         fields.append(raw[pos + 1:pos + 1 + raw[pos]])
         pos += 1 + raw[pos]
     assert pos == len(raw)
-    assert fields == [b"kvsp", bytes.fromhex(COMPAT), bytes.fromhex(block.bid.scope_id),
-                      hashlib.sha256(holder.url.encode()).digest()[:16], bytes.fromhex(key)]
-    assert [len(f) for f in fields] == [4, 32, 16, 16, 32]
+    # Each ID as lowercase hex text (DESIGN §4, with IDs as text: see kvsp_moq/naming.py).
+    assert fields == [b"kvsp", COMPAT.encode(), block.bid.scope_id.encode(),
+                      hashlib.sha256(holder.url.encode()).digest()[:16].hex().encode(), key.encode()]
+    assert [len(f) for f in fields] == [4, 64, 32, 32, 64]
     assert tuple(fields) == decode_namespace(moqt.moqt_namespace)
-    assert fields[3] == publisher_id(holder.url) == holder.moqt_publisher.publisher_id
+    assert bytes.fromhex(fields[3].decode()) == publisher_id(holder.url) == holder.moqt_publisher.publisher_id
     await announced(holder, (COMPAT, SCOPE))
 
 

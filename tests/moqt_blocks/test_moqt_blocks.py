@@ -110,8 +110,8 @@ def test_moqt_record_names_relay_namespace_and_http_holder():
     record = moqt_record(http, "moqt://127.0.0.1:4443")
     assert record.holder == "moqt://127.0.0.1:4443" and record.http_holder == HTTP_HOLDER
     fields = decode_namespace(record.moqt_namespace)
-    assert fields == (b"kvsp", bytes.fromhex(COMPAT), bytes.fromhex(SCOPE), publisher_id(HTTP_HOLDER),
-                      bytes.fromhex(key(1)))
+    assert fields == (b"kvsp", COMPAT.encode(), SCOPE.encode(), publisher_id(HTTP_HOLDER).hex().encode(),
+                      key(1).encode())
     assert ReplicaRecord.from_json(record.to_json()) == record
     assert replica_id(record.holder, record.moqt_namespace) != replica_id(http.holder)
     with pytest.raises(BadRecord):

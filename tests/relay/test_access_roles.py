@@ -26,7 +26,7 @@ AUTH = Authenticator.from_mapping({"principal": [
 
 
 def ns() -> tuple[bytes, ...]:
-    return (b"kvsp", b"c" * 32, bytes.fromhex(SCOPE), publisher_id(HOLDER))
+    return (b"kvsp", b"c" * 32, SCOPE.encode(), publisher_id(HOLDER).hex().encode())
 
 
 def track() -> tuple[bytes, ...]:

@@ -22,7 +22,7 @@ NAME = b"1"
 
 
 def ns(scope: str = SCOPE) -> tuple[bytes, ...]:
-    return (b"kvsp", b"c" * 32, bytes.fromhex(scope), publisher_id(HOLDER))
+    return (b"kvsp", b"c" * 32, scope.encode(), publisher_id(HOLDER).hex().encode())
 
 
 def track(scope: str = SCOPE) -> tuple[bytes, ...]:

@@ -363,7 +363,7 @@ HOLDER = "http://127.0.0.1:8801/"
 
 
 def kv_ns(scope: str) -> tuple[bytes, ...]:
-    return (b"kvsp", b"c" * 32, bytes.fromhex(scope), publisher_id(HOLDER))
+    return (b"kvsp", b"c" * 32, scope.encode(), publisher_id(HOLDER).hex().encode())
 
 
 async def test_token_of_scope_a_cannot_use_scope_b():

@@ -135,7 +135,7 @@ HOLDER = "http://127.0.0.1:9000/"
 
 
 def ns(scope: str, holder: str = HOLDER) -> tuple[bytes, ...]:
-    return (b"kvsp", b"c" * 32, bytes.fromhex(scope), publisher_id(holder))
+    return (b"kvsp", b"c" * 32, scope.encode(), publisher_id(holder).hex().encode())
 
 
 def policy() -> AccessPolicy:

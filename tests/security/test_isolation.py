@@ -206,7 +206,7 @@ def test_holder_leases_on_b_refused(holder: Holder, b_blocks: list[str],
 
 
 def kv_ns(scope: str, holder: str) -> tuple[bytes, ...]:
-    return (b"kvsp", bytes.fromhex(COMPAT), bytes.fromhex(scope), publisher_id(holder))
+    return (b"kvsp", COMPAT.encode(), scope.encode(), publisher_id(holder).hex().encode())
 
 
 async def test_relay_announce_subscribe_fetch_in_b_refused() -> None:
