@@ -360,8 +360,9 @@ def assert_aiomoqt_received(out: Path, seed: str, groups: int, objects: int, siz
 
 
 #: (object sizes, pub->sub drafts): moq-rs speaks 18 to our relay; aiomoqt, on 18, 20 or 22,
-#: has its objects carried across drafts by the relay.
-CROSS_DRAFT = [(DEFAULT_SIZES, "18->18"), (MIB_SIZES, "18->18"), (DEFAULT_SIZES, "18->20"), (DEFAULT_SIZES, "18->22")]
+#: has its objects carried across drafts by the relay. 14->14: the relay pinned to draft-14.
+CROSS_DRAFT = [(DEFAULT_SIZES, "18->18"), (MIB_SIZES, "18->18"), (DEFAULT_SIZES, "18->20"), (DEFAULT_SIZES, "18->22"),
+               (DEFAULT_SIZES, "14->14")]
 CROSS_IDS = [f"{'1MiB' if sizes is MIB_SIZES else '16B-256KiB'}-{d}" for sizes, d in CROSS_DRAFT]
 
 
@@ -372,7 +373,7 @@ async def test_moqrs_publisher_through_our_relay_to_aiomoqt_subscriber(tmp_path,
     relay and gets 4 groups x 3 objects byte for byte, the track finished after the last."""
     seed, groups, objects, path = secrets.token_hex(8), 4, 3, broadcast_path()
     out = tmp_path / "aiomoqt-received.json"
-    async with our_relay(tmp_path) as url, spawn(
+    async with our_relay(tmp_path, "14" if draft == "14->14" else None) as url, spawn(
             *publisher_argv(url, path, groups, objects, seed, "--wait-subscriber", sizes=sizes_text(sizes)),
             name="moq-rs publisher", stderr=tmp_path / "moqrs-pub.log") as pub:
         await pub.wait_for_line("READY", STEP)
@@ -396,7 +397,7 @@ async def test_aiomoqt_publisher_through_our_relay_to_moqrs_subscriber(tmp_path,
     ended by FIN, and no PUBLISH_DONE until the moq-rs subscriber has reported: every group
     must reach moq-rs whole and end by its own stream's end."""
     seed, groups, objects, path = secrets.token_hex(8), 4, 3, broadcast_path()
-    async with our_relay(tmp_path) as url, spawn(
+    async with our_relay(tmp_path, "14" if draft == "14->14" else None) as url, spawn(
             str(PEER_PYTHON), str(PEERS / "aiomoqt_pub.py"), url, path, "t", str(groups), str(objects),
             sizes_text(sizes), seed, "--live", "--pause-ms", "20", "--timeout", "60", "--draft", draft.split("->")[0],
             name="aiomoqt publisher", stderr=tmp_path / "aiomoqt-pub.log") as pub:

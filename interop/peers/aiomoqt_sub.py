@@ -14,7 +14,7 @@ import sys
 
 from aiomoqt.client import MOQTClient
 from aiomoqt.track import SubscribedTrack
-from aiomoqt.types import ObjectStatus
+from aiomoqt.types import FilterType, ObjectStatus
 from aiomoqt.utils.url import parse_relay_url
 
 
@@ -41,7 +41,11 @@ async def main(url: str, namespace: str, track: str, count: int, out: str, draft
         await session.client_session_init()
         subscription = SubscribedTrack(session, namespace, track, on_object=on_object, on_done=on_done)
         subscription._quiet = True
-        await subscription.subscribe(forward=1, filter_type=None)
+        # Everything from the start: no filter, which draft-14 cannot say (Absolute Start {0, 0}).
+        if draft == 14:
+            await subscription.subscribe(forward=1, filter_type=FilterType.ABSOLUTE_START)
+        else:
+            await subscription.subscribe(forward=1, filter_type=None)
         print("SUBSCRIBED", flush=True)
         await asyncio.wait_for(enough.wait(), 30)
         with open(out, "w") as f:
