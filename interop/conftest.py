@@ -132,22 +132,22 @@ async def our_relay(tmp_path: Path, drafts: str | None = None) -> AsyncIterator[
 
 
 @asynccontextmanager
-async def aiomoqt_relay(tmp_path: Path) -> AsyncIterator[str]:
-    """aiomoqt's relay over raw QUIC on 127.0.0.1; yields its moqt:// URL."""
+async def aiomoqt_relay(tmp_path: Path, draft: int = 18) -> AsyncIterator[str]:
+    """aiomoqt's relay over raw QUIC on 127.0.0.1, speaking `draft`; yields its moqt:// URL."""
     from kvsp_moq.moqt.certs import generate_self_signed
 
     cert, key = tmp_path / "aiomoqt-cert.pem", tmp_path / "aiomoqt-key.pem"
     generate_self_signed().write(cert, key)
     port = free_udp_port()
     async with spawn(str(PEER_BIN / "moq-interop-relay"), "--quic", "--bind", "127.0.0.1", "--port", str(port),
-                     "--cert", str(cert), "--key", str(key), "--draft", "18",
+                     "--cert", str(cert), "--key", str(key), "--draft", str(draft),
                      name="aiomoqt relay", stderr=tmp_path / "aiomoqt-relay.log"):
         url = f"moqt://127.0.0.1:{port}"
-        await _wait_for_moqt(url)
+        await _wait_for_moqt(url, draft)
         yield url
 
 
-async def _wait_for_moqt(url: str, timeout: float = 20.0) -> None:
+async def _wait_for_moqt(url: str, draft: int = 18, timeout: float = 20.0) -> None:
     """Until a MOQT session to `url` can be set up."""
     from kvsp_moq.moqt.quic import connect
 
@@ -155,7 +155,7 @@ async def _wait_for_moqt(url: str, timeout: float = 20.0) -> None:
     deadline = loop.time() + timeout
     while True:
         try:
-            connection = await connect(url, verify=False, timeout=1.0)
+            connection = await connect(url, verify=False, timeout=1.0, drafts=(draft,))
         except (OSError, asyncio.TimeoutError, ConnectionError, Exception):
             if loop.time() > deadline:
                 raise AssertionError(f"nothing answers MOQT at {url}") from None

@@ -3,10 +3,11 @@
 1. aiomoqt's conformance client against our relay, at drafts 18, 20 and 22: the 12 default
    cases, then `fetch` and `join`; every case must be `ok`, none skipped, none accepted only
    under a COMPAT tolerance.
-2. KV blocks through aiomoqt's relay: our BlockPublisher announces, our MoqtBlockFetcher
-   fetches a stored block and subscribes to one being produced.
-3. Objects byte for byte: an aiomoqt publisher through our relay to our subscriber, and our
-   publisher through aiomoqt's relay to an aiomoqt subscriber.
+2. KV blocks through aiomoqt's relay, at drafts 18, 20 and 22: our BlockPublisher announces,
+   our MoqtBlockFetcher fetches a stored block and subscribes to one being produced.
+3. Objects byte for byte: an aiomoqt publisher through our relay to our subscriber, and, at
+   drafts 18, 20 and 22, our publisher through aiomoqt's relay to an aiomoqt subscriber and an
+   aiomoqt publisher through aiomoqt's relay to our subscriber.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import numpy as np
 import pytest
 
 from kvsp_moq.holder.store import BlockId, BlockStore
-from kvsp_moq.moqt.quic import IncomingSubscribe, connect
+from kvsp_moq.moqt.quic import IncomingSubscribe, QuicSettings, connect
 from kvsp_moq.moqt_blocks import BlockPublisher, MoqtBlockFetcher, moqt_record
 from kvsp_moq.protocol.container import Container, encode
 from kvsp_moq.protocol.records import ReplicaRecord
@@ -134,11 +135,14 @@ def assert_layers(got, data: bytes, first: int, last: int) -> None:
 
 
 @pytest.mark.matrix("our holder -> our fetcher (KV blocks: FETCH, SUBSCRIBE)", "aiomoqt relay")
-async def test_kv_blocks_through_the_aiomoqt_relay(tmp_path):
-    async with aiomoqt_relay(tmp_path) as url:
+@pytest.mark.parametrize("draft", ["18", "20", "22"])
+async def test_kv_blocks_through_the_aiomoqt_relay(tmp_path, draft):
+    settings = QuicSettings(client_drafts=(int(draft),))
+    async with aiomoqt_relay(tmp_path, int(draft)) as url:
         store = BlockStore(host_bytes=64 << 20)
-        publisher = await BlockPublisher(store, url, HTTP_HOLDER, verify=False, rescan_interval=0.1).start()
-        fetcher = MoqtBlockFetcher(verify=False, timeout=STEP, layer_timeout=STEP)
+        publisher = await BlockPublisher(store, url, HTTP_HOLDER, verify=False, rescan_interval=0.1,
+                                         settings=settings).start()
+        fetcher = MoqtBlockFetcher(verify=False, timeout=STEP, layer_timeout=STEP, settings=settings)
         try:
             stored_id = BlockId(COMPAT, SCOPE, hashlib.sha256(b"stored").hexdigest())
             stored = block(1)
@@ -210,13 +214,14 @@ async def test_aiomoqt_publisher_through_our_relay_to_our_subscriber(tmp_path):
 
 
 @pytest.mark.matrix("our publisher -> aiomoqt subscriber", "aiomoqt relay")
-async def test_our_publisher_through_aiomoqt_relay_to_aiomoqt_subscriber(tmp_path):
+@pytest.mark.parametrize("draft", ["18", "20", "22"])
+async def test_our_publisher_through_aiomoqt_relay_to_aiomoqt_subscriber(tmp_path, draft):
     seed, groups, objects, size = secrets.token_hex(8), 3, 5, 20_000
     namespace = ("interop", seed)
     expected = [(g, o, payload(seed, g, o, size)) for g in range(groups) for o in range(objects)]
     out = tmp_path / "received.json"
-    async with aiomoqt_relay(tmp_path) as url:
-        publisher = await connect(url, verify=False, timeout=STEP)
+    async with aiomoqt_relay(tmp_path, int(draft)) as url:
+        publisher = await connect(url, verify=False, timeout=STEP, drafts=(int(draft),))
         subscribed = asyncio.Event()
 
         async def on_subscribe(req: IncomingSubscribe) -> None:
@@ -233,7 +238,7 @@ async def test_our_publisher_through_aiomoqt_relay_to_aiomoqt_subscriber(tmp_pat
         try:
             await publisher.publish_namespace(namespace, timeout=STEP)
             async with spawn(str(PEER_PYTHON), str(PEERS / "aiomoqt_sub.py"), url, "/".join(namespace), "objects",
-                             str(len(expected)), str(out), name="aiomoqt subscriber",
+                             str(len(expected)), str(out), "--draft", draft, name="aiomoqt subscriber",
                              stderr=tmp_path / "aiomoqt-sub.log") as sub:
                 await sub.wait_for_line("SUBSCRIBED", STEP)
                 subscribed.set()
@@ -242,3 +247,27 @@ async def test_our_publisher_through_aiomoqt_relay_to_aiomoqt_subscriber(tmp_pat
             await publisher.aclose()
     got = sorted((g, o, bytes.fromhex(p)) for g, o, p in json.loads(out.read_text()))
     assert got == expected
+
+
+@pytest.mark.matrix("aiomoqt publisher -> our subscriber", "aiomoqt relay")
+@pytest.mark.parametrize("draft", ["18", "20", "22"])
+async def test_aiomoqt_publisher_through_aiomoqt_relay_to_our_subscriber(tmp_path, draft):
+    seed, groups, objects, size = secrets.token_hex(8), 3, 4, 25_000
+    namespace = f"interop/{seed}"
+    async with aiomoqt_relay(tmp_path, int(draft)) as url, spawn(
+            str(PEER_PYTHON), str(PEERS / "aiomoqt_pub.py"), url, namespace, "objects", str(groups), str(objects),
+            str(size), seed, "--draft", draft, name="aiomoqt publisher", stderr=tmp_path / "aiomoqt-pub.log") as pub:
+        await pub.wait_for_line("READY", STEP)
+        client = await connect(url, verify=False, timeout=STEP, drafts=(int(draft),))
+        try:
+            subscription = await client.subscribe(namespace.split("/"), "objects", timeout=STEP)
+            got = []
+
+            async def read() -> None:
+                async for obj in subscription:
+                    got.append((obj.group_id, obj.object_id, obj.payload))
+
+            await asyncio.wait_for(read(), STEP)
+        finally:
+            await client.aclose()
+    assert sorted(got) == [(g, o, payload(seed, g, o, size)) for g in range(groups) for o in range(objects)]

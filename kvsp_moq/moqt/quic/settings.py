@@ -121,6 +121,7 @@ class QuicSettings:
     server_drafts: the drafts a server accepts, in its order of preference (it
         picks the first one the client offers); None: 18, 20, 22, then 14 (see
         `draft14_fallback`).
+    client_drafts: the drafts a client offers, most preferred first; None: 18.
     """
 
     engine: str = field(default_factory=default_engine)
@@ -142,12 +143,15 @@ class QuicSettings:
     use_uvloop: bool = True
     draft14_fallback: bool = True
     server_drafts: tuple[int, ...] | None = None
+    client_drafts: tuple[int, ...] | None = None
 
     def default_drafts(self, *, is_client: bool) -> tuple[int, ...]:
         """The drafts offered when none are given, most preferred first."""
         if not is_client and self.server_drafts is not None:
             return check_drafts(self.server_drafts)
         if is_client:
+            if self.client_drafts is not None:
+                return check_drafts(self.client_drafts)
             return (18,)  # what every peer in the field speaks (moq-rs: up to 19)
         if not self.draft14_fallback:
             return tuple(d for d in SUPPORTED_DRAFTS if d != 14)
