@@ -115,6 +115,8 @@ class RequestErrorCode(IntEnum):
     INVALID_JOINING_REQUEST_ID = 0x32
     UNSUPPORTED_EXTENSION = 0x33
     REDIRECT = 0x34
+    CONFLICTING_FILTERS = 0x35  # draft-20+
+    INVALID_FILTER = 0x36  # draft-20+
 
 
 class PublishDoneCode(IntEnum):

@@ -26,7 +26,7 @@ from kvsp_moq.moqt.d18.profiles import profile
 from kvsp_moq.moqt.d18.session import MoqtSession
 from kvsp_moq.moqt.drafts import alpn_of
 from kvsp_moq.moqt.engine import ProtocolNegotiated, StreamDataReceived, StreamReset
-from kvsp_moq.moqt.errors import NotSupported, ProtocolViolation, SessionCloseCode
+from kvsp_moq.moqt.errors import NotSupported, ProtocolViolation, RequestErrorCode, SessionCloseCode
 from kvsp_moq.moqt.quic import QuicSettings
 from kvsp_moq.moqt.quic.aioquic_engine import AioquicEngine
 from kvsp_moq.moqt.varint import Buffer, encode_vi64
@@ -828,3 +828,22 @@ def test_our_fetch_and_a_timed_out_range_on_its_stream(draft: int) -> None:
     marker = one(events, ev.FetchRangeReceived)
     assert (marker.request_id, marker.location, marker.unknown) == (rid, Location(0, 5), True)
     assert one(events, ev.DataStreamEnded).reset is False
+
+
+def test_a_request_with_range_filters_is_refused_with_invalid_filter(peer: RawPeerPair) -> None:
+    """This endpoint advertises no MAX_FILTER_RANGES, so range filters (0x25-0x29) are refused
+    with REQUEST_ERROR INVALID_FILTER (0x36), the session kept; the layer above never sees it."""
+    # SUBSCRIBE, request 0, ("kvsp", "x") / "t", 1 parameter: OBJECTID_FILTER (0x26) of one
+    # range, length 3: SetID 0, start delta 3, end delta 2.
+    body = h("00 02 04 6b 76 73 70 01 78 01 74 01 26 03 00 03 02")
+    sid = peer.send(frame(0x3, body))
+    assert of(peer.take(), ev.SubscribeReceived) == []
+    (answer,) = peer.messages_on(sid)
+    assert isinstance(answer, m.RequestErrorMessage) and answer.error_code == RequestErrorCode.INVALID_FILTER == 0x36
+    assert not peer.server.closed
+
+
+def test_range_filters_do_not_exist_on_draft18() -> None:
+    body = h("00 02 04 6b 76 73 70 01 78 01 74 01 26 03 00 03 02")
+    with pytest.raises(ProtocolViolation, match="unknown parameter 0x26"):
+        m.decode_message(frame(0x3, body), 18)

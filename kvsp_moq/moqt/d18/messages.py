@@ -253,6 +253,11 @@ _PARAMETER_FIELDS: dict[int, tuple[str, int]] = {
 }
 # Parameters that exist from draft-20 on.
 _SINCE_20 = frozenset({ParameterType.FILL_PARAMETERS, ParameterType.INCLUDE_PROPERTIES})
+# Draft-20 range filters (SUBGROUP, OBJECTID, PRIORITY, OBJECT_PROPERTY, TRACK_PROPERTY): a
+# length and ranges. This endpoint advertises no MAX_FILTER_RANGES, so a peer may send none;
+# they are counted (`Parameters.range_filters`) for the request to be refused with
+# INVALID_FILTER, never applied.
+_RANGE_FILTERS = frozenset(range(0x25, 0x2A))
 _FIELD_TYPES = {name: ptype for ptype, (name, _) in _PARAMETER_FIELDS.items()}
 
 
@@ -480,6 +485,7 @@ class Parameters:
     track_namespace_prefix: TrackNamespace | None = None
     fill: Fill | None = None
     include_properties: bool | None = None
+    range_filters: int | None = None  # draft-20 range filters received (never sent)
 
     def types(self) -> list[int]:
         """Parameter types present, in wire order."""
@@ -553,6 +559,10 @@ class Parameters:
             ptype += buf.pull_varint()
             if ptype > U64_MAX:
                 raise ProtocolViolation("parameter type over 2^64-1")
+            if p.location_filter and ptype in _RANGE_FILTERS and ptype in allowed:
+                buf.pull_view(buf.pull_varint())
+                values["range_filters"] = values.get("range_filters", 0) + 1
+                continue
             spec = _PARAMETER_FIELDS.get(ptype)
             if ptype in _SINCE_20 and not p.location_filter:
                 spec = None
@@ -688,15 +698,15 @@ del P
 # What draft-20 allows beyond draft-18, by message (PUBLISH_OK, a REQUEST_OK, carries
 # only EXPIRES there: the session sends the rest in a REQUEST_UPDATE).
 P = ParameterType
-_SUBSCRIBE_20 = _scope(P.FILL_PARAMETERS, P.INCLUDE_PROPERTIES)
+_SUBSCRIBE_20 = _scope(P.FILL_PARAMETERS, P.INCLUDE_PROPERTIES) | frozenset(range(0x25, 0x29))
 _SCOPE_ADDED_20: dict[str, frozenset[int]] = {
     "SUBSCRIBE": _SUBSCRIBE_20,
     "PUBLISH": _scope(P.OBJECT_DELIVERY_TIMEOUT, P.SUBGROUP_DELIVERY_TIMEOUT, P.SUBSCRIBER_PRIORITY,
                       P.SUBSCRIPTION_FILTER, P.GROUP_ORDER),
-    "FETCH": _scope(P.INCLUDE_PROPERTIES),
+    "FETCH": _scope(P.INCLUDE_PROPERTIES) | frozenset(range(0x25, 0x29)),
     "TRACK_STATUS": _scope(P.INCLUDE_PROPERTIES),
-    "SUBSCRIBE_TRACKS": _SCOPE_SUBSCRIBE | _SUBSCRIBE_20,
-    "REQUEST_UPDATE": _scope(P.FILL_PARAMETERS),
+    "SUBSCRIBE_TRACKS": _SCOPE_SUBSCRIBE | _SUBSCRIBE_20 | {0x29},
+    "REQUEST_UPDATE": _scope(P.FILL_PARAMETERS) | frozenset(range(0x25, 0x2A)),
 }
 del P
 

@@ -195,6 +195,9 @@ class _Fill(RequestState):
     bounds: tuple[Location, Location] | None = None
 
 
+#: Why a request with range filters is refused: this endpoint advertises no MAX_FILTER_RANGES.
+_NO_RANGE_FILTERS = "range filters are not accepted (MAX_FILTER_RANGES 0)"
+
 #: Fills are kept under IDs no peer request can have.
 _FILL_ID_BASE = 1 << 64
 
@@ -448,6 +451,9 @@ class MoqtSession(SessionBase):
             # Section 3.2: "." is never used and no session-level track is
             # defined, so both are rejected here, not passed to the application.
             self._reject(request, RequestErrorCode.DOES_NOT_EXIST, "reserved namespace")
+            return
+        if parameters.range_filters:
+            self._reject(request, RequestErrorCode.INVALID_FILTER, _NO_RANGE_FILTERS)
             return
 
         if isinstance(message, Subscribe):
@@ -725,6 +731,9 @@ class MoqtSession(SessionBase):
         self._update_parent[message.request_id] = request
         self._update_parameters[message.request_id] = message.parameters
         tokens = self._resolve_tokens(message.parameters.authorization_tokens)
+        if message.parameters.range_filters:
+            self.request_error(message.request_id, RequestErrorCode.INVALID_FILTER, _NO_RANGE_FILTERS)
+            return
         out.append(ev.RequestUpdateReceived(message.request_id, request.request_id, message.parameters, tokens))
         if message.parameters.fill is not None and request.kind is Subscribe and not request.local:
             self._open_fill(request, message.parameters.fill, message.request_id, tokens, out)
