@@ -214,3 +214,26 @@ def pytest_terminal_summary(terminalreporter: object) -> None:
         write("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
         if n == 0:
             write("  ".join("-" * width for width in widths))
+
+
+async def read_track(url: str, namespace: str, track: str, *, draft: int = 18,
+                     timeout: float = 20.0) -> list[tuple[int, int, bytes]]:
+    """Our client at `url`, speaking `draft`, subscribes to `track` of the namespace whose
+    fields `namespace` joins with "/", and reads (group, object, payload) until the
+    subscription ends (bounded by `timeout`)."""
+    from kvsp_moq.moqt.quic import connect
+
+    client = await connect(url, verify=False, timeout=timeout, drafts=(draft,))
+    got: list[tuple[int, int, bytes]] = []
+    try:
+        assert client.draft == draft
+        subscription = await client.subscribe(namespace.split("/"), track, timeout=timeout)
+
+        async def read() -> None:
+            async for obj in subscription:
+                got.append((obj.group_id, obj.object_id, obj.payload))
+
+        await asyncio.wait_for(read(), timeout)
+    finally:
+        await client.aclose()
+    return got

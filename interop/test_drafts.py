@@ -20,12 +20,11 @@ import numpy as np
 import pytest
 
 from kvsp_moq.holder.store import BlockId, BlockStore
-from kvsp_moq.moqt.quic import connect
 from kvsp_moq.moqt_blocks import BlockPublisher
 from kvsp_moq.naming import BlockTrack
 from kvsp_moq.protocol.container import Container, encode
 
-from .conftest import PEER_PYTHON, PEERS, our_relay, spawn
+from .conftest import PEER_PYTHON, PEERS, our_relay, read_track, spawn
 
 STEP = 20.0
 HTTP_HOLDER = "http://127.0.0.1:8801/"
@@ -70,19 +69,7 @@ async def test_our_subscriber_on_any_draft_gets_aiomoqt_objects(tmp_path, draft)
     async with our_relay(tmp_path) as url, aiomoqt_publisher(
             url, namespace, groups, objects, size, seed, pub_draft, tmp_path / "aiomoqt-pub.log") as pub:
         await pub.wait_for_line("READY", STEP)
-        client = await connect(url, verify=False, timeout=STEP, drafts=(sub_draft,))
-        try:
-            assert client.draft == sub_draft
-            subscription = await client.subscribe(namespace.split("/"), "objects", timeout=STEP)
-            got = []
-
-            async def read() -> None:
-                async for obj in subscription:
-                    got.append((obj.group_id, obj.object_id, obj.payload))
-
-            await asyncio.wait_for(read(), STEP)
-        finally:
-            await client.aclose()
+        got = await read_track(url, namespace, "objects", draft=sub_draft, timeout=STEP)
     assert sorted(got) == [(g, o, payload(seed, g, o, size)) for g in range(groups) for o in range(objects)]
 
 

@@ -28,7 +28,15 @@ from kvsp_moq.moqt_blocks import BlockPublisher, MoqtBlockFetcher, moqt_record
 from kvsp_moq.protocol.container import Container, encode
 from kvsp_moq.protocol.records import ReplicaRecord
 
-from .conftest import PEER_BIN, PEER_PYTHON, PEERS, aiomoqt_relay, our_relay, spawn
+from .conftest import (
+    PEER_BIN,
+    PEER_PYTHON,
+    PEERS,
+    aiomoqt_relay,
+    our_relay,
+    read_track,
+    spawn,
+)
 
 STANDARD_CASES = [
     "setup-only", "announce-only", "publish-namespace-done", "subscribe-error", "rendezvous-timeout",
@@ -197,20 +205,9 @@ async def test_aiomoqt_publisher_through_our_relay_to_our_subscriber(tmp_path):
             str(groups), str(objects), str(size), seed, name="aiomoqt publisher",
             stderr=tmp_path / "aiomoqt-pub.log") as pub:
         await pub.wait_for_line("READY", STEP)
-        client = await connect(url, verify=False, timeout=STEP)
-        try:
-            subscription = await client.subscribe(namespace.split("/"), "objects", timeout=STEP)
-            got = []
-
-            async def read() -> None:
-                async for obj in subscription:
-                    got.append(obj)
-
-            await asyncio.wait_for(read(), STEP)
-        finally:
-            await client.aclose()
+        got = await read_track(url, namespace, "objects", timeout=STEP)
         expected = [(g, o, payload(seed, g, o, size)) for g in range(groups) for o in range(objects)]
-        assert sorted((x.group_id, x.object_id, x.payload) for x in got) == expected
+        assert sorted(got) == expected
 
 
 @pytest.mark.matrix("our publisher -> aiomoqt subscriber", "aiomoqt relay")
@@ -258,16 +255,5 @@ async def test_aiomoqt_publisher_through_aiomoqt_relay_to_our_subscriber(tmp_pat
             str(PEER_PYTHON), str(PEERS / "aiomoqt_pub.py"), url, namespace, "objects", str(groups), str(objects),
             str(size), seed, "--draft", draft, name="aiomoqt publisher", stderr=tmp_path / "aiomoqt-pub.log") as pub:
         await pub.wait_for_line("READY", STEP)
-        client = await connect(url, verify=False, timeout=STEP, drafts=(int(draft),))
-        try:
-            subscription = await client.subscribe(namespace.split("/"), "objects", timeout=STEP)
-            got = []
-
-            async def read() -> None:
-                async for obj in subscription:
-                    got.append((obj.group_id, obj.object_id, obj.payload))
-
-            await asyncio.wait_for(read(), STEP)
-        finally:
-            await client.aclose()
+        got = await read_track(url, namespace, "objects", draft=int(draft), timeout=STEP)
     assert sorted(got) == [(g, o, payload(seed, g, o, size)) for g in range(groups) for o in range(objects)]
