@@ -847,3 +847,30 @@ def test_range_filters_do_not_exist_on_draft18() -> None:
     body = h("00 02 04 6b 76 73 70 01 78 01 74 01 26 03 00 03 02")
     with pytest.raises(ProtocolViolation, match="unknown parameter 0x26"):
         m.decode_message(frame(0x3, body), 18)
+
+
+@pytest.mark.parametrize("draft", NEW_DRAFTS)
+def test_publish_state_notify_from_the_publisher_is_accepted(draft: int) -> None:
+    """Our subscription's publisher may report its own change of Forward or Largest Object;
+    the session takes it and stays open. From the subscriber it is a PROTOCOL_VIOLATION."""
+    pair = RawPeerPair(draft, client_session=True)
+    sub = pair.client.subscribe(NS, b"t")
+    pair.exchange()
+    one(pair.take(), ev.SubscribeReceived)
+    pair.server.subscribe_ok(sub, largest=Location(0, 1))
+    pair.exchange()
+    notify = m.PublishStateNotify(m.Parameters(largest_object=Location(0, 4), forward=False))
+    pair.server_quic.send_stream_data(pair.server.request_stream_id(sub), notify.encode(draft))
+    pair.exchange()
+    assert of(pair.client_events, ev.SessionTerminated) == []
+    assert not pair.client.closed
+
+
+def test_publish_state_notify_from_the_subscriber_closes_the_session(peer: RawPeerPair) -> None:
+    sid = peer.send(m.Subscribe(0, NS, b"t").encode(peer.draft))
+    one(peer.take(), ev.SubscribeReceived)
+    peer.server.subscribe_ok(0, largest=Location(0, 1))
+    peer.exchange()
+    peer.send(m.PublishStateNotify(m.Parameters(forward=False)).encode(peer.draft), stream_id=sid)
+    closed = one(peer.take(), ev.SessionTerminated)
+    assert closed.error_code == SessionCloseCode.PROTOCOL_VIOLATION

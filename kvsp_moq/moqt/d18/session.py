@@ -120,6 +120,7 @@ from .messages import (
     PublishBlocked,
     PublishDone,
     PublishNamespace,
+    PublishStateNotify,
     Redirect,
     RequestErrorMessage,
     RequestOk,
@@ -594,6 +595,12 @@ class MoqtSession(SessionBase):
             return
         if isinstance(message, RequestUpdate):
             self._on_peer_update(request, message, out)
+            return
+        if isinstance(message, PublishStateNotify):
+            # Draft-20: the publisher changed Forward, the filter or the Largest Object of the
+            # subscription itself; nothing is answered, nothing here depends on it.
+            if not request.is_subscription or request.publisher_is_local:
+                raise ProtocolViolation("PUBLISH_STATE_NOTIFY from the subscriber")
             return
         if request.local and not request.answered:
             self._on_first_answer(request, message, out)
