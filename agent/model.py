@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import math
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +28,8 @@ import torch
 from torch.utils.hooks import RemovableHandle
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+
+from kvsp_moq.protocol import compat
 
 __all__ = [
     "KV_LAYOUT",
@@ -40,7 +42,7 @@ __all__ = [
     "PrefillResult",
     "Sampler",
     "positional_descriptor",
-    "sha256_files",
+    "file_chunks",
 ]
 
 KV_LAYOUT = "kvsp-layout-1"
@@ -334,14 +336,11 @@ class Sampler:
 # --------------------------------------------------------------------------- descriptor helpers
 
 
-def sha256_files(paths: Sequence[Path]) -> str:
-    """Lowercase hex SHA-256 over the files concatenated in the given order, streamed."""
-    digest = hashlib.sha256()
-    for path in paths:
-        with open(path, "rb") as f:
-            while chunk := f.read(_CHUNK):
-                digest.update(chunk)
-    return digest.hexdigest()
+def file_chunks(path: Path, chunk: int = _CHUNK) -> Iterator[bytes]:
+    """A file's content in chunks, read as they are consumed."""
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            yield block
 
 
 def _format_value(value: Any) -> str:
@@ -495,13 +494,15 @@ class ModelAdapter:
     def model_digest(self) -> str:
         """Computed once: the weight files are assumed immutable while loaded."""
         if self._model_digest is None:
-            self._model_digest = "sha-256:" + sha256_files(self.weight_files())
+            self._model_digest = compat.model_digest(
+                (path.name, file_chunks(path)) for path in self.weight_files())
         return self._model_digest
 
     @property
     def tokenizer_digest(self) -> str:
         if self._tokenizer_digest is None:
-            self._tokenizer_digest = "sha-256:" + sha256_files([self.directory / "tokenizer.json"])
+            self._tokenizer_digest = compat.content_digest(
+                file_chunks(self.directory / "tokenizer.json"))
         return self._tokenizer_digest
 
     def descriptor(self, block_tokens: int) -> dict[str, Any]:

@@ -27,7 +27,6 @@ from typing import Callable
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvsp_moq.errors import BadContainer, BadRecord  # noqa: E402
-from kvsp_moq.fetch.http import ContainerAssembler, _Bad  # noqa: E402
 from kvsp_moq.moqt import wire
 from kvsp_moq.moqt.d18 import messages as m  # noqa: E402
 from kvsp_moq.moqt.d18.data import (
@@ -48,6 +47,7 @@ from kvsp_moq.moqt.errors import (  # noqa: E402
 from kvsp_moq.moqt.varint import encode_vi64  # noqa: E402
 from kvsp_moq.moqt_blocks import split_layer  # noqa: E402
 from kvsp_moq.protocol.container import Container, encode  # noqa: E402
+from kvsp_moq.protocol.container_parser import ContainerParser  # noqa: E402
 from kvsp_moq.protocol.records import (  # noqa: E402
     InstanceStatus,
     LeaseRequest,
@@ -87,14 +87,14 @@ def container_stream(data: bytes) -> None:
         return
     piece = data[0] % 32 + 1
     body = data[1:]
-    asm = ContainerAssembler(max_size=4096)
+    asm = ContainerParser(max_size=4096)
     try:
         for i in range(0, len(body), piece):
             for layer in asm.feed(body[i:i + piece]):
                 assert layer.index >= asm.first_layer
         if asm.complete:
-            asm.container()
-    except _Bad:
+            asm.close()
+    except BadContainer:
         return
 
 

@@ -6,13 +6,13 @@ source that delivers them.
         ...
     stream.failures                 # [(source, reason), ...] for sources that were skipped
 
-The body is parsed as it arrives: once the header, the length table and a layer's octets are
-in, that layer is checked against the Replica Record's layer digest and handed out, so a
-caller can start on layer l while l+1 is still on the wire. The Repr-Digest of the whole
-response is computed alongside and checked before the response's last layer is handed out:
-layer digests do not cover the container header (Token Count, codec, the K/V split of each
-layer), and §6.7 requires clients to verify Repr-Digest. No layer is handed out before its
-own digest has been checked.
+The body is parsed as it arrives (`kvsp_moq.protocol.container_parser.ContainerParser`): once
+the header, the length table and a layer's octets are in, that layer is checked against the
+Replica Record's layer digest and handed out, so a caller can start on layer l while l+1 is
+still on the wire. The Repr-Digest of the whole response is computed alongside and checked
+before the response's last layer is handed out: layer digests do not cover the container
+header (Token Count, codec, the K/V split of each layer), and §6.7 requires clients to verify
+Repr-Digest. No layer is handed out before its own digest has been checked.
 
 Verifying thus means two SHA-256 passes over the body, which cost more CPU than receiving it,
 so they run side by side while the next octets arrive (hashlib releases the GIL): the
@@ -60,20 +60,14 @@ from kvsp_moq.errors import (
 )
 from kvsp_moq.holder.store import hash_pool
 from kvsp_moq.protocol.container import (
-    ENTRY,
-    ENTRY_SIZE,
-    HEADER,
-    HEADER_SIZE,
-    LAYER_SPACE,
-    MAGIC,
     MEDIA_TYPE,
-    VERSION,
     Container,
     Layer,
     encode,
     layer_digest,
     replica_digest,
 )
+from kvsp_moq.protocol.container_parser import ContainerParser
 from kvsp_moq.fetch import http1
 from kvsp_moq.fetch.stream import VerifiedLayerStream, record_layer_digests
 from kvsp_moq.protocol.records import ReplicaRecord
@@ -119,140 +113,7 @@ def parse_repr_digest(value: str | None) -> bytes | None:
     return digest if len(digest) == 32 else None
 
 
-# --------------------------------------------------------------------------- parsing
-
-
-class ContainerAssembler:
-    """Takes a container's octets in pieces; tells which layers have fully arrived.
-
-    Sans-I/O: `feed()` copies each piece once into a buffer sized from the length table, and
-    the layers it returns are views into that buffer.
-    """
-
-    def __init__(self, *, max_size: int) -> None:
-        self.max_size = max_size
-        self.received = 0
-        self.buffer: memoryview | None = None
-        self.view: memoryview | None = None
-        self.total: int | None = None
-        self.codec = self.first_layer = self.layer_count = self.token_count = 0
-        self._head = bytearray()
-        self._given: memoryview | None = None
-        self._bounds: list[int] = []  # k start of each layer, then the end of the last
-        self._k_ends: list[int] = []
-        self._next = 0
-
-    @property
-    def header_parsed(self) -> bool:
-        return self.total is not None
-
-    def attach(self, buffer: memoryview) -> None:
-        """Receive in place: the octets will be written into `buffer` by someone else, and
-        `advance()` told how many have arrived. The header must announce len(buffer) octets."""
-        self._given = buffer
-
-    def advance(self, received: int) -> list[Layer]:
-        """`received` octets of the attached buffer are in; returns the layers completed."""
-        self.received = received
-        if self.buffer is None:
-            given = self._given
-            assert given is not None
-            self._parse_head(given[:received], given)
-            if self.buffer is None:
-                return []
-        return self._complete()
-
-    def feed(self, piece: bytes | memoryview) -> list[Layer]:
-        """Add octets; returns the layers completed by them, in order."""
-        n = len(piece)
-        if self.buffer is None:
-            self._head += piece
-            self.received += n
-            self._parse_head(self._head)
-            if self.buffer is None:
-                return []
-        else:
-            end = self.received + n
-            if end > len(self.buffer):
-                raise _Bad(f"more than the {len(self.buffer)} octets the header announced")
-            self.buffer[self.received:end] = piece
-            self.received = end
-        return self._complete()
-
-    def _parse_head(self, head: bytearray | memoryview, given: memoryview | None = None) -> None:
-        if len(head) < HEADER_SIZE:
-            if head[:len(MAGIC)] != MAGIC[:len(head)]:
-                raise _Bad("not a KVB1 container (bad magic)")
-            return
-        magic, version, flags, codec, first, count, tokens = HEADER.unpack_from(head, 0)
-        if magic != MAGIC:
-            raise _Bad("not a KVB1 container (bad magic)")
-        if version != VERSION:
-            raise _Bad(f"unknown container version {version}")
-        if first + count > LAYER_SPACE:
-            raise _Bad("first layer + layer count exceeds 2^32")
-        table_end = HEADER_SIZE + count * ENTRY_SIZE
-        if table_end > self.max_size:
-            raise _Bad(f"a table of {count} layers is larger than the block can be")
-        if len(head) < table_end:
-            return
-        pos = table_end
-        bounds, k_ends = [], []
-        for i in range(count):
-            k_len, v_len = ENTRY.unpack_from(head, HEADER_SIZE + i * ENTRY_SIZE)
-            bounds.append(pos)
-            k_ends.append(pos + k_len)
-            pos += k_len + v_len
-            if pos > self.max_size:
-                raise _Bad(f"layer lengths run past the {self.max_size} octets expected")
-        bounds.append(pos)
-        self.codec, self.first_layer, self.layer_count, self.token_count = codec, first, count, tokens
-        self.total = pos
-        self._bounds, self._k_ends = bounds, k_ends
-        if given is not None:
-            if len(given) != pos:
-                raise _Bad(f"a body of {len(given)} octets, but the header announced {pos}")
-            self.buffer = given
-        else:
-            if len(head) > pos:
-                raise _Bad(f"more than the {pos} octets the header announced")
-            self.buffer = receive_buffer(pos)
-            self.buffer[:len(head)] = head
-        self.view = memoryview(self.buffer)
-        self._head = bytearray()
-
-    def _complete(self) -> list[Layer]:
-        out = []
-        view, bounds = self.view, self._bounds
-        assert view is not None
-        while self._next < self.layer_count and bounds[self._next + 1] <= self.received:
-            i = self._next
-            out.append(Layer(self.first_layer + i, view[bounds[i]:self._k_ends[i]],
-                             view[self._k_ends[i]:bounds[i + 1]]))
-            self._next += 1
-        return out
-
-    @property
-    def complete(self) -> bool:
-        return self.total is not None and self.received == self.total
-
-    @property
-    def last_complete_layer(self) -> int:
-        """The number of the last layer fully received (first_layer - 1 when none)."""
-        return self.first_layer + self._next - 1
-
-    def container(self) -> Container:
-        if not self.complete:
-            raise _Bad(f"body ended after {self.received} of {self.total or '?'} octets")
-        assert self.buffer is not None
-        try:
-            return Container(self.buffer)
-        except BadContainer as e:  # a rule the streaming parse does not check
-            raise _Bad(str(e)) from None
-
-
-class _Bad(Exception):
-    """A response that is not the container it should be."""
+# --------------------------------------------------------------------------- internals
 
 
 class _SourceFailed(Exception):
@@ -336,8 +197,8 @@ class LayerStream(VerifiedLayerStream):
                                         f"({n if n is not None else '?'} layers)")
             self.range = (a, b)
         self._kinds: list[str] = []
-        self._current: ContainerAssembler | None = None
-        self._delivered: list[ContainerAssembler] = []
+        self._current: ContainerParser | None = None
+        self._delivered: list[ContainerParser] = []
         self._start()
 
     # ---------------------------------------------------------------- the source loop
@@ -434,12 +295,12 @@ class LayerStream(VerifiedLayerStream):
         if declared is not None and declared.isdigit() and int(declared) > max_size:
             raise _SourceFailed("malformed", f"a body of {declared} octets is larger than "
                                              f"the replica's {max_size}")
-        assembler = ContainerAssembler(max_size=max_size)
-        self._current = assembler
+        parser = ContainerParser(max_size=max_size, allocate=receive_buffer)
+        self._current = parser
         if lean and resp.content_length is not None:  # type: ignore[union-attr]
-            steps = self._steps_in_place(assembler, resp)  # type: ignore[arg-type]
+            steps = self._steps_in_place(parser, resp)  # type: ignore[arg-type]
         else:
-            steps = self._steps_fed(assembler, resp.aiter_raw())
+            steps = self._steps_fed(parser, resp.aiter_raw())
         small = declared is not None and declared.isdigit() and int(declared) < INLINE_BODY_BELOW
         stream_hash = _SerialHash() if expected_repr is not None else None
         hashed = 0
@@ -449,15 +310,15 @@ class LayerStream(VerifiedLayerStream):
         done = False
         try:
             async for completed in steps:
-                if assembler.view is None:
+                if parser.buffer is None:
                     continue
                 if last_wanted is None:
-                    last_wanted = self._check_response(base, assembler, first, digests)
+                    last_wanted = self._check_response(base, parser, first, digests)
                 if stream_hash is not None and (
-                        small or assembler.received - hashed >= HASH_STEP
-                        or assembler.complete):
-                    stream_hash.update(assembler.view[hashed:assembler.received])
-                    hashed = assembler.received
+                        small or parser.received - hashed >= HASH_STEP
+                        or parser.complete):
+                    stream_hash.update(parser.buffer[hashed:parser.received])
+                    hashed = parser.received
                 if checks is None:
                     continue  # only the whole replica can be checked, at the end
                 checks.submit([layer for layer in completed
@@ -467,7 +328,7 @@ class LayerStream(VerifiedLayerStream):
                         held = layer
                     else:
                         yield layer
-                if stream_hash is None and assembler.last_complete_layer >= last_wanted:
+                if stream_hash is None and parser.last_complete_layer >= last_wanted:
                     done = True  # nothing after the wanted layers can be checked anyway
                     break
             if checks is not None:
@@ -476,18 +337,18 @@ class LayerStream(VerifiedLayerStream):
                         held = layer
                     else:
                         yield layer
-        except _Bad as e:
+        except BadContainer as e:
             raise _SourceFailed("malformed", f"{base}: {e}") from None
         finally:
             await steps.aclose()
         if not done:
             try:
-                whole = assembler.container()
-            except _Bad as e:
+                whole = parser.close()
+            except BadContainer as e:
                 raise _SourceFailed("transport", str(e)) from None
             if stream_hash is not None:
-                if hashed < assembler.received:
-                    stream_hash.update(assembler.view[hashed:assembler.received])
+                if hashed < parser.received:
+                    stream_hash.update(parser.buffer[hashed:parser.received])
                 if await stream_hash.digest() != expected_repr:
                     raise _SourceFailed("digest", "Repr-Digest does not match the body")
             if digests is None:
@@ -500,44 +361,44 @@ class LayerStream(VerifiedLayerStream):
                     if self.range[0] <= layer.index <= self.range[1]:
                         yield layer
                 return
-        self.token_count = assembler.token_count
+        self.token_count = parser.token_count
         if held is not None:
             yield held
 
-    async def _steps_fed(self, assembler: ContainerAssembler,
+    async def _steps_fed(self, parser: ContainerParser,
                          pieces: AsyncIterator[bytes]) -> AsyncIterator[list[Layer]]:
-        """Feed the assembler each piece received; the layers each one completed."""
+        """Feed the parser each piece received; the layers each one completed."""
         async for piece in pieces:
             self.bytes_received += len(piece)
-            yield assembler.feed(piece)
+            yield parser.feed(piece)
 
-    async def _steps_in_place(self, assembler: ContainerAssembler,
+    async def _steps_in_place(self, parser: ContainerParser,
                               resp: http1.Response) -> AsyncIterator[list[Layer]]:
-        """Receive straight into the assembler's buffer; the layers each socket read completed."""
+        """Receive straight into the block's buffer; the layers each socket read completed."""
         buffer = receive_buffer(resp.content_length)  # type: ignore[arg-type]
-        assembler.attach(buffer)
+        parser.attach(buffer)
         before = 0
         async for received in resp.body_into(buffer):
             self.bytes_received += received - before
             before = received
-            yield assembler.advance(received)
+            yield parser.advance(received)
 
-    def _check_response(self, base: str, asm: ContainerAssembler, first: int,
+    def _check_response(self, base: str, parser: ContainerParser, first: int,
                         digests: list[bytes] | None) -> int:
         """Check the response's header against the request; the last layer wanted from it."""
-        if asm.codec != self.record.codec:
-            raise _SourceFailed("malformed", f"codec {asm.codec} returned, the replica has "
+        if parser.codec != self.record.codec:
+            raise _SourceFailed("malformed", f"codec {parser.codec} returned, the replica has "
                                              f"codec {self.record.codec}")
-        last_in = asm.first_layer + asm.layer_count - 1
+        last_in = parser.first_layer + parser.layer_count - 1
         if digests is None:
             return last_in
         want_last = self.range[1]  # type: ignore[index]
-        if asm.first_layer > first or last_in < want_last:
-            raise _SourceFailed("malformed", f"response holds layers {asm.first_layer}-"
+        if parser.first_layer > first or last_in < want_last:
+            raise _SourceFailed("malformed", f"response holds layers {parser.first_layer}-"
                                              f"{last_in}, not {first}-{want_last}")
-        if (asm.first_layer, last_in) != (first, want_last):
+        if (parser.first_layer, last_in) != (first, want_last):
             self._note(f"{base} ignored layers={first}-{want_last} and sent layers "
-                       f"{asm.first_layer}-{last_in}")
+                       f"{parser.first_layer}-{last_in}")
         return want_last
 
     def _note(self, text: str) -> None:
@@ -548,7 +409,7 @@ class LayerStream(VerifiedLayerStream):
         """The one response's container, when it alone delivered every layer (no copy)."""
         if len(self._delivered) != 1 or not self._delivered[0].complete:
             return None
-        return self._delivered[0].container()
+        return self._delivered[0].close()
 
 
 def _verify_layer(layer: Layer, digests: list[bytes]) -> None:

@@ -10,7 +10,6 @@ import hashlib
 import math
 import re
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 import rfc8785
@@ -218,26 +217,26 @@ def compat_id(descriptor: Mapping[str, Any] | CompatDescriptor) -> bytes:
     return descriptor.compat_id
 
 
-def file_digest(path: str | Path, *, chunk: int = 1 << 20) -> str:
-    """"sha-256:<hex>" of one file, streamed."""
+def content_digest(chunks: Iterable[bytes | bytearray | memoryview]) -> str:
+    """"sha-256:<hex>" of content given as its chunks in order (a file's, read by the caller:
+    a tokenizer file's digest, for one)."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
+    for chunk in chunks:
+        h.update(chunk)
     return "sha-256:" + h.hexdigest()
 
 
-def model_digest(files: Iterable[str | Path], *, chunk: int = 1 << 20) -> str:
+def model_digest(files: Iterable[tuple[str, Iterable[bytes | bytearray | memoryview]]]) -> str:
     """Digest of weight files concatenated in ascending byte order of their file names.
 
-    Streams each file so that multi-GB weights never sit in memory.
+    `files` pairs each file's name with its content as chunks, read by the caller; an
+    iterator that reads the file as it is consumed keeps multi-GB weights out of memory.
     """
-    paths = sorted((Path(p) for p in files), key=lambda p: p.name.encode())
-    if not paths:
+    ordered = sorted(files, key=lambda f: f[0].encode())
+    if not ordered:
         raise BadDescriptor("no weight files", member="model_digest")
     h = hashlib.sha256()
-    for path in paths:
-        with open(path, "rb") as f:
-            while block := f.read(chunk):
-                h.update(block)
+    for _, chunks in ordered:
+        for chunk in chunks:
+            h.update(chunk)
     return "sha-256:" + h.hexdigest()

@@ -130,6 +130,120 @@ def encode(
     return b"".join(iter_encoded(first_layer, token_count, layers, codec=codec))
 
 
+_FIRST_AND_COUNT = struct.Struct(">II")  # First Layer and Layer Count, octets 8..15
+
+
+class HeaderReader:
+    """The §4.3 rules on the header and the layer length table, checked on a container's
+    leading octets as they become available: the one implementation of those rules, used by
+    `Container` (all octets at once) and by `ContainerParser` (octets as they arrive).
+
+    `read(head)` is given the container's first len(head) octets, a longer prefix at each call,
+    and checks every rule whose octets have come in since the last one, so a refusal
+    (BadContainer) comes with the octet that breaks the rule: the magic at its first wrong
+    octet, the version at octet 4, First Layer + Layer Count and the table's size at octet 15,
+    a layer's K length at the 8th octet of its table entry and its V length at the 16th.
+
+    `limit` is the most octets the container may have; with `exact`, it is the container's
+    size, so the table must account for exactly that many octets. Nothing is allocated from a
+    length before it has been checked against `limit`.
+    """
+
+    __slots__ = (
+        "limit", "exact", "version", "flags", "codec", "first_layer", "layer_count",
+        "token_count", "table_end", "offsets", "total", "_entries", "_pos",
+    )
+
+    def __init__(self, limit: int, *, exact: bool = False) -> None:
+        self.limit = limit
+        self.exact = exact
+        self.version = self.flags = self.codec = 0
+        self.first_layer = self.layer_count = self.token_count = 0
+        #: Octets of the header and the length table; None until the fixed header is in.
+        self.table_end: int | None = None
+        #: K start and V start of each layer read, then (once all are) the end of the last.
+        self.offsets: list[int] = []
+        #: The container's size, once the whole table is read.
+        self.total: int | None = None
+        self._entries = 0
+        self._pos = 0
+
+    @property
+    def done(self) -> bool:
+        """Whether the header and the whole length table have been read."""
+        return self.total is not None
+
+    def read(self, head: Buffer) -> bool:
+        """Check what `head` adds to the octets seen so far; True once the table is complete."""
+        if self.total is not None:
+            return True
+        n = len(head)
+        if self.table_end is None:
+            if n < HEADER_SIZE:
+                self._check_fixed(head, n)
+                return False
+            magic, version, flags, codec, first, count, tokens = HEADER.unpack_from(head, 0)
+            if magic != MAGIC or version != VERSION:
+                self._check_fixed(head, HEADER_SIZE)  # raises
+            self._check_counts(first, count)
+            self.version, self.flags, self.codec = version, flags, codec
+            self.first_layer, self.layer_count, self.token_count = first, count, tokens
+            self.table_end = self._pos = HEADER_SIZE + count * ENTRY_SIZE
+        count, limit = self.layer_count, self.limit
+        i, pos, offsets = self._entries, self._pos, self.offsets
+        at = HEADER_SIZE + i * ENTRY_SIZE
+        while i < count and at + ENTRY_SIZE <= n:
+            k_len, v_len = ENTRY.unpack_from(head, at)
+            if k_len > limit - pos or v_len > limit - pos - k_len:
+                raise self._past(i, k_len, v_len)
+            offsets.append(pos)
+            offsets.append(pos + k_len)
+            pos += k_len + v_len
+            i += 1
+            at += ENTRY_SIZE
+        self._entries, self._pos = i, pos
+        if i < count:
+            if at + 8 <= n:  # the next entry's K length is in
+                k_len = int.from_bytes(head[at:at + 8], "big")
+                if k_len > limit - pos:
+                    raise self._past(i, k_len, None)
+            return False
+        if self.exact and pos != limit:
+            raise BadContainer(f"{limit - pos} trailing octets after the last layer")
+        offsets.append(pos)
+        self.total = pos
+        return True
+
+    def _check_fixed(self, head: Buffer, n: int) -> None:
+        """The rules on the 20-octet fixed header that its first n octets allow checking."""
+        m = min(n, len(MAGIC))
+        if bytes(head[:m]) != MAGIC[:m]:
+            raise BadContainer(f"bad magic {bytes(head[:m])!r}, expected {MAGIC!r}")
+        if n > 4 and head[4] != VERSION:
+            raise BadContainer(f"unknown version {head[4]}")
+        if n >= 16:
+            self._check_counts(*_FIRST_AND_COUNT.unpack_from(head, 8))
+
+    def _check_counts(self, first: int, count: int) -> None:
+        """First Layer and Layer Count (octets 8..15): the layers fit the 32-bit layer
+        numbers, and the length table fits the container."""
+        if first + count > LAYER_SPACE:
+            raise BadContainer("first layer + layer count exceeds 2^32")
+        table_end = HEADER_SIZE + count * ENTRY_SIZE
+        if table_end > self.limit:
+            if self.exact:
+                raise BadContainer(f"truncated: layer table of {count} entries needs "
+                                   f"{table_end} octets, have {self.limit}")
+            raise BadContainer(f"a layer table of {count} entries needs {table_end} "
+                               f"octets, more than the {self.limit} the container may have")
+
+    def _past(self, i: int, k_len: int, v_len: int | None) -> BadContainer:
+        what = f"lengths {k_len}+{v_len} run" if v_len is not None else f"K length {k_len} runs"
+        where = (f"past the end of the {self.limit}-octet container" if self.exact
+                 else f"past the {self.limit} octets the container may have")
+        return BadContainer(f"layer {self.first_layer + i}: {what} {where}")
+
+
 class Container:
     """A parsed KVB1 container over a buffer it does not copy."""
 
@@ -145,42 +259,32 @@ class Container:
         size = len(view)
         if size < HEADER_SIZE:
             raise BadContainer(f"truncated: {size} octets, the header alone needs {HEADER_SIZE}")
-        magic, version, flags, codec, first, count, tokens = HEADER.unpack_from(view, 0)
-        if magic != MAGIC:
-            raise BadContainer(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}")
-        if version != VERSION:
-            raise BadContainer(f"unknown version {version}")
-        if first + count > LAYER_SPACE:
-            raise BadContainer("first layer + layer count exceeds 2^32")
-        table_end = HEADER_SIZE + count * ENTRY_SIZE
-        if table_end > size:
-            raise BadContainer(
-                f"truncated: layer table of {count} entries needs {table_end} octets, have {size}"
-            )
-        offsets: list[int] = []
-        pos = table_end
-        for i in range(count):
-            k_len, v_len = ENTRY.unpack_from(view, HEADER_SIZE + i * ENTRY_SIZE)
-            if k_len > size - pos or v_len > size - pos - k_len:
-                raise BadContainer(
-                    f"layer {first + i}: lengths {k_len}+{v_len} run past the end of "
-                    f"the {size}-octet container"
-                )
-            offsets.append(pos)
-            offsets.append(pos + k_len)
-            pos += k_len + v_len
-        offsets.append(pos)
-        if pos != size:
-            raise BadContainer(f"{size - pos} trailing octets after the last layer")
+        reader = HeaderReader(size, exact=True)
+        reader.read(view)  # all octets are in: the table is complete or refused
+        self._take(view, reader)
+
+    @classmethod
+    def from_reader(cls, buffer: memoryview, reader: HeaderReader) -> "Container":
+        """The container whose header and table `reader` has read, completely and exactly
+        len(buffer) octets of them (as `ContainerParser` does), without reading them again."""
+        if reader.total != len(buffer):
+            raise BadContainer(f"truncated: {len(buffer)} octets, the header announced "
+                               f"{reader.total if reader.total is not None else 'more'}")
+        container = cls.__new__(cls)
+        container._take(buffer, reader)
+        return container
+
+    def _take(self, view: memoryview, reader: HeaderReader) -> None:
+        assert reader.table_end is not None
         self.buffer = view
-        self.version = version
-        self.flags = flags
-        self.codec = codec
-        self.first_layer = first
-        self.layer_count = count
-        self.token_count = tokens
-        self.data_offset = table_end
-        self._offsets = offsets
+        self.version = reader.version
+        self.flags = reader.flags
+        self.codec = reader.codec
+        self.first_layer = reader.first_layer
+        self.layer_count = reader.layer_count
+        self.token_count = reader.token_count
+        self.data_offset = reader.table_end
+        self._offsets = reader.offsets
 
     @classmethod
     def parse(cls, buffer: Buffer) -> "Container":

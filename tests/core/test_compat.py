@@ -5,7 +5,7 @@ import pytest
 
 from kvsp_moq.errors import BadDescriptor
 from kvsp_moq.protocol.compat import (
-    CompatDescriptor, canonical_number, file_digest, format_positional, model_digest,
+    CompatDescriptor, canonical_number, content_digest, format_positional, model_digest,
 )
 from tests.core.fixtures import DESCRIPTOR
 
@@ -93,7 +93,10 @@ def test_model_digest_streams_files_in_name_byte_order(tmp_path):
     (tmp_path / "a.safetensors").write_bytes(b"second")
     (tmp_path / "B.safetensors").write_bytes(b"first")
     expected = "sha-256:" + hashlib.sha256(b"firstsecond").hexdigest()
-    assert model_digest([tmp_path / "a.safetensors", tmp_path / "B.safetensors"]) == expected
-    assert file_digest(tmp_path / "a.safetensors") == "sha-256:" + hashlib.sha256(b"second").hexdigest()
+    files = [tmp_path / "a.safetensors", tmp_path / "B.safetensors"]
+    # the caller reads the files; compat only hashes what it is given, chunk by chunk
+    assert model_digest((p.name, iter([p.read_bytes()[:3], p.read_bytes()[3:]]))
+                        for p in files) == expected
+    assert content_digest([(tmp_path / "a.safetensors").read_bytes()]) == "sha-256:" + hashlib.sha256(b"second").hexdigest()
     with pytest.raises(BadDescriptor):
         model_digest([])

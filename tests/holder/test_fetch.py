@@ -27,13 +27,12 @@ from kvsp_moq.errors import (
     TransportError,
 )
 from kvsp_moq.fetch.http import (
-    ContainerAssembler,
     HttpFetcher,
-    _Bad,
     fetch_block,
     parse_repr_digest,
 )
 from kvsp_moq.protocol.container import Container
+from kvsp_moq.protocol.container_parser import ContainerParser
 from kvsp_moq.protocol.records import ReplicaRecord
 from kvsp_moq.web import BackgroundServer
 from tests.holder.conftest import make_block
@@ -233,23 +232,23 @@ async def test_a_record_without_layer_digests_is_checked_whole(two_holders) -> N
         await fetch_block([holder.url], wrong)
 
 
-def test_assembler_reports_layers_as_they_complete() -> None:
+def test_parser_reports_layers_as_they_complete() -> None:
     block = make_block(9, layers=3, section=10)
     data = block.data
-    asm = ContainerAssembler(max_size=len(data))
+    asm = ContainerParser(max_size=len(data))
     done = []
     for i in range(len(data)):
         done += [layer.index for layer in asm.feed(data[i:i + 1])]
         if i < 20 + 3 * 16 + 19:
             assert done == []
     assert done == [0, 1, 2] and asm.complete
-    assert bytes(asm.container().buffer) == data
+    assert bytes(asm.close().buffer) == data
     for bad in (b"XVB1", data[:4] + b"\x09" + data[5:], data + b"\x00"):
-        with pytest.raises(_Bad):
-            a = ContainerAssembler(max_size=len(data))
+        with pytest.raises(BadContainer):
+            a = ContainerParser(max_size=len(data))
             a.feed(bad)
-    with pytest.raises(_Bad):
-        ContainerAssembler(max_size=50).feed(data)
+    with pytest.raises(BadContainer):
+        ContainerParser(max_size=50).feed(data)
 
 
 def test_repr_digest_field_parsing() -> None:
@@ -269,13 +268,13 @@ def _past_layer_space(block_data: bytes) -> bytes:
     return bytes(data)
 
 
-def test_assembler_refuses_layers_past_2_to_the_32_in_the_header() -> None:
+def test_parser_refuses_layers_past_2_to_the_32_in_the_header() -> None:
     block = make_block(10, layers=3, section=10)
     bad = _past_layer_space(block.data)
     with pytest.raises(BadContainer, match="2\\^32"):
         Container(bad)  # the whole-container parser's rule
-    asm = ContainerAssembler(max_size=len(bad))
-    with pytest.raises(_Bad, match="2\\^32"):
+    asm = ContainerParser(max_size=len(bad))
+    with pytest.raises(BadContainer, match="2\\^32"):
         asm.feed(bad)  # the streaming parser refuses it too, before any layer is handed out
 
 

@@ -15,8 +15,10 @@ import httpx
 import pytest
 
 import kvsp_moq.fetch.http as fetch_http
-from kvsp_moq.fetch.http import ContainerAssembler, HttpFetcher, _Bad
+from kvsp_moq.errors import BadContainer
+from kvsp_moq.fetch.http import HttpFetcher
 from kvsp_moq.protocol.container import Container
+from kvsp_moq.protocol.container_parser import ContainerParser
 from kvsp_moq.protocol.records import ReplicaRecord
 from kvsp_moq.web import BackgroundServer
 from tests.holder.conftest import make_block
@@ -291,11 +293,11 @@ async def test_lean_sources() -> None:
     assert not f.lean_for("http://user:secret@holder.example/")
 
 
-def test_assembler_in_place() -> None:
+def test_parser_in_place() -> None:
     block = make_block(27, layers=3, section=100)
     data = block.data
     buf = bytearray(len(data))
-    asm = ContainerAssembler(max_size=len(data))
+    asm = ContainerParser(max_size=len(data))
     asm.attach(buf)
     done = []
     for end in range(7, len(data) + 7, 7):
@@ -303,10 +305,11 @@ def test_assembler_in_place() -> None:
         buf[:end] = data[:end]
         done += [layer.index for layer in asm.advance(end)]
     assert done == [0, 1, 2] and asm.complete
-    assert bytes(asm.container().buffer) == data
+    assert bytes(asm.close().buffer) == data
     for size in (len(data) - 1, len(data) + 1):
-        asm = ContainerAssembler(max_size=len(data) + 1)
-        asm.attach(bytearray(size))
-        asm._given[:100] = data[:100]  # type: ignore[index]
-        with pytest.raises(_Bad):
+        asm = ContainerParser(max_size=len(data) + 1)
+        given = bytearray(size)
+        asm.attach(given)
+        given[:100] = data[:100]
+        with pytest.raises(BadContainer):
             asm.advance(100)
