@@ -5,7 +5,7 @@ import pytest
 from kvsp_moq.errors import BadRecord, StaleEpoch
 from kvsp_moq.protocol.records import InstanceStatus
 
-from index.lifecycle import (InstanceFailed, InstanceRegistry, LifecycleSettings, StateChanged,
+from pc.lifecycle import (InstanceFailed, InstanceRegistry, LifecycleSettings, StateChanged,
                              id_matches, instance_id)
 
 URL = "http://127.0.0.1:9001/"

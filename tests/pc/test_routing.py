@@ -7,8 +7,8 @@ import pytest
 
 from kvsp_moq.protocol.keys import block_keys, scope_id
 
-from index.lifecycle import LifecycleSettings, instance_id
-from index.placement import PlacementSettings
+from pc.lifecycle import LifecycleSettings, instance_id
+from pc.placement import PlacementSettings
 from tests.pc.fakes import (COMPAT, SCOPE_KEY, eventually, fake_agents, pc_server, replica,
                             status, status_path)
 

@@ -30,7 +30,7 @@ from typing import Any, Awaitable, Callable, Iterable
 from kvsp_moq.errors import BadRecord, KvspError, StaleEpoch
 from kvsp_moq.protocol.records import SessionCheckpoint
 
-from index.lifecycle import normalize_url
+from pc.lifecycle import normalize_url
 
 log = logging.getLogger("kvsp.pc.sessions")
 

@@ -56,7 +56,7 @@ from kvsp_moq.protocol.records import (InstanceStatus, LookupRequest, PrefetchBl
                                        PrefetchDirective, ReplicaRecord)
 from kvsp_moq.scope_keys import parse_scope_keys, read_scope_keys
 
-from index.lifecycle import InstanceRegistry, normalize_url
+from pc.lifecycle import InstanceRegistry, normalize_url
 
 log = logging.getLogger("kvsp.pc.placement")
 

@@ -23,7 +23,7 @@ from typing import Awaitable, Callable, Iterable, Sequence
 from kvsp_moq.errors import BadRecord, KvspError
 from kvsp_moq.protocol.records import RangeFetch, ReshardDecision, ReshardPlan, ShardMap
 
-from index.lifecycle import normalize_url
+from pc.lifecycle import normalize_url
 
 log = logging.getLogger("kvsp.pc.reshard")
 
