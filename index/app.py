@@ -42,6 +42,7 @@ from kvsp_moq.index_client import BATCH_LIMIT
 from kvsp_moq.protocol import cost
 from kvsp_moq.protocol import validate as v
 from kvsp_moq.protocol.records import InstanceStatus, ReplicaRecord, replica_id
+from kvsp_moq.protocol.urls import base_url
 from kvsp_moq.web import KVSP_JSON, build_app, json_response, principal, read_json
 
 log = logging.getLogger("kvsp.index")
@@ -68,10 +69,6 @@ class IndexSettings:
     #: seconds between sweeps of expired records; None leaves sweeping to the caller
     sweep_interval_s: float | None = 1.0
     sweep_budget: int = 10_000
-
-
-def _slash(url: str) -> str:
-    return url if url.endswith("/") else url + "/"
 
 
 def may_publish(who: Principal, holder: str, http_holder: str | None) -> bool:
@@ -123,7 +120,7 @@ def plan_fetch_us(status: InstanceStatus, instance: str,
     replica summary (records of one holder share one) so that thousands of blocks cost a few
     estimates, not thousands.
     """
-    here = _slash(instance)
+    here = base_url(instance)
     # Stores share one summary object per distinct value, so identity is a cheap key.
     alone: dict[int, tuple[float, float]] = {}  # id(summary) -> (fetch_us alone, rtt)
     load: dict[int, tuple[ReplicaSummary, int]] = {}
@@ -133,7 +130,7 @@ def plan_fetch_us(status: InstanceStatus, instance: str,
         for s in replicas:
             t = alone.get(id(s))
             if t is None:
-                if _slash(s.holder) == here or (s.http_holder and _slash(s.http_holder) == here):
+                if base_url(s.holder) == here or (s.http_holder and base_url(s.http_holder) == here):
                     t = (-1.0, 0.0)
                 else:
                     record = s.cost_record

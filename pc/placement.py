@@ -54,9 +54,10 @@ from kvsp_moq.protocol.cost import Estimate, assumed_link, estimate, mean_servic
 from kvsp_moq.protocol.keys import block_keys, scope_id as scope_id_of
 from kvsp_moq.protocol.records import (InstanceStatus, LookupRequest, PrefetchBlock,
                                        PrefetchDirective, ReplicaRecord)
+from kvsp_moq.protocol.urls import base_url
 from kvsp_moq.scope_keys import parse_scope_keys, read_scope_keys
 
-from pc.lifecycle import InstanceRegistry, normalize_url
+from pc.lifecycle import InstanceRegistry
 
 log = logging.getLogger("kvsp.pc.placement")
 
@@ -547,7 +548,7 @@ class Router:
         except (KvspError, ValueError) as e:
             log.warning("start hook returned an unusable instance: %s", e)
             return None
-        url = normalize_url(started if isinstance(started, str) else started.instance)
+        url = base_url(started if isinstance(started, str) else started.instance)
         if not usable:
             log.warning("start hook named %s, which may not take requests now", url)
             return None

@@ -16,10 +16,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from kvsp_moq.protocol.instances import instance_id
 from kvsp_moq.protocol.records import ReplicaRecord
 from kvsp_moq.web import BackgroundServer
 
-from pc.lifecycle import LifecycleSettings, instance_id
+from pc.lifecycle import LifecycleSettings
 from pc.app import PCSettings, create_pc_app
 from pc.placement import MemoryIndex, PlacementSettings, ScopeKeys
 

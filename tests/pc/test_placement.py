@@ -9,7 +9,7 @@ from kvsp_moq.protocol.keys import scope_id
 from kvsp_moq.protocol.records import InstanceStatus, Link, LookupRequest, ReplicaRecord, Residency
 
 from pc.placement import (Grouping, PlacementSettings, RouteRequest, directive_for, holds,
-                             rank, replica_store_lookup)
+                          rank, replica_store_lookup)
 from tests.pc.fakes import (COMPAT, SCOPE_KEY, checkpoint, fake_agents, new_session, pc_server,
                             status, status_path)
 
