@@ -130,11 +130,13 @@ def plan_fetch_us(status: InstanceStatus, instance: str,
         for s in replicas:
             t = alone.get(id(s))
             if t is None:
-                if base_url(s.holder) == here or (s.http_holder and base_url(s.http_holder) == here):
+                if base_url(s.holder) == here or (s.http_holder
+                                                  and base_url(s.http_holder) == here):
                     t = (-1.0, 0.0)
                 else:
                     record = s.cost_record
-                    t = (cost.fetch_us(status, [record]), cost.source_rate(status, record)[1])
+                    rate, rtt = cost.source_rate(status, record)
+                    t = (rtt + cost.bytes_us(cost.tier_octets(record), rate), rtt)
                 alone[id(s)] = t
             if t[0] < 0:  # resident at the instance
                 best = None
@@ -144,13 +146,9 @@ def plan_fetch_us(status: InstanceStatus, instance: str,
         if best is not None:
             n = load.get(id(best), (best, 0))[1]
             load[id(best)] = (best, n + 1)
-    per_source: dict[str, list[float]] = {}  # holder -> [microseconds of bytes, rtt]
-    for key, (s, n) in load.items():
-        us, rtt = alone[key]
-        acc = per_source.setdefault(s.holder, [0.0, rtt])
-        acc[0] += n * (us - rtt)
-        acc[1] = max(acc[1], rtt)
-    return max((rtt + us for us, rtt in per_source.values()), default=0.0)
+    # A replica's fetch_us alone less its rtt is its bytes' share; n of them add up.
+    return cost.combine_sources((s.holder, n * (alone[key][0] - alone[key][1]), alone[key][1])
+                                for key, (s, n) in load.items())
 
 
 def estimate_targets(targets: Sequence[str], hits: LookupHits, block_tokens: int | None,
