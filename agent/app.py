@@ -68,6 +68,7 @@ from kvsp_moq.protocol.compat import CompatDescriptor
 from kvsp_moq.protocol.container import MEDIA_TYPE as BLOCK_MEDIA_TYPE
 from kvsp_moq.protocol.keys import scope_id as scope_id_of
 from kvsp_moq.protocol.records import PrefetchDirective
+from kvsp_moq.protocol.urls import base_url
 from kvsp_moq.web import build_app, json_response, principal, read_json
 
 if TYPE_CHECKING:
@@ -170,7 +171,7 @@ class AgentContext:
 
     @url.setter
     def url(self, value: str) -> None:
-        self._url = value if not value or value.endswith("/") else value + "/"
+        self._url = base_url(value) if value else value
         self.publisher.holder_url = self._url
 
     @property

@@ -58,6 +58,7 @@ from kvsp_moq.protocol.keys import BlockKeyChain, scope_id as scope_id_of
 from kvsp_moq.protocol.records import (ReplicaRecord, ReshardDecision, ReshardPlan, SessionCheckpoint,
                                        parse_reshard)
 from kvsp_moq.protocol.records import Sampler as SamplerRecord
+from kvsp_moq.protocol.urls import base_url
 
 if TYPE_CHECKING:
     from agent.status import Meters
@@ -384,7 +385,7 @@ class Engine:
         self.scopes_by_id = {scope_id_of(k).hex(): k for k in self.scope_keys.values()}
         self.default_scope = default_scope
         self.self_url = self_url
-        self.pc_url = pc_url if not pc_url or pc_url.endswith("/") else pc_url + "/"
+        self.pc_url = base_url(pc_url) if pc_url else pc_url
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.meters = meters
         self.model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvsp-model")

@@ -55,6 +55,7 @@ from kvsp_moq.holder.store import BlockId, BlockStore
 from kvsp_moq.index_client import IndexClient, raise_for_problem
 from kvsp_moq.protocol.container import Buffer, Container
 from kvsp_moq.protocol.records import PrefetchBlock, PrefetchDirective, ReplicaRecord
+from kvsp_moq.protocol.urls import base_url
 
 log = logging.getLogger("kvsp.agent.loader")
 
@@ -70,10 +71,6 @@ LayerTuple = tuple[int, Buffer, Buffer]
 TransferObserver = Callable[[str, int, float], None]
 #: Called with (holder URL, seconds) for each lease round trip: link RTTs.
 RttObserver = Callable[[str, float], None]
-
-
-def _slash(url: str) -> str:
-    return url if url.endswith("/") else url + "/"
 
 
 # --------------------------------------------------------------------------- sources
@@ -228,7 +225,7 @@ class LocalLayerSource:
         self.self_url = self_url
 
     def accepts(self, record: ReplicaRecord) -> bool:
-        return _slash(record.holder) == _slash(self.self_url())
+        return base_url(record.holder) == base_url(self.self_url())
 
     def holds(self, bid: BlockId) -> bool:
         return self.store.get(bid) is not None
@@ -256,7 +253,7 @@ class Candidate:
     @property
     def lease_holder(self) -> str:
         """Where leases are taken: a MOQT replica's HTTP holder, else the holder itself."""
-        return _slash(self.record.http_holder or self.record.holder)
+        return base_url(self.record.http_holder or self.record.holder)
 
 
 def lease_unavailable(error: KvspError) -> bool:
@@ -277,7 +274,7 @@ def order_candidates(records: Sequence[ReplicaRecord],
     seen: set[tuple[str, str]] = set()
     for source in sources:
         for record in records:
-            ident = (source.kind, _slash(record.holder))
+            ident = (source.kind, base_url(record.holder))
             if ident in seen or not source.accepts(record):
                 continue
             seen.add(ident)
@@ -310,7 +307,7 @@ class LeaseClient:
 
     async def acquire(self, holder: str, block_keys: Sequence[str], ttl_ms: int) -> str:
         """A lease id; raises KvspError (e.g. NotFound, LeaseQuota) when refused."""
-        url = _slash(holder) + "leases"
+        url = base_url(holder) + "leases"
         started = time.perf_counter()
         try:
             r = await self.client.post(url, json={"block_keys": list(block_keys), "ttl_ms": ttl_ms},
@@ -318,14 +315,14 @@ class LeaseClient:
         except httpx.HTTPError as e:
             raise TransportError(f"lease at {holder}: {type(e).__name__} {e}") from None
         if self.on_rtt is not None:
-            self.on_rtt(_slash(holder), time.perf_counter() - started)
+            self.on_rtt(base_url(holder), time.perf_counter() - started)
         raise_for_problem(r)
         return str(r.json()["lease"])
 
     async def renew(self, holder: str, lease: str, ttl_ms: int) -> int:
         """PUT {holder}leases/{id}: the term granted from now (ms); raises KvspError (NotFound
         once the lease has expired) when refused."""
-        url = f"{_slash(holder)}leases/{lease}"
+        url = f"{base_url(holder)}leases/{lease}"
         try:
             r = await self.client.put(url, json={"ttl_ms": ttl_ms}, headers=self.headers,
                                       timeout=self.timeout)
@@ -337,7 +334,7 @@ class LeaseClient:
     async def release(self, holder: str, lease: str) -> None:
         """Best effort: an unreleased lease only runs out."""
         try:
-            await self.client.delete(f"{_slash(holder)}leases/{lease}", headers=self.headers,
+            await self.client.delete(f"{base_url(holder)}leases/{lease}", headers=self.headers,
                                      timeout=self.timeout)
         except httpx.HTTPError as e:
             log.info("releasing lease %s at %s failed: %s", lease, holder, e)
@@ -977,15 +974,15 @@ class Prefetcher:
         from the source itself.
         """
         out: list[tuple[str, ReplicaRecord]] = []
-        base = _slash(source)
+        base = base_url(source)
         if self.moqt is not None and self.moqt.reachable:
             for r in records:
-                if (r.is_moqt and r.http_holder is not None and _slash(r.http_holder) == base
+                if (r.is_moqt and r.http_holder is not None and base_url(r.http_holder) == base
                         and self.moqt.accepts(r)):
                     out.append(("moqt", r))
                     break
         for r in records:
-            if not r.is_moqt and _slash(r.holder) == base:
+            if not r.is_moqt and base_url(r.holder) == base:
                 out.append(("http", r))
                 break
         return out
@@ -1032,7 +1029,7 @@ class Prefetcher:
                                  kind, record.holder, getattr(e, "detail", None) or repr(e))
                         continue
                     if self.on_transfer is not None:
-                        self.on_transfer(_slash(source), result.bytes_received, result.seconds)
+                        self.on_transfer(base_url(source), result.bytes_received, result.seconds)
                     if bid in self.store:
                         return "held"
                     try:

@@ -11,7 +11,6 @@ reports "sleeping" once draining has left nothing running.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -21,20 +20,13 @@ import httpx
 
 from kvsp_moq.errors import KvspError
 from kvsp_moq.index_client import raise_for_problem
+from kvsp_moq.protocol.instances import instance_id
 from kvsp_moq.protocol.records import INSTANCE_STATES, InstanceStatus, Link
+from kvsp_moq.protocol.urls import base_url
 
 log = logging.getLogger("kvsp.agent.status")
 
-__all__ = ["Ewma", "Meters", "StatusReporter", "instance_id"]
-
-
-def _slash(url: str) -> str:
-    return url if url.endswith("/") else url + "/"
-
-
-def instance_id(url: str) -> str:
-    """The PC's path identifier of an instance (DESIGN §3): SHA-256 of the base URL, 16 octets."""
-    return hashlib.sha256(_slash(url).encode()).digest()[:16].hex()
+__all__ = ["Ewma", "Meters", "StatusReporter"]
 
 
 @dataclass
@@ -81,11 +73,11 @@ class Meters:
     def transfer(self, holder: str, octets: int, seconds: float) -> None:
         if seconds <= 0 or octets < self.min_octets:
             return
-        self._links.setdefault(_slash(holder), _LinkStats()).mbit_per_s.add(octets * 8 / seconds / 1e6)
+        self._links.setdefault(base_url(holder), _LinkStats()).mbit_per_s.add(octets * 8 / seconds / 1e6)
 
     def rtt(self, holder: str, seconds: float) -> None:
         if seconds > 0:
-            self._links.setdefault(_slash(holder), _LinkStats()).rtt_us.add(seconds * 1e6)
+            self._links.setdefault(base_url(holder), _LinkStats()).rtt_us.add(seconds * 1e6)
 
     def links(self) -> tuple[Link, ...]:
         out = []
@@ -108,7 +100,7 @@ class StatusReporter:
                  sleep_after_s: float | None = None, epoch: int | None = None,
                  admitted: Callable[[], int] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self.pc_url = _slash(pc_url)
+        self.pc_url = base_url(pc_url)
         self.instance_url = instance_url
         self.client = client
         self.meters = meters
@@ -150,7 +142,7 @@ class StatusReporter:
               and now - self._idle_since >= self.sleep_after_s):
             requested = "sleeping"
         return InstanceStatus(
-            instance=_slash(self.instance_url()), epoch=self.epoch, state=state, ttl_ms=self.ttl_ms,
+            instance=base_url(self.instance_url()), epoch=self.epoch, state=state, ttl_ms=self.ttl_ms,
             running=running, queued=queued, batch_size=self.batch_size,
             kv_utilization=min(1.0, max(0.0, float(self.kv_utilization()))),
             prefill_tokens_per_s=round(self.meters.prefill.value or 0.0, 1),

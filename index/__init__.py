@@ -1,1 +1,2 @@
-"""kvsp-moq index service."""
+"""kvsp-moq Index Service: replica records (publish, lookup) and their stores (memory, Redis),
+and `kvsp index`, which runs it with the Placement Controller (`pc`) or either alone."""

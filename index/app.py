@@ -42,6 +42,7 @@ from kvsp_moq.index_client import BATCH_LIMIT
 from kvsp_moq.protocol import cost
 from kvsp_moq.protocol import validate as v
 from kvsp_moq.protocol.records import InstanceStatus, ReplicaRecord, replica_id
+from kvsp_moq.protocol.urls import base_url
 from kvsp_moq.web import KVSP_JSON, build_app, json_response, principal, read_json
 
 log = logging.getLogger("kvsp.index")
@@ -68,10 +69,6 @@ class IndexSettings:
     #: seconds between sweeps of expired records; None leaves sweeping to the caller
     sweep_interval_s: float | None = 1.0
     sweep_budget: int = 10_000
-
-
-def _slash(url: str) -> str:
-    return url if url.endswith("/") else url + "/"
 
 
 def may_publish(who: Principal, holder: str, http_holder: str | None) -> bool:
@@ -123,7 +120,7 @@ def plan_fetch_us(status: InstanceStatus, instance: str,
     replica summary (records of one holder share one) so that thousands of blocks cost a few
     estimates, not thousands.
     """
-    here = _slash(instance)
+    here = base_url(instance)
     # Stores share one summary object per distinct value, so identity is a cheap key.
     alone: dict[int, tuple[float, float]] = {}  # id(summary) -> (fetch_us alone, rtt)
     load: dict[int, tuple[ReplicaSummary, int]] = {}
@@ -133,11 +130,13 @@ def plan_fetch_us(status: InstanceStatus, instance: str,
         for s in replicas:
             t = alone.get(id(s))
             if t is None:
-                if _slash(s.holder) == here or (s.http_holder and _slash(s.http_holder) == here):
+                if base_url(s.holder) == here or (s.http_holder
+                                                  and base_url(s.http_holder) == here):
                     t = (-1.0, 0.0)
                 else:
                     record = s.cost_record
-                    t = (cost.fetch_us(status, [record]), cost.source_rate(status, record)[1])
+                    rate, rtt = cost.source_rate(status, record)
+                    t = (rtt + cost.bytes_us(cost.tier_octets(record), rate), rtt)
                 alone[id(s)] = t
             if t[0] < 0:  # resident at the instance
                 best = None
@@ -147,13 +146,9 @@ def plan_fetch_us(status: InstanceStatus, instance: str,
         if best is not None:
             n = load.get(id(best), (best, 0))[1]
             load[id(best)] = (best, n + 1)
-    per_source: dict[str, list[float]] = {}  # holder -> [microseconds of bytes, rtt]
-    for key, (s, n) in load.items():
-        us, rtt = alone[key]
-        acc = per_source.setdefault(s.holder, [0.0, rtt])
-        acc[0] += n * (us - rtt)
-        acc[1] = max(acc[1], rtt)
-    return max((rtt + us for us, rtt in per_source.values()), default=0.0)
+    # A replica's fetch_us alone less its rtt is its bytes' share; n of them add up.
+    return cost.combine_sources((s.holder, n * (alone[key][0] - alone[key][1]), alone[key][1])
+                                for key, (s, n) in load.items())
 
 
 def estimate_targets(targets: Sequence[str], hits: LookupHits, block_tokens: int | None,

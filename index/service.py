@@ -22,7 +22,7 @@ from kvsp_moq.serving import INSECURE_OPEN_HELP, check_advertised, check_exposur
 from kvsp_moq.web import parse_listen, run as serve
 
 if TYPE_CHECKING:
-    from index.pc_app import PCSettings
+    from pc.app import PCSettings
 
 DEFAULT_PORT = 8700
 log = logging.getLogger("kvsp.index")
@@ -56,7 +56,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                    help="PC: cost above which a new instance is wanted")
     p.add_argument("--start-command", metavar="CMD",
                    help="PC: shell command that starts an instance when none has acceptable "
-                        "cost and prints its base URL (see index.pc_app.command_start_hook)")
+                        "cost and prints its base URL (see pc.app.command_start_hook)")
     p.add_argument("--descriptor", action="append", default=[], metavar="DESCRIPTOR.json",
                    help="a Compatibility Descriptor whose block size lets lookups with "
                         "targets estimate recompute_us (repeatable)")
@@ -102,8 +102,8 @@ def settings_from_args(args: argparse.Namespace) -> IndexSettings:
 
 
 def pc_settings_from_args(args: argparse.Namespace) -> "PCSettings":
-    from index.pc_app import PCSettings
-    from index.placement import PlacementSettings
+    from pc.app import PCSettings
+    from pc.placement import PlacementSettings
 
     token = token_from_args(args)
     placement = PlacementSettings(block_tokens=args.block_tokens or 16,
@@ -123,8 +123,8 @@ def pc_settings_from_args(args: argparse.Namespace) -> "PCSettings":
 
 def create_combined_app(index_settings: IndexSettings, pc_settings: "PCSettings"):
     """IS and PC in one app: the PC looks up in the IS store, the IS reads the PC's registry."""
-    from index.pc_app import PlacementController, create_pc_routes
-    from index.placement import replica_store_lookup
+    from pc.app import PlacementController, create_pc_routes
+    from pc.placement import replica_store_lookup
 
     pc = PlacementController(pc_settings,
                              lookup=replica_store_lookup(index_settings.store, index_settings.clock))
@@ -172,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
     if args.role != "pc":
         log.info("replica store: %s", "memory" if args.store == "memory" else settings.store)
     if args.role == "pc":
-        from index.pc_app import create_pc_app
+        from pc.app import create_pc_app
 
         app = create_pc_app(pc_settings)
     elif args.role == "both":

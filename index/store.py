@@ -38,6 +38,7 @@ from typing import Callable, Protocol, Sequence
 import numpy as np
 
 from kvsp_moq.protocol.records import InstanceStatus, ReplicaRecord, Residency, replica_id
+from kvsp_moq.protocol.urls import base_url
 
 _fromhex = bytes.fromhex
 _STRIDE = 4  # per replica in a key's metadata: replica_id, expiry, JSON length, summary
@@ -663,10 +664,6 @@ class InstanceDirectory(Protocol):
         ...
 
 
-def _slash(url: str) -> str:
-    return url if url.endswith("/") else url + "/"
-
-
 class MemoryInstanceDirectory:
     """An `InstanceDirectory` filled by calls to `put`; records expire after their ttl_ms."""
 
@@ -676,7 +673,7 @@ class MemoryInstanceDirectory:
 
     def put(self, status: InstanceStatus) -> bool:
         """Record a status; False (and nothing kept) for an epoch lower than one seen (§6.3)."""
-        url = _slash(status.instance)
+        url = base_url(status.instance)
         held = self._by_url.get(url)
         if held is not None and status.epoch < held[0].epoch:
             return False
@@ -684,10 +681,10 @@ class MemoryInstanceDirectory:
         return True
 
     def get(self, instance: str) -> InstanceStatus | None:
-        held = self._by_url.get(_slash(instance))
+        held = self._by_url.get(base_url(instance))
         if held is None or held[1] <= self._clock():
             return None
         return held[0]
 
     def remove(self, instance: str) -> None:
-        self._by_url.pop(_slash(instance), None)
+        self._by_url.pop(base_url(instance), None)

@@ -25,6 +25,7 @@ from types import MappingProxyType
 from typing import Iterable, Mapping
 
 from kvsp_moq.errors import BadRecord, ForbiddenRole, ForbiddenScope, SettingError, Unauthorized
+from kvsp_moq.protocol.urls import base_url
 
 #: holder: a block store (kvsp holder); pc: the Placement Controller; instance: an inference
 #: instance (kvsp agent), which is also the holder of its own pool; relay: a MOQT relay, as its
@@ -131,7 +132,7 @@ class Principal:
 
     def may_publish_for(self, holder: str) -> bool:
         return (ANY in self.holders or "admin" in self.roles
-                or normalize_holder(holder) in self.holders)
+                or base_url(holder) in self.holders)
 
     def require_holder(self, holder: str) -> None:
         if not self.may_publish_for(holder):
@@ -151,11 +152,6 @@ class Principal:
             raise ForbiddenRole(f"principal {self.name!r} lacks a role that may {action.value} "
                                 f"(one of: {', '.join(sorted(PERMISSIONS[action] | {'admin'}))})")
         return self
-
-
-def normalize_holder(url: str) -> str:
-    """A holder URL as principals list it: with a trailing slash."""
-    return url if url.endswith("/") else url + "/"
 
 
 def principal_entry(name: str, digest: str, scopes: Iterable[str], holders: Iterable[str],
@@ -218,7 +214,7 @@ class Authenticator:
             table[digest.lower()] = Principal(
                 name=str(entry.get("name", f"principal-{i}")),
                 scopes=frozenset(s.lower() for s in entry.get("scopes", [])),
-                holders=frozenset(normalize_holder(h) if h != ANY else h
+                holders=frozenset(base_url(h) if h != ANY else h
                                   for h in entry.get("holders", [])),
                 roles=roles,
             )

@@ -29,6 +29,7 @@ import httpx
 
 from kvsp_moq.errors import KvspError, NotFound, TransportError
 from kvsp_moq.index_client import raise_for_problem
+from kvsp_moq.protocol.urls import base_url
 
 log = logging.getLogger("kvsp.frontend")
 
@@ -96,7 +97,7 @@ class FrontEnd:
                  client: httpx.AsyncClient | None = None, retries: int = 8,
                  backoff_s: float = 0.05, max_backoff_s: float = 1.0, timeout_s: float = 60.0,
                  read_timeout_s: float = 10.0) -> None:
-        self.pc_url = pc_url if pc_url.endswith("/") else pc_url + "/"
+        self.pc_url = base_url(pc_url)
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._own = client is None
         self._client = client
@@ -188,7 +189,7 @@ class FrontEnd:
                         session, timeout=min(self.read_timeout_s, remaining()))
                 except NotFound:
                     return
-                moved = (normalize(placed.instance) != normalize(where)
+                moved = (base_url(placed.instance) != base_url(where)
                          or placed.epoch > max(cursor.max_epoch, streamed_epoch or 0))
                 if not moved:
                     return
@@ -210,7 +211,7 @@ class FrontEnd:
 
     async def _one_stream(self, session: str, instance: str, cursor: StreamCursor,
                           remaining: Callable[[], float]) -> AsyncIterator[Token]:
-        url = f"{normalize(instance)}sessions/{session}/stream"
+        url = f"{base_url(instance)}sessions/{session}/stream"
         timeout = httpx.Timeout(min(self.read_timeout_s, remaining()))
         async with self.client.stream("GET", url, params={"from": cursor.next_index},
                                       headers=self.headers, timeout=timeout) as r:
@@ -239,7 +240,3 @@ class FrontEnd:
                 await result
             n += 1
         return n
-
-
-def normalize(url: str) -> str:
-    return url if url.endswith("/") else url + "/"

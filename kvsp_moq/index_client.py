@@ -10,6 +10,7 @@ import httpx
 from kvsp_moq.errors import KvspError, TransportError
 from kvsp_moq.protocol.problems import Problem
 from kvsp_moq.protocol.records import LookupRequest, ReplicaRecord, replica_id
+from kvsp_moq.protocol.urls import base_url
 
 #: The most records one POST replicas:batch may carry.
 BATCH_LIMIT = 1000
@@ -62,7 +63,7 @@ class IndexClient:
 
     def __init__(self, base: str, *, token: str | None = None,
                  client: httpx.AsyncClient | None = None, timeout: float = 10.0) -> None:
-        self.base = base if base.endswith("/") else base + "/"
+        self.base = base_url(base)
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._own = client is None
         self.client = client or httpx.AsyncClient(timeout=timeout)

@@ -18,6 +18,7 @@ import ipaddress
 from urllib.parse import urlsplit
 
 from kvsp_moq.errors import SettingError
+from kvsp_moq.protocol.urls import base_url
 
 __all__ = ["INSECURE_OPEN_HELP", "check_advertised", "check_exposure", "is_loopback",
            "is_unspecified", "normalize_public_url"]
@@ -97,8 +98,8 @@ def normalize_public_url(url: str | None, schemes: tuple[str, ...] = ("http", "h
     if is_unspecified(parts.hostname):
         raise SettingError(f"{option} {url} names {parts.hostname}: others cannot reach "
                            f"{parts.hostname}; give the address or name they use")
-    if parts.scheme.lower() in ("http", "https") and not url.endswith("/"):
-        url += "/"
+    if parts.scheme.lower() in ("http", "https"):
+        url = base_url(url)
     return url
 
 

@@ -30,8 +30,8 @@ HOLDERS = 8  # dedicated block stores besides the instances
 
 
 def _world(seed: int = 7) -> dict[str, Any]:
-    from index.lifecycle import InstanceRegistry
-    from index.placement import MemoryIndex
+    from pc.lifecycle import InstanceRegistry
+    from pc.placement import MemoryIndex
 
     rng = random.Random(seed)
     scope_key, compat = os.urandom(32), os.urandom(32)
@@ -69,7 +69,7 @@ def _world(seed: int = 7) -> dict[str, Any]:
 def _baseline_rank(result: LookupResult, statuses: list[InstanceStatus], token_count: int
                    ) -> list[tuple[float, str]]:
     """Every block, every candidate, every replica: the §6.4 estimate without grouping."""
-    from index.placement import holds
+    from pc.placement import holds
 
     matched_tokens = min(result.matched * BLOCK_TOKENS, token_count)
     out = []
@@ -91,7 +91,7 @@ def run(quick: bool = False) -> dict[str, Any]:
 
 
 async def _run(quick: bool) -> dict[str, Any]:
-    from index.placement import PlacementSettings, RouteRequest, Router, ScopeKeys
+    from pc.placement import PlacementSettings, RouteRequest, Router, ScopeKeys
 
     w = _world()
     lookup_s = 0.0

@@ -26,6 +26,7 @@ from kvsp_moq.index_client import IndexClient
 from kvsp_moq.moqt_blocks import BlockPublisher, moqt_record
 from kvsp_moq.protocol.container import format_digest
 from kvsp_moq.protocol.records import ReplicaRecord
+from kvsp_moq.protocol.urls import base_url
 
 log = logging.getLogger("kvsp.holder.publisher")
 
@@ -78,7 +79,7 @@ class Publisher:
 
     @holder_url.setter
     def holder_url(self, url: str) -> None:
-        self._holder_url = url if not url or url.endswith("/") else url + "/"
+        self._holder_url = base_url(url) if url else url
 
     # ---------------------------------------------------------------- records
 

@@ -83,6 +83,47 @@ def source_rate(status: InstanceStatus, record: ReplicaRecord, layer: int | None
     return rate, rtt
 
 
+#: A replica's octets by the read rate of the tier holding them (None: no tier limit).
+Profile = tuple[tuple[float, float | None], ...]
+
+
+def tier_octets(record: ReplicaRecord, count: int = 1) -> Profile:
+    """The octets of `count` replicas like `record`, by the read rate of the tier each layer
+    sits in: its residency entries in order, then the layers no entry covers (no tier limit).
+    A record without layers or residency is one piece with no tier limit."""
+    layers = record.layer_count
+    total = float(record.size) * count
+    if not (layers and record.residency):
+        return ((total, None),)
+    per_layer = total / layers
+    out = []
+    covered = 0
+    for tier in record.residency:
+        n = tier.layers[1] - tier.layers[0] + 1
+        covered += n
+        out.append((per_layer * n, tier.read_mbit_per_s))
+    if layers > covered:
+        out.append((per_layer * (layers - covered), None))
+    return tuple(out)
+
+
+def bytes_us(profile: Profile, mbit_per_s: float) -> float:
+    """Microseconds to move `profile` over a link of `mbit_per_s`, each tier's octets at
+    min(link rate, tier read rate): sum of 8 * octets / rate (no round trip)."""
+    return sum(8 * octets / (mbit_per_s if cap is None or cap > mbit_per_s else cap)
+               for octets, cap in profile)
+
+
+def combine_sources(loads: Iterable[tuple[str, float, float]]) -> float:
+    """fetch_us from (source, bytes_us, rtt_us) loads: the bytes from one source add up, its
+    round trip is the longest of its loads', and sources load in parallel (max over them)."""
+    per_source: dict[str, tuple[float, float]] = {}  # source -> (microseconds of bytes, rtt)
+    for source, us, rtt in loads:
+        prev_us, prev_rtt = per_source.get(source, (0.0, rtt))
+        per_source[source] = (prev_us + us, max(prev_rtt, rtt))
+    return max((rtt + us for us, rtt in per_source.values()), default=0.0)
+
+
 def fetch_us(
     status: InstanceStatus,
     plan: Iterable[ReplicaRecord],
@@ -92,25 +133,12 @@ def fetch_us(
     `plan` lists, for each block not yet resident at the instance, the replica it would load;
     each layer's bytes are charged at the rate of the tier it sits in.
     """
-    per_source: dict[str, tuple[float, float]] = {}  # source -> (microseconds of bytes, rtt)
-    for record in plan:
-        link_rate, rtt = source_rate(status, record)
-        layers = record.layer_count
-        if layers and record.residency:
-            per_layer = record.size / layers
-            covered = 0
-            us = 0.0
-            for tier in record.residency:
-                n = tier.layers[1] - tier.layers[0] + 1
-                covered += n
-                rate = min(link_rate, tier.read_mbit_per_s or link_rate)
-                us += 8 * per_layer * n / rate
-            us += 8 * per_layer * max(0, layers - covered) / link_rate
-        else:
-            us = 8 * record.size / link_rate
-        prev_us, prev_rtt = per_source.get(record.holder, (0.0, rtt))
-        per_source[record.holder] = (prev_us + us, max(prev_rtt, rtt))
-    return max((rtt + us for us, rtt in per_source.values()), default=0.0)
+    def loads() -> Iterable[tuple[str, float, float]]:
+        for record in plan:
+            rate, rtt = source_rate(status, record)
+            yield record.holder, bytes_us(tier_octets(record), rate), rtt
+
+    return combine_sources(loads())
 
 
 def mean_service_us(status: InstanceStatus, mean_tokens: float = 512.0) -> float:

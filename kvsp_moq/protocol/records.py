@@ -216,7 +216,7 @@ class InstanceStatus:
     requested_state: str | None = None
     #: Extension member: requests the instance has admitted in this epoch. With it the PC
     #: knows exactly which of the requests it routed a record already counts in running or
-    #: queued (§6.4 wait_us); without it, it can only guess from the time (see index/lifecycle).
+    #: queued (§6.4 wait_us); without it, it can only guess from the time (see pc/lifecycle).
     admitted: int | None = None
 
     @classmethod

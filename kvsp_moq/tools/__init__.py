@@ -117,10 +117,6 @@ def read_record(path: str) -> ReplicaRecord:
         raise UsageError(f"record {path}: {e.detail}") from None
 
 
-def base_url(url: str) -> str:
-    return url if url.endswith("/") else url + "/"
-
-
 def add_common(p: argparse.ArgumentParser, *, block: bool = True, timeout: bool = True) -> None:
     """Options shared by the tools that address one block."""
     if block:

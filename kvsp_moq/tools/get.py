@@ -20,11 +20,11 @@ from kvsp_moq.errors import KvspError, NotFound
 from kvsp_moq.moqt.certs import add_relay_tls_options
 from kvsp_moq.protocol.container import Container, Layer, encode
 from kvsp_moq.protocol.records import ReplicaRecord
+from kvsp_moq.protocol.urls import base_url
 from kvsp_moq.tools import (
     Failed,
     UsageError,
     add_common,
-    base_url,
     guarded,
     hex_arg,
     layer_range,

@@ -27,10 +27,10 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 from urllib.parse import urlsplit
 
-from kvsp_moq.auth import (ANY, ROLES, Authenticator, normalize_holder, principal_entry,
-                           token_digest)
+from kvsp_moq.auth import ANY, ROLES, Authenticator, principal_entry, token_digest
 from kvsp_moq.errors import KvspError
 from kvsp_moq.protocol.keys import scope_id
+from kvsp_moq.protocol.urls import base_url
 from kvsp_moq.scope_keys import parse_scope_keys, read_scope_keys, scope_key_entry
 from kvsp_moq.tools import EXIT_USAGE, UsageError, say
 
@@ -80,7 +80,7 @@ def check_holders(values: Iterable[str]) -> list[str]:
             if parts.scheme not in _HOLDER_SCHEMES or not parts.netloc:
                 raise UsageError(f"--holder {value!r} is not a holder base URL "
                                  f"(http://HOST:PORT/, https://... or moqt://...) or *")
-            value = normalize_holder(value)
+            value = base_url(value)
         if value not in out:
             out.append(value)
     return out

@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 
 from kvsp_moq.errors import KvspError
-from kvsp_moq.tools import Failed, UsageError, add_common, base_url, guarded, hex_arg
+from kvsp_moq.protocol.urls import base_url
+from kvsp_moq.tools import Failed, UsageError, add_common, guarded, hex_arg
 
 
 def configure_parser(p: argparse.ArgumentParser) -> None:

@@ -21,9 +21,9 @@ from starlette.routing import Route
 
 from agent.model import ModelAdapter
 from agent.service import OPEN_SCOPE, OPEN_SCOPE_KEY, Agent, AgentSettings
-from index.lifecycle import LifecycleSettings
-from index.pc_app import PCSettings, create_pc_app
-from index.placement import ScopeKeys
+from pc.lifecycle import LifecycleSettings
+from pc.app import PCSettings, create_pc_app
+from pc.placement import ScopeKeys
 from kvsp_moq.frontend import FrontEnd
 from kvsp_moq.holder.service import Holder, HolderSettings
 from kvsp_moq.web import BackgroundServer

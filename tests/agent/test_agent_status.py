@@ -19,7 +19,7 @@ from starlette.routing import Route  # noqa: E402
 
 from agent.service import Agent, AgentSettings  # noqa: E402
 from agent.status import Meters, StatusReporter, instance_id  # noqa: E402
-from index.lifecycle import instance_id as pc_instance_id  # noqa: E402
+from pc.lifecycle import instance_id as pc_instance_id  # noqa: E402
 from kvsp_moq.protocol.records import InstanceStatus  # noqa: E402
 from kvsp_moq.web import BackgroundServer  # noqa: E402
 

@@ -11,9 +11,9 @@ from pathlib import Path
 import httpx
 
 from agent.service import OPEN_SCOPE, OPEN_SCOPE_KEY, Agent, AgentSettings
-from index.lifecycle import LifecycleSettings
-from index.pc_app import PCSettings, create_pc_app
-from index.placement import ScopeKeys
+from pc.lifecycle import LifecycleSettings
+from pc.app import PCSettings, create_pc_app
+from pc.placement import ScopeKeys
 from kvsp_moq.web import BackgroundServer
 from tests.agent.conftest import tokens
 

@@ -18,7 +18,7 @@ def test_combined_app_serves_both_and_shares_instance_status(tmp_path):
               "prefill_tokens_per_s": 1000.0,
               "links": [{"holder": "http://127.0.0.1:2/", "mbit_per_s": 800.0, "rtt_us": 50}]}
     with serving(app) as url:
-        from index.lifecycle import instance_id
+        from kvsp_moq.protocol.instances import instance_id
 
         r = httpx.put(f"{url}instances/{instance_id(status['instance'])}/status", json=status)
         assert r.status_code == 200 and r.json()["state"] == "active"

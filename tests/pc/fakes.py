@@ -16,12 +16,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from kvsp_moq.protocol.instances import instance_id
 from kvsp_moq.protocol.records import ReplicaRecord
 from kvsp_moq.web import BackgroundServer
 
-from index.lifecycle import LifecycleSettings, instance_id
-from index.pc_app import PCSettings, create_pc_app
-from index.placement import MemoryIndex, PlacementSettings, ScopeKeys
+from pc.lifecycle import LifecycleSettings
+from pc.app import PCSettings, create_pc_app
+from pc.placement import MemoryIndex, PlacementSettings, ScopeKeys
 
 COMPAT = "c0" * 32
 SCOPE_KEY = bytes(range(32))

@@ -42,9 +42,9 @@ import pytest
 from agent.model import ModelAdapter, Sampler
 from agent.service import OPEN_SCOPE, OPEN_SCOPE_KEY, Agent, AgentSettings
 from index.app import IndexSettings, create_app as create_index_app
-from index.lifecycle import LifecycleSettings
-from index.pc_app import PCSettings, create_pc_app
-from index.placement import ScopeKeys
+from pc.lifecycle import LifecycleSettings
+from pc.app import PCSettings, create_pc_app
+from pc.placement import ScopeKeys
 from kvsp_moq.frontend import FrontEnd, Token
 from kvsp_moq.holder.service import Holder, HolderSettings
 from kvsp_moq.web import BackgroundServer

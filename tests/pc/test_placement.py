@@ -8,8 +8,8 @@ from kvsp_moq.protocol.cost import estimate, fetch_us, mean_service_us
 from kvsp_moq.protocol.keys import scope_id
 from kvsp_moq.protocol.records import InstanceStatus, Link, LookupRequest, ReplicaRecord, Residency
 
-from index.placement import (Grouping, PlacementSettings, RouteRequest, directive_for, holds,
-                             rank, replica_store_lookup)
+from pc.placement import (Grouping, PlacementSettings, RouteRequest, directive_for, holds,
+                          rank, replica_store_lookup)
 from tests.pc.fakes import (COMPAT, SCOPE_KEY, checkpoint, fake_agents, new_session, pc_server,
                             status, status_path)
 

@@ -7,7 +7,7 @@ from hypothesis import given, strategies as st
 from kvsp_moq.errors import BadRecord
 from kvsp_moq.protocol.records import ShardMap, parse_reshard
 
-from index.reshard import intersect, merge, plan_reshard, subtract
+from pc.reshard import intersect, merge, plan_reshard, subtract
 from tests.pc.fakes import fake_agents, pc_server
 
 U = ["http://127.0.0.1:9001/", "http://127.0.0.1:9002/", "http://127.0.0.1:9003/",

@@ -10,8 +10,8 @@ from kvsp_moq.errors import StaleEpoch
 from kvsp_moq.protocol.keys import block_keys, scope_id
 from kvsp_moq.protocol.records import InstanceStatus
 
-from index.lifecycle import InstanceFailed, InstanceRegistry, LifecycleSettings, StateChanged
-from index.placement import PlacementSettings
+from pc.lifecycle import InstanceFailed, InstanceRegistry, LifecycleSettings, StateChanged
+from pc.placement import PlacementSettings
 from tests.pc.fakes import (COMPAT, SCOPE_KEY, eventually, fake_agents, pc_server, replica,
                             status, status_path)
 

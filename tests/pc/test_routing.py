@@ -5,10 +5,11 @@ import asyncio
 import httpx
 import pytest
 
+from kvsp_moq.protocol.instances import instance_id
 from kvsp_moq.protocol.keys import block_keys, scope_id
 
-from index.lifecycle import LifecycleSettings, instance_id
-from index.placement import PlacementSettings
+from pc.lifecycle import LifecycleSettings
+from pc.placement import PlacementSettings
 from tests.pc.fakes import (COMPAT, SCOPE_KEY, eventually, fake_agents, pc_server, replica,
                             status, status_path)
 

@@ -6,7 +6,7 @@ import pytest
 from kvsp_moq.errors import BadRecord, StaleEpoch
 from kvsp_moq.protocol.records import SessionCheckpoint
 
-from index.sessions import SessionStore, accept_checkpoint, move_session, resume_body
+from pc.sessions import SessionStore, accept_checkpoint, move_session, resume_body
 from tests.pc.fakes import (checkpoint, eventually, fake_agents, new_session, pc_server, status,
                             status_path)
 

@@ -133,7 +133,7 @@ def fuzz_authenticator() -> Authenticator:
 @pytest.fixture(scope="module")
 def fuzz_index_pc_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """The Index Service and the PC in one app with its own store (fuzzing writes freely)."""
-    from index.pc_app import PCSettings
+    from pc.app import PCSettings
     from index.service import create_combined_app
 
     db = tmp_path_factory.mktemp("fuzz-pc") / "pc.sqlite3"

@@ -21,7 +21,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from index.pc_app import PCSettings, create_pc_app
+from pc.app import PCSettings, create_pc_app
 from kvsp_moq.holder.service import Holder
 from kvsp_moq.openapi import COMPONENTS, PATHS, SCHEMAS, document
 from kvsp_moq.web import BackgroundServer

@@ -29,8 +29,7 @@ from typing import Any, Awaitable, Callable, Iterable
 
 from kvsp_moq.errors import BadRecord, KvspError, StaleEpoch
 from kvsp_moq.protocol.records import SessionCheckpoint
-
-from index.lifecycle import normalize_url
+from kvsp_moq.protocol.urls import base_url
 
 log = logging.getLogger("kvsp.pc.sessions")
 
@@ -69,7 +68,7 @@ def accept_checkpoint(current: SessionState | None, checkpoint: SessionCheckpoin
     the highest output_offset is kept; a higher epoch (the instance knows of a move the PC has
     not made, e.g. after a PC restart with an older file) starts that epoch.
     """
-    inst = normalize_url(instance) if instance else None
+    inst = base_url(instance) if instance else None
     if current is None:
         if inst is None:
             raise BadRecord("the first checkpoint of a session must name the instance serving "
@@ -95,7 +94,7 @@ def accept_checkpoint(current: SessionState | None, checkpoint: SessionCheckpoin
 
 def move_session(current: SessionState, new_instance: str) -> SessionState:
     """Failover: the next epoch, on another instance, with the same latest checkpoint."""
-    return SessionState(current.session, current.epoch + 1, normalize_url(new_instance),
+    return SessionState(current.session, current.epoch + 1, base_url(new_instance),
                         current.output_offset, current.checkpoint)
 
 
@@ -214,7 +213,7 @@ class SessionStore:
         with self._lock:
             rows = self.db.execute(
                 "SELECT session, epoch, instance, output_offset, checkpoint FROM sessions "
-                "WHERE instance = ? ORDER BY session", (normalize_url(instance),)).fetchall()
+                "WHERE instance = ? ORDER BY session", (base_url(instance),)).fetchall()
         return [self._row(r) for r in rows]
 
     def instances(self) -> set[str]:
@@ -284,7 +283,7 @@ class Failover:
             return None
         self._busy.add(session)
         try:
-            return await self._move(session, normalize_url(failed), may_return)
+            return await self._move(session, base_url(failed), may_return)
         finally:
             self._busy.discard(session)
 
@@ -302,7 +301,7 @@ class Failover:
             target = await self.choose(state, frozenset(exclude))
             if target is None:
                 break
-            target = normalize_url(target)
+            target = base_url(target)
             exclude.add(target)
             moved = self.store.move(session, target, expect_epoch=state.epoch)
             if moved is None:

@@ -50,13 +50,15 @@ from typing import Any, Awaitable, Callable, Iterable, Mapping, Sequence
 from kvsp_moq.errors import BadRecord, KvspError
 from kvsp_moq.index_client import IndexClient, LookupBlock, LookupResult
 from kvsp_moq.protocol import validate as v
-from kvsp_moq.protocol.cost import Estimate, assumed_link, estimate, mean_service_us
+from kvsp_moq.protocol.cost import (Estimate, Profile, assumed_link, bytes_us, estimate,
+                                    mean_service_us, tier_octets)
 from kvsp_moq.protocol.keys import block_keys, scope_id as scope_id_of
 from kvsp_moq.protocol.records import (InstanceStatus, LookupRequest, PrefetchBlock,
                                        PrefetchDirective, ReplicaRecord)
+from kvsp_moq.protocol.urls import base_url
 from kvsp_moq.scope_keys import parse_scope_keys, read_scope_keys
 
-from index.lifecycle import InstanceRegistry, normalize_url
+from pc.lifecycle import InstanceRegistry
 
 log = logging.getLogger("kvsp.pc.placement")
 
@@ -223,7 +225,7 @@ class ReplicaGroup:
     """The replicas of the group's first block."""
     scaled: tuple[ReplicaRecord, ...]
     """The same replicas with the size of the whole group, for fetch_us (linear in size)."""
-    profiles: tuple[tuple[tuple[float, float | None], ...], ...]
+    profiles: tuple[Profile, ...]
     """Per replica, the group's octets by tier read rate: what choosing a source needs."""
 
 
@@ -255,28 +257,9 @@ class Grouping:
         groups = tuple(
             ReplicaGroup(n, reps, reps if n == 1 else
                          tuple(dataclasses.replace(r, size=r.size * n) for r in reps),
-                         tuple(_profile(r, n) for r in reps))
+                         tuple(tier_octets(r, n) for r in reps))
             for n, reps in members)
         return cls(groups, tuple(of_block))
-
-
-def _profile(record: ReplicaRecord, count: int) -> tuple[tuple[float, float | None], ...]:
-    """Octets of `count` such replicas by the read rate of the tier holding them (None: no
-    tier limit), as fetch_us charges them."""
-    layers = record.layer_count
-    total = float(record.size) * count
-    if not (layers and record.residency):
-        return ((total, None),)
-    per_layer = total / layers
-    out = []
-    covered = 0
-    for tier in record.residency:
-        n = tier.layers[1] - tier.layers[0] + 1
-        covered += n
-        out.append((per_layer * n, tier.read_mbit_per_s))
-    if layers > covered:
-        out.append((per_layer * (layers - covered), None))
-    return tuple(out)
 
 
 #: An instance's reported links by holder, and the link assumed for any other holder.
@@ -290,8 +273,7 @@ def _links(status: InstanceStatus) -> _Links:
     return out, assumed_link(tuple(status.links))
 
 
-def _load_us(links: _Links, record: ReplicaRecord,
-             profile: tuple[tuple[float, float | None], ...]) -> float:
+def _load_us(links: _Links, record: ReplicaRecord, profile: Profile) -> float:
     """rtt + 8 * octets / rate from one source, each tier at min(link, tier read rate): the
     fetch_us of §6.4 for a single source, used to pick the source of a group."""
     known, assumed = links
@@ -299,8 +281,7 @@ def _load_us(links: _Links, record: ReplicaRecord,
     if link is None and record.http_holder is not None:
         link = known.get(record.http_holder)
     rate, rtt = link or assumed
-    return rtt + sum(8 * octets / (rate if cap is None or cap > rate else cap)
-                     for octets, cap in profile)
+    return rtt + bytes_us(profile, rate)
 
 
 def rank(result: LookupResult, candidates: Iterable[InstanceStatus], *, token_count: int,
@@ -547,7 +528,7 @@ class Router:
         except (KvspError, ValueError) as e:
             log.warning("start hook returned an unusable instance: %s", e)
             return None
-        url = normalize_url(started if isinstance(started, str) else started.instance)
+        url = base_url(started if isinstance(started, str) else started.instance)
         if not usable:
             log.warning("start hook named %s, which may not take requests now", url)
             return None

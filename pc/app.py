@@ -16,8 +16,8 @@ Resources (all JSON, `application/kvsp+json`; errors are problem documents):
 - `PUT /instances/{id}/state`: `{"state": "active" | "draining" | "sleeping"}`; the PC records it
   and forwards `PUT {ii}state` with `{"state": ..., "epoch": <instance epoch>}`. Role "pc".
 - `PUT /sessions/{session}/checkpoint`, `GET /sessions/{session}`, `DELETE /sessions/{session}`
-  (our extension: the session ended, do not resume it): see `index.sessions`.
-- `POST /route`: see `index.placement`. Role "pc", or "client" holding the scope.
+  (our extension: the session ended, do not resume it): see `pc.sessions`.
+- `POST /route`: see `pc.placement`. Role "pc", or "client" holding the scope.
 - `POST /reshard/{map}`: a Shard Map of version v+1 (plus an optional top-level
   "deadline_ms"); runs §6.9 and answers the outcome. A map the PC does not know yet is
   installed as given (201), with no traffic. Role "admin".
@@ -26,7 +26,6 @@ Resources (all JSON, `application/kvsp+json`; errors are problem documents):
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import logging
@@ -49,20 +48,17 @@ from kvsp_moq.index_client import IndexClient, raise_for_problem
 from kvsp_moq.protocol import validate as v
 from kvsp_moq.protocol.keys import BlockKeyChain
 from kvsp_moq.protocol.records import InstanceStatus, PrefetchDirective, SessionCheckpoint, ShardMap
-from kvsp_moq.serving import INSECURE_OPEN_HELP
 from kvsp_moq.web import build_app, json_response, principal, read_json
 
-from index.lifecycle import (InstanceFailed, InstanceRegistry, LifecycleSettings, StateChanged,
-                             id_matches)
-from index.placement import (LookupFn, MemoryIndex, PlacementSettings, RouteRequest, Router,
-                             ScopeKeys, StartHook, index_client_lookup)
-from index.reshard import Resharder, ReshardSettings, ShardMapStore
-from index.sessions import (Failover, FailoverSettings, SessionState, SessionStore,
-                            open_database)
+from pc.lifecycle import (InstanceFailed, InstanceRegistry, LifecycleSettings, StateChanged,
+                          id_matches)
+from pc.placement import (LookupFn, MemoryIndex, PlacementSettings, RouteRequest, Router,
+                          ScopeKeys, StartHook, index_client_lookup)
+from pc.reshard import Resharder, ReshardSettings, ShardMapStore
+from pc.sessions import (Failover, FailoverSettings, SessionState, SessionStore,
+                         open_database)
 
 log = logging.getLogger("kvsp.pc")
-
-DEFAULT_PORT = 8421
 
 
 @dataclass(frozen=True)
@@ -432,65 +428,3 @@ def create_pc_app(settings: PCSettings, *, lookup: LookupFn | None = None,
         log.warning("no principals file: the PC runs open")
     return build_app(create_pc_routes(pc), name="kvsp_pc", auth=auth, on_startup=[pc.start],
                      on_shutdown=[pc.close], state={"pc": pc}, openapi="pc")
-
-
-# --------------------------------------------------------------------------- command line
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--listen", default=f"127.0.0.1:{DEFAULT_PORT}", metavar="HOST:PORT")
-    parser.add_argument("--db", default="kvsp-pc.sqlite3", metavar="FILE",
-                        help="SQLite file of sessions and shard maps")
-    parser.add_argument("--principals", metavar="FILE",
-                        help="principals file (TOML); without it the PC runs open, on loopback only")
-    parser.add_argument("--insecure-open", action="store_true", help=INSECURE_OPEN_HELP)
-    parser.add_argument("--scope-keys", metavar="FILE",
-                        help="keys file (TOML: scope name -> hex key)")
-    parser.add_argument("--index", metavar="URL", help="base URL of the Index Service")
-    parser.add_argument("--token-file", metavar="FILE",
-                        help="bearer token the PC presents to instances and the IS")
-    parser.add_argument("--block-tokens", type=int, default=16, metavar="B")
-    parser.add_argument("--max-cost-us", type=float, metavar="US",
-                        help="cost above which a new instance is wanted")
-    parser.add_argument("--start-command", metavar="CMD",
-                        help="shell command that starts an instance and prints its base URL")
-
-
-def settings_from_args(args: argparse.Namespace) -> PCSettings:
-    token = None
-    if args.token_file:
-        with open(args.token_file, encoding="utf-8") as f:
-            token = f.read().strip()
-    return PCSettings(database=args.db, principals=args.principals, scope_keys=args.scope_keys,
-                      index_url=args.index, token=token, start_command=args.start_command,
-                      placement=PlacementSettings(block_tokens=args.block_tokens,
-                                                  max_cost_us=args.max_cost_us))
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    from kvsp_moq.allocator import tune_allocator
-    import sys
-
-    from kvsp_moq.errors import SettingError
-    from kvsp_moq.serving import check_exposure
-    from kvsp_moq.web import parse_listen, run
-
-    parser = argparse.ArgumentParser(prog="kvsp-pc", description="KVSP Placement Controller")
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    tune_allocator()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    try:
-        host, _ = parse_listen(args.listen, DEFAULT_PORT)
-        warnings = check_exposure("the PC", host, authenticated=args.principals is not None,
-                                  insecure_open=args.insecure_open)
-    except (KvspError, SettingError) as e:
-        print(f"kvsp-pc: {getattr(e, 'detail', e)}", file=sys.stderr)
-        raise SystemExit(2) from None
-    for warning in warnings:
-        log.warning("%s", warning)
-    run(create_pc_app(settings_from_args(args)), args.listen, DEFAULT_PORT)
-
-
-if __name__ == "__main__":
-    main()

@@ -22,8 +22,7 @@ from typing import Awaitable, Callable, Iterable, Sequence
 
 from kvsp_moq.errors import BadRecord, KvspError
 from kvsp_moq.protocol.records import RangeFetch, ReshardDecision, ReshardPlan, ShardMap
-
-from index.lifecycle import normalize_url
+from kvsp_moq.protocol.urls import base_url
 
 log = logging.getLogger("kvsp.pc.reshard")
 
@@ -76,11 +75,11 @@ def subtract(xs: Iterable[Range], ys: Iterable[Range]) -> list[Range]:
 
 def members(*maps: ShardMap) -> list[str]:
     """Every instance of the given versions, in order of first appearance."""
-    return list(dict.fromkeys(normalize_url(s.instance) for m in maps for s in m.shards))
+    return list(dict.fromkeys(base_url(s.instance) for m in maps for s in m.shards))
 
 
 def _ranges(m: ShardMap, instance: str) -> list[Range]:
-    return merge(s.tokens for s in m.shards if normalize_url(s.instance) == instance)
+    return merge(s.tokens for s in m.shards if base_url(s.instance) == instance)
 
 
 def plan_reshard(current: ShardMap, target: ShardMap, deadline_ms: int) -> dict[str, ReshardPlan]:
@@ -98,7 +97,7 @@ def plan_reshard(current: ShardMap, target: ShardMap, deadline_ms: int) -> dict[
                         f"{current.version})", member="version")
     if deadline_ms < 1:
         raise BadRecord("must be positive", member="deadline_ms")
-    owners = [(s.tokens, normalize_url(s.instance)) for s in current.shards]
+    owners = [(s.tokens, base_url(s.instance)) for s in current.shards]
     plans: dict[str, ReshardPlan] = {}
     for inst in members(current, target):
         old, new = _ranges(current, inst), _ranges(target, inst)

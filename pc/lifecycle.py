@@ -35,14 +35,15 @@ Two things the PC knows before the instance says so:
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Literal
 from urllib.parse import quote
 
 from kvsp_moq.errors import BadRecord, NotFound, StaleEpoch
+from kvsp_moq.protocol.instances import instance_id
 from kvsp_moq.protocol.records import InstanceStatus
+from kvsp_moq.protocol.urls import base_url
 
 #: States the PC may set with `set_state`.
 SETTABLE_STATES = ("active", "draining", "sleeping")
@@ -50,20 +51,9 @@ SETTABLE_STATES = ("active", "draining", "sleeping")
 Clock = Callable[[], float]
 
 
-def normalize_url(url: str) -> str:
-    """Instance base URLs compare with a trailing slash, as the draft writes them."""
-    return url if url.endswith("/") else url + "/"
-
-
-def instance_id(url: str) -> str:
-    """The path identifier of an instance at the PC: the first 16 octets, in hex, of SHA-256
-    over its base URL (with its trailing slash), like replica ids (DESIGN §3)."""
-    return hashlib.sha256(normalize_url(url).encode()).digest()[:16].hex()
-
-
 def id_matches(path_id: str, url: str) -> bool:
     """Whether a path identifier names this instance: its hash id or its percent-encoded URL."""
-    url = normalize_url(url)
+    url = base_url(url)
     return path_id.lower() == instance_id(url) or path_id in (quote(url, safe=""), url)
 
 
@@ -167,7 +157,7 @@ class InstanceRegistry:
     def report(self, record: InstanceStatus) -> Reply:
         """Take one Instance Status Record; a lower epoch than seen is refused (StaleEpoch)."""
         now = self.clock()
-        url = normalize_url(record.instance)
+        url = base_url(record.instance)
         if url != record.instance:
             record = dataclasses.replace(record, instance=url)
         entry = self._entries.get(url)
@@ -259,7 +249,7 @@ class InstanceRegistry:
         """The PC's word: the only way out of sleeping. None when nothing changed."""
         if state not in SETTABLE_STATES:
             raise BadRecord(f"must be one of {', '.join(SETTABLE_STATES)}", member="state")
-        entry = self._entries.get(normalize_url(instance))
+        entry = self._entries.get(base_url(instance))
         if entry is None:
             raise NotFound(f"no instance {instance}")
         if entry.state == "failed":
@@ -275,13 +265,13 @@ class InstanceRegistry:
     def note_routed(self, instance: str) -> None:
         """A request was just routed to the instance: count it in its queue until a status
         record accounts for it (or `routed_hold_ms` passes)."""
-        entry = self._entries.get(normalize_url(instance))
+        entry = self._entries.get(base_url(instance))
         if entry is not None:
             entry.routed.append(self.clock())
 
     def pending(self, instance: str) -> int:
         """Routed requests not yet accounted for by a status record of the instance."""
-        entry = self._entries.get(normalize_url(instance))
+        entry = self._entries.get(base_url(instance))
         return 0 if entry is None else self._pending(entry, self.clock())
 
     def _pending(self, entry: _Entry, now: float) -> int:
@@ -300,11 +290,11 @@ class InstanceRegistry:
         """
         now = self.clock()
         if isinstance(started, str):
-            url = normalize_url(started)
+            url = base_url(started)
             record = InstanceStatus(instance=url, epoch=0, state="active",
                                     ttl_ms=self.settings.start_grace_ms)
         else:
-            url = normalize_url(started.instance)
+            url = base_url(started.instance)
             record = dataclasses.replace(started, instance=url, state="active",
                                          ttl_ms=self.settings.start_grace_ms,
                                          requested_state=None)
@@ -322,10 +312,10 @@ class InstanceRegistry:
         return True
 
     def known(self, instance_url: str) -> bool:
-        return normalize_url(instance_url) in self._entries
+        return base_url(instance_url) in self._entries
 
     def forget(self, instance: str) -> bool:
-        return self._entries.pop(normalize_url(instance), None) is not None
+        return self._entries.pop(base_url(instance), None) is not None
 
     # ------------------------------------------------------------------ queries
 
@@ -348,7 +338,7 @@ class InstanceRegistry:
 
     def status_of(self, instance_url: str) -> InstanceStatus | None:
         """The latest record with the PC's view of its state, failed ones included."""
-        entry = self._entries.get(normalize_url(instance_url))
+        entry = self._entries.get(base_url(instance_url))
         return None if entry is None else self._view(entry, self.clock())
 
     def is_active(self, instance_url: str) -> bool:
@@ -358,7 +348,7 @@ class InstanceRegistry:
     def active(self, exclude: Iterable[str] = ()) -> list[InstanceStatus]:
         """Active, unexpired instances: the only ones that may get requests or prefetches."""
         now = self.clock()
-        skip = {normalize_url(u) for u in exclude}
+        skip = {base_url(u) for u in exclude}
         out = []
         for url, entry in self._entries.items():
             if url in skip:
@@ -396,6 +386,5 @@ class InstanceRegistry:
 
 __all__ = [
     "SETTABLE_STATES", "InstanceFailed", "InstanceRegistry",
-    "LifecycleSettings", "Reply", "StateChanged", "id_matches", "instance_id", "load_of",
-    "normalize_url",
+    "LifecycleSettings", "Reply", "StateChanged", "id_matches", "load_of",
 ]
