@@ -77,7 +77,9 @@ async def test_session_resumed_on_another_agent_after_failure(
                     assert r.status_code == 200  # the session runs on whoever reads it
             got: list[int] = []
             stopped = False
-            async with FrontEnd(pc.url, timeout_s=30, backoff_s=0.1) as fe:
+            # Retries bounded by the 30 s deadline, not by their count: on a loaded machine
+            # the PC may take a while to fail A (status TTL 1.5 s) and resume on B.
+            async with FrontEnd(pc.url, timeout_s=30, backoff_s=0.1, retries=200) as fe:
                 async for tok in fe.stream(session, instance=a.url):
                     got.append(tok.token)
                     if len(got) == 12 and not stopped:

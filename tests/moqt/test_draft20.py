@@ -874,3 +874,22 @@ def test_publish_state_notify_from_the_subscriber_closes_the_session(peer: RawPe
     peer.send(m.PublishStateNotify(m.Parameters(forward=False)).encode(peer.draft), stream_id=sid)
     closed = one(peer.take(), ev.SessionTerminated)
     assert closed.error_code == SessionCloseCode.PROTOCOL_VIOLATION
+
+
+@pytest.mark.parametrize(("message", "why"), [
+    # SUBSCRIBE, request 0, ("kvsp", "x") / "t": LOCATION_FILTER Relative Start, 2 groups back.
+    ("03", "00 02 04 6b 76 73 70 01 78 01 74 01 21 {rel2}"),
+    # FETCH, request 0, same track: LOCATION_FILTER Next Object.
+    ("16", "00 02 04 6b 76 73 70 01 78 01 74 01 21 {next}"),
+], ids=["subscribe-relative-start", "fetch-next-object"])
+def test_a_filter_relative_to_largest_is_refused_not_fatal(peer: RawPeerPair, message: str, why: str) -> None:
+    """Forms this endpoint cannot express in Locations are refused with NOT_SUPPORTED; the
+    session stays open."""
+    typed = peer.draft >= 22
+    body = why.format(rel2="01 02" if typed else "01 02", next="05" if typed else "02 00 00")
+    sid = peer.send(frame(int(message, 16), h(body)))
+    events = peer.take()
+    assert of(events, ev.SubscribeReceived) == of(events, ev.FetchReceived) == []
+    (answer,) = peer.messages_on(sid)
+    assert isinstance(answer, m.RequestErrorMessage) and answer.error_code == RequestErrorCode.NOT_SUPPORTED
+    assert not peer.server.closed

@@ -351,12 +351,18 @@ def location_to_subscription_filter(flt: LocationFilter) -> SubscriptionFilter |
         return SubscriptionFilter(FilterType.LARGEST_OBJECT)
     if kind == LocationFilterType.RELATIVE_START:
         if v[0] != 0:
-            raise ProtocolViolation(f"relative start {v[0]} groups back is not supported in a subscription")
+            raise UnsupportedFilter(f"a subscription {v[0]} groups back from the Largest Object")
         return SubscriptionFilter(FilterType.NEXT_GROUP_START)
     if kind == LocationFilterType.ABSOLUTE_START:
         return SubscriptionFilter(FilterType.ABSOLUTE_START, Location(v[0], v[1]))
     end_object = v[3] if kind == LocationFilterType.ABSOLUTE_RANGE else None
     return SubscriptionFilter(FilterType.ABSOLUTE_RANGE, Location(v[0], v[1]), _end_group(v[0], v[2]), end_object)
+
+
+class UnsupportedFilter(Exception):
+    """A well-formed LOCATION_FILTER this endpoint has no form for (one relative to the
+    Largest Object where the draft-18 form needs Locations): the request is refused with
+    NOT_SUPPORTED, the session kept (`Parameters.unsupported`)."""
 
 
 #: A FETCH range end with no end: everything to the Largest Object.
@@ -387,7 +393,7 @@ def location_filter_to_range(flt: LocationFilter) -> tuple[Location, Location]:
         return Location(v[0], v[1]), Location(_end_group(v[0], v[2]), 0)
     if kind == LocationFilterType.ABSOLUTE_RANGE:
         return Location(v[0], v[1]), inclusive_end_to_exclusive(Location(_end_group(v[0], v[2]), v[3]))
-    raise ProtocolViolation(f"FETCH with a {kind.name} location filter is not supported")
+    raise UnsupportedFilter(f"a FETCH with a {kind.name} location filter")
 
 
 def exclusive_end_to_inclusive(end: Location) -> Location:
@@ -486,6 +492,7 @@ class Parameters:
     fill: Fill | None = None
     include_properties: bool | None = None
     range_filters: int | None = None  # draft-20 range filters received (never sent)
+    unsupported: str | None = None  # why the request cannot be served as asked (never sent)
 
     def types(self) -> list[int]:
         """Parameter types present, in wire order."""
@@ -604,7 +611,10 @@ class Parameters:
             elif kind == _LOCATION:
                 values[name] = pull_location(buf)
             elif kind == _FILTER and p.location_filter:
-                values[name] = location_to_subscription_filter(pull_location_filter(buf, p))
+                try:
+                    values[name] = location_to_subscription_filter(pull_location_filter(buf, p))
+                except UnsupportedFilter as e:
+                    values["unsupported"] = str(e)
             elif kind == _FILL:
                 values[name] = Fill.decode(buf, p)
             elif kind == _NAMESPACE and p.bare_namespace_prefix:
@@ -1024,7 +1034,11 @@ class Fetch(Message):
             parameters = Parameters.decode(buf, _SCOPE_FETCH | {ParameterType.SUBSCRIPTION_FILTER}, cls.NAME, p, raw)
             start, end = Location(0, 0), OPEN_END
             if raw[ParameterType.SUBSCRIPTION_FILTER]:
-                start, end = location_filter_to_range(pull_location_filter(Buffer(raw[ParameterType.SUBSCRIPTION_FILTER]), p))
+                flt = pull_location_filter(Buffer(raw[ParameterType.SUBSCRIPTION_FILTER]), p)
+                try:
+                    start, end = location_filter_to_range(flt)
+                except UnsupportedFilter as e:
+                    parameters = replace(parameters, unsupported=str(e))
             return cls(request_id, FetchType.STANDALONE, namespace, name, start, end, parameters=parameters)
         raw_type = buf.pull_varint()
         if raw_type not in (1, 2, 3):

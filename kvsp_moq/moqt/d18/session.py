@@ -456,6 +456,9 @@ class MoqtSession(SessionBase):
         if parameters.range_filters:
             self._reject(request, RequestErrorCode.INVALID_FILTER, _NO_RANGE_FILTERS)
             return
+        if parameters.unsupported:
+            self._reject(request, RequestErrorCode.NOT_SUPPORTED, f"not supported: {parameters.unsupported}")
+            return
 
         if isinstance(message, Subscribe):
             out.append(ev.SubscribeReceived(request_id, message.namespace, message.track_name, parameters, tokens))
@@ -740,6 +743,10 @@ class MoqtSession(SessionBase):
         tokens = self._resolve_tokens(message.parameters.authorization_tokens)
         if message.parameters.range_filters:
             self.request_error(message.request_id, RequestErrorCode.INVALID_FILTER, _NO_RANGE_FILTERS)
+            return
+        if message.parameters.unsupported:
+            self.request_error(message.request_id, RequestErrorCode.NOT_SUPPORTED,
+                               f"not supported: {message.parameters.unsupported}")
             return
         out.append(ev.RequestUpdateReceived(message.request_id, request.request_id, message.parameters, tokens))
         if message.parameters.fill is not None and request.kind is Subscribe and not request.local:
