@@ -47,7 +47,8 @@ from agent.loader import (Candidate, LayerSource, LeaseClient, LoadReport,
 from agent.choice import LoadChoice, choose
 from agent.model import DecodeState, KVPrefix, ModelAdapter, Sampler
 from agent.pool import KVPool, block_container, tensor_from_octets
-from kvsp_moq.errors import BadRecord, DigestMismatch, KvspError, NotFound, StaleEpoch, TransportError
+from kvsp_moq.errors import (BadRecord, DigestMismatch, KvspError, NotActive, NotFound, PrefixUnavailable,
+                             SessionConflict, StaleEpoch, TransportError)
 from kvsp_moq.fetch.http import parse_repr_digest
 from kvsp_moq.holder.store import BlockId, BlockStore
 from kvsp_moq.index_client import IndexClient, raise_for_problem
@@ -70,30 +71,11 @@ METHODS = ("greedy", "top-p")
 CHECKPOINT_EVERY = 64
 
 
-class NotActive(KvspError):
-    """The instance is draining or sleeping and takes no new sessions (§6.3)."""
-
-    problem = "kvsp-not-active"
-    status = 503
-    title = "Instance not active"
-
-
-class PrefixUnavailable(KvspError):
-    """A resume needs prompt blocks that no source can deliver (their tokens are unknown here)."""
-
-    problem = "kvsp-prefix-unavailable"
-    status = 409
-    title = "Prompt blocks unavailable"
 
 
 class StreamBroken(Exception):
     """Ends an output stream abnormally: the session no longer continues on this instance."""
 
-
-class SessionConflict(KvspError):
-    problem = "kvsp-session-exists"
-    status = 409
-    title = "Session exists"
 
 
 # --------------------------------------------------------------------------- requests

@@ -61,7 +61,7 @@ from typing import Any, Iterator, Sequence
 from index.store import (
     LookupHits, ReplicaStore, ReplicaSummary, StoredReplica, block_json, record_json,
 )
-from kvsp_moq.errors import TransportError
+from kvsp_moq.errors import StoreUnavailable, TransportError
 from kvsp_moq.protocol.records import ReplicaRecord, Residency, replica_id
 
 try:
@@ -171,12 +171,6 @@ return 1
 _COUNT = _LIVE + """
 return live(KEYS[1], clock())
 """
-
-class StoreUnavailable(TransportError):
-    """The replica store cannot be reached or refuses writes (failover, restart, full)."""
-
-    status = 503
-    title = "Replica store unavailable"
 
 
 #: Answers of Redis that say "not now" rather than "wrong": the client may retry. redis-py

@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 
 from kvsp_moq import __version__
 from kvsp_moq.allocator import tune_allocator
-from kvsp_moq.errors import KvspError, SettingError
+from kvsp_moq.errors import KvspError, SettingError, UsageError
 from kvsp_moq.scope_keys import add_scope_key_options
 
 EXIT_USAGE = 2
@@ -33,28 +33,25 @@ STARTED = time.perf_counter()
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
-class CommandError(Exception):
-    """A refusal to print on one line and exit with status 2."""
-
 
 def _read_json(path: str, what: str) -> Any:
     try:
         text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
     except OSError as e:
-        raise CommandError(f"cannot read {what} {path}: {e.strerror or e}") from None
+        raise UsageError(f"cannot read {what} {path}: {e.strerror or e}") from None
     except UnicodeDecodeError:
-        raise CommandError(f"{what} {path} is not UTF-8 text") from None
+        raise UsageError(f"{what} {path} is not UTF-8 text") from None
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
-        raise CommandError(f"{what} {path} is not valid JSON: {e.msg} at line {e.lineno}") from None
+        raise UsageError(f"{what} {path} is not valid JSON: {e.msg} at line {e.lineno}") from None
 
 
 def _read_bytes(path: str, what: str) -> bytes:
     try:
         return sys.stdin.buffer.read() if path == "-" else Path(path).read_bytes()
     except OSError as e:
-        raise CommandError(f"cannot read {what} {path}: {e.strerror or e}") from None
+        raise UsageError(f"cannot read {what} {path}: {e.strerror or e}") from None
 
 
 def _descriptor(path: str):
@@ -93,7 +90,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     try:
         summary = Container(data).describe()
     except KvspError as e:
-        raise CommandError(f"{args.file}: {e.detail}") from None
+        raise UsageError(f"{args.file}: {e.detail}") from None
     print(json.dumps(summary, indent=None if args.compact else 2))
     return 0
 
@@ -113,7 +110,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     else:
         given = [o for o, v in (("--engine", args.engine), ("--datagram-size", args.datagram_size)) if v]
         if given:
-            raise CommandError(f"{' and '.join(given)}: only for bench {', '.join(MATRIX_BENCHMARKS)}")
+            raise UsageError(f"{' and '.join(given)}: only for bench {', '.join(MATRIX_BENCHMARKS)}")
     result = run_bench(args.target, quick=args.quick, **options)
     print(json.dumps(result, indent=2))
     return 0
@@ -273,7 +270,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         _apply_engine_option(args)
         return func(args)
-    except CommandError as e:
+    except UsageError as e:
         print(f"kvsp {args.command}: {e}", file=sys.stderr)
     except KvspError as e:
         print(f"kvsp {args.command}: {e.detail}", file=sys.stderr)

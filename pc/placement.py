@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Iterable, Mapping, Sequence
 
-from kvsp_moq.errors import BadRecord, KvspError
+from kvsp_moq.errors import BadRecord, KvspError, NoActiveInstance
 from kvsp_moq.index_client import IndexClient, LookupBlock, LookupResult
 from kvsp_moq.protocol import validate as v
 from kvsp_moq.protocol.cost import (Estimate, Profile, assumed_link, bytes_us, estimate,
@@ -70,13 +70,6 @@ PrefetchSender = Callable[[str, PrefetchDirective], Awaitable[None]]
 #: it (rates, links) to rank it by until it reports; None when it cannot. The PC registers it.
 StartHook = Callable[["RouteRequest"], Awaitable["str | InstanceStatus | None"]]
 
-
-class NoActiveInstance(KvspError):
-    """No active instance can take the request and none could be started."""
-
-    problem = "kvsp-no-instance"
-    status = 503
-    title = "No active instance"
 
 
 # --------------------------------------------------------------------------- settings, keys

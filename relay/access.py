@@ -39,7 +39,7 @@ from typing import Iterable, Sequence
 from kvsp_moq.auth import ANY, PERMISSIONS, Authenticator, Principal
 from kvsp_moq.auth import Action as Doing
 from kvsp_moq.errors import KvspError
-from kvsp_moq.moqt.errors import Unauthorized
+from kvsp_moq.moqt.errors import UnauthorizedRequest
 from kvsp_moq.moqt.wire import TrackNamespace
 from kvsp_moq.naming import id_field, publisher_id, scope_of_namespace
 
@@ -112,7 +112,7 @@ class AccessPolicy:
 
     def check(self, action: Action, namespace: TrackNamespace, tokens: Sequence[bytes], *,
               upstream: bool = False) -> list[Principal]:
-        """Raise MOQT Unauthorized unless a token grants `action` on `namespace`; returns the
+        """Raise UnauthorizedRequest unless a token grants `action` on `namespace`; returns the
         principals of the valid tokens (for filtering what discovery reveals). `upstream`: the
         request came on the session to this relay's upstream relay, which is trusted."""
         if self.is_open:
@@ -120,15 +120,15 @@ class AccessPolicy:
         if upstream:
             return [UPSTREAM]
         if not tokens:
-            raise Unauthorized("an authorization token is required")
+            raise UnauthorizedRequest("an authorization token is required")
         principals = self.principals(tokens)
         if not principals:
-            raise Unauthorized("unknown authorization token")
+            raise UnauthorizedRequest("unknown authorization token")
         doing = ROLE_ACTION[action]
         if not any(p.may(doing) for p in principals):
             roles = ", ".join(sorted(PERMISSIONS[doing] | {"admin"}))
             names = ", ".join(repr(p.name) for p in principals)
-            raise Unauthorized(f"not authorized to {action.value}: principal {names} lacks a role "
+            raise UnauthorizedRequest(f"not authorized to {action.value}: principal {names} lacks a role "
                                f"that may {doing.value} (one of: {roles})")
         if action is Action.DISCOVER:
             return principals
@@ -140,7 +140,7 @@ class AccessPolicy:
         if scope is not None and action in _PUBLISHING and any(
                 p.may_use_scope(scope) and p.may(doing) for p in principals):
             what = "this publisher_id"
-        raise Unauthorized(f"not authorized to {action.value} in {what}")
+        raise UnauthorizedRequest(f"not authorized to {action.value} in {what}")
 
     def may_see(self, principals: Sequence[Principal], namespace: TrackNamespace) -> bool:
         """Whether discovery may reveal `namespace` to these principals: by scope alone, as

@@ -18,6 +18,10 @@ import asyncio
 from typing import AsyncIterator
 from urllib.parse import urlsplit
 
+from kvsp_moq.errors import ConnectError, ConnectTimeout, Http1Error, ReadTimeout, RemoteProtocolError
+
+__all__ = ["Http1Error", "ConnectError", "ConnectTimeout", "ReadTimeout", "RemoteProtocolError"]
+
 #: Octets held for a response head and for bodies that are not read into a caller's buffer.
 SCRATCH_BYTES = 256 << 10
 #: The largest response head accepted.
@@ -28,25 +32,6 @@ READ_BYTES = 1 << 20
 #: Idle connections kept per host and port.
 MAX_IDLE_PER_HOST = 8
 
-
-class Http1Error(Exception):
-    """A source that could not be reached or did not answer in HTTP/1.1."""
-
-
-class ConnectError(Http1Error):
-    pass
-
-
-class ConnectTimeout(Http1Error):
-    pass
-
-
-class ReadTimeout(Http1Error):
-    pass
-
-
-class RemoteProtocolError(Http1Error):
-    pass
 
 
 class _Protocol(asyncio.BufferedProtocol):

@@ -35,9 +35,11 @@ from kvsp_moq.auth import Action, Authenticator
 from kvsp_moq.errors import (
     BadContainer,
     BadRecord,
+    CodecUnavailable,
     KvspError,
     NotFound,
     PreconditionFailed,
+    PayloadTooLarge,
     PreconditionRequired,
 )
 from kvsp_moq.holder.leases import Clock, LeaseLimits, LeaseTable
@@ -60,17 +62,6 @@ _CODEC = re.compile(r"^\d{1,5}$")
 _LEASE_ID = re.compile(r"^[0-9a-f]{32}$")
 
 
-class CodecUnavailable(NotFound):
-    """The block is held, but not in the requested codec (this holder does not transcode)."""
-
-    problem = "kvsp-codec-unavailable"
-    title = "Codec unavailable"
-
-
-class PayloadTooLarge(KvspError):
-    problem = "kvsp-too-large"
-    status = 413
-    title = "Payload too large"
 
 
 # --------------------------------------------------------------------------- parsing

@@ -35,6 +35,7 @@ from kvsp_moq.errors import (
     LayersUnavailable,
     NotFound,
     PreconditionFailed,
+    StoreFull,
 )
 from kvsp_moq.protocol.compat import CODECS, CompatDescriptor
 from kvsp_moq.protocol.container import Buffer, Container, encode_header
@@ -61,13 +62,6 @@ def hash_pool() -> ThreadPoolExecutor:
                                    thread_name_prefix="kvsp-hash")
     return _pool
 
-
-class StoreFull(KvspError):
-    """No room can be made without evicting leased or busy replicas."""
-
-    problem = "kvsp-store-full"
-    status = 507
-    title = "Insufficient storage"
 
 
 class BlockId(NamedTuple):

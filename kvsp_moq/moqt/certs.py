@@ -22,10 +22,9 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from kvsp_moq.errors import SettingError
+from kvsp_moq.errors import CertificateRejected, SettingError
 from kvsp_moq.serving import is_loopback, is_unspecified
 
-from .errors import SessionClosed
 
 __all__ = ["LOOPBACK_NAMES", "CertificateRejected", "ClientTls", "SelfSignedCertificate",
            "add_relay_tls_options", "certificate_names", "check_trusted", "client_tls", "fingerprint",
@@ -242,11 +241,6 @@ def untrusted_certificate(error: BaseException, url: str, tls: ClientTls | None 
     return (f"the certificate of the {tls.peer} {url} is not trusted ({reason}); give "
             f"{tls.ca_option} FILE (its certificate, printed at relay start) or "
             f"{tls.insecure_option}")
-
-
-class CertificateRejected(SessionClosed):
-    """A session could not open because this client did not trust the peer's certificate;
-    its text is `untrusted_certificate`'s line (what failed and the options that fix it)."""
 
 
 def check_trusted(error: BaseException, url: str, tls: ClientTls | None = None) -> None:

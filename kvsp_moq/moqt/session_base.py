@@ -45,7 +45,7 @@ from .errors import (
     PublishDoneCode,
     RequestErrorCode,
     SessionCloseCode,
-    SessionError,
+    SESSION_ENDING,
     StreamClosed,
     StreamResetCode,
     UnknownAuthTokenAlias,
@@ -257,9 +257,9 @@ class SessionBase:
                 self._hold_before_setup(event)
             else:
                 self._dispatch(event, out)
-        except SessionError as exc:
-            self.close(int(exc.error_code), exc.reason)
-            out.append(ev.SessionTerminated(int(exc.error_code), exc.reason, True))
+        except SESSION_ENDING as exc:
+            self.close(int(exc.session_code), exc.reason)
+            out.append(ev.SessionTerminated(int(exc.session_code), exc.reason, True))
         return out
 
     def close(self, error_code: int = SessionCloseCode.NO_ERROR, reason: str = "") -> None:

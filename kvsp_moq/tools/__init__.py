@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 from kvsp_moq.auth import add_token_options, token_from_args
-from kvsp_moq.errors import BadRecord, ForbiddenScope, KvspError, SettingError, Unauthorized
+from kvsp_moq.errors import BadRecord, Failed, ForbiddenScope, KvspError, SettingError, Unauthorized, UsageError
 from kvsp_moq.protocol import validate as v
 from kvsp_moq.protocol.records import ReplicaRecord
 
@@ -25,13 +25,6 @@ EXIT_USAGE = 2
 
 _RANGE = re.compile(r"^\s*(\d+)\s*(?:-\s*(\d+)\s*)?$")
 
-
-class UsageError(Exception):
-    """Arguments that cannot be acted on: exit status 2."""
-
-
-class Failed(Exception):
-    """An operation that was tried and did not succeed: exit status 1."""
 
 
 def say(name: str, text: str) -> None:

@@ -21,7 +21,7 @@ from kvsp_moq.moqt.d18.data import (
     encode_padding_stream,
     is_subgroup_stream_type,
 )
-from kvsp_moq.moqt.errors import ObjectTooLarge, ProtocolViolation, SessionError
+from kvsp_moq.moqt.errors import ObjectTooLarge, ProtocolViolation, SESSION_ENDING
 from kvsp_moq.moqt.varint import encode_vi64
 from kvsp_moq.moqt.wire import GroupOrder, Location, ObjectStatus
 
@@ -297,7 +297,7 @@ def test_arbitrary_bytes_to_the_stream_parser_yield_items_or_a_session_error(dat
             for item in parser.feed(data[i : i + piece]):
                 assert isinstance(item, (SubgroupHeader, SubgroupObject, FetchHeader, FetchObject, FetchEndOfRange, PaddingHeader))
         parser.feed(b"", end_stream=True)
-    except SessionError:
+    except SESSION_ENDING:
         pass
 
 
@@ -307,7 +307,7 @@ def test_arbitrary_bodies_after_valid_stream_types(stream_type, body):
     parser = DataStreamParser(max_object_size=10_000)
     try:
         parser.feed(encode_vi64(stream_type) + body, end_stream=True)
-    except SessionError:
+    except SESSION_ENDING:
         pass
 
 
@@ -316,7 +316,7 @@ def test_arbitrary_bodies_after_valid_stream_types(stream_type, body):
 def test_arbitrary_datagrams_decode_or_raise_a_session_error(data):
     try:
         decode_datagram(data)
-    except SessionError:
+    except SESSION_ENDING:
         pass
 
 

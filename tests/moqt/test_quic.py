@@ -15,6 +15,7 @@ from kvsp_moq.moqt.errors import (
     SessionClosed,
     StreamClosed,
     Unauthorized,
+    UnauthorizedRequest,
     Uninterested,
 )
 from kvsp_moq.moqt.quic import MoqtConnection, QuicSettings, connect, serve
@@ -110,7 +111,7 @@ async def test_requests_without_a_handler_are_rejected_with_specific_codes():
 async def test_handler_errors_become_request_errors():
     async def on_subscribe(request):
         if request.authorization != [b"good"]:
-            raise Unauthorized("bad token", retry_interval=1)
+            raise UnauthorizedRequest("bad token", retry_interval=1)
         raise RuntimeError("boom")
 
     server = await start({"subscribe": on_subscribe})

@@ -28,6 +28,8 @@ from ..engine import (
 )
 from ..errors import (
     InternalRequestError,
+    KvspError,
+    as_request_error,
     NotSupported,
     PublishDoneError,
     RequestError,
@@ -441,6 +443,8 @@ class MoqtConnection(ConnectionCore):
             request.reject(exc)
         except (SessionClosed, StreamClosed):
             pass
+        except KvspError as exc:  # a condition of ours: answered with its own code
+            request.reject(as_request_error(exc))
         except asyncio.CancelledError:
             request.reject(InternalRequestError(f"{what} cancelled"))
             raise
