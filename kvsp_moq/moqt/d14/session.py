@@ -111,13 +111,9 @@ from ..errors import (
     StreamClosed,
     StreamResetCode,
 )
-from ..session_base import (
-    UNKNOWN_STREAM_COUNT,
-    IncomingDataStream,
-    RequestState,
-    SessionBase,
-    fetch_end_before_start,
-)
+from ..fetches import fetch_end_before_start
+from ..session_base import SessionBase
+from ..state import UNKNOWN_STREAM_COUNT, IncomingDataStream, RequestState
 from ..wire import (
     DEFAULT_MAX_OBJECT_SIZE,
     DEFAULT_PUBLISHER_PRIORITY,

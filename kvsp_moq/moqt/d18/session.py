@@ -68,13 +68,9 @@ from ..errors import (
     StreamClosed,
     StreamResetCode,
 )
-from ..session_base import (
-    IncomingDataStream,
-    RequestIdTracker,
-    RequestState,
-    SessionBase,
-    fetch_end_before_start,
-)
+from ..fetches import fetch_end_before_start
+from ..session_base import SessionBase
+from ..state import IncomingDataStream, RequestIdTracker, RequestState
 from ..varint import decode_vi64
 from ..wire import (
     DEFAULT_MAX_OBJECT_SIZE,

@@ -27,7 +27,7 @@ from ..errors import (
     Uninterested,
 )
 from ..objects import MoqtObject, SubgroupEnd
-from ..session_base import UNKNOWN_STREAM_COUNT
+from ..state import UNKNOWN_STREAM_COUNT
 from ..wire import (
     Location,
     ObjectStatus,
