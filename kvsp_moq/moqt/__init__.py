@@ -13,11 +13,11 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
-    "QuicSettings", "MoqtConnection", "MoqtServer", "MoqtObject", "Subscription", "FetchResult",
+    "QuicSettings", "MoqtConnection", "MoqtServer", "MoqtObject", "Subscription", "FetchResponse",
     "TrackStatusInfo", "NamespaceSubscription", "NamespaceUpdate", "PublishedNamespace",
     "OutgoingSubscription", "SubgroupSender", "FetchSender", "IncomingRequest", "IncomingSubscribe",
     "IncomingFetch", "IncomingTrackStatus", "IncomingPublishNamespace", "IncomingSubscribeNamespace",
-    "IncomingPublish", "IncomingSubscribeTracks", "PublishBlocked", "TrackSubscriptions", "IncomingUpdate",
+    "IncomingPublish", "IncomingSubscribeTracks", "BlockedTrack", "TrackSubscriptions", "IncomingUpdate",
     "NamespaceRegistration", "NamespacePublisher", "connect", "serve", "new_event_loop", "run",
 ]
 
