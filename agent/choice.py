@@ -64,17 +64,19 @@ def choose(*, instance: str, prefill_tokens_per_s: float | None, links: Sequence
                             prefill_tokens_per_s=prefill_tokens_per_s, links=tuple(links))
     est = estimate(status, matched_tokens=(matched_blocks - resident_blocks) * block_tokens,
                    total_tokens=total_tokens - after, plan=remote)
-    figures = dict(resident_blocks=resident_blocks, remote_blocks=len(remote),
-                   fetch_ms=_ms(est.fetch_us), recompute_rest_ms=_ms(est.recompute_us),
-                   recompute_all_ms=_ms(est.recompute_all_us))
+
+    def decided(load: bool, reason: str) -> LoadChoice:
+        return LoadChoice(load, reason, resident_blocks=resident_blocks, remote_blocks=len(remote),
+                          fetch_ms=_ms(est.fetch_us), recompute_rest_ms=_ms(est.recompute_us),
+                          recompute_all_ms=_ms(est.recompute_all_us))
+
     load_ms = (est.fetch_us + est.recompute_us) / 1000
     all_ms = est.recompute_all_us / 1000
     if est.uses_cache:
-        return LoadChoice(True, f"loading {len(remote)} blocks and computing the rest "
-                                f"(~{load_ms:.1f} ms) beats recomputing them (~{all_ms:.1f} ms)",
-                          **figures)
+        return decided(True, f"loading {len(remote)} blocks and computing the rest "
+                             f"(~{load_ms:.1f} ms) beats recomputing them (~{all_ms:.1f} ms)")
     if probe:
-        return LoadChoice(True, f"recomputing (~{all_ms:.1f} ms) beats loading (~{load_ms:.1f} ms), "
-                                "but the link's rate is due to be measured again", **figures)
-    return LoadChoice(False, f"recomputing (~{all_ms:.1f} ms) beats loading {len(remote)} blocks "
-                             f"and computing the rest (~{load_ms:.1f} ms)", **figures)
+        return decided(True, f"recomputing (~{all_ms:.1f} ms) beats loading (~{load_ms:.1f} ms), "
+                             "but the link's rate is due to be measured again")
+    return decided(False, f"recomputing (~{all_ms:.1f} ms) beats loading {len(remote)} blocks "
+                          f"and computing the rest (~{load_ms:.1f} ms)")

@@ -39,7 +39,7 @@ def tensor_octets(tensor: torch.Tensor) -> memoryview:
     if t.device.type != "cpu":
         t = t.to("cpu")
     t = t.contiguous()
-    return memoryview(t.view(torch.uint8).reshape(-1).numpy())
+    return t.view(torch.uint8).reshape(-1).numpy().data
 
 
 def tensor_from_octets(octets: Buffer, dtype: torch.dtype) -> torch.Tensor:

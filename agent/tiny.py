@@ -139,7 +139,7 @@ def _write_model(target: Path, spec: dict[str, Any]) -> None:
         num_attention_heads=spec["heads"],
         num_key_value_heads=spec["kv_heads"],
         max_position_embeddings=spec["max_positions"],
-        rope_theta=spec["rope_theta"],
+        rope_parameters={"rope_type": "default", "rope_theta": spec["rope_theta"]},
         bos_token_id=_SPECIAL_TOKENS.index(BOS_TOKEN),
         eos_token_id=_SPECIAL_TOKENS.index(EOS_TOKEN),
         initializer_range=spec["init_std"],
@@ -149,7 +149,9 @@ def _write_model(target: Path, spec: dict[str, Any]) -> None:
     # Fork the RNG so that creating a model does not disturb the caller's random stream.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec["seed"])
-        model = LlamaForCausalLM(config).to(torch.float32)
+        # .float(), not .to(torch.float32): the same cast, but `to` is wrapped by functools.wraps
+        # in transformers and loses its signature for type checkers.
+        model = LlamaForCausalLM(config).float()
     model.eval()
     # safetensors metadata written by save_pretrained is {"format": "pt"}: no timestamps.
     model.save_pretrained(target, safe_serialization=True)

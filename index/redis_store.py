@@ -58,10 +58,8 @@ import weakref
 from collections import defaultdict
 from typing import Any, Iterator, Sequence
 
-from index.store import (
-    LookupHits, ReplicaStore, ReplicaSummary, StoredReplica, block_json, record_json,
-)
-from kvsp_moq.errors import StoreUnavailable, TransportError
+from index.store import LookupHits, ReplicaStore, ReplicaSummary, StoredReplica, block_json, record_json
+from kvsp_moq.errors import StoreUnavailable
 from kvsp_moq.protocol.records import ReplicaRecord, Residency, replica_id
 
 try:
@@ -71,8 +69,8 @@ try:
     from redis.asyncio.retry import Retry
     from redis.backoff import ExponentialBackoff
 except ImportError:  # the `redis` extra is not installed
-    aioredis = None  # type: ignore[assignment]
-    redis_errors = None  # type: ignore[assignment]
+    aioredis = None  # type: ignore[assignment]  # optional extra: None marks it absent
+    redis_errors = None  # type: ignore[assignment]  # optional extra: None marks it absent
 
 #: Records per PUT script call: a holder's batch of 1,000 runs as several calls in one
 #: pipeline, so that lookups of other clients run between them rather than waiting.
@@ -437,7 +435,7 @@ class RedisReplicaStore(ReplicaStore):
         mid = b"\r\n$2\r\nBY\r\n$6\r\nnosort\r\n$3\r\nGET\r\n$%d\r\n%sr:" % (
             len(space) + 68, space)
         raw = joined.encode()
-        parts = []
+        parts: list[bytes] = []
         for i in range(0, len(raw), 64):
             key = raw[i:i + 64]
             parts += (head, key, mid, key, b":*\r\n")

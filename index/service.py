@@ -10,19 +10,21 @@ import argparse
 import json
 import logging
 import sys
-from typing import TYPE_CHECKING
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from index.app import IndexSettings, create_app
 from index.store import MemoryReplicaStore, ReplicaStore
+from kvsp_moq.arguments import parse_listen
 from kvsp_moq.auth import Authenticator, add_token_options, token_from_args
 from kvsp_moq.errors import KvspError
 from kvsp_moq.protocol.compat import CompatDescriptor
 from kvsp_moq.serving import INSECURE_OPEN_HELP, check_advertised, check_exposure, normalize_public_url
-from kvsp_moq.arguments import parse_listen
 from kvsp_moq.web import run as serve
 
 if TYPE_CHECKING:
+    from starlette.applications import Starlette
+
     from pc.app import PCSettings
 
 DEFAULT_PORT = 8700
@@ -122,7 +124,7 @@ def pc_settings_from_args(args: argparse.Namespace) -> "PCSettings":
                       start_command_env=start_env)
 
 
-def create_combined_app(index_settings: IndexSettings, pc_settings: "PCSettings"):
+def create_combined_app(index_settings: IndexSettings, pc_settings: "PCSettings") -> "Starlette":
     """IS and PC in one app: the PC looks up in the IS store, the IS reads the PC's registry."""
     from pc.app import PlacementController, create_pc_routes
     from pc.placement import replica_store_lookup
@@ -172,14 +174,14 @@ def run(args: argparse.Namespace) -> int:
     log.info("index service on http://%s:%d/ (max ttl %d ms)", host, port, settings.max_ttl_ms)
     if args.role != "pc":
         log.info("replica store: %s", "memory" if args.store == "memory" else settings.store)
-    if args.role == "pc":
+    if pc_settings is None:  # role "is"
+        app = create_app(settings)
+    elif args.role == "pc":
         from pc.app import create_pc_app
 
         app = create_pc_app(pc_settings)
-    elif args.role == "both":
-        app = create_combined_app(settings, pc_settings)
     else:
-        app = create_app(settings)
+        app = create_combined_app(settings, pc_settings)
     log.info("roles: %s", {"is": "Index Service", "pc": "Placement Controller",
                            "both": "Index Service + Placement Controller"}[args.role])
     try:

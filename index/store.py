@@ -33,7 +33,7 @@ from array import array
 from dataclasses import dataclass
 from functools import cached_property
 from operator import itemgetter
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Protocol, Sequence, cast
 
 import numpy as np
 
@@ -624,7 +624,9 @@ class MemoryReplicaStore(ReplicaStore):
             if len(ids) > 1:
                 found = list(itemgetter(*ids.tolist())(blocks))
             elif len(ids) == 1:
-                found = [blocks[int(ids[0])]]  # type: ignore[list-item]
+                # cast: an id the index finds is a stored key, whose element is set (only
+                # drop() clears one, and it removes the key from the index first).
+                found = [cast(bytes, blocks[int(ids[0])])]
         else:
             for i in ids.tolist():
                 meta = metas[i]

@@ -80,4 +80,4 @@ def receive_buffer(size: int) -> memoryview:
     one of them in before the first octet arrives. Callers must write every octet before
     reading it (the receive paths hand out only octets they received).
     """
-    return memoryview(np.empty(size, dtype=np.uint8))
+    return np.empty(size, dtype=np.uint8).data

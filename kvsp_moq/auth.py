@@ -19,8 +19,8 @@ import argparse
 import hashlib
 import tomllib
 from dataclasses import dataclass, field
-from pathlib import Path
 from enum import Enum
+from pathlib import Path
 from types import MappingProxyType
 from typing import Iterable, Mapping
 

@@ -23,7 +23,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Awaitable, Callable
+from typing import AsyncGenerator, AsyncIterator, Awaitable, Callable
 
 import httpx
 
@@ -210,7 +210,7 @@ class FrontEnd:
             where = None  # ask the PC where the session is now
 
     async def _one_stream(self, session: str, instance: str, cursor: StreamCursor,
-                          remaining: Callable[[], float]) -> AsyncIterator[Token]:
+                          remaining: Callable[[], float]) -> AsyncGenerator[Token, None]:
         url = f"{base_url(instance)}sessions/{session}/stream"
         timeout = httpx.Timeout(min(self.read_timeout_s, remaining()))
         async with self.client.stream("GET", url, params={"from": cursor.next_index},

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 #: The benchmarking range (RFC 2544): the default subnet is its first /24.
-BENCHMARK_NET = ipaddress.ip_network("198.18.0.0/15")
+BENCHMARK_NET = ipaddress.IPv4Network("198.18.0.0/15")
 
 
 class NamespaceError(RuntimeError):
@@ -95,7 +95,7 @@ class Network:
     def __init__(self, *, subnet: str = "198.18.0.0/24", mtu: int = 1500,
                  prefix: str | None = None) -> None:
         self.subnet = ipaddress.ip_network(subnet)
-        if not self.subnet.subnet_of(BENCHMARK_NET):  # type: ignore[arg-type]
+        if not isinstance(self.subnet, ipaddress.IPv4Network) or not self.subnet.subnet_of(BENCHMARK_NET):
             raise ValueError(f"{subnet} is outside {BENCHMARK_NET}, the benchmarking range")
         self.mtu = mtu
         self.prefix = prefix or f"kvsp{os.getpid()}"

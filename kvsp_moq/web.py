@@ -12,21 +12,22 @@ import socket
 import threading
 import time
 from collections import defaultdict
-from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, Sequence
 
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
-from starlette.routing import Route
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.routing import BaseRoute, Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvsp_moq.arguments import parse_listen
 from kvsp_moq.auth import Action, Authenticator, Principal
 from kvsp_moq.errors import BadRecord, KvspError
 from kvsp_moq.openapi import openapi_route
-from kvsp_moq.protocol.problems import MEDIA_TYPE as PROBLEM_MEDIA_TYPE, Problem, problem_for_status
+from kvsp_moq.protocol.problems import MEDIA_TYPE as PROBLEM_MEDIA_TYPE
+from kvsp_moq.protocol.problems import Problem, problem_for_status
 
 KVSP_JSON = "application/kvsp+json"
 log = logging.getLogger("kvsp.http")
@@ -132,7 +133,7 @@ class AccessLog:
         start = time.perf_counter()
         status = 500
 
-        async def send_wrapper(message: dict) -> None:
+        async def send_wrapper(message: Message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
@@ -158,7 +159,7 @@ def service_routes(metrics: Metrics) -> list[Route]:
     return [Route("/healthz", healthz), Route("/metrics", metrics_endpoint)]
 
 
-def build_app(routes: list[Route], *, name: str, auth: Authenticator,
+def build_app(routes: Sequence[BaseRoute], *, name: str, auth: Authenticator,
               on_startup: list[Callable[[], Awaitable[None]]] | None = None,
               on_shutdown: list[Callable[[], Awaitable[None]]] | None = None,
               state: dict[str, Any] | None = None, openapi: str | None = None) -> Starlette:
@@ -175,8 +176,8 @@ def build_app(routes: list[Route], *, name: str, auth: Authenticator,
             for fn in on_shutdown or []:
                 await fn()
 
-    routes = routes + service_routes(metrics) + ([openapi_route(openapi)] if openapi else [])
-    app = Starlette(routes=routes, exception_handlers=EXCEPTION_HANDLERS, lifespan=lifespan)
+    all_routes = [*routes, *service_routes(metrics), *([openapi_route(openapi)] if openapi else [])]
+    app = Starlette(routes=all_routes, exception_handlers=EXCEPTION_HANDLERS, lifespan=lifespan)
     app.state.auth = auth
     app.state.metrics = metrics
     for key, value in (state or {}).items():

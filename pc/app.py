@@ -49,14 +49,19 @@ from kvsp_moq.protocol import validate as v
 from kvsp_moq.protocol.keys import BlockKeyChain
 from kvsp_moq.protocol.records import InstanceStatus, PrefetchDirective, SessionCheckpoint, ShardMap
 from kvsp_moq.web import build_app, json_response, principal, read_json
-
-from pc.lifecycle import (InstanceFailed, InstanceRegistry, LifecycleSettings, StateChanged,
-                          id_matches)
-from pc.placement import (LookupFn, MemoryIndex, PlacementSettings, RouteRequest, Router,
-                          ScopeKeys, StartHook, index_client_lookup)
+from pc.lifecycle import InstanceFailed, InstanceRegistry, LifecycleSettings, StateChanged, id_matches
+from pc.placement import (
+    LookupFn,
+    MemoryIndex,
+    PlacementSettings,
+    Router,
+    RouteRequest,
+    ScopeKeys,
+    StartHook,
+    index_client_lookup,
+)
 from pc.reshard import Resharder, ReshardSettings, ShardMapStore
-from pc.sessions import (Failover, FailoverSettings, SessionState, SessionStore,
-                         open_database)
+from pc.sessions import Failover, FailoverSettings, SessionState, SessionStore, open_database
 
 log = logging.getLogger("kvsp.pc")
 
@@ -149,10 +154,11 @@ def command_start_hook(command: str, *, timeout_s: float = 60.0,
     """A start hook that runs a shell command to launch an instance (§6.4).
 
     The command finds the request in its environment (KVSP_SCOPE_ID, KVSP_COMPAT_ID,
-    KVSP_REQUEST_REF, KVSP_TOKEN_COUNT; with `env`, e.g. KVSP_PC_URL and KVSP_INDEX_URL too) and prints, as the first line of its output, the new
-    instance's base URL or a JSON Instance Status Record of what is known of it (rates,
-    links); an empty line means none was started. Only that line is waited for, so the
-    command may keep running while the instance starts: the directive then overlaps the start.
+    KVSP_REQUEST_REF, KVSP_TOKEN_COUNT; with `env`, e.g. KVSP_PC_URL and KVSP_INDEX_URL too)
+    and prints, as the first line of its output, the new instance's base URL or a JSON Instance
+    Status Record of what is known of it (rates, links); an empty line means none was started.
+    Only that line is waited for, so the command may keep running while the instance starts:
+    the directive then overlaps the start.
     """
 
     extra_env = env

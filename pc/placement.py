@@ -50,14 +50,12 @@ from typing import Any, Awaitable, Callable, Iterable, Mapping, Sequence
 from kvsp_moq.errors import BadRecord, KvspError, NoActiveInstance
 from kvsp_moq.index_client import IndexClient, LookupBlock, LookupResult
 from kvsp_moq.protocol import validate as v
-from kvsp_moq.protocol.cost import (Estimate, Profile, assumed_link, bytes_us, estimate,
-                                    mean_service_us, tier_octets)
-from kvsp_moq.protocol.keys import block_keys, scope_id as scope_id_of
-from kvsp_moq.protocol.records import (InstanceStatus, LookupRequest, PrefetchBlock,
-                                       PrefetchDirective, ReplicaRecord)
+from kvsp_moq.protocol.cost import Estimate, Profile, assumed_link, bytes_us, estimate, mean_service_us, tier_octets
+from kvsp_moq.protocol.keys import block_keys
+from kvsp_moq.protocol.keys import scope_id as scope_id_of
+from kvsp_moq.protocol.records import InstanceStatus, LookupRequest, PrefetchBlock, PrefetchDirective, ReplicaRecord
 from kvsp_moq.protocol.urls import base_url
 from kvsp_moq.scope_keys import parse_scope_keys, read_scope_keys
-
 from pc.lifecycle import InstanceRegistry
 
 log = logging.getLogger("kvsp.pc.placement")

@@ -320,12 +320,12 @@ def run_blocks(quick: bool = False, *, loop: str = "asyncio") -> dict[str, Any]:
     server, info = _start_server(sizes, loop)
     try:
         loop_name, factory = _loop_factory(loop)
-        loop = factory()
+        event_loop = factory()
         try:
-            blocks = loop.run_until_complete(
+            blocks = event_loop.run_until_complete(
                 _measure(info["url"], info["raw_port"], sizes, repeat, sha_mb_per_s, server.pid))
         finally:
-            loop.close()
+            event_loop.close()
     finally:
         server.terminate()
         try:

@@ -497,7 +497,7 @@ def run_lookup(quick: bool = False, *, records: int | None = None, requests: int
             for name in urls:  # warm every server
                 for body in bodies[:5]:
                     client.post(urls[name], content=body, headers=headers)
-            if redis:
+            if redis_server is not None:
                 _redis_stats(redis_server.url, reset=True)
             # Alternate request by request, so that drift in the machine's load hits all alike.
             for n in range(per_server):
@@ -509,7 +509,7 @@ def run_lookup(quick: bool = False, *, records: int | None = None, requests: int
                     latencies[name].append(time.perf_counter() - t)
                     if r.status_code != 200:
                         raise RuntimeError(f"{name} answered {r.status_code}")
-        if redis:
+        if redis_server is not None:
             redis_info["redis_ms_per_lookup"] = _redis_stats(redis_server.url, keys_per_lookup)
             redis_info["under_load"] = {
                 "memory_one_is": _under_load([urls["index"]] * 2, bodies, per_client),

@@ -126,6 +126,7 @@ class _Child:
 
     def __init__(self, argv: list[str], log: Path, stdin: bool = False,
                  env: dict[str, str] | None = None) -> None:
+        self.argv = argv
         self.log = open(log, "wb")
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=self.log, cwd=str(ROOT),
                                      stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
@@ -147,12 +148,12 @@ class _Child:
                     return line.strip()
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise RuntimeError(f"no {prefix!r} line from {self.proc.args[:3]} in {timeout}s; see {self.log.name}")
+                raise RuntimeError(f"no {prefix!r} line from {self.argv[:3]} in {timeout}s; see {self.log.name}")
             ready, _, _ = select.select([fd], [], [], remaining)
             if ready:
                 chunk = os.read(fd, 1 << 16)
                 if not chunk:
-                    raise RuntimeError(f"{self.proc.args[:3]} exited ({self.proc.wait()}); see {self.log.name}")
+                    raise RuntimeError(f"{self.argv[:3]} exited ({self.proc.wait()}); see {self.log.name}")
                 self._buffer += chunk
 
     def stop(self) -> None:
@@ -308,7 +309,10 @@ async def _client(relay_url: str, cafile: str, holder_url: str, records: dict[st
                 if with_http:
                     runs["http"].append(await usage.measure("http", _timed(
                         lambda: http.layers([holder_url], http_records[fetch_i]), expected[fetch_i])))
-                track = BlockTrack.from_record_namespace(moqt_records[sub_i].moqt_namespace)
+                namespace = moqt_records[sub_i].moqt_namespace
+                if namespace is None:
+                    raise RuntimeError("the holder's MOQT record has no moqt_namespace")
+                track = BlockTrack.from_record_namespace(namespace)
                 runs["moqt_subscribe"].append(await usage.measure(
                     "moqt_subscribe", _subscribe_timed(connection, track, expected[sub_i])))
                 if aiomoqt is not None:
@@ -582,7 +586,7 @@ def _bare(engine: str, size: int, octets: int, runs: int = BARE_RUNS) -> dict[st
         if "unsupported" in result:
             return {"unsupported": result["unsupported"]}
         results.append(result)
-    out = {k: results[0][k] for k in ("bytes", "gso", "long_frames") if k in results[0]}
+    out: dict[str, Any] = {k: results[0][k] for k in ("bytes", "gso", "long_frames") if k in results[0]}
     for key in ("mb_per_s", "server_cpu_s_per_gb", "client_cpu_s_per_gb"):
         out[key] = round(_median([r[key] for r in results]), 2)
     out["largest_datagram_received"] = max(r["largest_datagram_received"] for r in results)

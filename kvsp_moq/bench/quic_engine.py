@@ -136,6 +136,8 @@ def _socket_buffers(sock: Any) -> None:
 
 
 def _configuration(engine: str, is_client: bool, datagram_size: int, idle_timeout: float) -> Any:
+    # aioquic's or qh3's class: the same interface (qh3 adds probe_datagram_size), no common base.
+    QuicConfiguration: Any
     if engine == "aioquic":
         from aioquic.quic.configuration import QuicConfiguration
     else:
@@ -177,13 +179,19 @@ def _advertise_client_datagram_size() -> None:
             push_quic_transport_parameters(out, parameters)
             return out.data
 
-    qh3_connection.QuicTlsBridge = AdvertisingTlsBridge
+    qh3_connection.QuicTlsBridge = AdvertisingTlsBridge  # type: ignore[misc]  # deliberate monkeypatch, this process only
 
 
-def _protocol_classes(engine: str, long_frames: bool = False) -> tuple[type, type]:
+def _protocol_classes(engine: str, long_frames: bool = False) -> tuple[Any, Any]:
     """The server and client protocols, subclasses of the engine's QuicConnectionProtocol
-    (`long_frames`: aioquic connections get the long-frame writers before any packet)."""
+    (`long_frames`: aioquic connections get the long-frame writers before any packet).
+
+    Typed Any: their base is aioquic's or qh3's class, picked at run time (the two have the
+    same interface but no common base, and only qh3's takes datagrams_received batches)."""
     connection_class = _long_frame_class() if long_frames and engine == "aioquic" else None
+    QuicConnectionProtocol: Any
+    ConnectionTerminated: Any
+    StreamDataReceived: Any
     if engine == "aioquic":
         from aioquic.asyncio.protocol import QuicConnectionProtocol
         from aioquic.quic.events import ConnectionTerminated, StreamDataReceived
@@ -360,6 +368,7 @@ async def _serve(args: argparse.Namespace) -> dict[str, Any]:
     server_protocol.done = loop.create_future()
     configuration = _configuration(args.engine, False, args.datagram_size, args.timeout)
     configuration.load_cert_chain(args.cert, args.key)
+    server: Any  # the engine's QuicServer (the GroQuicServer with GSO)
     if args.engine == "qh3" and args.gso:
         from qh3.asyncio._transport import create_optimized_datagram_transport
 
@@ -371,6 +380,7 @@ async def _serve(args: argparse.Namespace) -> dict[str, Any]:
             loop, lambda: server_class(configuration=configuration, create_protocol=server_protocol),
             sock=sock, gro_segment_size=args.datagram_size)
     else:
+        serve: Any  # aioquic's or qh3's, the same signature
         if args.engine == "aioquic":
             from aioquic.asyncio import serve
         else:
@@ -393,6 +403,7 @@ async def _fetch(args: argparse.Namespace) -> dict[str, Any]:
     loop = asyncio.get_running_loop()
     _, client_protocol = _protocol_classes(args.engine, args.long_frames)
     configuration = _configuration(args.engine, True, args.datagram_size, args.timeout)
+    QuicConnection: Any  # aioquic's or qh3's class, the same interface
     if args.engine == "aioquic":
         from aioquic.quic.connection import QuicConnection
     else:
@@ -403,6 +414,7 @@ async def _fetch(args: argparse.Namespace) -> dict[str, Any]:
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     _socket_buffers(sock)
     sock.bind(("127.0.0.1", 0))
+    protocol: Any  # the ClientProtocol of _protocol_classes
     if args.engine == "qh3" and args.gso:
         from qh3.asyncio._transport import create_optimized_datagram_transport
 

@@ -19,8 +19,7 @@ from typing import Any
 from kvsp_moq.index_client import LookupResult
 from kvsp_moq.protocol.cost import estimate, fetch_us, mean_service_us
 from kvsp_moq.protocol.keys import block_keys, scope_id
-from kvsp_moq.protocol.records import (InstanceStatus, Link, LookupRequest, PrefetchDirective,
-                                       ReplicaRecord, Residency)
+from kvsp_moq.protocol.records import InstanceStatus, Link, LookupRequest, PrefetchDirective, ReplicaRecord, Residency
 
 INSTANCES = 64
 KEYS = 2048
@@ -91,7 +90,7 @@ def run(quick: bool = False) -> dict[str, Any]:
 
 
 async def _run(quick: bool) -> dict[str, Any]:
-    from pc.placement import PlacementSettings, RouteRequest, Router, ScopeKeys
+    from pc.placement import PlacementSettings, Router, RouteRequest, ScopeKeys
 
     w = _world()
     lookup_s = 0.0

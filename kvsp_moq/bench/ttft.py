@@ -22,8 +22,9 @@ block keys and the index lookup; sampling; the response), which max(load, comput
 the TTFT of a perfect overlap.
 The holder publishes every block twice, an HTTP record and a MOQT one (through the relay), so
 both variants read the same replicas; the agent's sources are switched between runs: HTTP
-alone, or MOQT first with HTTP as the fallback ("sources" says which one served each block). A PNG timeline of one pipelined
-run (per layer: load span in blue, compute span in orange) is written and its path reported.
+alone, or MOQT first with HTTP as the fallback ("sources" says which one served each block).
+A PNG timeline of one pipelined run (per layer: load span in blue, compute span in orange)
+is written and its path reported.
 The variants run in rounds, one of each per round, so that a noisy neighbour slows them alike;
 every figure is the median over the rounds, and each run has a fresh uncached suffix.
 
@@ -225,7 +226,8 @@ def run(*, quick: bool = False, model: dict[str, int] | None = None,
     defaults so that a test can run the whole bench on a small model in seconds."""
     from agent.loader import MoqtLayerSource  # noqa: PLC0415
     from agent.service import Agent, AgentSettings, tune_interpreter  # noqa: PLC0415
-    from index.app import IndexSettings, create_app as create_index_app  # noqa: PLC0415
+    from index.app import IndexSettings  # noqa: PLC0415
+    from index.app import create_app as create_index_app  # noqa: PLC0415
     from kvsp_moq.moqt.certs import client_tls  # noqa: PLC0415
     from kvsp_moq.moqt_blocks import MoqtBlockFetcher  # noqa: PLC0415
     from kvsp_moq.web import BackgroundServer  # noqa: PLC0415

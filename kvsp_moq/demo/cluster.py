@@ -177,13 +177,13 @@ class Cluster:
     def kill(self, name: str) -> None:
         """SIGKILL: the instance vanishes without a goodbye, as a crash would."""
         svc = self.services[name]
-        if svc.alive:
+        if svc.process is not None and svc.alive:
             svc.process.send_signal(signal.SIGKILL)
             svc.process.wait(10)
 
     def stop(self) -> None:
         for svc in reversed(list(self.services.values())):
-            if svc.alive:
+            if svc.process is not None and svc.alive:
                 svc.process.terminate()
         deadline = time.monotonic() + 10
         for svc in self.services.values():

@@ -143,23 +143,24 @@ class Demo:
                 ("another instance: the first excluded, as if busy", "other"),
                 ("same system prompt, new question", None)]
         cold_ttft = None
-        first_instance = None
+        first_instance: str | None = None
         for i, (label, force) in enumerate(plan):
             self.progress.step(f"request {i + 1}: {label}", i, len(plan))
             prompt = system + _tokens(SUFFIX_TOKENS, 100 + i)
-            exclude = [first_instance] if force == "other" and first_instance else []
+            exclude: list[str] = [first_instance] if force == "other" and first_instance else []
             decision = self.route("tenant-a", prompt, exclude=exclude)
             instance = decision["instance"]
             why = decision.get("reason", "")
             if exclude:
-                why += f", {self._name(first_instance)} excluded"
+                why += f", {self._name(exclude[0])} excluded"
             first_instance = first_instance or instance
             out = self.generate(instance, "tenant-a", prompt, timeline=True)
             choice = out.get("load_choice") or {}
             if choice.get("chose") == "recompute":  # the instance's own §6.4 choice
                 why += f"; {self._name(instance)} recomputed: {choice.get('reason')}"
             cold_ttft = cold_ttft or out["ttft_ms"]
-            est = next((e for e in decision.get("estimates", []) if e["instance"] == instance), {})
+            est: dict[str, Any] = next(
+                (e for e in decision.get("estimates", []) if e["instance"] == instance), {})
             rows.append({
                 "request": i + 1, "label": label, "instance": instance, "why": why,
                 "cost_us": est.get("cost_us"), "fetch_us": est.get("fetch_us"),

@@ -25,7 +25,6 @@ from cryptography.x509.oid import NameOID
 from kvsp_moq.errors import CertificateRejected, SettingError
 from kvsp_moq.serving import is_loopback, is_unspecified
 
-
 __all__ = ["LOOPBACK_NAMES", "CertificateRejected", "ClientTls", "SelfSignedCertificate",
            "add_relay_tls_options", "certificate_names", "check_trusted", "client_tls", "fingerprint",
            "generate_self_signed", "load_or_generate", "untrusted_certificate"]
@@ -91,8 +90,10 @@ def load_or_generate(certificate_path: Path, key_path: Path, names: list[str], *
         have |= {str(a) for a in covered.get_values_for_type(x509.IPAddress)}
         fresh = certificate.not_valid_after_utc > (datetime.datetime.now(datetime.timezone.utc)
                                                    + datetime.timedelta(days=1))
-        if (isinstance(key, ec.EllipticCurvePrivateKey) and fresh and set(names) <= have
-                and certificate.public_key().public_numbers() == key.public_key().public_numbers()):
+        public_key = certificate.public_key()
+        if (isinstance(key, ec.EllipticCurvePrivateKey) and isinstance(public_key, ec.EllipticCurvePublicKey)
+                and fresh and set(names) <= have
+                and public_key.public_numbers() == key.public_key().public_numbers()):
             return SelfSignedCertificate(certificate, key), True
     except (OSError, ValueError, x509.ExtensionNotFound):
         pass
@@ -204,7 +205,12 @@ def client_tls(url: str, *, cafile: str | Path | None = None, insecure: bool = F
     parts = urlsplit(url)
     if parts.scheme.lower() != "moqt" or not parts.hostname:
         raise SettingError(f"the {peer} must be a moqt://HOST:PORT URL, not {url!r}")
-    names = {"peer": peer, "ca_option": ca_option, "insecure_option": insecure_option}
+
+    def decided(verify: bool, ca: str | None = None, note: str | None = None,
+                warn: bool = False) -> ClientTls:
+        return ClientTls(verify, ca, note, warn, peer=peer, ca_option=ca_option,
+                         insecure_option=insecure_option)
+
     if cafile and insecure:
         raise SettingError(f"give {ca_option} or {insecure_option}, not both")
     if cafile:
@@ -213,15 +219,15 @@ def client_tls(url: str, *, cafile: str | Path | None = None, insecure: bool = F
                 pass
         except OSError as e:
             raise SettingError(f"cannot read {ca_option} {cafile}: {e.strerror or e}") from None
-        return ClientTls(True, str(cafile), **names)
+        return decided(True, str(cafile))
     if insecure:
-        return ClientTls(False, note=f"NOT verifying the certificate of the {peer} {url} "
-                                     f"({insecure_option}): anyone on the path can pose as it",
-                         warn=True, **names)
+        return decided(False, note=f"NOT verifying the certificate of the {peer} {url} "
+                                   f"({insecure_option}): anyone on the path can pose as it",
+                       warn=True)
     if is_loopback(parts.hostname):
-        return ClientTls(False, note=f"not verifying the certificate of the loopback {peer} {url} "
-                                     f"(give {ca_option} FILE to check it)", **names)
-    return ClientTls(True, **names)
+        return decided(False, note=f"not verifying the certificate of the loopback {peer} {url} "
+                                   f"(give {ca_option} FILE to check it)")
+    return decided(True)
 
 
 #: QUIC CRYPTO_ERROR codes (0x100 + TLS alert) that say a certificate was not accepted:

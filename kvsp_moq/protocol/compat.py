@@ -71,8 +71,9 @@ def canonical_number(value: float | int) -> str:
 def format_positional(name: str, params: Mapping[str, float | int | str] | None = None) -> str:
     """Build a registry-conformant positional string: names ascending, numbers canonical."""
     text = name
-    for key in sorted(params or {}):
-        value = params[key]  # type: ignore[index]
+    params = params or {}
+    for key in sorted(params):
+        value = params[key]
         text += f";{key}={value if isinstance(value, str) else canonical_number(value)}"
     validate_positional(text)
     return text

@@ -442,7 +442,7 @@ def parse_reshard(data: Any) -> ReshardPlan | ReshardDecision:
     name = v.string(v.required(data, "map"), "map", max_len=256)
     for kind in ("commit", "abort"):
         if kind in data:
-            return ReshardDecision(name, kind, v.integer(data[kind], kind))  # type: ignore[arg-type]
+            return ReshardDecision(name, kind, v.integer(data[kind], kind))
     src = v.integer(v.required(data, "from"), "from")
     dst = v.integer(v.required(data, "to"), "to")
     if dst != src + 1:

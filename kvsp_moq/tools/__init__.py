@@ -13,7 +13,7 @@ import json
 import re
 import sys
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any, Callable, Coroutine
 
 from kvsp_moq.auth import add_token_options, token_from_args
 from kvsp_moq.errors import BadRecord, Failed, ForbiddenScope, KvspError, SettingError, Unauthorized, UsageError
@@ -32,7 +32,7 @@ def say(name: str, text: str) -> None:
     print(f"kvsp {name}: {text}", file=sys.stderr, flush=True)
 
 
-def guarded(name: str, body: Callable[[], Awaitable[int]],
+def guarded(name: str, body: Callable[[], Coroutine[Any, Any, int]],
             args: argparse.Namespace | None = None) -> int:
     """Run a tool's coroutine and turn every error into one line and an exit status; `args`'
     --token-file, if any, is read first (its token replaces args.token)."""
