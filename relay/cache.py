@@ -23,6 +23,20 @@ TrackKey = tuple[TrackNamespace, bytes]
 """A full track name: (namespace fields, track name)."""
 
 
+def _field(value: bytes) -> str:
+    try:
+        text = value.decode("ascii")
+    except UnicodeDecodeError:
+        return value.hex()
+    return text if text.isprintable() else value.hex()
+
+
+def track_label(key: TrackKey) -> str:
+    """A full track name for the log."""
+    ns, name = key
+    return "/".join(_field(f) for f in ns) + (":" + _field(name) if name else "")
+
+
 CachedObject = MoqtObject
 """What the cache keeps of an object: the object as received (kept for compatibility)."""
 
