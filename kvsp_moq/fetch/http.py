@@ -58,7 +58,7 @@ from kvsp_moq.errors import (
     NotFound,
     TransportError,
 )
-from kvsp_moq.holder.store import hash_pool
+from kvsp_moq.hashing import hash_pool
 from kvsp_moq.protocol.container import (
     MEDIA_TYPE,
     Container,
