@@ -55,14 +55,15 @@ from agent.model import ModelAdapter
 from agent.status import Meters, StatusReporter
 from kvsp_moq.auth import Action, Authenticator
 from kvsp_moq.errors import BadRecord, KvspError, NotFound, StaleEpoch
+from kvsp_moq.fetch.moqt import MoqtBlockFetcher
 from kvsp_moq.fetch.http import HttpFetcher
 from kvsp_moq.holder.app import HolderApi, repr_digest
 from kvsp_moq.holder.leases import LeaseLimits, LeaseTable
+from kvsp_moq.holder.moqt_publisher import BlockPublisher
 from kvsp_moq.holder.publisher import Publisher
 from kvsp_moq.holder.store import BlockId, BlockStore
 from kvsp_moq.index_client import IndexClient
 from kvsp_moq.moqt.certs import client_tls
-from kvsp_moq.moqt_blocks import BlockPublisher, MoqtBlockFetcher
 from kvsp_moq.protocol import validate as v
 from kvsp_moq.protocol.compat import CompatDescriptor
 from kvsp_moq.protocol.container import MEDIA_TYPE as BLOCK_MEDIA_TYPE

@@ -50,7 +50,8 @@ import httpx
 from agent.model import LayerReadiness
 from agent.pool import KVPool
 from kvsp_moq.errors import KvspError, LayersUnavailable, PreconditionFailed, TransportError
-from kvsp_moq.fetch.http import FetchResult, HttpFetcher
+from kvsp_moq.fetch.http import HttpFetcher
+from kvsp_moq.fetch.stream import FetchedBlock
 from kvsp_moq.holder.store import BlockId, BlockStore
 from kvsp_moq.index_client import IndexClient, raise_for_problem
 from kvsp_moq.protocol.container import Buffer, Container
@@ -119,7 +120,7 @@ class HttpLayerSource:
 
 class MoqtLayerSource:
     """Layers over MOQT (DESIGN §4) through the agent's relay, via
-    `kvsp_moq.moqt_blocks.MoqtBlockFetcher`; leases go to the record's "http_holder".
+    `kvsp_moq.fetch.moqt.MoqtBlockFetcher`; leases go to the record's "http_holder".
 
     Every MOQT replica is read through the agent's own relay (the fetcher's TLS settings
     were chosen for it), whichever relay its record names: relays chained with --upstream
@@ -199,7 +200,7 @@ class MoqtLayerSource:
         finally:
             await stream.aclose()
 
-    async def fetch_block(self, record: ReplicaRecord) -> FetchResult:
+    async def fetch_block(self, record: ReplicaRecord) -> FetchedBlock:
         """The whole block as one verified container (prefetch), under the same health gate."""
         record = self._via(record)
         await self._ready(record.holder)

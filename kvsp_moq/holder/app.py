@@ -41,11 +41,11 @@ from kvsp_moq.errors import (
     PreconditionRequired,
 )
 from kvsp_moq.holder.leases import Clock, LeaseLimits, LeaseTable
+from kvsp_moq.holder.moqt_publisher import BlockPublisher
 from kvsp_moq.holder.publisher import Publisher
 from kvsp_moq.holder.store import CHUNK, BlockId, BlockRead, BlockStore
 from kvsp_moq.index_client import IndexClient
 from kvsp_moq.moqt.certs import client_tls
-from kvsp_moq.moqt_blocks import BlockPublisher
 from kvsp_moq.protocol import validate as v
 from kvsp_moq.protocol.container import MEDIA_TYPE as BLOCK_MEDIA_TYPE
 from kvsp_moq.protocol.records import LeaseGrant, LeaseRequest

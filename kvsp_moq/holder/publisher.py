@@ -21,9 +21,10 @@ import time
 from typing import Callable
 
 from kvsp_moq.errors import KvspError
+from kvsp_moq.holder.moqt_publisher import BlockPublisher
 from kvsp_moq.holder.store import BlockId, BlockStore, StoredBlock
 from kvsp_moq.index_client import IndexClient
-from kvsp_moq.moqt_blocks import BlockPublisher, moqt_record
+from kvsp_moq.naming import moqt_record
 from kvsp_moq.protocol.container import format_digest
 from kvsp_moq.protocol.records import ReplicaRecord
 from kvsp_moq.protocol.urls import base_url

@@ -12,7 +12,8 @@ import asyncio
 import time
 
 from kvsp_moq.fetch.http import HttpFetcher
-from kvsp_moq.moqt_blocks import MoqtBlockFetcher, moqt_record
+from kvsp_moq.fetch.moqt import MoqtBlockFetcher
+from kvsp_moq.naming import moqt_record
 from kvsp_moq.protocol.container import Container
 from tests.faults.conftest import Processes, block_key, make_container, small_window_client, stored_record
 
