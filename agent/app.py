@@ -58,9 +58,9 @@ from kvsp_moq.errors import BadRecord, KvspError, NotFound, StaleEpoch
 from kvsp_moq.fetch.moqt import MoqtBlockFetcher
 from kvsp_moq.fetch.http import HttpFetcher
 from kvsp_moq.holder.app import HolderApi, repr_digest
+from kvsp_moq.holder.index_publisher import IndexPublisher
 from kvsp_moq.holder.leases import LeaseLimits, LeaseTable
 from kvsp_moq.holder.moqt_publisher import BlockPublisher
-from kvsp_moq.holder.publisher import Publisher
 from kvsp_moq.holder.store import BlockId, BlockStore
 from kvsp_moq.index_client import IndexClient
 from kvsp_moq.moqt.certs import client_tls
@@ -105,7 +105,7 @@ class AgentContext:
                                 descriptors={compat.compat_hex: compat})
         # With a relay every replica has two records, HTTP and MOQT (as a holder's), and the
         # store is served over MOQT by a BlockPublisher from startup on.
-        self.publisher = Publisher(self.store, self.index, record_ttl_ms=settings.record_ttl_ms,
+        self.publisher = IndexPublisher(self.store, self.index, record_ttl_ms=settings.record_ttl_ms,
                                    relay_url=settings.relay)
         self.moqt_publisher: BlockPublisher | None = None
         self.store.withdraw = self.publisher.withdraw

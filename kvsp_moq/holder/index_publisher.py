@@ -29,10 +29,10 @@ from kvsp_moq.protocol.container import format_digest
 from kvsp_moq.protocol.records import ReplicaRecord
 from kvsp_moq.protocol.urls import base_url
 
-log = logging.getLogger("kvsp.holder.publisher")
+log = logging.getLogger("kvsp.holder.index_publisher")
 
 
-class Publisher:
+class IndexPublisher:
     """Keeps the Index Service's records of this holder's replicas alive."""
 
     def __init__(
