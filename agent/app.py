@@ -50,13 +50,15 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from agent.engine import Engine, EngineOptions, GenerateRequest, NotActive, ShardKeeper
-from agent.loader import HttpLayerSource, LeaseClient, LocalLayerSource, MoqtLayerSource, Prefetcher
+from agent.loader import Prefetcher
 from agent.model import ModelAdapter
 from agent.status import Meters, StatusReporter
 from kvsp_moq.auth import Action, Authenticator
 from kvsp_moq.errors import BadRecord, KvspError, NotFound, StaleEpoch
-from kvsp_moq.fetch.moqt import MoqtBlockFetcher
 from kvsp_moq.fetch.http import HttpFetcher
+from kvsp_moq.fetch.leases import LeaseClient
+from kvsp_moq.fetch.moqt import MoqtBlockFetcher
+from kvsp_moq.fetch.sources import HttpLayerSource, LocalLayerSource, MoqtLayerSource
 from kvsp_moq.holder.app import HolderApi, repr_digest
 from kvsp_moq.holder.index_publisher import IndexPublisher
 from kvsp_moq.holder.leases import LeaseLimits, LeaseTable
