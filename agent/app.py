@@ -50,19 +50,22 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from agent.engine import Engine, EngineOptions, GenerateRequest, NotActive, ShardKeeper
-from agent.loader import HttpLayerSource, LeaseClient, LocalLayerSource, MoqtLayerSource, Prefetcher
+from agent.loader import Prefetcher
 from agent.model import ModelAdapter
 from agent.status import Meters, StatusReporter
 from kvsp_moq.auth import Action, Authenticator
 from kvsp_moq.errors import BadRecord, KvspError, NotFound, StaleEpoch
 from kvsp_moq.fetch.http import HttpFetcher
+from kvsp_moq.fetch.leases import LeaseClient
+from kvsp_moq.fetch.moqt import MoqtBlockFetcher
+from kvsp_moq.fetch.sources import HttpLayerSource, LocalLayerSource, MoqtLayerSource
 from kvsp_moq.holder.app import HolderApi, repr_digest
+from kvsp_moq.holder.index_publisher import IndexPublisher
 from kvsp_moq.holder.leases import LeaseLimits, LeaseTable
-from kvsp_moq.holder.publisher import Publisher
+from kvsp_moq.holder.moqt_publisher import BlockPublisher
 from kvsp_moq.holder.store import BlockId, BlockStore
 from kvsp_moq.index_client import IndexClient
 from kvsp_moq.moqt.certs import client_tls
-from kvsp_moq.moqt_blocks import BlockPublisher, MoqtBlockFetcher
 from kvsp_moq.protocol import validate as v
 from kvsp_moq.protocol.compat import CompatDescriptor
 from kvsp_moq.protocol.container import MEDIA_TYPE as BLOCK_MEDIA_TYPE
@@ -104,7 +107,7 @@ class AgentContext:
                                 descriptors={compat.compat_hex: compat})
         # With a relay every replica has two records, HTTP and MOQT (as a holder's), and the
         # store is served over MOQT by a BlockPublisher from startup on.
-        self.publisher = Publisher(self.store, self.index, record_ttl_ms=settings.record_ttl_ms,
+        self.publisher = IndexPublisher(self.store, self.index, record_ttl_ms=settings.record_ttl_ms,
                                    relay_url=settings.relay)
         self.moqt_publisher: BlockPublisher | None = None
         self.store.withdraw = self.publisher.withdraw

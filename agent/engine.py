@@ -42,14 +42,16 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Mapping, Sequenc
 import httpx
 import torch
 
-from agent.loader import (Candidate, LayerSource, LeaseClient, LoadReport,
-                          LocalLayerSource, PrefixLoader, Timeline, order_candidates)
+from agent.loader import LoadReport, PrefixLoader, Timeline
 from agent.choice import LoadChoice, choose
 from agent.model import DecodeState, KVPrefix, ModelAdapter, Sampler
 from agent.pool import KVPool, block_container, tensor_from_octets
 from kvsp_moq.errors import (BadRecord, DigestMismatch, KvspError, NotActive, NotFound, PrefixUnavailable,
                              SessionConflict, StaleEpoch, TransportError)
 from kvsp_moq.fetch.http import parse_repr_digest
+from kvsp_moq.fetch.leases import LeaseClient
+from kvsp_moq.fetch.sources import LayerSource, LocalLayerSource, order_candidates
+from kvsp_moq.fetch.sources import SourceCandidate as Candidate
 from kvsp_moq.holder.store import BlockId, BlockStore
 from kvsp_moq.index_client import IndexClient, raise_for_problem
 from kvsp_moq.protocol import validate as v

@@ -2,10 +2,11 @@
 
 `PrefixLoader` fills a `KVPool` with the matched prefix of a prompt while the model already
 runs: every block has an ordered list of candidate replicas (local store, then MOQT, then
-HTTP); a lease is taken at a candidate's holder before the first octet is read from it; the
-layers arrive verified and in ascending order from a `LayerSource`, are copied into the pool,
-and layer ``l`` is marked ready once every block holds it, so the forward pass's pre-hook on
-decoder layer ``l`` can go on. Loading layer ``l + 1`` thus overlaps computing layer ``l``.
+HTTP: `kvsp_moq.fetch.sources`), read through `kvsp_moq.fetch.fallback`, which leases each
+candidate at its holder before the first octet is read from it and delivers the layers verified
+and in ascending order; they are copied into the pool, and layer ``l`` is marked ready once
+every block holds it, so the forward pass's pre-hook on decoder layer ``l`` can go on. Loading
+layer ``l + 1`` thus overlaps computing layer ``l``.
 
 Requests go out layer-group-major: group 0 (the first layers) of every block, then group 1 of
 every block, and so on, from a bounded set of workers. A holder streams a whole response at
@@ -16,16 +17,16 @@ pay too often, and a prefix of 8 MiB or more is split into at least two groups; 
 loads whole blocks, in less time than the extra requests would cost.
 
 Failures: when a source fails mid-block (404, cut body, digest mismatch, dead holder), the
-block continues from the next candidate at its first missing layer; layers already placed are
-verified and stay. A block whose candidates are all exhausted fails the readiness, so the
-forward pass raises instead of reading a partial layer; loading continues for the blocks before
-it, and the caller recomputes everything after the longest fully loaded prefix. A layer is
-marked ready only when every block of the prefix holds it verified, so correctness never rests
-on a partial layer.
+fallback continues the block from the next candidate at its first missing layer; layers already
+placed are verified and stay. A block whose candidates are all exhausted fails the readiness, so
+the forward pass raises instead of reading a partial layer; loading continues for the blocks
+before it, and the caller recomputes everything after the longest fully loaded prefix. A layer
+is marked ready only when every block of the prefix holds it verified, so correctness never
+rests on a partial layer.
 
-Leases: a load that outlasts a lease's term renews it (PUT {holder}leases/{id}) each third of
-the term, and releases it when done (`LeaseKeeper`), so a slow load never reads from a replica
-its holder is free to evict.
+Leases: a load that outlasts a lease's term renews it each third of the term, and releases it
+when done (`kvsp_moq.fetch.leases.LeaseKeeper`), so a slow load never reads from a replica its
+holder is free to evict.
 
 `Prefetcher` executes prefetch directives (§6.5): the listed blocks are leased at a listed
 source, fetched and verified whole (over MOQT through the agent's relay when the source
@@ -37,379 +38,38 @@ requests already admitted, until the deadline.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Mapping, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Mapping, Sequence
 
 import httpx
 
 from agent.model import LayerReadiness
 from agent.pool import KVPool
-from kvsp_moq.errors import KvspError, LayersUnavailable, PreconditionFailed, TransportError
-from kvsp_moq.fetch.http import FetchResult, HttpFetcher
+from kvsp_moq.errors import KvspError, LayersUnavailable, PreconditionFailed
+from kvsp_moq.fetch.fallback import (
+    BlockCandidates,
+    CandidatesExhausted,
+    SourcedLayer,
+    lease_first_candidates,
+)
+from kvsp_moq.fetch.http import HttpFetcher
+from kvsp_moq.fetch.leases import LeaseClient, LeaseKeeper
+from kvsp_moq.fetch.sources import MoqtLayerSource, SourceCandidate
 from kvsp_moq.holder.store import BlockId, BlockStore
-from kvsp_moq.index_client import IndexClient, raise_for_problem
-from kvsp_moq.protocol.container import Buffer, Container
+from kvsp_moq.index_client import IndexClient
 from kvsp_moq.protocol.records import PrefetchBlock, PrefetchDirective, ReplicaRecord
 from kvsp_moq.protocol.urls import base_url
 
 log = logging.getLogger("kvsp.agent.loader")
 
-__all__ = [
-    "Candidate", "HttpLayerSource", "LayerSource", "LeaseClient", "LeaseKeeper", "LoadReport",
-    "LocalLayerSource", "MoqtLayerSource", "Prefetcher", "PrefixLoader", "Timeline",
-    "order_candidates",
-]
+__all__ = ["DirectiveState", "LoadReport", "Prefetcher", "PrefixLoader", "Timeline"]
 
-#: (layer index, K section, V section) of one verified layer.
-LayerTuple = tuple[int, Buffer, Buffer]
 #: Called with (holder URL, octets, seconds) after each completed transfer: link rates.
 TransferObserver = Callable[[str, int, float], None]
-#: Called with (holder URL, seconds) for each lease round trip: link RTTs.
-RttObserver = Callable[[str, float], None]
-
-
-# --------------------------------------------------------------------------- sources
-
-
-@runtime_checkable
-class LayerSource(Protocol):
-    """One way to read a replica's layers: verified, in ascending order.
-
-    `layers(record, first, last)` yields ``(index, K, V)`` for layers first..last of the
-    replica the record describes, each already checked against the record's layer digest, and
-    raises (any exception) when the source cannot deliver the rest. A MOQT fetcher implements
-    the same interface and is tried before HTTP.
-    """
-
-    kind: str
-    """"local", "moqt" or "http": the name a load is counted under."""
-    needs_lease: bool
-    """Whether a lease must be taken at the record's holder before reading (§6.6)."""
-
-    def accepts(self, record: ReplicaRecord) -> bool: ...
-
-    def layers(self, record: ReplicaRecord, first: int, last: int) -> AsyncIterator[LayerTuple]: ...
-
-
-class HttpLayerSource:
-    """Layers over HTTP (§6.7) from the record's holder, via `HttpFetcher`."""
-
-    kind = "http"
-    needs_lease = True
-
-    def __init__(self, fetcher: HttpFetcher) -> None:
-        self.fetcher = fetcher
-
-    def accepts(self, record: ReplicaRecord) -> bool:
-        return record.holder.lower().startswith(("http://", "https://"))
-
-    async def layers(self, record: ReplicaRecord, first: int, last: int) -> AsyncIterator[LayerTuple]:
-        stream = self.fetcher.layers([record.holder], record, (first, last))
-        try:
-            async for layer in stream:
-                yield layer.index, layer.k, layer.v
-        finally:
-            await stream.aclose()
-
-
-class MoqtLayerSource:
-    """Layers over MOQT (DESIGN §4) through the agent's relay, via
-    `kvsp_moq.moqt_blocks.MoqtBlockFetcher`; leases go to the record's "http_holder".
-
-    Every MOQT replica is read through the agent's own relay (the fetcher's TLS settings
-    were chosen for it), whichever relay its record names: relays chained with --upstream
-    forward a request for a namespace published elsewhere in the chain, and where no chain
-    leads there the fetch is a miss like any other and the next candidate is tried.
-
-    A relay that cannot be reached, or whose requests time out, is skipped for `down_s`:
-    every block would otherwise wait for its own connection attempt (one at a time, as the
-    fetcher keeps one session per relay) before falling back to HTTP. Concurrent reads share
-    one connection attempt.
-    """
-
-    kind = "moqt"
-    needs_lease = True
-
-    def __init__(self, fetcher: Any, relay: str, *, down_s: float = 5.0) -> None:
-        self.fetcher = fetcher
-        self.relay = relay.rstrip("/").lower()
-        self.down_s = down_s
-        self._down_until = 0.0
-        self._probes: dict[str, asyncio.Future] = {}
-
-    def accepts(self, record: ReplicaRecord) -> bool:
-        return record.is_moqt and bool(record.moqt_namespace) and record.http_holder is not None
-
-    def _via(self, record: ReplicaRecord) -> ReplicaRecord:
-        """The record as read through this agent's relay."""
-        if record.holder.rstrip("/").lower() == self.relay:
-            return record
-        return dataclasses.replace(record, holder=self.relay)
-
-    @property
-    def reachable(self) -> bool:
-        """False while the relay is taken to be down (after a failed connection or a timeout)."""
-        return time.monotonic() >= self._down_until
-
-    def _mark_down(self, reason: object) -> None:
-        if self.reachable:
-            log.info("relay %s unusable (%s); HTTP only for %.1fs", self.relay, reason, self.down_s)
-        self._down_until = time.monotonic() + self.down_s
-
-    async def _ready(self, url: str) -> None:
-        """A session to the relay, or TransportError at once while it is known to be down."""
-        if not self.reachable:
-            raise TransportError(f"the relay {self.relay} is unreachable")
-        probe = self._probes.get(url)
-        if probe is None or probe.done():
-            probe = asyncio.ensure_future(self.fetcher.connection(url))
-            probe.add_done_callback(lambda f: f.cancelled() or f.exception())
-            self._probes[url] = probe
-        try:
-            await asyncio.shield(probe)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            self._mark_down(getattr(e, "detail", None) or repr(e))
-            raise TransportError(f"the relay {self.relay} is unreachable: {e!r}") from None
-
-    def connect(self) -> None:
-        """Start the session to the relay in the background, so that the first load does not
-        wait for a whole handshake; a failure here marks nothing down (the first load retries)."""
-        if self.relay not in self._probes:
-            probe = asyncio.ensure_future(self.fetcher.connection(self.relay))
-            probe.add_done_callback(lambda f: f.cancelled() or f.exception())
-            self._probes[self.relay] = probe
-
-    async def layers(self, record: ReplicaRecord, first: int, last: int) -> AsyncIterator[LayerTuple]:
-        record = self._via(record)
-        await self._ready(record.holder)
-        stream = self.fetcher.layers([record.holder], record, (first, last))
-        try:
-            async for layer in stream:
-                yield layer.index, layer.k, layer.v
-        except TransportError as e:  # timed out or cut off, not a miss or a bad layer
-            self._mark_down(e.detail)
-            raise
-        finally:
-            await stream.aclose()
-
-    async def fetch_block(self, record: ReplicaRecord) -> FetchResult:
-        """The whole block as one verified container (prefetch), under the same health gate."""
-        record = self._via(record)
-        await self._ready(record.holder)
-        try:
-            return await self.fetcher.fetch_block([record.holder], record)
-        except TransportError as e:
-            self._mark_down(e.detail)
-            raise
-
-
-class LocalLayerSource:
-    """Layers of replicas in the agent's own holder store, read in place.
-
-    The store computed the layer digests of these octets when it took them, and the agent's
-    records are made from those digests, so the layers are not hashed again here.
-    """
-
-    kind = "local"
-    needs_lease = False
-
-    def __init__(self, store: BlockStore, self_url: Callable[[], str]) -> None:
-        self.store = store
-        self.self_url = self_url
-
-    def accepts(self, record: ReplicaRecord) -> bool:
-        return base_url(record.holder) == base_url(self.self_url())
-
-    def holds(self, bid: BlockId) -> bool:
-        return self.store.get(bid) is not None
-
-    async def layers(self, record: ReplicaRecord, first: int, last: int) -> AsyncIterator[LayerTuple]:
-        bid = BlockId(record.compat_id, record.scope_id, record.block_key)
-        read = await self.store.open_read(bid, first, last)  # pinned: not evicted meanwhile
-        try:
-            host = read.entry.host
-            container = host if host is not None else Container(b"".join(read.chunks()))
-            for index in range(first, last + 1):
-                layer = container.layer(index)
-                yield index, layer.k, layer.v
-        finally:
-            read.release()
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One replica of a block and the source that reads it."""
-
-    source: LayerSource
-    record: ReplicaRecord
-
-    @property
-    def lease_holder(self) -> str:
-        """Where leases are taken: a MOQT replica's HTTP holder, else the holder itself."""
-        return base_url(self.record.http_holder or self.record.holder)
-
-
-def lease_unavailable(error: KvspError) -> bool:
-    """Whether a refused lease says nothing of the block: the holder's lease endpoint is
-    unreachable, overloaded, or not implemented (a static web server).
-
-    The request path may then read the replica without a lease: every layer is verified, and
-    a replica evicted meanwhile is a miss like any other (§6.1). A 404 or a quota refusal is
-    an answer about the block or the client, and moves on to the next candidate.
-    """
-    return isinstance(error, TransportError) or getattr(error, "status", 0) in (405, 501, 503)
-
-
-def order_candidates(records: Sequence[ReplicaRecord],
-                     sources: Sequence[LayerSource]) -> list[Candidate]:
-    """Replicas ordered by the sources' order (local, MOQT, HTTP), one per holder and kind."""
-    out: list[Candidate] = []
-    seen: set[tuple[str, str]] = set()
-    for source in sources:
-        for record in records:
-            ident = (source.kind, base_url(record.holder))
-            if ident in seen or not source.accepts(record):
-                continue
-            seen.add(ident)
-            out.append(Candidate(source, record))
-    return out
-
-
-async def _close(iterator: AsyncIterator[Any]) -> None:
-    """Close an async generator left early, so its response is released now, not at GC."""
-    aclose = getattr(iterator, "aclose", None)
-    if aclose is not None:
-        try:
-            await aclose()
-        except Exception:  # closing a broken source must not mask the outcome
-            pass
-
-
-# --------------------------------------------------------------------------- leases
-
-
-class LeaseClient:
-    """POST/DELETE {holder}leases (§6.6) with the agent's token."""
-
-    def __init__(self, client: httpx.AsyncClient, *, token: str | None = None,
-                 on_rtt: RttObserver | None = None, timeout: float = 5.0) -> None:
-        self.client = client
-        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self.on_rtt = on_rtt
-        self.timeout = timeout
-
-    async def acquire(self, holder: str, block_keys: Sequence[str], ttl_ms: int) -> str:
-        """A lease id; raises KvspError (e.g. NotFound, LeaseQuota) when refused."""
-        url = base_url(holder) + "leases"
-        started = time.perf_counter()
-        try:
-            r = await self.client.post(url, json={"block_keys": list(block_keys), "ttl_ms": ttl_ms},
-                                       headers=self.headers, timeout=self.timeout)
-        except httpx.HTTPError as e:
-            raise TransportError(f"lease at {holder}: {type(e).__name__} {e}") from None
-        if self.on_rtt is not None:
-            self.on_rtt(base_url(holder), time.perf_counter() - started)
-        raise_for_problem(r)
-        return str(r.json()["lease"])
-
-    async def renew(self, holder: str, lease: str, ttl_ms: int) -> int:
-        """PUT {holder}leases/{id}: the term granted from now (ms); raises KvspError (NotFound
-        once the lease has expired) when refused."""
-        url = f"{base_url(holder)}leases/{lease}"
-        try:
-            r = await self.client.put(url, json={"ttl_ms": ttl_ms}, headers=self.headers,
-                                      timeout=self.timeout)
-        except httpx.HTTPError as e:
-            raise TransportError(f"renewing lease at {holder}: {type(e).__name__} {e}") from None
-        raise_for_problem(r)
-        return int(r.json().get("ttl_ms", ttl_ms))
-
-    async def release(self, holder: str, lease: str) -> None:
-        """Best effort: an unreleased lease only runs out."""
-        try:
-            await self.client.delete(f"{base_url(holder)}leases/{lease}", headers=self.headers,
-                                     timeout=self.timeout)
-        except httpx.HTTPError as e:
-            log.info("releasing lease %s at %s failed: %s", lease, holder, e)
-
-
-class LeaseKeeper:
-    """The leases of one load: renewed before their term runs out, released at its end.
-
-    A lease protects its blocks only for its term (§6.6), and a load can take longer (a slow
-    link, a long prefix, a prefetch with a distant deadline); the holder could then evict a
-    block being read. So every lease held is renewed each third of its term until
-    `release()`. A renewal refused outright (the lease expired, or the holder restarted and
-    lost it) drops that lease: the read goes on unprotected, as it would have anyway; a holder
-    that cannot be reached is tried again at the next renewal.
-    """
-
-    def __init__(self, client: LeaseClient, ttl_ms: int, *, fraction: float = 1 / 3) -> None:
-        self.client = client
-        self.ttl_ms = ttl_ms
-        self.period_s = max(0.005, ttl_ms / 1000 * fraction)
-        self.leases: list[tuple[str, str]] = []  # (holder, lease id), in the order taken
-        self.renewals = 0
-        self._task: asyncio.Task | None = None
-
-    async def take(self, holder: str, keys: list[str], what: str = "") -> str | None:
-        """One lease at `holder` for all of `keys`, kept from now on; None when the holder
-        refuses it (then each block leases its own)."""
-        try:
-            lease = await self.client.acquire(holder, keys, self.ttl_ms)
-        except KvspError as e:
-            log.info("%sbatch lease at %s refused (%s); leasing block by block", what, holder, e.detail)
-            return None
-        self.add(holder, lease)
-        return lease
-
-    def add(self, holder: str, lease: str) -> None:
-        """Keep this lease alive from now on (the renewing task starts with the first one)."""
-        self.leases.append((holder, lease))
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._renew_loop(),
-                                                                name="kvsp-lease-renewal")
-
-    async def _renew_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.period_s)
-            held = list(self.leases)
-            results = await asyncio.gather(
-                *(self.client.renew(h, lease, self.ttl_ms) for h, lease in held),
-                return_exceptions=True)
-            for (holder, lease), result in zip(held, results):
-                if isinstance(result, BaseException):
-                    if isinstance(result, TransportError) or not isinstance(result, KvspError):
-                        log.info("renewing lease %s at %s failed (%s); trying again", lease, holder,
-                                 result)
-                        continue
-                    log.info("lease %s at %s is gone (%s); the load goes on without it", lease,
-                             holder, result.detail)
-                    if (holder, lease) in self.leases:
-                        self.leases.remove((holder, lease))
-                else:
-                    self.renewals += 1
-
-    async def stop(self) -> None:
-        """Stop renewing (the leases then run out on their own unless released)."""
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-
-    async def release(self) -> None:
-        """Stop renewing and release every lease still held."""
-        await self.stop()
-        taken, self.leases = self.leases, []
-        await asyncio.gather(*(self.client.release(h, lease) for h, lease in taken),
-                             return_exceptions=True)
 
 
 # --------------------------------------------------------------------------- timeline
@@ -477,14 +137,11 @@ class LoadReport:
 class _Block:
     slot: int
     key: str
-    candidates: list[Candidate]
+    #: its replicas in the order to try them, and the leases taken for it
+    candidates: BlockCandidates
     placed: list[bool]
-    current: int = 0
-    #: holder -> lease id; None where no lease could be had and the block is read without one
-    leases: dict[str, str | None] = field(default_factory=dict)
     layers_by_kind: dict[str, int] = field(default_factory=dict)
     failed: bool = False
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @property
     def complete(self) -> bool:
@@ -504,7 +161,7 @@ class PrefixLoader:
     model's thread. `run()` runs on the event loop and returns once nothing more can be loaded.
     """
 
-    def __init__(self, pool: KVPool, blocks: Sequence[Sequence[Candidate]], *,
+    def __init__(self, pool: KVPool, blocks: Sequence[Sequence[SourceCandidate]], *,
                  leases: LeaseClient, lease_ms: int = 10_000, concurrency: int = 8,
                  layers_per_request: int | None = None, request_bytes: int = 1 << 20,
                  split_bytes: int = 8 << 20, readiness_timeout: float = 120.0,
@@ -529,13 +186,15 @@ class PrefixLoader:
         self.readiness = LayerReadiness(layers, timeout=readiness_timeout)
         self.on_transfer = on_transfer
         self.timeline = timeline or Timeline(layers)
-        self._blocks = [_Block(i, key, list(c), [False] * layers)
+        self._keeper = LeaseKeeper(leases, lease_ms)
+        self._blocks = [_Block(i, key, BlockCandidates(key, c, keeper=self._keeper,
+                                                       on_failure=self._note_failure),
+                               [False] * layers)
                         for i, (key, c) in enumerate(zip(pool.block_keys, blocks))]
         self._counts = [0] * layers
         self._abort_from = len(self._blocks)
         self._failures: list[dict[str, str]] = []
         self._octets = 0
-        self._keeper = LeaseKeeper(leases, lease_ms)
         self._by_holder: dict[str, list[float]] = {}  # holder -> [octets, first start, last end]
         self.done = False  #: nothing more will be loaded (set before run() returns)
         if not self._blocks:
@@ -612,18 +271,7 @@ class PrefixLoader:
 
     async def _batch_leases(self) -> None:
         """One lease per holder for the blocks that start there: one round trip, not one per block."""
-        by_holder: dict[str, list[_Block]] = {}
-        for blk in self._blocks:
-            if blk.candidates and blk.candidates[0].source.needs_lease:
-                by_holder.setdefault(blk.candidates[0].lease_holder, []).append(blk)
-
-        async def one(holder: str, blocks: list[_Block]) -> None:
-            lease = await self._keeper.take(holder, [b.key for b in blocks])
-            if lease is not None:
-                for b in blocks:
-                    b.leases[holder] = lease
-
-        await asyncio.gather(*(one(h, b) for h, b in by_holder.items()))
+        await lease_first_candidates([blk.candidates for blk in self._blocks], self._keeper)
 
     async def _worker(self, queue: deque[tuple[int, _Block]]) -> None:
         while queue:
@@ -632,41 +280,9 @@ class PrefixLoader:
                 continue
             await self._load_range(blk, first, min(first + self.group, self.pool.num_layers) - 1)
 
-    async def _candidate(self, blk: _Block) -> Candidate | None:
-        """The block's current candidate, leased; None when every one has failed."""
-        async with blk.lock:
-            while blk.current < len(blk.candidates):
-                cand = blk.candidates[blk.current]
-                holder = cand.lease_holder
-                if not cand.source.needs_lease or holder in blk.leases:
-                    return cand
-                try:
-                    lease = await self.leases.acquire(holder, [blk.key], self.lease_ms)
-                except KvspError as e:
-                    if lease_unavailable(e):
-                        # No lease to be had there, yet the replica may well be readable (its
-                        # relay is up, or a static server holds it): read it unprotected.
-                        blk.leases[holder] = None
-                        log.info("block %s: no lease at %s (%s); reading it without one",
-                                 blk.key[:12], holder, e.detail)
-                        return cand
-                    self._note_failure(blk, cand, f"lease refused: {e.detail}")
-                    blk.current += 1
-                    continue
-                blk.leases[holder] = lease
-                self._keeper.add(holder, lease)
-                return cand
-            return None
-
-    async def _drop(self, blk: _Block, cand: Candidate) -> None:
-        async with blk.lock:
-            if blk.current < len(blk.candidates) and blk.candidates[blk.current] is cand:
-                blk.current += 1
-
-    def _note_failure(self, blk: _Block, cand: Candidate, reason: str) -> None:
-        self._failures.append({"block_key": blk.key, "source": cand.record.holder,
+    def _note_failure(self, key: str, cand: SourceCandidate, reason: str) -> None:
+        self._failures.append({"block_key": key, "source": cand.record.holder,
                                "kind": cand.source.kind, "reason": reason})
-        log.info("block %s from %s failed: %s", blk.key[:12], cand.record.holder, reason)
 
     async def _load_range(self, blk: _Block, a: int, b: int) -> None:
         tl = self.timeline
@@ -674,49 +290,38 @@ class PrefixLoader:
         for layer in range(a, b + 1):
             if tl.load_start[layer] is None:
                 tl.load_start[layer] = now
-        while True:
-            first = blk.first_missing(a, b)
-            if first is None:
-                return
-            cand = await self._candidate(blk)
-            if cand is None:
-                self._block_failed(blk)
-                return
-            started = time.perf_counter()
-            octets = 0
-            layers = cand.source.layers(cand.record, first, b)
-            try:
-                expected = first
-                async for index, k, v in layers:
-                    if blk.slot >= self._abort_from:
-                        return  # a block before this one failed: these layers are of no use
-                    if index != expected:
-                        raise LayersUnavailable(f"layer {index} arrived, {expected} was expected")
-                    expected += 1
-                    if not blk.placed[index]:
-                        self.pool.place(blk.slot, index, k, v)
-                        octets += len(k) + len(v)
-                        self._placed(blk, index, cand.source.kind)
-                    if index == b:
-                        break
-                if blk.first_missing(a, b) is not None:
-                    raise LayersUnavailable(f"the source ended before layer {b}")
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # any failure of a source moves on to the next one
-                self._octets += octets
-                self._note_failure(blk, cand, getattr(e, "detail", None) or f"{type(e).__name__}: {e}")
-                await self._drop(blk, cand)
-                continue
-            finally:
-                await _close(layers)
-            self._octets += octets
-            if cand.source.kind != "local":
-                seen = self._by_holder.setdefault(cand.lease_holder, [0, started, started])
-                seen[0] += octets
-                seen[1] = min(seen[1], started)
-                seen[2] = max(seen[2], time.perf_counter())
+        first = blk.first_missing(a, b)
+        if first is None:
             return
+        stream = blk.candidates.layers(first, b, deliver=functools.partial(self._deliver, blk))
+        aborted = False
+        try:
+            async for _ in stream:
+                if blk.slot >= self._abort_from:
+                    aborted = True  # a block before this one failed: these layers are of no use
+                    return
+        except CandidatesExhausted:
+            self._block_failed(blk)
+            return
+        finally:
+            await stream.aclose()
+            # Octets of every candidate's turn, but the one cut short because no longer wanted.
+            attempts = stream.attempts[:-1] if aborted else stream.attempts
+            self._octets += sum(attempt.octets for attempt in attempts)
+        done = stream.attempts[-1]
+        if done.candidate.source.kind != "local":
+            seen = self._by_holder.setdefault(done.candidate.lease_holder, [0, done.started, done.started])
+            seen[0] += done.octets
+            seen[1] = min(seen[1], done.started)
+            seen[2] = max(seen[2], time.perf_counter())
+
+    def _deliver(self, blk: _Block, layer: SourcedLayer) -> None:
+        """Copy a verified layer into the pool (an error here fails the source, as a bad layer
+        would); nothing once an earlier block has failed."""
+        if blk.slot >= self._abort_from or blk.placed[layer.index]:
+            return
+        self.pool.place(blk.slot, layer.index, layer.k, layer.v)
+        self._placed(blk, layer.index, layer.candidate.source.kind)
 
     def _placed(self, blk: _Block, layer: int, kind: str) -> None:
         blk.placed[layer] = True

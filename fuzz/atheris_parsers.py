@@ -45,7 +45,7 @@ from kvsp_moq.moqt.errors import (  # noqa: E402
     SessionError,
 )
 from kvsp_moq.moqt.varint import encode_vi64  # noqa: E402
-from kvsp_moq.moqt_blocks import split_layer  # noqa: E402
+from kvsp_moq.naming import split_layer  # noqa: E402
 from kvsp_moq.protocol.container import Container, encode  # noqa: E402
 from kvsp_moq.protocol.container_parser import ContainerParser  # noqa: E402
 from kvsp_moq.protocol.records import (  # noqa: E402

@@ -19,8 +19,8 @@ import secrets
 import numpy as np
 import pytest
 
+from kvsp_moq.holder.moqt_publisher import BlockPublisher
 from kvsp_moq.holder.store import BlockId, BlockStore
-from kvsp_moq.moqt_blocks import BlockPublisher
 from kvsp_moq.naming import BlockTrack
 from kvsp_moq.protocol.container import Container, encode
 

@@ -22,9 +22,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvsp_moq.fetch.moqt import MoqtBlockFetcher
+from kvsp_moq.holder.moqt_publisher import BlockPublisher
 from kvsp_moq.holder.store import BlockId, BlockStore
 from kvsp_moq.moqt.quic import IncomingSubscribe, QuicSettings, connect
-from kvsp_moq.moqt_blocks import BlockPublisher, MoqtBlockFetcher, moqt_record
+from kvsp_moq.naming import moqt_record
 from kvsp_moq.protocol.container import Container, encode
 from kvsp_moq.protocol.records import ReplicaRecord
 

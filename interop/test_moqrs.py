@@ -43,10 +43,10 @@ from typing import AsyncIterator
 
 import pytest
 
+from kvsp_moq.holder.moqt_publisher import BlockPublisher
 from kvsp_moq.holder.store import BlockId, BlockStore
 from kvsp_moq.moqt.objects import ObjectStatus
 from kvsp_moq.moqt.quic import IncomingSubscribe, connect
-from kvsp_moq.moqt_blocks import BlockPublisher
 from kvsp_moq.naming import BlockTrack
 from kvsp_moq.protocol.container import Container
 

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import httpx
 
-from kvsp_moq.fetch.http import FetchResult
+from kvsp_moq.fetch.moqt import MoqtBlockFetcher
+from kvsp_moq.fetch.stream import FetchedBlock
 from kvsp_moq.moqt.certs import generate_self_signed
-from kvsp_moq.moqt_blocks import MoqtBlockFetcher, moqt_record
-from kvsp_moq.naming import BlockTrack
+from kvsp_moq.naming import BlockTrack, moqt_record
 from kvsp_moq.protocol.container import Container
 from relay.relay import Relay, RelaySettings
 
@@ -28,7 +28,7 @@ TRAFFIC = ("fetches", "subscribes", "track_statuses", "objects_out", "bytes_out"
            "cache_hits", "cache_misses")
 
 
-async def fetch_all(fetcher: MoqtBlockFetcher, records: list, blocks: list) -> list[FetchResult]:
+async def fetch_all(fetcher: MoqtBlockFetcher, records: list, blocks: list) -> list[FetchedBlock]:
     """Every block whole and every range of RANGES, each checked against the stored octets."""
     results = []
     for record, block in zip(records, blocks):

@@ -15,9 +15,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from agent.loader import LeaseClient
 from kvsp_moq.errors import DigestMismatch, KvspError, NotFound
 from kvsp_moq.fetch.http import HttpFetcher
+from kvsp_moq.fetch.leases import LeaseClient
 from kvsp_moq.protocol.container import Container
 from kvsp_moq.protocol.records import ReplicaRecord
 

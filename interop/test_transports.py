@@ -12,8 +12,9 @@ from pathlib import Path
 import httpx
 
 from kvsp_moq.errors import KvspError
-from kvsp_moq.fetch.http import FetchResult, HttpFetcher
-from kvsp_moq.moqt_blocks import MoqtBlockFetcher
+from kvsp_moq.fetch.http import HttpFetcher
+from kvsp_moq.fetch.moqt import MoqtBlockFetcher
+from kvsp_moq.fetch.stream import FetchedBlock
 from kvsp_moq.naming import decode_namespace, publisher_id
 from kvsp_moq.protocol.container import Container
 from kvsp_moq.protocol.records import ReplicaRecord, replica_id
@@ -48,9 +49,9 @@ def namespace_fields(text: str) -> list[bytes]:
     return fields
 
 
-async def first_moqt_fetch(fetcher: MoqtBlockFetcher, record: ReplicaRecord) -> FetchResult:
+async def first_moqt_fetch(fetcher: MoqtBlockFetcher, record: ReplicaRecord) -> FetchedBlock:
     """The first MOQT fetch of a block, retried until the holder's announcement reached the relay."""
-    async def attempt() -> FetchResult | None:
+    async def attempt() -> FetchedBlock | None:
         try:
             return await fetcher.fetch_block([], record)
         except KvspError:

@@ -18,6 +18,7 @@ reports an error therefore needs no table of its own, on either transport.
     │   └── ForbiddenRole                kvsp-forbidden-role 403
     ├── NotFound                         kvsp-not-found 404 · DOES_NOT_EXIST
     │   ├── LayersUnavailable            kvsp-layers-unavailable
+    │   │   └── CandidatesExhausted      every source of a block failed (`kvsp_moq.fetch`)
     │   └── CodecUnavailable             kvsp-codec-unavailable
     ├── LeaseQuota                       kvsp-lease-quota 429 · EXCESSIVE_LOAD
     ├── StaleEpoch                       kvsp-stale-epoch 409
@@ -268,6 +269,13 @@ class NotFound(KvspError):
 class LayersUnavailable(NotFound):
     problem = "kvsp-layers-unavailable"
     title = "Layers unavailable"
+
+
+class CandidatesExhausted(LayersUnavailable):
+    """Every candidate of a block failed before the range was complete (`kvsp_moq.fetch`);
+    `failures` lists (holder, reason) for each one given up."""
+
+    failures: list[tuple[str, str]]
 
 
 class CodecUnavailable(NotFound):

@@ -9,16 +9,33 @@ The IDs are text, not their raw octets, so that every field is valid UTF-8: MOQT
 be any octets, but moq-rs, the most used stack, names tracks by UTF-8 paths and closes its
 session on a NAMESPACE whose field is not UTF-8, which a relay carrying KV blocks would send
 to every moq-rs client that discovers namespaces.
+
+Group 0 holds the block and Object ID = layer number. The payload of a raw object is exactly
+the K section followed by the V section of its layer, so SHA-256 of the payload is the layer
+digest of §4.3. Every object also carries two application properties (draft-18 Key-Value-Pairs
+with even types, so their values are varints):
+
+    0x3800  KVSP Token Count  the block's token count (a container header field)
+    0x3802  KVSP K Length     octets of the K section; the V section is the rest
+
+so a receiver can split K from V and rebuild a container for codecs whose halves differ.
+
+Publisher (`kvsp_moq.holder.moqt_publisher`) and fetcher (`kvsp_moq.fetch.moqt`) both build on
+this module, which imports neither.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import hashlib
 from dataclasses import dataclass
 
 from kvsp_moq.errors import BadRecord
+from kvsp_moq.moqt.wire import Properties, property_value
+from kvsp_moq.protocol.container import Layer
+from kvsp_moq.protocol.records import ReplicaRecord
 
 ROOT = b"kvsp"
 GROUP = 0  # a block is group 0; object id = layer number
@@ -138,3 +155,43 @@ def decode_namespace(text: str) -> tuple[bytes, ...]:
         fields.append(raw[pos + 1:pos + 1 + n])
         pos += 1 + n
     return tuple(fields)
+
+
+# --------------------------------------------------------------------------- layer objects
+
+#: Object property: the block's Token Count (even type: a varint value).
+TOKEN_COUNT_PROPERTY = 0x3800
+#: Object property: octets of the layer's K section (even type: a varint value).
+K_LENGTH_PROPERTY = 0x3802
+
+
+def layer_properties(token_count: int, k_length: int) -> Properties:
+    """The application properties of one layer object (in ascending type order)."""
+    return ((TOKEN_COUNT_PROPERTY, token_count), (K_LENGTH_PROPERTY, k_length))
+
+
+def split_layer(index: int, payload: bytes | memoryview, properties: Properties) -> tuple[Layer, int | None]:
+    """A layer object as (Layer, token count); without a K Length the halves are equal."""
+    view = memoryview(payload)
+    k_length = property_value(properties, K_LENGTH_PROPERTY)
+    if k_length is None:
+        if len(view) % 2:
+            raise BadRecord(f"layer {index}: no K length and an odd payload", member="payload")
+        k_length = len(view) // 2
+    if not 0 <= k_length <= len(view):
+        raise BadRecord(f"layer {index}: K length {k_length} exceeds the payload", member="payload")
+    return Layer(index, view[:k_length], view[k_length:]), property_value(properties, TOKEN_COUNT_PROPERTY)
+
+
+def moqt_record(http_record: ReplicaRecord, relay_url: str) -> ReplicaRecord:
+    """The Replica Record of the MOQT replica behind `relay_url` of a holder's HTTP replica:
+    holder = the relay's moqt:// URI, moqt_namespace = the track's five fields, http_holder =
+    the holder's HTTP base (where leases are taken and where a client falls back)."""
+    if not relay_url.lower().startswith("moqt://"):
+        raise BadRecord("must be a moqt:// URI", member="holder")
+    if http_record.is_moqt:
+        raise BadRecord("the record is already a MOQT replica's", member="holder")
+    track = BlockTrack.for_holder(http_record.compat_id, http_record.scope_id, http_record.block_key,
+                                  http_record.holder, http_record.codec)
+    return dataclasses.replace(http_record, holder=relay_url, moqt_namespace=track.moqt_namespace,
+                               http_holder=http_record.holder)

@@ -19,7 +19,7 @@ from kvsp_moq.moqt.errors import (
 from kvsp_moq.moqt.wire import FilterType, Location, SubscriptionFilter
 
 #: The loggers a failed handler or an unretrieved task error shows up in.
-WATCHED = ("kvsp_moq.moqt.quic", "kvsp.relay", "kvsp.moqt_blocks", "asyncio")
+WATCHED = ("kvsp_moq.moqt.quic", "kvsp.relay", "kvsp.holder.moqt_publisher", "asyncio")
 
 
 class LogFailures(logging.Handler):

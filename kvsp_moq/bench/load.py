@@ -34,7 +34,8 @@ from typing import Any
 import httpx
 
 from kvsp_moq.fetch.http import HttpFetcher
-from kvsp_moq.moqt_blocks import MoqtBlockFetcher, moqt_record
+from kvsp_moq.fetch.moqt import MoqtBlockFetcher
+from kvsp_moq.naming import moqt_record
 from kvsp_moq.protocol.container import MEDIA_TYPE, encode
 from kvsp_moq.protocol.records import ReplicaRecord
 

@@ -94,8 +94,8 @@ def block_key(seed: str) -> str:
 def holder_main(args: argparse.Namespace) -> int:
     """Serve generated blocks over HTTP and MOQT; print one JSON line of records."""
     from kvsp_moq.holder.service import Holder, HolderSettings
+    from kvsp_moq.holder.moqt_publisher import BlockPublisher
     from kvsp_moq.holder.store import BlockId
-    from kvsp_moq.moqt_blocks import BlockPublisher
 
     holder = Holder(HolderSettings(listen="127.0.0.1:0", host_bytes=2 << 30, disk_bytes=0)).start()
     records: dict[str, list[dict[str, Any]]] = {}
@@ -273,8 +273,8 @@ async def _client(relay_url: str, cafile: str, holder_url: str, records: dict[st
     """Every variant in turns, each repeat a fresh block for the cold paths (HTTP left out
     of the matrix's other cells: it does not depend on the QUIC engine)."""
     from kvsp_moq.fetch.http import HttpFetcher
-    from kvsp_moq.moqt_blocks import MoqtBlockFetcher, moqt_record
-    from kvsp_moq.naming import BlockTrack
+    from kvsp_moq.fetch.moqt import MoqtBlockFetcher
+    from kvsp_moq.naming import BlockTrack, moqt_record
     from kvsp_moq.protocol.records import ReplicaRecord
 
     cadata = Path(cafile).read_bytes()

@@ -42,7 +42,6 @@ import re
 import sys
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import AsyncIterator, Sequence
 from urllib.parse import urlsplit
 
@@ -50,15 +49,10 @@ import httpcore
 import httpx
 
 from kvsp_moq.allocator import receive_buffer
-from kvsp_moq.errors import (
-    BadContainer,
-    DigestMismatch,
-    KvspError,
-    LayersUnavailable,
-    NotFound,
-    TransportError,
-)
-from kvsp_moq.holder.store import hash_pool
+from kvsp_moq.errors import BadContainer
+from kvsp_moq.fetch import http1
+from kvsp_moq.fetch.stream import FetchedBlock, SourceFailed, VerifiedLayerStream, record_layer_digests
+from kvsp_moq.hashing import hash_pool
 from kvsp_moq.protocol.container import (
     MEDIA_TYPE,
     Container,
@@ -68,8 +62,6 @@ from kvsp_moq.protocol.container import (
     replica_digest,
 )
 from kvsp_moq.protocol.container_parser import ContainerParser
-from kvsp_moq.fetch import http1
-from kvsp_moq.fetch.stream import VerifiedLayerStream, record_layer_digests
 from kvsp_moq.protocol.records import ReplicaRecord
 
 #: Octets hashed per worker call for the Repr-Digest; fewer calls, same cache behaviour.
@@ -116,13 +108,6 @@ def parse_repr_digest(value: str | None) -> bytes | None:
 # --------------------------------------------------------------------------- internals
 
 
-class _SourceFailed(Exception):
-    def __init__(self, kind: str, reason: str) -> None:
-        super().__init__(reason)
-        self.kind = kind  # "miss", "digest", "refused", "transport", "malformed"
-        self.reason = reason
-
-
 class _SerialHash:
     """SHA-256 over pieces submitted in order, computed on the worker threads.
 
@@ -150,53 +135,16 @@ class _SerialHash:
         return self.hash.digest()
 
 
-# --------------------------------------------------------------------------- results
+# --------------------------------------------------------------------------- the stream
 
 
-@dataclass
-class FetchResult:
-    """A verified container of the requested layers, and how it was obtained."""
-
-    container: Container
-    layers: tuple[int, int]
-    #: (source, first, last) for each source that delivered layers
-    served_by: list[tuple[str, int, int]]
-    failures: list[tuple[str, str]] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    bytes_received: int = 0
-    seconds: float = 0.0
-    first_layer_seconds: float | None = None
-
-    @property
-    def source(self) -> str:
-        return self.served_by[-1][0]
-
-
-class LayerStream(VerifiedLayerStream):
-    """Verified layers a..b of one block, in ascending order, from a list of sources."""
+class HttpLayerStream(VerifiedLayerStream):
+    """Verified layers a..b of one block, in ascending order, from a list of HTTP sources."""
 
     def __init__(self, fetcher: "HttpFetcher", sources: Sequence[str], record: ReplicaRecord,
                  layers: tuple[int, int] | None) -> None:
+        super().__init__(sources, record, layers)
         self.fetcher = fetcher
-        self.sources = list(sources)
-        self.record = record
-        self.failures: list[tuple[str, str]] = []
-        self.notes: list[str] = []
-        self.served_by: list[tuple[str, int, int]] = []
-        self.bytes_received = 0
-        self.started = time.perf_counter()
-        self.first_layer_seconds: float | None = None
-        self.token_count: int | None = None
-        n = record.layer_count
-        if layers is None:
-            self.range = (0, n - 1) if n is not None else None
-        else:
-            a, b = layers
-            if a > b or a < 0 or (n is not None and b >= n):
-                raise LayersUnavailable(f"layers {a}-{b} are not in this replica "
-                                        f"({n if n is not None else '?'} layers)")
-            self.range = (a, b)
-        self._kinds: list[str] = []
         self._current: ContainerParser | None = None
         self._delivered: list[ContainerParser] = []
         self._start()
@@ -225,7 +173,7 @@ class LayerStream(VerifiedLayerStream):
                 if want is None:
                     want = self.range  # learnt from a whole-block response
                     next_layer = want[1] + 1 if want else 0
-            except _SourceFailed as e:
+            except SourceFailed as e:
                 self._fail(source, e.kind, e.reason)
             except (httpx.TimeoutException, http1.ReadTimeout, http1.ConnectTimeout) as e:
                 self._fail(source, "transport", f"timed out ({type(e).__name__})")
@@ -239,22 +187,6 @@ class LayerStream(VerifiedLayerStream):
                 self._current = None
         if want is None or next_layer <= want[1]:
             raise self._exhausted()
-
-    def _fail(self, source: str, kind: str, reason: str) -> None:
-        self.failures.append((source, reason))
-        self._kinds.append(kind)
-
-    def _exhausted(self) -> KvspError:
-        summary = "; ".join(f"{s}: {r}" for s, r in self.failures) or "no sources"
-        err: KvspError
-        if "digest" in self._kinds:
-            err = DigestMismatch(f"no source delivered verified layers ({summary})")
-        elif not self._kinds or all(k == "miss" for k in self._kinds):
-            err = NotFound(f"no source holds the layers ({summary})")
-        else:
-            err = TransportError(f"no source delivered the layers ({summary})")
-        err.failures = list(self.failures)  # type: ignore[attr-defined]
-        return err
 
     # ---------------------------------------------------------------- one source
 
@@ -282,7 +214,7 @@ class LayerStream(VerifiedLayerStream):
         """Layers from one response, whichever client received it."""
         record = self.record
         if resp.status_code != 200:
-            raise _SourceFailed(*await _describe_refusal(resp))
+            raise SourceFailed(*await _describe_refusal(resp))
         expected_repr = parse_repr_digest(resp.headers.get("repr-digest"))
         if expected_repr is None:
             self._note(f"{base} sent no usable Repr-Digest; layers were checked against "
@@ -293,7 +225,7 @@ class LayerStream(VerifiedLayerStream):
         max_size = record.size if record.size else self.fetcher.max_block_bytes
         declared = resp.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > max_size:
-            raise _SourceFailed("malformed", f"a body of {declared} octets is larger than "
+            raise SourceFailed("malformed", f"a body of {declared} octets is larger than "
                                              f"the replica's {max_size}")
         parser = ContainerParser(max_size=max_size, allocate=receive_buffer)
         self._current = parser
@@ -338,24 +270,24 @@ class LayerStream(VerifiedLayerStream):
                     else:
                         yield layer
         except BadContainer as e:
-            raise _SourceFailed("malformed", f"{base}: {e}") from None
+            raise SourceFailed("malformed", f"{base}: {e}") from None
         finally:
             await steps.aclose()
         if not done:
             try:
                 whole = parser.close()
             except BadContainer as e:
-                raise _SourceFailed("transport", str(e)) from None
+                raise SourceFailed("transport", str(e)) from None
             if stream_hash is not None:
                 if hashed < parser.received:
                     stream_hash.update(parser.buffer[hashed:parser.received])
                 if await stream_hash.digest() != expected_repr:
-                    raise _SourceFailed("digest", "Repr-Digest does not match the body")
+                    raise SourceFailed("digest", "Repr-Digest does not match the body")
             if digests is None:
                 self.token_count = whole.token_count
                 computed = whole.layer_digests()
                 if whole.first_layer != 0 or replica_digest(computed).hex() != record.digest[8:]:
-                    raise _SourceFailed("digest", "the block does not match the replica digest")
+                    raise SourceFailed("digest", "the block does not match the replica digest")
                 self.range = (0, whole.layer_count - 1) if self.range is None else self.range
                 for layer in whole.layers():
                     if self.range[0] <= layer.index <= self.range[1]:
@@ -387,23 +319,19 @@ class LayerStream(VerifiedLayerStream):
                         digests: list[bytes] | None) -> int:
         """Check the response's header against the request; the last layer wanted from it."""
         if parser.codec != self.record.codec:
-            raise _SourceFailed("malformed", f"codec {parser.codec} returned, the replica has "
+            raise SourceFailed("malformed", f"codec {parser.codec} returned, the replica has "
                                              f"codec {self.record.codec}")
         last_in = parser.first_layer + parser.layer_count - 1
         if digests is None:
             return last_in
         want_last = self.range[1]  # type: ignore[index]
         if parser.first_layer > first or last_in < want_last:
-            raise _SourceFailed("malformed", f"response holds layers {parser.first_layer}-"
+            raise SourceFailed("malformed", f"response holds layers {parser.first_layer}-"
                                              f"{last_in}, not {first}-{want_last}")
         if (parser.first_layer, last_in) != (first, want_last):
             self._note(f"{base} ignored layers={first}-{want_last} and sent layers "
                        f"{parser.first_layer}-{last_in}")
         return want_last
-
-    def _note(self, text: str) -> None:
-        if text not in self.notes:
-            self.notes.append(text)
 
     def container_if_single(self) -> Container | None:
         """The one response's container, when it alone delivered every layer (no copy)."""
@@ -414,7 +342,7 @@ class LayerStream(VerifiedLayerStream):
 
 def _verify_layer(layer: Layer, digests: list[bytes]) -> None:
     if layer_digest(layer.k, layer.v) != digests[layer.index]:
-        raise _SourceFailed("digest", f"layer {layer.index} does not match its layer digest")
+        raise SourceFailed("digest", f"layer {layer.index} does not match its layer digest")
 
 
 def _layer_digests(layers: list[Layer]) -> list[bytes]:
@@ -470,7 +398,7 @@ class _LayerChecks:
     def _check(self, layers: list[Layer], computed: list[bytes]) -> list[Layer]:
         for layer, digest in zip(layers, computed):
             if digest != self.digests[layer.index]:
-                raise _SourceFailed("digest", f"layer {layer.index} does not match its "
+                raise SourceFailed("digest", f"layer {layer.index} does not match its "
                                               f"layer digest")
         return layers
 
@@ -552,12 +480,12 @@ class HttpFetcher:
         await self.aclose()
 
     def layers(self, sources: Sequence[str], record: ReplicaRecord,
-               layers: tuple[int, int] | None = None) -> LayerStream:
+               layers: tuple[int, int] | None = None) -> HttpLayerStream:
         """Layers a..b (default all) of the record's block, verified, in ascending order."""
-        return LayerStream(self, sources, record, layers)
+        return HttpLayerStream(self, sources, record, layers)
 
     async def fetch_block(self, sources: Sequence[str], record: ReplicaRecord,
-                          layers: tuple[int, int] | None = None) -> FetchResult:
+                          layers: tuple[int, int] | None = None) -> FetchedBlock:
         """The requested layers as one verified container."""
         stream = self.layers(sources, record, layers)
         got = [layer async for layer in stream]
@@ -567,15 +495,13 @@ class HttpFetcher:
             container = Container(encode(first, stream.token_count or 0,
                                          [(layer.k, layer.v) for layer in got],
                                          codec=record.codec))
-        return FetchResult(container, (first, last), stream.served_by, stream.failures,
-                           stream.notes, stream.bytes_received,
-                           time.perf_counter() - stream.started, stream.first_layer_seconds)
+        return FetchedBlock.of(stream, container)
 
 
 async def fetch_block(sources: Sequence[str], record: ReplicaRecord,
                       layers: tuple[int, int] | None = None, *,
                       client: httpx.AsyncClient | None = None, token: str | None = None,
-                      timeout: float = 10.0) -> FetchResult:
+                      timeout: float = 10.0) -> FetchedBlock:
     """One block from the first of `sources` that delivers it verified."""
     async with HttpFetcher(client=client, token=token, timeout=timeout) as fetcher:
         return await fetcher.fetch_block(sources, record, layers)

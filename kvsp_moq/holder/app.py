@@ -43,11 +43,11 @@ from kvsp_moq.errors import (
     PreconditionRequired,
 )
 from kvsp_moq.holder.leases import Clock, LeaseLimits, LeaseTable
-from kvsp_moq.holder.publisher import Publisher
+from kvsp_moq.holder.moqt_publisher import BlockPublisher
+from kvsp_moq.holder.index_publisher import IndexPublisher
 from kvsp_moq.holder.store import CHUNK, BlockId, BlockRead, BlockStore
 from kvsp_moq.index_client import IndexClient
 from kvsp_moq.moqt.certs import client_tls
-from kvsp_moq.moqt_blocks import BlockPublisher
 from kvsp_moq.protocol import validate as v
 from kvsp_moq.protocol.container import MEDIA_TYPE as BLOCK_MEDIA_TYPE
 from kvsp_moq.protocol.records import LeaseGrant, LeaseRequest
@@ -165,7 +165,7 @@ class BlockResponse:
 class HolderApi:
     """Request handlers over one store, lease table and publisher."""
 
-    def __init__(self, store: BlockStore, leases: LeaseTable, publisher: Publisher, *,
+    def __init__(self, store: BlockStore, leases: LeaseTable, publisher: IndexPublisher, *,
                  max_block_bytes: int, chunk_bytes: int = CHUNK) -> None:
         self.store = store
         self.leases = leases
@@ -282,7 +282,7 @@ def create_app(settings: "HolderSettings", *, clock: Clock | None = None) -> Sta
         index = IndexClient(settings.index_url, token=settings.index_token, client=http_client)
     relay = settings.relay or None
     tls = client_tls(relay, cafile=settings.relay_ca, insecure=settings.relay_insecure) if relay else None
-    publisher = Publisher(store, index, holder_url=settings.public_url or "",
+    publisher = IndexPublisher(store, index, holder_url=settings.public_url or "",
                           record_ttl_ms=settings.record_ttl_ms, relay_url=relay)
     store.withdraw = publisher.withdraw
     moqt: list[BlockPublisher] = []  # the MOQT publisher, once started

@@ -23,7 +23,6 @@ import re
 import secrets
 import time
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Iterable, Iterator, Mapping, NamedTuple, Sequence
@@ -37,6 +36,7 @@ from kvsp_moq.errors import (
     PreconditionFailed,
     StoreFull,
 )
+from kvsp_moq.hashing import hash_pool
 from kvsp_moq.protocol.compat import CODECS, CompatDescriptor
 from kvsp_moq.protocol.container import Buffer, Container, encode_header
 from kvsp_moq.protocol.records import Residency
@@ -50,17 +50,6 @@ _HEX = re.compile(r"^[0-9a-f]+$")
 _RANGE_DIGESTS_KEPT = 32
 #: write errors that mean "no room": a full filesystem, a quota, a file size limit
 _NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
-
-_pool: ThreadPoolExecutor | None = None
-
-
-def hash_pool() -> ThreadPoolExecutor:
-    """Worker threads for SHA-256 (hashlib releases the GIL on large updates)."""
-    global _pool
-    if _pool is None:
-        _pool = ThreadPoolExecutor(max_workers=max(2, min(8, os.cpu_count() or 2)),
-                                   thread_name_prefix="kvsp-hash")
-    return _pool
 
 
 

@@ -106,7 +106,7 @@ async def pick_record(args: argparse.Namespace, moqt: bool) -> ReplicaRecord:
         if listed:
             return listed[0]
         http = [r for r in replicas if not r.is_moqt]
-        from kvsp_moq.moqt_blocks import moqt_record
+        from kvsp_moq.naming import moqt_record
 
         return moqt_record(http[0], args.source)
     held = ", ".join(sorted({r.holder for r in replicas}))
@@ -166,7 +166,8 @@ async def _get(args: argparse.Namespace) -> int:
     if output == "-" and args.json:
         raise UsageError("--json and -o - both write to stdout; give -o FILE")
     if moqt:  # imported before the clock starts: a transfer's figures are the transfer's
-        from kvsp_moq.moqt_blocks import MoqtBlockFetcher, moqt_record
+        from kvsp_moq.fetch.moqt import MoqtBlockFetcher
+        from kvsp_moq.naming import moqt_record
     else:
         from kvsp_moq.fetch.http import HttpFetcher
     report: dict[str, Any] = {"source": source}

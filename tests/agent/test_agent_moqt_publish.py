@@ -16,9 +16,9 @@ import pytest
 
 from agent.service import OPEN_SCOPE_KEY, Agent, AgentSettings
 from kvsp_moq.fetch.http import HttpFetcher
+from kvsp_moq.fetch.moqt import MoqtBlockFetcher
 from kvsp_moq.holder.store import BlockId
 from kvsp_moq.index_client import IndexClient
-from kvsp_moq.moqt_blocks import MoqtBlockFetcher
 from kvsp_moq.naming import BlockTrack
 from kvsp_moq.protocol.keys import scope_id
 from kvsp_moq.protocol.records import ReplicaRecord

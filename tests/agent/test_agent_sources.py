@@ -10,10 +10,10 @@ from typing import Any, AsyncIterator
 import httpx
 import pytest
 
-from agent.loader import LayerTuple
 from agent.model import ModelAdapter
 from agent.service import Agent, AgentSettings
 from kvsp_moq.fetch.http import HttpFetcher
+from kvsp_moq.fetch.sources import LayerTuple
 from kvsp_moq.holder.service import Holder, HolderSettings
 from kvsp_moq.protocol.records import ReplicaRecord
 from tests.agent.conftest import tokens

@@ -11,8 +11,19 @@ from __future__ import annotations
 import asyncio
 import time
 
-from kvsp_moq.fetch.http import HttpFetcher
-from kvsp_moq.moqt_blocks import MoqtBlockFetcher, moqt_record
+import httpx
+
+from kvsp_moq.fetch import (
+    HttpFetcher,
+    HttpLayerSource,
+    LeaseClient,
+    LeaseKeeper,
+    MoqtBlockFetcher,
+    MoqtLayerSource,
+    fetch_layers,
+    order_candidates,
+)
+from kvsp_moq.naming import moqt_record
 from kvsp_moq.protocol.container import Container
 from tests.faults.conftest import Processes, block_key, make_container, small_window_client, stored_record
 
@@ -57,54 +68,54 @@ async def test_http_holder_killed_mid_transfer_next_source(procs: Processes) -> 
 
 
 async def test_moqt_holder_killed_mid_transfer_falls_back(procs: Processes) -> None:
-    """Through a relay: the MOQT source stalls or ends early; the rest comes over HTTP from B."""
+    """Through a relay: the MOQT source stalls or ends early; the library's fallback finishes the
+    block over HTTP from B, from the first layer MOQT did not deliver."""
     relay = procs.relay()
     a = procs.holder(relay=relay.url)
     b = procs.holder()
     body = make_container(2, layers=LAYERS, layer_bytes=LAYER_BYTES)
     bkey = block_key(2)
     http_record = stored_record(a.url, bkey, body)
-    stored_record(b.url, bkey, body)
+    b_record = stored_record(b.url, bkey, body)
     record = moqt_record(http_record, relay.url)
     want = expected_layers(body)
 
     got: dict[int, bytes] = {}
     order: list[int] = []
     started = time.monotonic()
-    async with MoqtBlockFetcher(verify=False, timeout=5.0, layer_timeout=2.0) as moqt:
-        # The publisher announces once its session with the relay is up; wait for it.
+    async with MoqtBlockFetcher(verify=False, timeout=5.0, layer_timeout=2.0) as moqt, \
+            HttpFetcher(timeout=5.0) as http, httpx.AsyncClient(trust_env=False) as client:
+        # The publisher announces once its session with the relay is up; wait for it, or the
+        # fallback would rightly skip the MOQT candidate as a miss before the kill.
         deadline = time.monotonic() + 15
-        stream = None
-        while stream is None:
+        while True:
             try:
-                stream = moqt.layers([relay.url], record)
-                first = await stream.__anext__()
+                await moqt.fetch_block([relay.url], record, (0, 0))
+                break
             except Exception:  # noqa: BLE001 - not announced yet
-                stream = None
                 assert time.monotonic() < deadline, "the holder never became reachable through the relay"
                 await asyncio.sleep(0.2)
-        await asyncio.to_thread(a.kill)
-        order.append(first.index)
-        got[first.index] = bytes(first.k) + bytes(first.v)
-        moqt_error: Exception | None = None
+        candidates = order_candidates([record, b_record],
+                                      [MoqtLayerSource(moqt, relay.url), HttpLayerSource(http)])
+        assert [c.source.kind for c in candidates] == ["moqt", "http"]
+        keeper = LeaseKeeper(LeaseClient(client, timeout=2.0), 10_000)
         try:
-            async for layer in stream:
-                order.append(layer.index)
-                got[layer.index] = bytes(layer.k) + bytes(layer.v)
-        except Exception as e:  # noqa: BLE001 - the MOQT source is exhausted: fall back
-            moqt_error = e
-    if order[-1] < LAYERS - 1:
-        async with HttpFetcher(timeout=5.0) as http:
-            rest = http.layers([b.url], http_record, (order[-1] + 1, LAYERS - 1))
-            async for layer in rest:
-                order.append(layer.index)
-                got[layer.index] = bytes(layer.k) + bytes(layer.v)
+            async with fetch_layers(candidates, 0, LAYERS - 1, keeper=keeper) as stream:
+                async for layer in stream:
+                    if not order:
+                        await asyncio.to_thread(a.kill)  # the holder dies with the block mostly unsent
+                    order.append(layer.index)
+                    got[layer.index] = bytes(layer.k) + bytes(layer.v)
+        finally:
+            await keeper.release()
     elapsed = time.monotonic() - started
-    print(f"\nMOQT served {stream.served_by}, then failed: {stream.failures}; HTTP from layer "
-          f"{stream.served_by[-1][2] + 1 if stream.served_by else 0}; {elapsed:.1f} s in all")
+    turns = [(t.candidate.source.kind, t.first, t.last, t.error) for t in stream.attempts]
+    print(f"\nturns (kind, first, last, error): {turns}; {elapsed:.1f} s in all")
 
     assert order == list(range(LAYERS)), "layers once each, ascending, across both transports"
     assert got == want, "no partial or unverified layer was handed out"
-    assert moqt_error is not None and stream.failures, (
-        f"the relay path should have failed after the holder died (served {stream.served_by})")
+    moqt_turn, http_turn = stream.attempts[0], stream.attempts[-1]
+    assert moqt_turn.candidate.source.kind == "moqt" and moqt_turn.error is not None, (
+        f"the relay path should have failed after the holder died ({turns})")
+    assert http_turn.candidate.record.holder == b.url and http_turn.error is None, turns
     assert elapsed < 30, f"recovery took {elapsed:.1f} s"

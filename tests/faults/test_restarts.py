@@ -15,7 +15,8 @@ import time
 
 import pytest
 
-from kvsp_moq.moqt_blocks import MoqtBlockFetcher, moqt_record
+from kvsp_moq.fetch.moqt import MoqtBlockFetcher
+from kvsp_moq.naming import moqt_record
 from kvsp_moq.protocol.container import Container
 from kvsp_moq.protocol.records import ReplicaRecord
 from tests.faults.conftest import Processes, block_key, free_port, lookup, make_container, stored_record

@@ -21,7 +21,7 @@ from kvsp_moq.errors import SettingError
 from kvsp_moq.moqt.certs import client_tls
 from kvsp_moq.holder.service import Holder, HolderSettings
 from kvsp_moq.moqt.certs import generate_self_signed
-from kvsp_moq.moqt_blocks import MoqtBlockFetcher
+from kvsp_moq.fetch.moqt import MoqtBlockFetcher
 from kvsp_moq.naming import BlockTrack, decode_namespace, publisher_id
 from kvsp_moq.protocol.container import Container
 from kvsp_moq.protocol.records import ReplicaRecord, replica_id

@@ -17,16 +17,18 @@ from kvsp_moq.holder.store import BlockId, BlockStore
 from kvsp_moq.moqt.certs import generate_self_signed
 from kvsp_moq.moqt.quic import connect
 from kvsp_moq.moqt.wire import property_value
-from kvsp_moq.moqt_blocks import (
+from kvsp_moq.fetch.moqt import MoqtBlockFetcher
+from kvsp_moq.holder.moqt_publisher import BlockPublisher
+from kvsp_moq.naming import (
     K_LENGTH_PROPERTY,
     TOKEN_COUNT_PROPERTY,
-    BlockPublisher,
-    MoqtBlockFetcher,
+    BlockTrack,
+    decode_namespace,
     layer_properties,
     moqt_record,
+    publisher_id,
     split_layer,
 )
-from kvsp_moq.naming import BlockTrack, decode_namespace, publisher_id
 from kvsp_moq.protocol.container import Container, encode
 from kvsp_moq.protocol.records import ReplicaRecord, replica_id
 from relay.relay import Relay, RelaySettings

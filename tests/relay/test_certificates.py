@@ -157,7 +157,7 @@ def _other_ca(tmp_path: Path) -> Path:
 
 
 async def test_the_fetcher_fails_with_the_line(tmp_path):
-    from kvsp_moq.moqt_blocks import MoqtBlockFetcher
+    from kvsp_moq.fetch.moqt import MoqtBlockFetcher
 
     async with running_relay() as relay:
         fetcher = MoqtBlockFetcher(tls=client_tls(relay.url, cafile=_other_ca(tmp_path)), timeout=STEP)
@@ -177,13 +177,13 @@ async def test_the_fetcher_fails_with_the_line(tmp_path):
 
 async def test_a_publisher_says_it_once_and_keeps_retrying(tmp_path, caplog):
     from kvsp_moq.holder.store import BlockStore
-    from kvsp_moq.moqt_blocks import BlockPublisher
+    from kvsp_moq.holder.moqt_publisher import BlockPublisher
 
     async with running_relay() as relay:
         publisher = BlockPublisher(BlockStore(host_bytes=1 << 20), relay.url, "http://127.0.0.1:1/",
                                    tls=client_tls(relay.url, cafile=_other_ca(tmp_path)),
                                    retry_initial=0.05, retry_max=0.1)
-        with caplog.at_level(logging.DEBUG, logger="kvsp.moqt_blocks"):
+        with caplog.at_level(logging.DEBUG, logger="kvsp.holder.moqt_publisher"):
             await publisher.start()
             try:
                 await asyncio.sleep(1.0)

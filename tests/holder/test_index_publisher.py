@@ -160,7 +160,7 @@ async def test_the_moqt_record_waits_for_the_relay_to_accept_the_namespace() -> 
     nobody serves there yet: it is put only once the announcement is accepted."""
     import asyncio
 
-    from kvsp_moq.holder.publisher import Publisher
+    from kvsp_moq.holder.index_publisher import IndexPublisher
     from kvsp_moq.holder.store import BlockStore
 
     class RecordingIndex:
@@ -187,7 +187,7 @@ async def test_the_moqt_record_waits_for_the_relay_to_accept_the_namespace() -> 
 
     index = RecordingIndex()
     store = BlockStore(is_protected=lambda k: False, host_bytes=1 << 20)
-    publisher = Publisher(store, index, holder_url="http://holder.invalid/",  # type: ignore[arg-type]
+    publisher = IndexPublisher(store, index, holder_url="http://holder.invalid/",  # type: ignore[arg-type]
                           relay_url="moqt://relay.invalid:4443", record_ttl_ms=60_000)
     accepted: set[tuple[str, str]] = set()
     publisher.moqt_ready = lambda c, s: (c, s) in accepted

@@ -1,72 +1,36 @@
-"""KV blocks over MOQT (DESIGN §4): a holder's publisher and the verified fetcher.
+"""The holder's MOQT block publisher (DESIGN §4): its `BlockStore` served through a relay.
 
-A replica is the track ("kvsp", compat_id, scope_id, publisher_id, block_key) / "codec"; group
-0 holds the block and Object ID = layer number. The payload of a raw object is exactly the K
-section followed by the V section of its layer, so SHA-256 of the payload is the layer digest
-of §4.3. Every object also carries two application properties (draft-18 Key-Value-Pairs with
-even types, so their values are varints):
-
-    0x3800  KVSP Token Count  the block's token count (a container header field)
-    0x3802  KVSP K Length     octets of the K section; the V section is the rest
-
-so a receiver can split K from V and rebuild a container for codecs whose halves differ.
-
-`BlockPublisher` serves a holder's `BlockStore` through a relay: it announces
-("kvsp", compat, scope, publisher_id) once per compat and scope, answers FETCH of objects a..b
-of group 0 from the store, answers SUBSCRIBE with the layers on one subgroup stream in
-ascending order, and reconnects (with backoff) and re-announces when the relay restarts.
-Blocks still being computed are published with `produce()`: their layers go out to
-subscribers as they are added. It must run on the event loop that owns the store.
+`BlockPublisher` announces ("kvsp", compat, scope, publisher_id) once per compat and scope,
+answers FETCH of objects a..b of group 0 from the store, answers SUBSCRIBE with the layers on
+one subgroup stream in ascending order, and reconnects (with backoff) and re-announces when the
+relay restarts. Blocks still being computed are published with `produce()`: their layers go out
+to subscribers as they are added. It must run on the event loop that owns the store. The track
+naming and the layer objects' payload and properties are `kvsp_moq.naming`'s.
 
 A SUBSCRIBE is answered as the draft's filters say, read for a track whose objects the
 publisher holds: SUBSCRIBE_OK carries the largest layer available; without a filter, or with
 AbsoluteStart/AbsoluteRange, every layer from the start location is sent (those already
 available first, then each as it is added); with Largest Object only the layers after it;
 Next Group Start gives nothing, as a block has one group.
-
-`MoqtBlockFetcher.layers()` mirrors `kvsp_moq.fetch.http.HttpFetcher.layers()`: layers a..b
-of a block through a relay, verified against the Replica Record's layer digests before each is
-yielded, in ascending order. It FETCHes the range; when the block is still being produced
-(the FETCH is refused with INVALID_RANGE or ends early) it SUBSCRIBEs for the rest, and a gap
-between the layers it has and the first one the subscription delivers (a subscription
-joined mid-way at a relay) is FETCHed. A digest mismatch raises `DigestMismatch`; the bad
-layer is never yielded.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Iterator, Sequence
 
-from kvsp_moq.errors import (
-    BadRecord,
-    DigestMismatch,
-    KvspError,
-    LayersUnavailable,
-    NotFound,
-    PreconditionFailed,
-    TransportError,
-)
-from kvsp_moq.fetch.http import FetchResult
-from kvsp_moq.fetch.stream import VerifiedLayerStream, record_layer_digests
+from kvsp_moq.errors import KvspError, LayersUnavailable, PreconditionFailed
 from kvsp_moq.holder.store import BlockId, BlockRead, BlockStore, StoredBlock
-from kvsp_moq.moqt.certs import (
-    CertificateRejected,
-    ClientTls,
-    check_trusted,
-    untrusted_certificate,
-)
+from kvsp_moq.moqt.certs import ClientTls, untrusted_certificate
 from kvsp_moq.moqt.errors import (
     DoesNotExist,
     InvalidRange,
     MoqtError,
     PublishDoneCode,
     RequestError,
-    RequestErrorCode,
     SessionClosed,
     StreamClosed,
 )
@@ -75,86 +39,22 @@ from kvsp_moq.moqt.quic import (
     IncomingSubscribe,
     IncomingTrackStatus,
     MoqtConnection,
-    MoqtObject,
     PublishedNamespace,
     QuicSettings,
     connect,
 )
-from kvsp_moq.moqt.wire import (
-    FilterType,
-    Location,
-    Properties,
-    SubscriptionFilter,
-    property_value,
-)
-from kvsp_moq.naming import GROUP, BlockTrack, publisher_id
-from kvsp_moq.protocol.container import (
-    Container,
-    Layer,
-    encode,
-    format_digest,
-    layer_digest,
-    replica_digest,
-)
+from kvsp_moq.moqt.wire import FilterType, Location, Properties, SubscriptionFilter
+from kvsp_moq.naming import GROUP, BlockTrack, layer_properties, moqt_record, publisher_id
+from kvsp_moq.protocol.container import encode, format_digest
 from kvsp_moq.protocol.records import ReplicaRecord
 
-__all__ = [
-    "TOKEN_COUNT_PROPERTY",
-    "K_LENGTH_PROPERTY",
-    "layer_properties",
-    "split_layer",
-    "moqt_record",
-    "BlockPublisher",
-    "LiveBlock",
-    "MoqtBlockFetcher",
-    "MoqtLayerStream",
-]
+__all__ = ["BlockPublisher", "LiveBlock", "PublisherStats"]
 
-log = logging.getLogger("kvsp.moqt_blocks")
-
-#: Object property: the block's Token Count (even type: a varint value).
-TOKEN_COUNT_PROPERTY = 0x3800
-#: Object property: octets of the layer's K section (even type: a varint value).
-K_LENGTH_PROPERTY = 0x3802
-
-
-def layer_properties(token_count: int, k_length: int) -> Properties:
-    """The application properties of one layer object (in ascending type order)."""
-    return ((TOKEN_COUNT_PROPERTY, token_count), (K_LENGTH_PROPERTY, k_length))
-
-
-def split_layer(index: int, payload: bytes | memoryview, properties: Properties) -> tuple[Layer, int | None]:
-    """A layer object as (Layer, token count); without a K Length the halves are equal."""
-    view = memoryview(payload)
-    k_length = property_value(properties, K_LENGTH_PROPERTY)
-    if k_length is None:
-        if len(view) % 2:
-            raise BadRecord(f"layer {index}: no K length and an odd payload", member="payload")
-        k_length = len(view) // 2
-    if not 0 <= k_length <= len(view):
-        raise BadRecord(f"layer {index}: K length {k_length} exceeds the payload", member="payload")
-    return Layer(index, view[:k_length], view[k_length:]), property_value(properties, TOKEN_COUNT_PROPERTY)
-
-
-def moqt_record(http_record: ReplicaRecord, relay_url: str) -> ReplicaRecord:
-    """The Replica Record of the MOQT replica behind `relay_url` of a holder's HTTP replica:
-    holder = the relay's moqt:// URI, moqt_namespace = the track's five fields, http_holder =
-    the holder's HTTP base (where leases are taken and where a client falls back)."""
-    if not relay_url.lower().startswith("moqt://"):
-        raise BadRecord("must be a moqt:// URI", member="holder")
-    if http_record.is_moqt:
-        raise BadRecord("the record is already a MOQT replica's", member="holder")
-    track = BlockTrack.for_holder(http_record.compat_id, http_record.scope_id, http_record.block_key,
-                                  http_record.holder, http_record.codec)
-    return dataclasses.replace(http_record, holder=relay_url, moqt_namespace=track.moqt_namespace,
-                               http_holder=http_record.holder)
+log = logging.getLogger("kvsp.holder.moqt_publisher")
 
 
 def _http_base(url: str) -> str:
     return url if url.endswith("/") else url + "/"
-
-
-# =========================================================================== publisher
 
 
 class LiveBlock:
@@ -602,320 +502,3 @@ def _first_layer(subscription_filter: SubscriptionFilter | None, available: int,
     if start.group > GROUP:
         return total
     return start.object if start.group == GROUP else 0
-
-
-# =========================================================================== fetcher
-
-
-class _SourceFailed(Exception):
-    def __init__(self, kind: str, reason: str) -> None:
-        super().__init__(reason)
-        self.kind = kind  # "miss", "digest", "refused", "transport", "malformed"
-        self.reason = reason
-
-
-def _failure_of(error: BaseException) -> _SourceFailed:
-    if isinstance(error, _SourceFailed):
-        return error
-    if isinstance(error, DoesNotExist):
-        return _SourceFailed("miss", f"DOES_NOT_EXIST: {error.reason}")
-    if isinstance(error, RequestError):
-        name = RequestErrorCode(error.error_code).name if error.error_code in RequestErrorCode._value2member_map_ \
-            else hex(int(error.error_code))
-        return _SourceFailed("refused", f"{name}: {error.reason}")
-    if isinstance(error, asyncio.TimeoutError):
-        return _SourceFailed("transport", "timed out")
-    if isinstance(error, KvspError):
-        return _SourceFailed("malformed" if isinstance(error, BadRecord) else "transport", str(error))
-    return _SourceFailed("transport", f"{type(error).__name__}: {error}")
-
-
-class MoqtLayerStream(VerifiedLayerStream):
-    """Verified layers a..b of one block, in ascending order, through MOQT relays."""
-
-    def __init__(self, fetcher: "MoqtBlockFetcher", sources: Sequence[str], record: ReplicaRecord,
-                 layers: tuple[int, int] | None, live: bool | None) -> None:
-        if not record.moqt_namespace:
-            raise BadRecord("a MOQT replica needs moqt_namespace", member="moqt_namespace")
-        self.fetcher = fetcher
-        self.sources = list(sources) or [record.holder]
-        self.record = record
-        self.track = BlockTrack.from_record_namespace(record.moqt_namespace, record.codec)
-        self.live = live
-        self.failures: list[tuple[str, str]] = []
-        self.notes: list[str] = []
-        self.served_by: list[tuple[str, int, int]] = []
-        self.bytes_received = 0
-        self.started = time.perf_counter()
-        self.first_layer_seconds: float | None = None
-        self.token_count: int | None = None
-        n = record.layer_count
-        if layers is None:
-            self.range = (0, n - 1) if n is not None else None
-        else:
-            a, b = layers
-            if a > b or a < 0 or (n is not None and b >= n):
-                raise LayersUnavailable(f"layers {a}-{b} are not in this replica "
-                                        f"({n if n is not None else '?'} layers)")
-            self.range = (a, b)
-        if self.range is None:
-            raise LayersUnavailable("the record lists no layer digests; give the layer range")
-        self._kinds: list[str] = []
-        self._start()
-
-    # ---------------------------------------------------------------- the source loop
-
-    async def _run(self) -> AsyncIterator[Layer]:
-        record = self.record
-        digests = record_layer_digests(record)
-        assert self.range is not None
-        first, last = self.range
-        next_layer = first
-        for source in self.sources:
-            if next_layer > last:
-                break
-            if not source.lower().startswith("moqt://"):
-                self._fail(source, "refused", "not a moqt:// source")
-                continue
-            start_layer = next_layer
-            try:
-                if digests is None:
-                    layers = [layer async for layer in self._from_source(source, next_layer, last, None)]
-                    self._check_whole(layers)
-                    for layer in layers:
-                        next_layer = layer.index + 1
-                        yield layer
-                else:
-                    async for layer in self._from_source(source, next_layer, last, digests):
-                        if self.first_layer_seconds is None:
-                            self.first_layer_seconds = time.perf_counter() - self.started
-                        next_layer = layer.index + 1
-                        yield layer
-            except _SourceFailed as e:
-                self._fail(source, e.kind, e.reason)
-            except (MoqtError, KvspError, OSError, asyncio.TimeoutError, ConnectionError) as e:
-                failure = _failure_of(e)
-                self._fail(source, failure.kind, failure.reason)
-                if failure.kind == "transport":
-                    await self.fetcher.drop_if_dead(source)
-            finally:
-                if next_layer > start_layer:
-                    self.served_by.append((source, start_layer, next_layer - 1))
-        if next_layer <= last:
-            raise self._exhausted()
-
-    def _check_whole(self, layers: list[Layer]) -> None:
-        """Without layer digests only a whole replica can be checked, by its replica digest."""
-        if not layers or layers[0].index != 0 or len(layers) != layers[-1].index + 1:
-            raise _SourceFailed("digest", "without layer digests only the whole block can be verified")
-        if replica_digest([layer.digest() for layer in layers]).hex() != self.record.digest[8:]:
-            raise _SourceFailed("digest", "the block does not match the replica digest")
-        if self.first_layer_seconds is None:
-            self.first_layer_seconds = time.perf_counter() - self.started
-
-    def _fail(self, source: str, kind: str, reason: str) -> None:
-        self.failures.append((source, reason))
-        self._kinds.append(kind)
-
-    def _exhausted(self) -> KvspError:
-        summary = "; ".join(f"{s}: {r}" for s, r in self.failures) or "no sources"
-        err: KvspError
-        if "digest" in self._kinds:
-            err = DigestMismatch(f"no source delivered verified layers ({summary})")
-        elif not self._kinds or all(k == "miss" for k in self._kinds):
-            err = NotFound(f"no source holds the layers ({summary})")
-        else:
-            err = TransportError(f"no source delivered the layers ({summary})")
-        err.failures = list(self.failures)  # type: ignore[attr-defined]
-        return err
-
-    # ---------------------------------------------------------------- one source
-
-    def _verified(self, obj: MoqtObject, expected: int, digests: list[bytes] | None) -> Layer:
-        if obj.group_id != GROUP or obj.object_id != expected:
-            raise _SourceFailed("malformed", f"object {obj.group_id}/{obj.object_id} where layer {expected} was due")
-        self.bytes_received += len(obj.payload)
-        try:
-            layer, tokens = split_layer(obj.object_id, obj.payload, obj.properties)
-        except BadRecord as e:
-            raise _SourceFailed("malformed", str(e)) from None
-        if digests is not None and layer_digest(layer.k, layer.v) != digests[obj.object_id]:
-            raise _SourceFailed("digest", f"layer {obj.object_id} does not match its layer digest")
-        if tokens is not None:
-            if self.token_count is None:
-                self.token_count = tokens
-            elif tokens != self.token_count:
-                raise _SourceFailed("malformed", f"layer {obj.object_id} has another token count")
-        return layer
-
-    async def _fetch_range(self, connection: MoqtConnection, first: int, last: int,
-                           digests: list[bytes] | None) -> AsyncIterator[Layer]:
-        """Layers first..(at most) last by one standalone FETCH; it may end early."""
-        fetcher = self.fetcher
-        result = await connection.fetch(self.track.namespace, self.track.track_name, (GROUP, first),
-                                        (GROUP, last), authorization=fetcher.token, timeout=fetcher.timeout)
-        try:
-            expected = first
-            while expected <= last:
-                obj = await result.next_object(fetcher.layer_timeout)
-                if obj is None:
-                    return
-                yield self._verified(obj, expected, digests)
-                expected += 1
-        finally:
-            await result.aclose()
-
-    async def _from_source(self, source: str, first: int, last: int,
-                           digests: list[bytes] | None) -> AsyncIterator[Layer]:
-        fetcher = self.fetcher
-        connection = await fetcher.connection(source)
-        next_layer = first
-        if self.live is not True:
-            try:
-                async for layer in self._fetch_range(connection, next_layer, last, digests):
-                    next_layer = layer.index + 1
-                    yield layer
-            except InvalidRange:
-                pass  # nothing of the range exists yet: the block is being produced
-            if next_layer > last:
-                return
-            self._note(f"{source}: layers from {next_layer} were not there yet; subscribed for them")
-        async for layer in self._subscribe_range(connection, next_layer, last, digests):
-            yield layer
-
-    async def _subscribe_range(self, connection: MoqtConnection, first: int, last: int,
-                               digests: list[bytes] | None) -> AsyncIterator[Layer]:
-        """Layers first..last of a block being produced, by SUBSCRIBE (gaps by FETCH)."""
-        fetcher = self.fetcher
-        subscription = await connection.subscribe(
-            self.track.namespace, self.track.track_name,
-            subscription_filter=SubscriptionFilter.absolute_start(GROUP, first), forward=True,
-            authorization=fetcher.token, timeout=fetcher.timeout)
-        next_layer = first
-        try:
-            iterator = subscription.__aiter__()
-            while next_layer <= last:
-                try:
-                    obj = await asyncio.wait_for(iterator.__anext__(), fetcher.layer_timeout)
-                except StopAsyncIteration:
-                    obj = None
-                if obj is not None and (obj.group_id != GROUP or obj.object_id < next_layer):
-                    continue  # a layer we already have
-                stop = last if obj is None else min(last, obj.object_id - 1)
-                if next_layer <= stop:
-                    # Joined mid-way (or the track ended first): the missing layers by FETCH.
-                    async for layer in self._fetch_range(connection, next_layer, stop, digests):
-                        next_layer = layer.index + 1
-                        yield layer
-                    if next_layer <= stop:
-                        raise _SourceFailed("miss", f"layers {next_layer}-{stop} were not delivered")
-                if obj is None or next_layer > last:
-                    break
-                yield self._verified(obj, next_layer, digests)
-                next_layer += 1
-        finally:
-            await subscription.aclose()
-        if next_layer <= last:
-            raise _SourceFailed("miss", f"the track ended before layer {next_layer}")
-
-    def _note(self, text: str) -> None:
-        if text not in self.notes:
-            self.notes.append(text)
-
-
-@dataclass
-class _Pool:
-    connections: dict[str, MoqtConnection] = field(default_factory=dict)
-    locks: dict[str, asyncio.Lock] = field(default_factory=dict)
-
-
-class MoqtBlockFetcher:
-    """Fetches blocks through MOQT relays over one session per relay."""
-
-    def __init__(self, *, token: str | None = None, settings: QuicSettings | None = None,
-                 verify: bool = True, cadata: bytes | None = None, cafile: str | None = None,
-                 tls: ClientTls | None = None, timeout: float = 10.0, layer_timeout: float = 30.0,
-                 probe_timeout: float = 2.0) -> None:
-        self.token = token
-        self.probe_timeout = probe_timeout
-        self.settings = settings or QuicSettings()
-        if tls is not None:  # `client_tls`'s decision; it also names the options in errors
-            verify, cafile = tls.verify, tls.cafile
-        self.verify, self.cadata, self.cafile, self.tls = verify, cadata, cafile, tls
-        #: relay URL -> the line of its last rejected certificate (until a session opens)
-        self.untrusted: dict[str, str] = {}
-        self.timeout = timeout
-        self.layer_timeout = layer_timeout
-        self._pool = _Pool()
-
-    async def connection(self, url: str) -> MoqtConnection:
-        """The session to a relay, opened on first use and after it was lost."""
-        pool = self._pool
-        lock = pool.locks.setdefault(url, asyncio.Lock())
-        async with lock:
-            connection = pool.connections.get(url)
-            if connection is None or connection.is_closed:
-                try:
-                    connection = await connect(url, settings=self.settings, verify=self.verify, cadata=self.cadata,
-                                               cafile=self.cafile, authorization=self.token, timeout=self.timeout)
-                except MoqtError as e:
-                    try:
-                        check_trusted(e, url, self.tls)
-                    except CertificateRejected as rejected:
-                        self.untrusted[url] = str(rejected)
-                        raise
-                    raise
-                self.untrusted.pop(url, None)
-                pool.connections[url] = connection
-            return connection
-
-    async def drop_if_dead(self, url: str) -> bool:
-        """After a transport failure: forget the session to `url` unless it answers a PING.
-
-        A relay that died without closing leaves the session open until the QUIC idle timeout
-        (30 s); without this, every request until then would fail on it. True when dropped.
-        """
-        connection = self._pool.connections.get(url)
-        if connection is None or connection.is_closed:
-            self._pool.connections.pop(url, None)
-            return connection is not None
-        try:
-            await asyncio.wait_for(connection.ping(), self.probe_timeout)
-            return False
-        except (asyncio.TimeoutError, MoqtError, OSError, ConnectionError):
-            pass
-        if self._pool.connections.get(url) is connection:
-            del self._pool.connections[url]
-        connection.close()
-        return True
-
-    async def aclose(self) -> None:
-        connections = list(self._pool.connections.values())
-        self._pool.connections.clear()
-        await asyncio.gather(*(c.aclose() for c in connections), return_exceptions=True)
-
-    async def __aenter__(self) -> "MoqtBlockFetcher":
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
-
-    def layers(self, sources: Sequence[str], record: ReplicaRecord, layers: tuple[int, int] | None = None,
-               *, live: bool | None = None) -> MoqtLayerStream:
-        """Layers a..b (default all) of the record's block, verified, in ascending order.
-
-        `sources` are moqt:// relay URIs (default: the record's holder). `live` True goes
-        straight to SUBSCRIBE (a block known to be in production); None FETCHes first.
-        """
-        return MoqtLayerStream(self, sources, record, layers, live)
-
-    async def fetch_block(self, sources: Sequence[str], record: ReplicaRecord,
-                          layers: tuple[int, int] | None = None) -> FetchResult:
-        """The requested layers as one verified container."""
-        stream = self.layers(sources, record, layers)
-        got = [layer async for layer in stream]
-        container = Container(encode(got[0].index, stream.token_count or 0,
-                                     [(layer.k, layer.v) for layer in got], codec=record.codec))
-        return FetchResult(container, (got[0].index, got[-1].index), stream.served_by, stream.failures,
-                           stream.notes, stream.bytes_received, time.perf_counter() - stream.started,
-                           stream.first_layer_seconds)

@@ -21,17 +21,18 @@ import time
 from typing import Callable
 
 from kvsp_moq.errors import KvspError
+from kvsp_moq.holder.moqt_publisher import BlockPublisher
 from kvsp_moq.holder.store import BlockId, BlockStore, StoredBlock
 from kvsp_moq.index_client import IndexClient
-from kvsp_moq.moqt_blocks import BlockPublisher, moqt_record
+from kvsp_moq.naming import moqt_record
 from kvsp_moq.protocol.container import format_digest
 from kvsp_moq.protocol.records import ReplicaRecord
 from kvsp_moq.protocol.urls import base_url
 
-log = logging.getLogger("kvsp.holder.publisher")
+log = logging.getLogger("kvsp.holder.index_publisher")
 
 
-class Publisher:
+class IndexPublisher:
     """Keeps the Index Service's records of this holder's replicas alive."""
 
     def __init__(

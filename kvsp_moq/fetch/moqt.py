@@ -1,0 +1,297 @@
+"""Blocks over MOQT (DESIGN §4), client side: verified layers through relays.
+
+`MoqtBlockFetcher.layers()` mirrors `kvsp_moq.fetch.http.HttpFetcher.layers()`: layers a..b
+of a block through a relay, verified against the Replica Record's layer digests before each is
+yielded, in ascending order. It FETCHes the range; when the block is still being produced
+(the FETCH is refused with INVALID_RANGE or ends early) it SUBSCRIBEs for the rest, and a gap
+between the layers it has and the first one the subscription delivers (a subscription
+joined mid-way at a relay) is FETCHed. A digest mismatch raises `DigestMismatch`; the bad
+layer is never yielded. The track naming and the layer objects' payload and properties are
+`kvsp_moq.naming`'s, shared with the holder's publisher.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Sequence
+
+from kvsp_moq.errors import BadRecord, KvspError, LayersUnavailable
+from kvsp_moq.fetch.stream import FetchedBlock, SourceFailed, VerifiedLayerStream, record_layer_digests
+from kvsp_moq.moqt.certs import CertificateRejected, ClientTls, check_trusted
+from kvsp_moq.moqt.errors import DoesNotExist, InvalidRange, MoqtError, RequestError, RequestErrorCode
+from kvsp_moq.moqt.quic import MoqtConnection, MoqtObject, QuicSettings, connect
+from kvsp_moq.moqt.wire import SubscriptionFilter
+from kvsp_moq.naming import GROUP, BlockTrack, split_layer
+from kvsp_moq.protocol.container import Container, Layer, encode, layer_digest, replica_digest
+from kvsp_moq.protocol.records import ReplicaRecord
+
+__all__ = ["MoqtBlockFetcher", "MoqtLayerStream"]
+
+
+def _failure_of(error: BaseException) -> SourceFailed:
+    if isinstance(error, SourceFailed):
+        return error
+    if isinstance(error, DoesNotExist):
+        return SourceFailed("miss", f"DOES_NOT_EXIST: {error.reason}")
+    if isinstance(error, RequestError):
+        name = RequestErrorCode(error.error_code).name if error.error_code in RequestErrorCode._value2member_map_ \
+            else hex(int(error.error_code))
+        return SourceFailed("refused", f"{name}: {error.reason}")
+    if isinstance(error, asyncio.TimeoutError):
+        return SourceFailed("transport", "timed out")
+    if isinstance(error, KvspError):
+        return SourceFailed("malformed" if isinstance(error, BadRecord) else "transport", str(error))
+    return SourceFailed("transport", f"{type(error).__name__}: {error}")
+
+
+class MoqtLayerStream(VerifiedLayerStream):
+    """Verified layers a..b of one block, in ascending order, through MOQT relays."""
+
+    def __init__(self, fetcher: "MoqtBlockFetcher", sources: Sequence[str], record: ReplicaRecord,
+                 layers: tuple[int, int] | None, live: bool | None) -> None:
+        if not record.moqt_namespace:
+            raise BadRecord("a MOQT replica needs moqt_namespace", member="moqt_namespace")
+        self.track = BlockTrack.from_record_namespace(record.moqt_namespace, record.codec)
+        super().__init__(list(sources) or [record.holder], record, layers)
+        self.fetcher = fetcher
+        self.live = live
+        if self.range is None:
+            raise LayersUnavailable("the record lists no layer digests; give the layer range")
+        self._start()
+
+    # ---------------------------------------------------------------- the source loop
+
+    async def _run(self) -> AsyncIterator[Layer]:
+        record = self.record
+        digests = record_layer_digests(record)
+        assert self.range is not None
+        first, last = self.range
+        next_layer = first
+        for source in self.sources:
+            if next_layer > last:
+                break
+            if not source.lower().startswith("moqt://"):
+                self._fail(source, "refused", "not a moqt:// source")
+                continue
+            start_layer = next_layer
+            try:
+                if digests is None:
+                    layers = [layer async for layer in self._from_source(source, next_layer, last, None)]
+                    self._check_whole(layers)
+                    for layer in layers:
+                        next_layer = layer.index + 1
+                        yield layer
+                else:
+                    async for layer in self._from_source(source, next_layer, last, digests):
+                        if self.first_layer_seconds is None:
+                            self.first_layer_seconds = time.perf_counter() - self.started
+                        next_layer = layer.index + 1
+                        yield layer
+            except SourceFailed as e:
+                self._fail(source, e.kind, e.reason)
+            except (MoqtError, KvspError, OSError, asyncio.TimeoutError, ConnectionError) as e:
+                failure = _failure_of(e)
+                self._fail(source, failure.kind, failure.reason)
+                if failure.kind == "transport":
+                    await self.fetcher.drop_if_dead(source)
+            finally:
+                if next_layer > start_layer:
+                    self.served_by.append((source, start_layer, next_layer - 1))
+        if next_layer <= last:
+            raise self._exhausted()
+
+    def _check_whole(self, layers: list[Layer]) -> None:
+        """Without layer digests only a whole replica can be checked, by its replica digest."""
+        if not layers or layers[0].index != 0 or len(layers) != layers[-1].index + 1:
+            raise SourceFailed("digest", "without layer digests only the whole block can be verified")
+        if replica_digest([layer.digest() for layer in layers]).hex() != self.record.digest[8:]:
+            raise SourceFailed("digest", "the block does not match the replica digest")
+        if self.first_layer_seconds is None:
+            self.first_layer_seconds = time.perf_counter() - self.started
+
+    # ---------------------------------------------------------------- one source
+
+    def _verified(self, obj: MoqtObject, expected: int, digests: list[bytes] | None) -> Layer:
+        if obj.group_id != GROUP or obj.object_id != expected:
+            raise SourceFailed("malformed", f"object {obj.group_id}/{obj.object_id} where layer {expected} was due")
+        self.bytes_received += len(obj.payload)
+        try:
+            layer, tokens = split_layer(obj.object_id, obj.payload, obj.properties)
+        except BadRecord as e:
+            raise SourceFailed("malformed", str(e)) from None
+        if digests is not None and layer_digest(layer.k, layer.v) != digests[obj.object_id]:
+            raise SourceFailed("digest", f"layer {obj.object_id} does not match its layer digest")
+        if tokens is not None:
+            if self.token_count is None:
+                self.token_count = tokens
+            elif tokens != self.token_count:
+                raise SourceFailed("malformed", f"layer {obj.object_id} has another token count")
+        return layer
+
+    async def _fetch_range(self, connection: MoqtConnection, first: int, last: int,
+                           digests: list[bytes] | None) -> AsyncIterator[Layer]:
+        """Layers first..(at most) last by one standalone FETCH; it may end early."""
+        fetcher = self.fetcher
+        result = await connection.fetch(self.track.namespace, self.track.track_name, (GROUP, first),
+                                        (GROUP, last), authorization=fetcher.token, timeout=fetcher.timeout)
+        try:
+            expected = first
+            while expected <= last:
+                obj = await result.next_object(fetcher.layer_timeout)
+                if obj is None:
+                    return
+                yield self._verified(obj, expected, digests)
+                expected += 1
+        finally:
+            await result.aclose()
+
+    async def _from_source(self, source: str, first: int, last: int,
+                           digests: list[bytes] | None) -> AsyncIterator[Layer]:
+        fetcher = self.fetcher
+        connection = await fetcher.connection(source)
+        next_layer = first
+        if self.live is not True:
+            try:
+                async for layer in self._fetch_range(connection, next_layer, last, digests):
+                    next_layer = layer.index + 1
+                    yield layer
+            except InvalidRange:
+                pass  # nothing of the range exists yet: the block is being produced
+            if next_layer > last:
+                return
+            self._note(f"{source}: layers from {next_layer} were not there yet; subscribed for them")
+        async for layer in self._subscribe_range(connection, next_layer, last, digests):
+            yield layer
+
+    async def _subscribe_range(self, connection: MoqtConnection, first: int, last: int,
+                               digests: list[bytes] | None) -> AsyncIterator[Layer]:
+        """Layers first..last of a block being produced, by SUBSCRIBE (gaps by FETCH)."""
+        fetcher = self.fetcher
+        subscription = await connection.subscribe(
+            self.track.namespace, self.track.track_name,
+            subscription_filter=SubscriptionFilter.absolute_start(GROUP, first), forward=True,
+            authorization=fetcher.token, timeout=fetcher.timeout)
+        next_layer = first
+        try:
+            iterator = subscription.__aiter__()
+            while next_layer <= last:
+                try:
+                    obj = await asyncio.wait_for(iterator.__anext__(), fetcher.layer_timeout)
+                except StopAsyncIteration:
+                    obj = None
+                if obj is not None and (obj.group_id != GROUP or obj.object_id < next_layer):
+                    continue  # a layer we already have
+                stop = last if obj is None else min(last, obj.object_id - 1)
+                if next_layer <= stop:
+                    # Joined mid-way (or the track ended first): the missing layers by FETCH.
+                    async for layer in self._fetch_range(connection, next_layer, stop, digests):
+                        next_layer = layer.index + 1
+                        yield layer
+                    if next_layer <= stop:
+                        raise SourceFailed("miss", f"layers {next_layer}-{stop} were not delivered")
+                if obj is None or next_layer > last:
+                    break
+                yield self._verified(obj, next_layer, digests)
+                next_layer += 1
+        finally:
+            await subscription.aclose()
+        if next_layer <= last:
+            raise SourceFailed("miss", f"the track ended before layer {next_layer}")
+
+
+@dataclass
+class _Pool:
+    connections: dict[str, MoqtConnection] = field(default_factory=dict)
+    locks: dict[str, asyncio.Lock] = field(default_factory=dict)
+
+
+class MoqtBlockFetcher:
+    """Fetches blocks through MOQT relays over one session per relay."""
+
+    def __init__(self, *, token: str | None = None, settings: QuicSettings | None = None,
+                 verify: bool = True, cadata: bytes | None = None, cafile: str | None = None,
+                 tls: ClientTls | None = None, timeout: float = 10.0, layer_timeout: float = 30.0,
+                 probe_timeout: float = 2.0) -> None:
+        self.token = token
+        self.probe_timeout = probe_timeout
+        self.settings = settings or QuicSettings()
+        if tls is not None:  # `client_tls`'s decision; it also names the options in errors
+            verify, cafile = tls.verify, tls.cafile
+        self.verify, self.cadata, self.cafile, self.tls = verify, cadata, cafile, tls
+        #: relay URL -> the line of its last rejected certificate (until a session opens)
+        self.untrusted: dict[str, str] = {}
+        self.timeout = timeout
+        self.layer_timeout = layer_timeout
+        self._pool = _Pool()
+
+    async def connection(self, url: str) -> MoqtConnection:
+        """The session to a relay, opened on first use and after it was lost."""
+        pool = self._pool
+        lock = pool.locks.setdefault(url, asyncio.Lock())
+        async with lock:
+            connection = pool.connections.get(url)
+            if connection is None or connection.is_closed:
+                try:
+                    connection = await connect(url, settings=self.settings, verify=self.verify, cadata=self.cadata,
+                                               cafile=self.cafile, authorization=self.token, timeout=self.timeout)
+                except MoqtError as e:
+                    try:
+                        check_trusted(e, url, self.tls)
+                    except CertificateRejected as rejected:
+                        self.untrusted[url] = str(rejected)
+                        raise
+                    raise
+                self.untrusted.pop(url, None)
+                pool.connections[url] = connection
+            return connection
+
+    async def drop_if_dead(self, url: str) -> bool:
+        """After a transport failure: forget the session to `url` unless it answers a PING.
+
+        A relay that died without closing leaves the session open until the QUIC idle timeout
+        (30 s); without this, every request until then would fail on it. True when dropped.
+        """
+        connection = self._pool.connections.get(url)
+        if connection is None or connection.is_closed:
+            self._pool.connections.pop(url, None)
+            return connection is not None
+        try:
+            await asyncio.wait_for(connection.ping(), self.probe_timeout)
+            return False
+        except (asyncio.TimeoutError, MoqtError, OSError, ConnectionError):
+            pass
+        if self._pool.connections.get(url) is connection:
+            del self._pool.connections[url]
+        connection.close()
+        return True
+
+    async def aclose(self) -> None:
+        connections = list(self._pool.connections.values())
+        self._pool.connections.clear()
+        await asyncio.gather(*(c.aclose() for c in connections), return_exceptions=True)
+
+    async def __aenter__(self) -> "MoqtBlockFetcher":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def layers(self, sources: Sequence[str], record: ReplicaRecord, layers: tuple[int, int] | None = None,
+               *, live: bool | None = None) -> MoqtLayerStream:
+        """Layers a..b (default all) of the record's block, verified, in ascending order.
+
+        `sources` are moqt:// relay URIs (default: the record's holder). `live` True goes
+        straight to SUBSCRIBE (a block known to be in production); None FETCHes first.
+        """
+        return MoqtLayerStream(self, sources, record, layers, live)
+
+    async def fetch_block(self, sources: Sequence[str], record: ReplicaRecord,
+                          layers: tuple[int, int] | None = None) -> FetchedBlock:
+        """The requested layers as one verified container."""
+        stream = self.layers(sources, record, layers)
+        got = [layer async for layer in stream]
+        container = Container(encode(got[0].index, stream.token_count or 0,
+                                     [(layer.k, layer.v) for layer in got], codec=record.codec))
+        return FetchedBlock.of(stream, container)
