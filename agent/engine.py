@@ -45,7 +45,7 @@ import torch
 from agent.loader import (Candidate, LayerSource, LeaseClient, LoadReport,
                           LocalLayerSource, PrefixLoader, Timeline, order_candidates)
 from agent.choice import LoadChoice, choose
-from agent.model import DecodeState, KVPrefix, ModelAdapter, Sampler
+from agent.model import DecodeState, KVPrefix, ModelAdapter, TokenSampler
 from agent.pool import KVPool, block_container, tensor_from_octets
 from kvsp_moq.errors import (BadRecord, DigestMismatch, KvspError, NotActive, NotFound, PrefixUnavailable,
                              SessionConflict, StaleEpoch, TransportError)
@@ -107,11 +107,11 @@ class SamplerSpec:
         """Greedy decoding gives the same tokens on every instance of one model build."""
         return self.method == "greedy"
 
-    def model_sampler(self) -> Sampler:
+    def model_sampler(self) -> TokenSampler:
         if self.method == "greedy":
-            return Sampler(seed=self.seed)
-        return Sampler(temperature=float(self.params.get("temperature", 1.0)),
-                       top_p=float(self.params.get("p", 1.0)), seed=self.seed)
+            return TokenSampler(seed=self.seed)
+        return TokenSampler(temperature=float(self.params.get("temperature", 1.0)),
+                            top_p=float(self.params.get("p", 1.0)), seed=self.seed)
 
     def record(self, step: int, max_new_tokens: int) -> SamplerRecord:
         params = {k: val for k, val in self.params.items() if k != "max_new_tokens"}
@@ -680,7 +680,7 @@ class Engine:
             await self._export(session, state)
         await self._finish(session)
 
-    async def _prefill(self, session: Session, plan: list[list[Candidate]], sampler: Sampler,
+    async def _prefill(self, session: Session, plan: list[list[Candidate]], sampler: TokenSampler,
                        step: int) -> tuple[DecodeState, int, LoadReport | None, Timeline | None]:
         seq = session.sequence
         b = self.block_tokens
@@ -772,7 +772,7 @@ class Engine:
 
     # model-thread functions ------------------------------------------------
 
-    def _prefill_sample(self, sid: str, tokens: list[int], past: KVPrefix | None, sampler: Sampler,
+    def _prefill_sample(self, sid: str, tokens: list[int], past: KVPrefix | None, sampler: TokenSampler,
                         step: int, timeline: Timeline | None = None) -> tuple[DecodeState, int]:
         if timeline is not None:
             timeline.forward_start = time.perf_counter()
@@ -783,7 +783,7 @@ class Engine:
             self._last_logits[sid] = result.logits.detach().to("cpu")
         return result.state, sampler.sample(result.logits, step)
 
-    def _decode_sample(self, token: int, state: DecodeState, sampler: Sampler, step: int) -> int:
+    def _decode_sample(self, token: int, state: DecodeState, sampler: TokenSampler, step: int) -> int:
         return sampler.sample(self.adapter.decode(token, state), step)
 
     def _block_octets(self, state: DecodeState, start: int, end: int) -> bytes:
