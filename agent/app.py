@@ -49,12 +49,15 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from agent.engine import Engine, EngineOptions, GenerateRequest, NotActive, ShardKeeper
+from agent.engine import Engine
 from agent.loader import Prefetcher
 from agent.model import ModelAdapter
+from agent.options import EngineOptions
+from agent.requests import GenerateRequest
+from agent.shards import ShardKeeper
 from agent.status import Meters, StatusReporter
 from kvsp_moq.auth import Action, Authenticator
-from kvsp_moq.errors import BadRecord, KvspError, NotFound, StaleEpoch
+from kvsp_moq.errors import BadRecord, KvspError, NotActive, NotFound, StaleEpoch
 from kvsp_moq.fetch.http import HttpFetcher
 from kvsp_moq.fetch.leases import LeaseClient
 from kvsp_moq.fetch.moqt import MoqtBlockFetcher
@@ -151,7 +154,7 @@ class AgentContext:
             local=self.local, scope_keys=settings.scope_keys, default_scope=settings.scope,
             self_url=lambda: self.url, pc_url=settings.pc_url, token=settings.token,
             options=options, meters=self.meters, prefetching=self.prefetcher.adopt)
-        self.shards = ShardKeeper(adapter, self.engine._model, self.client, token=settings.token)
+        self.shards = ShardKeeper(adapter, self.engine.run_model, self.client, token=settings.token)
         self.reporter: StatusReporter | None = None
         if settings.pc_url:
             self.reporter = StatusReporter(

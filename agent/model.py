@@ -40,7 +40,7 @@ __all__ = [
     "LayerReadiness",
     "ModelAdapter",
     "PrefillResult",
-    "Sampler",
+    "TokenSampler",
     "positional_descriptor",
     "file_chunks",
 ]
@@ -285,7 +285,7 @@ class GenerateResult:
 
 
 @dataclass(frozen=True)
-class Sampler:
+class TokenSampler:
     """Greedy (``temperature == 0``) or temperature + top-p sampling.
 
     Randomness is derived from ``(seed, step)`` alone, so a session resumed at
@@ -595,14 +595,14 @@ class ModelAdapter:
         prompt: Sequence[int],
         n: int,
         *,
-        sampler: Sampler | None = None,
+        sampler: TokenSampler | None = None,
         past: KVPrefix | None = None,
         start_step: int = 0,
     ) -> GenerateResult:
         """Generate ``n`` tokens; ``start_step`` numbers the first one for the sampler."""
         if n <= 0:
             raise ValueError("n must be positive")
-        sampler = sampler or Sampler()
+        sampler = sampler or TokenSampler()
         result = self.prefill(prompt, past=past, return_kv=False)
         state, logits = result.state, result.logits
         tokens: list[int] = []

@@ -19,7 +19,7 @@ from agent.model import (  # noqa: E402
     KVPrefix,
     LayerReadiness,
     ModelAdapter,
-    Sampler,
+    TokenSampler,
     positional_descriptor,
 )
 from agent.tiny import ensure_tiny_model  # noqa: E402
@@ -287,7 +287,7 @@ def test_decode_matches_prefill_and_exports_kv(adapter: ModelAdapter) -> None:
 
 def test_sampler_reproducible_from_seed_and_step(adapter: ModelAdapter) -> None:
     prompt = _prompt(adapter, n=24, seed=5)
-    sampler = Sampler(temperature=1.0, top_p=0.9, seed=1234)
+    sampler = TokenSampler(temperature=1.0, top_p=0.9, seed=1234)
     run = adapter.generate(prompt, 12, sampler=sampler)
     again = adapter.generate(prompt, 12, sampler=sampler)
     assert run.tokens == again.tokens
@@ -297,7 +297,7 @@ def test_sampler_reproducible_from_seed_and_step(adapter: ModelAdapter) -> None:
     resumed = adapter.generate(prompt + run.tokens[:k], 12 - k, sampler=sampler, start_step=k)
     assert resumed.tokens == run.tokens[k:]
 
-    other = adapter.generate(prompt, 12, sampler=Sampler(temperature=1.0, top_p=0.9, seed=99))
+    other = adapter.generate(prompt, 12, sampler=TokenSampler(temperature=1.0, top_p=0.9, seed=99))
     assert other.tokens != run.tokens
     greedy = adapter.generate(prompt, 12)
     assert run.tokens != greedy.tokens
@@ -306,11 +306,11 @@ def test_sampler_reproducible_from_seed_and_step(adapter: ModelAdapter) -> None:
 def test_sampler_top_p() -> None:
     logits = torch.tensor([5.0, 4.0, 0.0, -1.0])
     # The top two carry ~0.97 of the mass: top_p=0.9 never draws beyond them.
-    picks = {Sampler(temperature=1.0, top_p=0.9, seed=s).sample(logits, 0) for s in range(200)}
+    picks = {TokenSampler(temperature=1.0, top_p=0.9, seed=s).sample(logits, 0) for s in range(200)}
     assert picks == {0, 1}
-    assert {Sampler(temperature=1.0, top_p=1e-6, seed=s).sample(logits, s) for s in range(50)} == {0}
-    assert Sampler().sample(logits, 7) == 0
-    assert Sampler(temperature=1.0, top_p=0.5, seed=3).sample(logits, 9) == Sampler(
+    assert {TokenSampler(temperature=1.0, top_p=1e-6, seed=s).sample(logits, s) for s in range(50)} == {0}
+    assert TokenSampler().sample(logits, 7) == 0
+    assert TokenSampler(temperature=1.0, top_p=0.5, seed=3).sample(logits, 9) == TokenSampler(
         temperature=1.0, top_p=0.5, seed=3
     ).sample(logits.clone(), 9)
 

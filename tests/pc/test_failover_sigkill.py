@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterator
 import httpx
 import pytest
 
-from agent.model import ModelAdapter, Sampler
+from agent.model import ModelAdapter, TokenSampler
 from agent.service import OPEN_SCOPE, OPEN_SCOPE_KEY, Agent, AgentSettings
 from index.app import IndexSettings, create_app as create_index_app
 from pc.lifecycle import LifecycleSettings
@@ -55,9 +55,9 @@ PROMPT = 72  # 4 complete blocks and a tail of 8
 NEW = 40
 KILL_AT = 12  # tokens delivered when the serving agent is killed
 SAMPLERS = {
-    "greedy": ({"method": "greedy"}, Sampler()),
+    "greedy": ({"method": "greedy"}, TokenSampler()),
     "top-p": ({"method": "top-p", "params": {"p": 0.9, "temperature": 1.0}, "seed": 7},
-              Sampler(temperature=1.0, top_p=0.9, seed=7)),
+              TokenSampler(temperature=1.0, top_p=0.9, seed=7)),
 }
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,0 +1,83 @@
+"""What a client asks the inference instance for: `POST {ii}generate` and its sampler (DESIGN §6).
+
+`GenerateRequest` is the checked body of a generate request; `SamplerSpec` is the sampler of a
+request or of a §6.8 checkpoint (method, parameters, seed) and makes the `TokenSampler` that
+draws the tokens. How a sampler travels in a checkpoint is in `agent.checkpoints`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from agent.model import TokenSampler
+from kvsp_moq.errors import BadRecord
+from kvsp_moq.protocol import validate as v
+
+METHODS = ("greedy", "top-p")
+
+
+@dataclass(frozen=True)
+class SamplerSpec:
+    """The sampler of a request or checkpoint: method, parameters and seed."""
+
+    method: str = "greedy"
+    params: Mapping[str, Any] = field(default_factory=dict)
+    seed: int = 0
+
+    @classmethod
+    def from_json(cls, data: Any, member: str = "sampler") -> "SamplerSpec":
+        data = v.obj(data, member)
+        method = v.string(data.get("method", "greedy"), member + ".method", max_len=32)
+        if method not in METHODS:
+            raise BadRecord(f"must be one of {', '.join(METHODS)}", member=member + ".method")
+        params = dict(v.obj(data.get("params", {}), member + ".params"))
+        if method == "top-p":
+            v.number(params.get("p", 1.0), member + ".params.p", low=0.0, high=1.0, low_open=True)
+            v.number(params.get("temperature", 1.0), member + ".params.temperature", low=0.0,
+                     low_open=True)
+        return cls(method, params, v.integer(data.get("seed", 0), member + ".seed"))
+
+    @property
+    def deterministic(self) -> bool:
+        """Greedy decoding gives the same tokens on every instance of one model build."""
+        return self.method == "greedy"
+
+    def model_sampler(self) -> TokenSampler:
+        if self.method == "greedy":
+            return TokenSampler(seed=self.seed)
+        return TokenSampler(temperature=float(self.params.get("temperature", 1.0)),
+                            top_p=float(self.params.get("p", 1.0)), seed=self.seed)
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """POST {ii}generate (DESIGN §6)."""
+
+    tokens: tuple[int, ...]
+    max_new_tokens: int
+    sampler: SamplerSpec = SamplerSpec()
+    session: str | None = None
+    stream: bool = False
+    scope: str | None = None
+    timeline: bool = False
+
+    @classmethod
+    def from_json(cls, data: Any, *, max_tokens: int) -> "GenerateRequest":
+        data = v.obj(data, "body")
+        tokens = v.tokens(v.required(data, "tokens"), "tokens")
+        if not tokens:
+            raise BadRecord("needs at least one token", member="tokens")
+        n = v.integer(v.required(data, "max_new_tokens"), "max_new_tokens", low=1, high=max_tokens)
+        session = data.get("session")
+        if session is not None:
+            session = v.uuid_text(session, "session")
+        scope = data.get("scope")
+        if scope is not None:
+            scope = v.string(scope, "scope", max_len=256)
+        return cls(tuple(tokens), n, SamplerSpec.from_json(data.get("sampler", {})), session,
+                   v.boolean(data.get("stream", False), "stream"), scope,
+                   v.boolean(data.get("timeline", False), "timeline"))
+
+
+__all__ = ["METHODS", "GenerateRequest", "SamplerSpec"]
