@@ -153,18 +153,23 @@ def model_cache_dir(settings: AgentSettings) -> Path:
     return Path(base) / "kvsp-moq"
 
 
+def model_directory(settings: AgentSettings) -> Path:
+    """The directory of the model the settings name; the tiny model is created once."""
+    if settings.model == "tiny":
+        suffix = "".join(f"-{k}{v}" for k, v in sorted(settings.tiny_options.items()))
+        return ensure_tiny_model(model_cache_dir(settings) / f"tiny{suffix}",
+                                 **settings.tiny_options)
+    directory = Path(settings.model)
+    if not directory.is_dir():
+        raise BadRecord(f"{directory} is not a model directory", member="model")
+    return directory
+
+
 def load_model(settings: AgentSettings) -> ModelAdapter:
     """The model the settings name, on their device; the tiny model is created once."""
     import torch
 
-    if settings.model == "tiny":
-        suffix = "".join(f"-{k}{v}" for k, v in sorted(settings.tiny_options.items()))
-        directory = ensure_tiny_model(model_cache_dir(settings) / f"tiny{suffix}",
-                                      **settings.tiny_options)
-    else:
-        directory = Path(settings.model)
-        if not directory.is_dir():
-            raise BadRecord(f"{directory} is not a model directory", member="model")
+    directory = model_directory(settings)
     if settings.device.startswith("cuda") and not torch.cuda.is_available():
         raise BadRecord("CUDA is not available on this machine", member="device")
     return ModelAdapter.load(directory, device=settings.device, dtype=getattr(torch, settings.dtype))
