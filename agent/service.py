@@ -35,11 +35,11 @@ from agent.tiny import ensure_tiny_model
 from kvsp_moq.allocator import tune_allocator
 from kvsp_moq.auth import Authenticator, add_token_options, token_from_args
 from kvsp_moq.errors import BadRecord, KvspError, SettingError
-from kvsp_moq.holder.service import parse_size, positive_int
 from kvsp_moq.scope_keys import read_scope_keys
 from kvsp_moq.moqt.certs import add_relay_tls_options
 from kvsp_moq.serving import INSECURE_OPEN_HELP, check_advertised, check_exposure, normalize_public_url
-from kvsp_moq.web import BackgroundServer, bind_tcp, parse_listen, uvicorn_config
+from kvsp_moq.arguments import parse_listen, parse_size, positive_int
+from kvsp_moq.web import BackgroundServer, bind_tcp, uvicorn_config
 
 log = logging.getLogger("kvsp.agent")
 T = TypeVar("T")

@@ -19,7 +19,8 @@ from kvsp_moq.auth import Authenticator, add_token_options, token_from_args
 from kvsp_moq.errors import KvspError
 from kvsp_moq.protocol.compat import CompatDescriptor
 from kvsp_moq.serving import INSECURE_OPEN_HELP, check_advertised, check_exposure, normalize_public_url
-from kvsp_moq.web import parse_listen, run as serve
+from kvsp_moq.arguments import parse_listen
+from kvsp_moq.web import run as serve
 
 if TYPE_CHECKING:
     from pc.app import PCSettings

@@ -188,7 +188,7 @@ class ProtocolViolation(KvspError):
     problem = "kvsp-bad-record"
     status = 400
     title = "Malformed input"
-    session_code = SessionCloseCode.PROTOCOL_VIOLATION
+    session_code: int = SessionCloseCode.PROTOCOL_VIOLATION
 
 
 class BadRecord(ProtocolViolation):
@@ -210,7 +210,7 @@ class BadContainer(ProtocolViolation):
     """A KVB1 container that cannot be parsed."""
 
     title = "Malformed KV block container"
-    request_code = RequestErrorCode.MALFORMED_TRACK
+    request_code: int = RequestErrorCode.MALFORMED_TRACK
 
 
 class BufferReadError(ProtocolViolation):
@@ -231,7 +231,7 @@ class DigestMismatch(KvspError):
     problem = "kvsp-digest-mismatch"
     status = 502
     title = "Digest mismatch"
-    request_code = RequestErrorCode.MALFORMED_TRACK
+    request_code: int = RequestErrorCode.MALFORMED_TRACK
 
 
 class Unauthorized(KvspError):
@@ -240,15 +240,15 @@ class Unauthorized(KvspError):
     problem = "kvsp-unauthorized"
     status = 401
     title = "Unauthorized"
-    request_code = RequestErrorCode.UNAUTHORIZED
-    session_code = SessionCloseCode.UNAUTHORIZED
+    request_code: int = RequestErrorCode.UNAUTHORIZED
+    session_code: int = SessionCloseCode.UNAUTHORIZED
 
 
 class ForbiddenScope(KvspError):
     problem = "kvsp-forbidden-scope"
     status = 403
     title = "Not authorized for this scope"
-    request_code = RequestErrorCode.UNAUTHORIZED
+    request_code: int = RequestErrorCode.UNAUTHORIZED
 
 
 class ForbiddenRole(ForbiddenScope):
@@ -262,7 +262,7 @@ class NotFound(KvspError):
     problem = "kvsp-not-found"
     status = 404
     title = "Not found"
-    request_code = RequestErrorCode.DOES_NOT_EXIST
+    request_code: int = RequestErrorCode.DOES_NOT_EXIST
 
 
 class LayersUnavailable(NotFound):
@@ -281,7 +281,7 @@ class LeaseQuota(KvspError):
     problem = "kvsp-lease-quota"
     status = 429
     title = "Lease quota exceeded"
-    request_code = RequestErrorCode.EXCESSIVE_LOAD
+    request_code: int = RequestErrorCode.EXCESSIVE_LOAD
 
 
 class StaleEpoch(KvspError):
@@ -314,7 +314,7 @@ class StoreFull(KvspError):
     problem = "kvsp-store-full"
     status = 507
     title = "Insufficient storage"
-    request_code = RequestErrorCode.EXCESSIVE_LOAD
+    request_code: int = RequestErrorCode.EXCESSIVE_LOAD
 
 
 class NoActiveInstance(KvspError):
@@ -323,7 +323,7 @@ class NoActiveInstance(KvspError):
     problem = "kvsp-no-instance"
     status = 503
     title = "No active instance"
-    request_code = RequestErrorCode.EXCESSIVE_LOAD
+    request_code: int = RequestErrorCode.EXCESSIVE_LOAD
 
 
 class NotActive(KvspError):
@@ -332,7 +332,7 @@ class NotActive(KvspError):
     problem = "kvsp-not-active"
     status = 503
     title = "Instance not active"
-    request_code = RequestErrorCode.GOING_AWAY
+    request_code: int = RequestErrorCode.GOING_AWAY
 
 
 class PrefixUnavailable(KvspError):
@@ -341,7 +341,7 @@ class PrefixUnavailable(KvspError):
     problem = "kvsp-prefix-unavailable"
     status = 409
     title = "Prompt blocks unavailable"
-    request_code = RequestErrorCode.DOES_NOT_EXIST
+    request_code: int = RequestErrorCode.DOES_NOT_EXIST
 
 
 class SessionConflict(KvspError):
@@ -434,10 +434,15 @@ class SessionError(MoqtError):
 
     title = "MOQT session error"
     error_code = SessionCloseCode.INTERNAL_ERROR
+    session_code: int = SessionCloseCode.INTERNAL_ERROR
 
-    @property  # type: ignore[override]
-    def session_code(self) -> int:
-        return int(self.error_code)
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.session_code = cls.error_code
+
+    def __init__(self, reason: str = "", *, error_code: int | None = None) -> None:
+        super().__init__(reason, error_code=error_code)
+        self.session_code = int(self.error_code)
 
 
 class InvalidRequestId(SessionError):
@@ -508,6 +513,11 @@ class RequestError(MoqtError):
 
     title = "Request failed"
     error_code = RequestErrorCode.INTERNAL_ERROR
+    request_code: int = RequestErrorCode.INTERNAL_ERROR
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.request_code = cls.error_code
 
     def __init__(
         self,
@@ -518,12 +528,9 @@ class RequestError(MoqtError):
         redirect: object | None = None,
     ) -> None:
         super().__init__(reason, error_code=error_code)
+        self.request_code = int(self.error_code)
         self.retry_interval = retry_interval
         self.redirect = redirect
-
-    @property  # type: ignore[override]
-    def request_code(self) -> int:
-        return int(self.error_code)
 
 
 class InternalRequestError(RequestError):

@@ -22,6 +22,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from kvsp_moq.arguments import parse_listen
 from kvsp_moq.auth import Action, Authenticator, Principal
 from kvsp_moq.errors import BadRecord, KvspError
 from kvsp_moq.openapi import openapi_route
@@ -182,16 +183,6 @@ def build_app(routes: list[Route], *, name: str, auth: Authenticator,
         setattr(app.state, key, value)
     app.add_middleware(AccessLog, metrics=metrics)
     return app
-
-
-def parse_listen(text: str, default_port: int) -> tuple[str, int]:
-    host, _, port = text.rpartition(":")
-    if not host:
-        host, port = text or "127.0.0.1", str(default_port)
-    try:
-        return host.strip("[]"), int(port)
-    except ValueError:
-        raise BadRecord(f"--listen must be HOST:PORT, got {text!r}", member="listen") from None
 
 
 def bind_tcp(host: str = "127.0.0.1", port: int = 0) -> socket.socket:

@@ -138,7 +138,7 @@ class SessionStore:
 
     def __init__(self, db: sqlite3.Connection | str | Path) -> None:
         self._own = not isinstance(db, sqlite3.Connection)
-        self.db = open_database(db) if self._own else db  # type: ignore[arg-type]
+        self.db: sqlite3.Connection = db if isinstance(db, sqlite3.Connection) else open_database(db)
         self._lock = threading.Lock()
         self.db.executescript(_SCHEMA)
 

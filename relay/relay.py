@@ -70,7 +70,7 @@ from kvsp_moq.moqt.errors import (
     Uninterested,
 )
 from kvsp_moq.moqt.quic import (
-    FetchResult,
+    FetchResponse,
     FetchSender,
     IncomingFetch,
     IncomingPublish,
@@ -492,7 +492,7 @@ class _SharedFetch:
     #: seconds the slowest reader may take nothing while the others wait for it
     stall_timeout: float = 10.0
     #: the upstream FETCH once it is answered (those who join meanwhile wait for it)
-    started: "asyncio.Future[FetchResult]" = field(
+    started: "asyncio.Future[FetchResponse]" = field(
         default_factory=lambda: asyncio.get_running_loop().create_future())
     objects: list[MoqtObject] = field(default_factory=list)
     #: octets of objects[:i + 1]
@@ -507,7 +507,7 @@ class _SharedFetch:
     _taken: "asyncio.Event" = field(default_factory=asyncio.Event)
 
     @property
-    def upstream(self) -> FetchResult | None:
+    def upstream(self) -> FetchResponse | None:
         started = self.started
         return started.result() if started.done() and started.exception() is None else None
 
@@ -1423,7 +1423,7 @@ class Relay:
 
     async def _fetch_upstream(self, req: IncomingFetch, peer: _Peer, key: TrackKey, found: Any,
                               prefix: list[MoqtObject], resume: Location, last: Location, whole: bool
-                              ) -> tuple[FetchResult | None, _Peer, list[MoqtObject]]:
+                              ) -> tuple[FetchResponse | None, _Peer, list[MoqtObject]]:
         """FETCH the rest of the range from a publisher of the track: the response, its
         publisher and the cache's prefix to send before it (none when the response must
         cover the whole range); no response when it could not and the prefix was served."""

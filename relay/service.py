@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import re
 import shutil
 import signal
 import sys
@@ -34,6 +33,7 @@ from typing import Any, Coroutine, Sequence, TypeVar
 from urllib.parse import urlsplit
 
 from kvsp_moq.allocator import tune_allocator
+from kvsp_moq.arguments import listen_type, parse_size
 from kvsp_moq.auth import Authenticator, add_token_options, token_from_args
 from kvsp_moq.errors import KvspError, SettingError
 from kvsp_moq.moqt.certs import certificate_names, client_tls, fingerprint, load_or_generate
@@ -47,29 +47,10 @@ from .relay import Relay, RelaySettings
 log = logging.getLogger("kvsp.relay")
 T = TypeVar("T")
 DEFAULT_PORT = 4443
-_SIZE = re.compile(r"^(\d+)\s*([kmgt]i?b?|b)?$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-
-
-def parse_size(text: str) -> int:
-    """Octets from "268435456", "256M", "1GiB" and the like (binary units)."""
-    m = _SIZE.match(text.strip())
-    if not m:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 256M, 1G)")
-    return int(m.group(1)) * _UNITS[(m.group(2) or "").lower()[:1]]
-
-
-def parse_listen(text: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit():
-        raise argparse.ArgumentTypeError(f"not HOST:PORT: {text!r}")
-    return host.strip("[]") or "127.0.0.1", int(port)
-
-
 def configure_parser(p: argparse.ArgumentParser) -> None:
     p.description = ("Relay MOQT sessions (drafts 18, 20, 22 and 14) between KV block publishers and subscribers, "
                      "with an object cache, scope authorization and relay chaining.")
-    p.add_argument("--listen", type=parse_listen, default=("127.0.0.1", DEFAULT_PORT), metavar="HOST:PORT",
+    p.add_argument("--listen", type=listen_type(), default=("127.0.0.1", DEFAULT_PORT), metavar="HOST:PORT",
                    help=f"UDP address to serve on (default 127.0.0.1:{DEFAULT_PORT})")
     p.add_argument("--public-url", metavar="URL",
                    help="moqt://HOST:PORT at which others reach this relay: printed at start and "
@@ -110,7 +91,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafts", type=parse_drafts, default=None, metavar="N,N,...",
                    help="the MOQT drafts to serve, most preferred first: a client offering several "
                         "gets the first of these it offers (default: 18,20,22,14)")
-    p.add_argument("--metrics", type=parse_listen, default=None, metavar="HOST:PORT",
+    p.add_argument("--metrics", type=listen_type(), default=None, metavar="HOST:PORT",
                    help="serve GET /metrics (Prometheus text) and GET /healthz over HTTP on this "
                         "TCP address (default: no metrics server)")
     p.set_defaults(func=run)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Coroutine, Mapping, TypeVar
@@ -37,13 +36,12 @@ from kvsp_moq.holder.store import TierRates
 from kvsp_moq.moqt.certs import add_relay_tls_options
 from kvsp_moq.protocol.compat import CompatDescriptor
 from kvsp_moq.serving import INSECURE_OPEN_HELP, check_advertised, check_exposure, normalize_public_url
-from kvsp_moq.web import BackgroundServer, bind_tcp, parse_listen, uvicorn_config
+from kvsp_moq.arguments import parse_listen, parse_size, positive_int
+from kvsp_moq.web import BackgroundServer, bind_tcp, uvicorn_config
 
 log = logging.getLogger("kvsp.holder")
 T = TypeVar("T")
 DEFAULT_PORT = 8801
-_SIZE = re.compile(r"^(\d+)\s*([kmgt]i?b?|b)?$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
 @dataclass
@@ -141,26 +139,6 @@ class Holder:
 
 
 # --------------------------------------------------------------------------- command line
-
-
-def parse_size(text: str) -> int:
-    """Octets from "1073741824", "512M", "4GiB" and the like (binary units)."""
-    m = _SIZE.match(text.strip())
-    if not m:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 512M, 4G)")
-    unit = (m.group(2) or "").lower()[:1]
-    return int(m.group(1)) * _UNITS[unit]
-
-
-def positive_int(text: str) -> int:
-    """An argparse type: a whole number above zero."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError("must be positive")
-    return value
 
 
 def configure_parser(p: argparse.ArgumentParser) -> None:

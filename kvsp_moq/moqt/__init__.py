@@ -1,5 +1,6 @@
 """MOQT: what every draft shares (wire: value types and framing; session_base: the
-sans-I/O session machinery), one package per draft (d18, d14: messages, data, session),
+sans-I/O session machinery, with state, session_core, tokens, fetches, incoming_data and
+outgoing_data), one package per draft (d18, d14: messages, data, session and its parts),
 the registry of drafts by ALPN (drafts), the QUIC engine interface (engine), and the
 asyncio binding (quic).
 
@@ -12,11 +13,11 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
-    "QuicSettings", "MoqtConnection", "MoqtServer", "MoqtObject", "Subscription", "FetchResult",
+    "QuicSettings", "MoqtConnection", "MoqtServer", "MoqtObject", "Subscription", "FetchResponse",
     "TrackStatusInfo", "NamespaceSubscription", "NamespaceUpdate", "PublishedNamespace",
     "OutgoingSubscription", "SubgroupSender", "FetchSender", "IncomingRequest", "IncomingSubscribe",
     "IncomingFetch", "IncomingTrackStatus", "IncomingPublishNamespace", "IncomingSubscribeNamespace",
-    "IncomingPublish", "IncomingSubscribeTracks", "PublishBlocked", "TrackSubscriptions", "IncomingUpdate",
+    "IncomingPublish", "IncomingSubscribeTracks", "BlockedTrack", "TrackSubscriptions", "IncomingUpdate",
     "NamespaceRegistration", "NamespacePublisher", "connect", "serve", "new_event_loop", "run",
 ]
 

@@ -1,6 +1,6 @@
 """MOQT objects as endpoints and relays hold them (sans-I/O).
 
-One type serves a subscriber's iterators (`quic.Subscription`, `quic.FetchResult`) and a
+One type serves a subscriber's iterators (`quic.Subscription`, `quic.FetchResponse`) and a
 relay's cache and queues, so that an object received upstream is cached and forwarded as
 it came, without being copied into another record.
 """

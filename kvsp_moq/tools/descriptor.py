@@ -15,21 +15,12 @@ import json
 from pathlib import Path
 
 from agent.service import DTYPES, AgentSettings, model_directory
+from kvsp_moq.arguments import positive_int
 from kvsp_moq.errors import KvspError
 from kvsp_moq.tools import EXIT_USAGE, UsageError, say
 
 #: The agent's default (its --block-tokens); the PC's too.
 DEFAULT_BLOCK_TOKENS: int = AgentSettings.block_tokens
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be positive: {value}")
-    return value
 
 
 def configure_parser(p: argparse.ArgumentParser) -> None:
@@ -39,7 +30,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default="tiny", metavar="tiny|DIR",
                    help="'tiny' (the built-in test model, made once) or a local model directory "
                         "(default %(default)s)")
-    p.add_argument("--block-tokens", type=_positive, default=DEFAULT_BLOCK_TOKENS, metavar="B",
+    p.add_argument("--block-tokens", type=positive_int, default=DEFAULT_BLOCK_TOKENS, metavar="B",
                    help="tokens per KV block, as the agents' --block-tokens (default %(default)s)")
     p.add_argument("--dtype", default="float32", choices=DTYPES,
                    help="as the agents' --dtype: the KV blocks' element type (default %(default)s)")

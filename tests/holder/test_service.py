@@ -14,7 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvsp_moq.holder.service import configure_parser, parse_size, settings_from_args
+from kvsp_moq.arguments import parse_size
+from kvsp_moq.holder.service import configure_parser, settings_from_args
 from tests.holder.conftest import make_block
 
 ROOT = Path(__file__).resolve().parents[2]

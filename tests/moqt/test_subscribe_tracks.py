@@ -8,7 +8,8 @@ import asyncio
 import pytest
 
 from kvsp_moq.moqt.errors import NotSupported, SessionClosed, Uninterested
-from kvsp_moq.moqt.quic import IncomingPublish, MoqtConnection, PublishBlocked, TrackSubscriptions
+from kvsp_moq.moqt.quic import BlockedTrack as PublishBlocked
+from kvsp_moq.moqt.quic import IncomingPublish, MoqtConnection, TrackSubscriptions
 
 from .test_quic import STEP, collect, dial, start
 

@@ -64,10 +64,10 @@ from .incoming import (
 from .publisher import OutgoingSubscription
 from .settings import QuicSettings
 from .subscriber import (
-    FetchResult,
+    BlockedTrack,
+    FetchResponse,
     NamespaceSubscription,
     NamespaceUpdate,
-    PublishBlocked,
     PublishedNamespace,
     S,
     Subscription,
@@ -265,7 +265,7 @@ class MoqtConnection(ConnectionCore):
         elif kind is ev.PublishBlockedReceived:
             subscription = self.namespace_subscriptions.get(event.request_id)  # type: ignore[attr-defined]
             if subscription is not None:
-                subscription._items.put_nowait(PublishBlocked(event.namespace, event.track_name))  # type: ignore[attr-defined]
+                subscription._items.put_nowait(BlockedTrack(event.namespace, event.track_name))  # type: ignore[attr-defined]
         elif kind in (ev.NamespaceReceived, ev.NamespaceDoneReceived):
             subscription = self.namespace_subscriptions.get(event.request_id)  # type: ignore[attr-defined]
             if subscription is not None:
@@ -524,7 +524,7 @@ class MoqtConnection(ConnectionCore):
         authorization: Any = None,
         parameters: Parameters | None = None,
         timeout: float | None = None,
-    ) -> FetchResult:
+    ) -> FetchResponse:
         """Standalone FETCH of `start` through `end`, both inclusive (or through the
         whole end group); waits for FETCH_OK and returns the object iterator."""
         session = self.live_session()
@@ -549,7 +549,7 @@ class MoqtConnection(ConnectionCore):
         absolute: bool = False,
         subscriber_priority: int | None = None,
         timeout: float | None = None,
-    ) -> FetchResult:
+    ) -> FetchResponse:
         """Joining FETCH: `joining_start` groups before the subscription's Joining
         Location (or from that absolute group)."""
         session = self.live_session()
@@ -559,8 +559,8 @@ class MoqtConnection(ConnectionCore):
         )
         return await self._start_fetch(request_id, timeout)
 
-    async def _start_fetch(self, request_id: int, timeout: float | None) -> FetchResult:
-        fetch = FetchResult(self, request_id)
+    async def _start_fetch(self, request_id: int, timeout: float | None) -> FetchResponse:
+        fetch = FetchResponse(self, request_id)
         self.fetches[request_id] = fetch
         future = self.begin_request(request_id)
         try:

@@ -42,7 +42,7 @@ if TYPE_CHECKING:  # annotations only: the handle modules import this one
         OutgoingSubscription,
     )
     from .subscriber import (
-        FetchResult,
+        FetchResponse,
         NamespaceSubscription,
         PublishedNamespace,
         Subscription,
@@ -68,7 +68,7 @@ class ConnectionCore(QuicProtocol):
         self.pending: dict[int, asyncio.Future[Any]] = {}
         # handles of live requests, by Request ID
         self.subscriptions: dict[int, Subscription] = {}
-        self.fetches: dict[int, FetchResult] = {}
+        self.fetches: dict[int, FetchResponse] = {}
         self.namespace_subscriptions: dict[int, NamespaceSubscription] = {}
         self.announcements: dict[int, PublishedNamespace] = {}
         self.outgoing: dict[int, OutgoingSubscription] = {}

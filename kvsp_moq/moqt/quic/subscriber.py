@@ -1,6 +1,6 @@
 """The subscriber side: what this endpoint receives, as async iterators.
 
-`Subscription` (our SUBSCRIBE, or a PUBLISH we accepted) and `FetchResult` (our FETCH)
+`Subscription` (our SUBSCRIBE, or a PUBLISH we accepted) and `FetchResponse` (our FETCH)
 yield `MoqtObject`s; `NamespaceSubscription` and `TrackSubscriptions` yield the peer's
 NAMESPACE / NAMESPACE_DONE and PUBLISHes; `PublishedNamespace` is our accepted
 PUBLISH_NAMESPACE. Objects hold their flow-control bytes until the application takes
@@ -27,7 +27,7 @@ from ..errors import (
     Uninterested,
 )
 from ..objects import MoqtObject, SubgroupEnd
-from ..session_base import UNKNOWN_STREAM_COUNT
+from ..state import UNKNOWN_STREAM_COUNT
 from ..wire import (
     Location,
     ObjectStatus,
@@ -41,10 +41,10 @@ if TYPE_CHECKING:
     from .incoming import IncomingPublish
 
 __all__ = [
-    "FetchResult",
+    "BlockedTrack",
+    "FetchResponse",
     "NamespaceSubscription",
     "NamespaceUpdate",
-    "PublishBlocked",
     "PublishedNamespace",
     "Subscription",
     "TrackStatusInfo",
@@ -346,8 +346,9 @@ class Subscription:
         self._queue.end(error)
 
 
-class FetchResult:
-    """The objects of one FETCH of ours: iterate it.
+class FetchResponse:
+    """The response to one FETCH of ours: FETCH_OK's fields, and the objects of its fetch
+    stream: iterate it.
 
     Iteration ends when the publisher's fetch stream ends with a FIN; it raises
     DataStreamReset for a reset stream, the RequestError of a REQUEST_ERROR that
@@ -502,8 +503,8 @@ class NamespaceSubscription:
 
 
 @dataclass(frozen=True)
-class PublishBlocked:
-    """PUBLISH_BLOCKED: the peer will not PUBLISH this track to our SUBSCRIBE_TRACKS."""
+class BlockedTrack:
+    """A PUBLISH_BLOCKED notice: the peer will not PUBLISH this track to our SUBSCRIBE_TRACKS."""
 
     namespace: TrackNamespace
     track_name: bytes
@@ -512,13 +513,13 @@ class PublishBlocked:
 class TrackSubscriptions(NamespaceSubscription):
     """Our SUBSCRIBE_TRACKS: iterate it for the peer's PUBLISHes of tracks under the prefix
     (IncomingPublish: `accept()` returns the Subscription to read, or `reject()`) and for
-    PublishBlocked notices. The PUBLISHes it covers come here, not to the "publish" handler;
+    BlockedTrack notices. The PUBLISHes it covers come here, not to the "publish" handler;
     `cancel()` refuses those still queued."""
 
-    def __aiter__(self) -> AsyncIterator["IncomingPublish | PublishBlocked"]:  # type: ignore[override]
+    def __aiter__(self) -> AsyncIterator["IncomingPublish | BlockedTrack"]:  # type: ignore[override]
         return self
 
-    async def __anext__(self) -> "IncomingPublish | PublishBlocked":  # type: ignore[override]
+    async def __anext__(self) -> "IncomingPublish | BlockedTrack":  # type: ignore[override]
         return await super().__anext__()  # type: ignore[return-value]
 
     def covers(self, namespace: TrackNamespace) -> bool:
@@ -527,7 +528,7 @@ class TrackSubscriptions(NamespaceSubscription):
     async def cancel(self) -> None:
         while not self._items.empty():
             item = self._items.get_nowait()
-            if not isinstance(item, PublishBlocked) and not item.answered:  # an IncomingPublish
+            if not isinstance(item, BlockedTrack) and not item.answered:  # an IncomingPublish
                 try:
                     item.reject(Uninterested("SUBSCRIBE_TRACKS cancelled"))
                 except (SessionClosed, StreamClosed):

@@ -1,0 +1,350 @@
+"""The draft-14 control messages this endpoint receives, on its one control stream:
+CLIENT_SETUP / SERVER_SETUP, GOAWAY, the peer's requests and SUBSCRIBE_UPDATEs, the
+answers to ours, PUBLISH_DONE, and the peer's UNSUBSCRIBE and FETCH_CANCEL. The
+namespace messages are in `namespaces`, MAX_REQUEST_ID and REQUESTS_BLOCKED in
+`credit`; the session's `_HANDLERS` maps each message to its handler."""
+
+from __future__ import annotations
+
+from .. import events as ev
+from .. import wire
+from ..d18.messages import Parameters, Setup
+from ..errors import (
+    DuplicateTrackAlias,
+    ProtocolViolation,
+    RequestErrorCode,
+    SessionCloseCode,
+    SessionError,
+    StreamResetCode,
+)
+from ..fetches import fetch_end_before_start
+from ..session_base import SessionBase
+from ..wire import FetchType, SubscriptionFilter, TrackPropertyType
+from . import messages as d14
+from .request_state import (
+    ANNOUNCED,
+    FETCH,
+    PUBLISH,
+    PUBLISH_NAMESPACE,
+    SUBSCRIBE,
+    SUBSCRIBE_NAMESPACE,
+    TRACK_STATUS,
+    Request14,
+)
+
+__all__ = ["ControlMessageHandling"]
+
+
+class ControlMessageHandling(SessionBase):
+    """Part of `MoqtSession14`: the control messages received, each turned into events
+    and the state of its request."""
+
+    def _on_control_data(self, data: bytes, out: list[ev.MoqtEvent]) -> None:
+        for message in self._control_parser.feed(data):
+            if self.peer_setup is None:
+                if isinstance(message, d14.ClientSetup) and not self._is_client:
+                    self._on_client_setup(message, out)
+                elif isinstance(message, d14.ServerSetup) and self._is_client:
+                    self._on_server_setup(message, out)
+                else:
+                    raise ProtocolViolation(f"{message.NAME} before SETUP")
+                continue
+            handler = self._HANDLERS.get(type(message))
+            if handler is None:
+                raise ProtocolViolation(f"{message.NAME} after SETUP")
+            handler(self, message, out)
+
+    def _setup_parameters(self) -> d14.SetupParameters:
+        s = self.local_setup
+        return d14.SetupParameters(
+            path=s.path if self._is_client else None,
+            max_request_id=self._granted,
+            authorization_tokens=s.authorization_tokens,
+            max_auth_token_cache_size=s.max_auth_token_cache_size,
+            authority=s.authority if self._is_client else None,
+            implementation=s.implementation,
+        )
+
+    def _on_client_setup(self, message: d14.ClientSetup, out: list[ev.MoqtEvent]) -> None:
+        version = next((v for v in message.versions if v in self.versions), None)
+        if version is None:
+            offered = ", ".join(f"{v:#x}" for v in message.versions)
+            raise SessionError(
+                f"no supported version among {offered}", error_code=SessionCloseCode.VERSION_NEGOTIATION_FAILED
+            )
+        self._check_peer_target(message.parameters.path, message.parameters.authority, "parameter")
+        self.version = version
+        self._send(d14.ServerSetup(version, self._setup_parameters()))
+        self._complete_setup(message.parameters, out)
+
+    def _on_server_setup(self, message: d14.ServerSetup, out: list[ev.MoqtEvent]) -> None:
+        if message.selected_version not in self.versions:
+            raise SessionError(
+                f"server chose version {message.selected_version:#x}, not offered",
+                error_code=SessionCloseCode.VERSION_NEGOTIATION_FAILED,
+            )
+        self._check_peer_target(message.parameters.path, message.parameters.authority, "parameter")
+        self.version = message.selected_version
+        self._complete_setup(message.parameters, out)
+
+    def _complete_setup(self, p: d14.SetupParameters, out: list[ev.MoqtEvent]) -> None:
+        self._register_setup_tokens(p.authorization_tokens)
+        setup = Setup(
+            path=p.path,
+            authority=p.authority,
+            max_auth_token_cache_size=p.max_auth_token_cache_size,
+            authorization_tokens=p.authorization_tokens,
+            implementation=p.implementation,
+        )
+        self.peer_setup = setup
+        self._peer_grant = p.max_request_id or 0
+        out.append(ev.SetupCompleted(setup))
+        self._flush_queue()
+        self._replay_held(out)
+
+    # -- session-level messages --------------------------------------------
+
+    def _on_goaway(self, message: d14.Goaway, out: list[ev.MoqtEvent]) -> None:
+        if self.goaway_received is not None:
+            raise ProtocolViolation("second GOAWAY")
+        if not self._is_client and message.new_session_uri:
+            raise ProtocolViolation("GOAWAY with a URI from the client")
+        event = ev.GoawayReceived(message.new_session_uri, 0, None, None)
+        self.goaway_received = event
+        out.append(event)
+
+    # -- peer requests -----------------------------------------------------
+
+    def _refuse_if_going_away(self, request: Request14) -> bool:
+        if self._goaway_sent:
+            self._reject(request, RequestErrorCode.GOING_AWAY, "going away")
+            return True
+        return False
+
+    def _on_subscribe(self, message: d14.Subscribe, out: list[ev.MoqtEvent]) -> None:
+        """SUBSCRIBE, or TRACK_STATUS (SUBSCRIBE's format)."""
+        s18 = message.to_draft18()
+        status = isinstance(message, d14.TrackStatus)
+        request = self._new_peer_request(
+            message.request_id, TRACK_STATUS if status else SUBSCRIBE, parameters=s18.parameters,
+            namespace=message.namespace, track_name=message.track_name,
+        )
+        tokens = self._resolve_tokens(message.parameters.authorization_tokens)
+        if self._refuse_if_going_away(request):
+            return
+        received = ev.TrackStatusReceived if status else ev.SubscribeReceived
+        out.append(received(request.request_id, message.namespace, message.track_name, s18.parameters, tokens))
+
+    def _on_publish(self, message: d14.Publish, out: list[ev.MoqtEvent]) -> None:
+        other = self._aliases_in.get(message.track_alias)
+        if other is not None and not other.closed:
+            raise DuplicateTrackAlias(f"track alias {message.track_alias} already in use")
+        p = message.parameters
+        parameters = Parameters(
+            authorization_tokens=p.authorization_tokens,
+            object_delivery_timeout=p.delivery_timeout,
+            largest_object=message.largest_location,
+            forward=message.forward,
+        )
+        properties: list[wire.Property] = []
+        if p.max_cache_duration is not None:
+            properties.append((TrackPropertyType.MAX_CACHE_DURATION, p.max_cache_duration))
+        properties.append((TrackPropertyType.DEFAULT_PUBLISHER_GROUP_ORDER, int(message.group_order)))
+        request = self._new_peer_request(
+            message.request_id, PUBLISH, parameters=parameters,
+            namespace=message.namespace, track_name=message.track_name, track_alias=message.track_alias,
+        )
+        self._aliases_in[message.track_alias] = request
+        tokens = self._resolve_tokens(p.authorization_tokens)
+        if self._refuse_if_going_away(request):
+            return
+        out.append(
+            ev.PublishReceived(
+                request.request_id, message.namespace, message.track_name, message.track_alias,
+                parameters, tuple(properties), tokens,
+            )
+        )
+        self._flush_held_for_alias(message.track_alias, out)
+
+    def _on_fetch(self, message: d14.Fetch, out: list[ev.MoqtEvent]) -> None:
+        f18 = message.to_draft18()
+        request = self._new_peer_request(message.request_id, FETCH, parameters=f18.parameters, fetch=f18)
+        tokens = self._resolve_tokens(message.parameters.authorization_tokens)
+        if self._refuse_if_going_away(request):
+            return
+        self._on_fetch_request(request, f18, tokens, out)
+
+    def _on_subscribe_update(self, message: d14.SubscribeUpdate, out: list[ev.MoqtEvent]) -> None:
+        subscription = self._requests.get(message.subscription_request_id)
+        self._accept_peer_id(message.request_id)
+        self._grant()  # an update uses a Request ID but holds nothing open
+        if subscription is None or subscription.closed:
+            return  # a race with PUBLISH_DONE / UNSUBSCRIBE
+        if subscription.local or subscription.kind != SUBSCRIBE:
+            raise ProtocolViolation("SUBSCRIBE_UPDATE for a request that is not a peer SUBSCRIBE")
+        if message.end_group is None:
+            flt = SubscriptionFilter.absolute_start(message.start.group, message.start.object)
+        else:
+            flt = SubscriptionFilter.absolute_range(message.start.group, message.start.object, message.end_group)
+        parameters = Parameters(
+            authorization_tokens=message.parameters.authorization_tokens,
+            object_delivery_timeout=message.parameters.delivery_timeout,
+            forward=message.forward,
+            subscriber_priority=message.subscriber_priority,
+            subscription_filter=flt,
+        )
+        resumed = subscription.parameters.forward is False and message.forward
+        subscription.parameters = subscription.parameters.merged(parameters)
+        if resumed:
+            subscription.largest_at_ok = None  # no REQUEST_UPDATE_OK carries the new Joining Location
+        self._updates[message.request_id] = subscription
+        tokens = self._resolve_tokens(message.parameters.authorization_tokens)
+        out.append(ev.RequestUpdateReceived(message.request_id, subscription.request_id, parameters, tokens))
+
+    # -- answers to our requests -------------------------------------------
+
+    def _our_request(self, request_id: int, kinds: tuple[type, ...], name: str) -> Request14 | None:
+        """Our request answered by `name`; None when it was cancelled meanwhile."""
+        request = self._requests.get(request_id)
+        if request is None or not request.local:
+            if self._was_ours(request_id):
+                return None  # ours, already forgotten
+            raise ProtocolViolation(f"{name} for unknown request {request_id}")
+        if request.kind not in kinds:
+            raise ProtocolViolation(f"{name} answers a {request.kind.NAME}")
+        if request.closed:
+            return None
+        return request
+
+    def _first_answer(self, request_id: int, kinds: tuple[type, ...], name: str) -> Request14 | None:
+        request = self._our_request(request_id, kinds, name)
+        if request is None:
+            return None
+        if request.answered:
+            raise ProtocolViolation(f"second answer ({name}) to request {request_id}")
+        request.answered = True
+        return request
+
+    def _on_request_error(self, message: d14.Message, out: list[ev.MoqtEvent]) -> None:
+        kinds = {
+            d14.SubscribeError: (SUBSCRIBE,),
+            d14.FetchError: (FETCH,),
+            d14.TrackStatusError: (TRACK_STATUS,),
+            d14.PublishError: (PUBLISH,),
+            d14.PublishNamespaceError: (PUBLISH_NAMESPACE, ANNOUNCED),
+            d14.SubscribeNamespaceError: (SUBSCRIBE_NAMESPACE,),
+        }[type(message)]
+        request = self._first_answer(message.request_id, kinds, message.NAME)  # type: ignore[attr-defined]
+        if request is None:
+            return
+        self._close_request(request)
+        if request.kind == ANNOUNCED:
+            self._drop_announced(request)
+            return
+        e18 = message.to_draft18()  # type: ignore[attr-defined]
+        out.append(ev.RequestRejected(request.request_id, e18.error_code, e18.reason, 0, None))
+
+    def _on_subscribe_ok(self, message: d14.SubscribeOk, out: list[ev.MoqtEvent]) -> None:
+        request = self._first_answer(message.request_id, (SUBSCRIBE,), message.NAME)
+        if request is None:
+            return
+        other = self._aliases_in.get(message.track_alias)
+        if other is not None and other is not request and not other.closed:
+            raise DuplicateTrackAlias(f"track alias {message.track_alias} already in use")
+        ok = message.to_draft18()
+        request.accepted = True
+        request.track_alias = message.track_alias
+        request.largest_at_ok = message.largest_location
+        self._aliases_in[message.track_alias] = request
+        out.append(ev.SubscribeAccepted(request.request_id, message.track_alias, ok.parameters, ok.track_properties))
+        self._flush_held_for_alias(message.track_alias, out)
+
+    def _on_fetch_ok(self, message: d14.FetchOk, out: list[ev.MoqtEvent]) -> None:
+        request = self._first_answer(message.request_id, (FETCH,), message.NAME)
+        if request is None:
+            return
+        fetch = request.fetch
+        assert fetch is not None
+        if fetch.fetch_type == FetchType.STANDALONE and fetch_end_before_start(message.end_location, fetch.start):  # type: ignore[arg-type]
+            raise ProtocolViolation("FETCH_OK End Location before the FETCH start")
+        ok = message.to_draft18()
+        request.accepted = True
+        out.append(ev.FetchAccepted(request.request_id, ok.end_of_track, ok.end_location, ok.parameters, ok.track_properties))
+        self._maybe_finish_fetch(request)
+
+    def _on_track_status_ok(self, message: d14.TrackStatusOk, out: list[ev.MoqtEvent]) -> None:
+        request = self._first_answer(message.request_id, (TRACK_STATUS,), message.NAME)
+        if request is None:
+            return
+        ok = message.to_draft18()
+        request.accepted = True
+        self._close_request(request)
+        out.append(ev.RequestAccepted(request.request_id, ok.parameters, ok.track_properties))
+
+    def _on_publish_ok(self, message: d14.PublishOk, out: list[ev.MoqtEvent]) -> None:
+        request = self._first_answer(message.request_id, (PUBLISH,), message.NAME)
+        if request is None:
+            return
+        parameters = Parameters(
+            object_delivery_timeout=message.parameters.delivery_timeout,
+            forward=message.forward,
+            subscriber_priority=message.subscriber_priority,
+            group_order=message.group_order,
+            subscription_filter=message.filter,
+        )
+        request.accepted = True
+        request.parameters = request.parameters.merged(parameters)
+        out.append(ev.RequestAccepted(request.request_id, parameters, ()))
+
+    def _on_namespace_ok(self, message: d14.Message, out: list[ev.MoqtEvent]) -> None:
+        if isinstance(message, d14.PublishNamespaceOk):
+            kinds: tuple[type, ...] = (PUBLISH_NAMESPACE, ANNOUNCED)
+        else:
+            kinds = (SUBSCRIBE_NAMESPACE,)
+        request = self._first_answer(message.request_id, kinds, message.NAME)  # type: ignore[attr-defined]
+        if request is None:
+            return
+        request.accepted = True
+        if request.kind != ANNOUNCED:
+            out.append(ev.RequestAccepted(request.request_id, Parameters(), ()))
+
+    def _on_publish_done(self, message: d14.PublishDone, out: list[ev.MoqtEvent]) -> None:
+        request = self._requests.get(message.request_id)
+        if request is None or request.closed:
+            return  # a race with our UNSUBSCRIBE
+        if not request.is_subscription or request.publisher_is_local:
+            raise ProtocolViolation("PUBLISH_DONE for a subscription this endpoint does not receive")
+        if request.done_stream_count is not None:
+            raise ProtocolViolation("second PUBLISH_DONE")
+        done = message.to_draft18()
+        out.append(ev.PublishDoneReceived(request.request_id, done.status_code, done.stream_count, done.reason))
+        request.done_stream_count = message.stream_count
+        self._maybe_end_subscription(request)
+
+    # -- cancellations by the peer -----------------------------------------
+
+    def _peer_cancelled(self, request: Request14, code: int, out: list[ev.MoqtEvent]) -> None:
+        if self._forget_held(request):
+            self._close_request(request)
+            return
+        out.append(ev.RequestCancelled(request.request_id, code, request.local))
+        if request.held_fetches:
+            self._refuse_held_fetches(request, "subscription cancelled")
+        self._end_data_streams(request, StreamResetCode.CANCELLED)
+        self._close_request(request)
+
+    def _on_unsubscribe(self, message: d14.Unsubscribe, out: list[ev.MoqtEvent]) -> None:
+        request = self._requests.get(message.request_id)
+        if request is None or request.closed:
+            return
+        if not request.is_subscription or not request.publisher_is_local:
+            raise ProtocolViolation("UNSUBSCRIBE for a subscription this endpoint does not publish")
+        self._peer_cancelled(request, StreamResetCode.CANCELLED, out)
+
+    def _on_fetch_cancel(self, message: d14.FetchCancel, out: list[ev.MoqtEvent]) -> None:
+        request = self._requests.get(message.request_id)
+        if request is None or request.closed:
+            return
+        if request.local or request.kind != FETCH:
+            raise ProtocolViolation("FETCH_CANCEL for a request that is not a peer FETCH")
+        self._peer_cancelled(request, StreamResetCode.CANCELLED, out)

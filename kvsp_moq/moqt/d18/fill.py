@@ -1,0 +1,165 @@
+"""Fills (drafts 20 and 22): FILL_PARAMETERS on a peer's SUBSCRIBE or REQUEST_UPDATE
+replaces draft-18's joining FETCH (see `profiles`). A fill is served as the joining FETCH
+it replaces (a FetchReceived for the layer above), on a fetch stream that carries the
+Request ID of the message that asked for it, with no FETCH_OK; a fill of one of our
+subscriptions arrives on such a stream, and its objects are that subscription's."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .. import events as ev
+from ..session_base import SessionBase
+from ..state import RequestState
+from ..wire import FetchType, Location, SubscriptionFilter
+from .messages import (
+    OPEN_END,
+    Fetch,
+    Fill,
+    LocationFilterType,
+    Parameters,
+    Subscribe,
+    inclusive_end_to_exclusive,
+    location_filter_to_range,
+)
+
+__all__ = ["FillServing", "FillState"]
+
+
+@dataclass(eq=False)
+class FillState(RequestState):
+    """A draft-20+ fill: FILL_PARAMETERS on a peer's SUBSCRIBE (or REQUEST_UPDATE),
+    served as the joining FETCH it replaces. It has no stream of its own and no answer
+    (no FETCH_OK; a refusal sends nothing, or resets the fetch stream); its fetch stream
+    carries the Request ID of the message that asked for it (`wire_id`)."""
+
+    wire_id: int = field(kw_only=True)
+    joined: RequestState = field(kw_only=True)  # the subscription it fills
+    #: The range, when the fill names one: evaluated as a FETCH's (draft-18 form: end
+    #: exclusive, Object 0 the whole group), clamped to the Largest Object.
+    bounds: tuple[Location, Location] | None = None
+
+
+#: Fills are kept under IDs no peer request can have.
+_FILL_ID_BASE = 1 << 64
+
+
+def _fill_as_joining(
+    fill: Fill, subscription: SubscriptionFilter | None
+) -> tuple[FetchType, int, tuple[Location, Location] | None] | None:
+    """The joining FETCH a fill amounts to: its type, Joining Start and, for a range named
+    by Locations, that range (a FETCH's, ended at the Largest Object when open); None when
+    it is empty (it starts after the Largest Object)."""
+    if fill.location_filter is not None:
+        kind, values = fill.location_filter
+        if kind == LocationFilterType.NEXT_OBJECT or (kind == LocationFilterType.RELATIVE_START and values[0] == 0):
+            return None
+        if kind == LocationFilterType.RELATIVE_START:
+            return FetchType.RELATIVE_JOINING, values[0] - 1, None
+        start, end = location_filter_to_range(fill.location_filter)
+        return FetchType.ABSOLUTE_JOINING, start.group, (start, end)
+    if subscription is None:
+        return FetchType.ABSOLUTE_JOINING, 0, None
+    if subscription.start is None:  # Next Group Start, Largest Object: nothing before them
+        return None
+    end = OPEN_END if subscription.end_group is None else Location(subscription.end_group, 0)
+    if subscription.end_object is not None:
+        end = inclusive_end_to_exclusive(Location(subscription.end_group, subscription.end_object))  # type: ignore[arg-type]
+    return FetchType.ABSOLUTE_JOINING, subscription.start.group, (subscription.start, end)
+
+
+def _covers_more(end: Location, other: Location) -> bool:
+    """Whether the range end `end` reaches past `other` (both draft-18 FETCH ends)."""
+    def key(x: Location) -> tuple[int, int]:
+        return (x.group + 1, 0) if x.object == 0 else (x.group, x.object)
+    return key(end) > key(other)
+
+
+class FillServing(SessionBase):
+    """Part of `MoqtSession`: serving the peer's fills (kept in `_fills` by the Request ID
+    of the subscription they fill) and recognising the fills of our subscriptions."""
+
+    def _open_fill(
+        self, joined: RequestState, fill: Fill, wire_id: int, tokens: tuple, out: list[ev.MoqtEvent]
+    ) -> None:
+        """Serve a fill as the joining FETCH it replaces (held until the SUBSCRIBE is
+        answered, like one); the layer above sees a FetchReceived."""
+        joining = _fill_as_joining(fill, joined.parameters.subscription_filter)
+        if joining is None:
+            return
+        fetch_type, joining_start, bounds = joining
+        internal = _FILL_ID_BASE + wire_id
+        parameters = Parameters(
+            subscriber_priority=fill.subscriber_priority,
+            group_order=fill.group_order or joined.parameters.group_order,
+        )
+        message = Fetch(internal, fetch_type, joining_request_id=joined.request_id, joining_start=joining_start,
+                        parameters=parameters)
+        request = FillState(internal, Fetch, False, parameters, wire_id=wire_id, joined=joined, bounds=bounds)
+        self._requests[internal] = request  # type: ignore[assignment]
+        self._fills.setdefault(joined.request_id, []).append(request)
+        self._on_fetch_request(request, message, tokens, out)
+
+    def _resolve_joining(
+        self, request: RequestState, message: Fetch, tokens: tuple, joined: RequestState, out: list[ev.MoqtEvent]
+    ) -> None:
+        """A fill that names its range is that range clamped to the Largest Object (a
+        FETCH's evaluation); nothing is sent when it starts after the Largest Object."""
+        if not isinstance(request, FillState) or request.bounds is None:
+            super()._resolve_joining(request, message, tokens, joined, out)
+            return
+        largest = joined.largest_at_ok
+        start, end = request.bounds
+        if joined.parameters.forward is False or largest is None or start > largest:
+            self._end_fill(request)
+            return
+        limit = Location(largest.group, largest.object + 1)
+        if _covers_more(end, limit):
+            end = limit
+        namespace, track_name = self._track_of(joined)
+        out.append(ev.FetchReceived(request.request_id, message.fetch_type, namespace, track_name, start, end,
+                                    joined.request_id, message.parameters, tokens))
+
+    def _on_data_stream_stopped(self, sid: int, error_code: int, out: list[ev.MoqtEvent]) -> bool:
+        stream = self._outgoing_data.get(sid)
+        if not super()._on_data_stream_stopped(sid, error_code, out):
+            return False
+        if stream is not None and isinstance(stream.request, FillState):
+            self._end_fill(stream.request)  # the subscriber wants no more of this fill
+        return True
+
+    def _filled_subscription(self, request_id: int) -> RequestState | None:
+        """Our subscription whose fill a FETCH_HEADER with this Request ID carries: the
+        SUBSCRIBE's own ID, or one of its REQUEST_UPDATEs' (draft-20+)."""
+        if not self.profile.location_filter:
+            return None
+        request = self._requests.get(request_id)
+        if request is None:
+            request = self._update_parent.get(request_id)
+        if request is None or request.kind is not Subscribe or not request.local:
+            return None
+        return request
+
+    def _wire_id(self, request: RequestState) -> int:
+        return request.wire_id if isinstance(request, FillState) else request.request_id
+
+    def _open_data_stream(self, request: RequestState, writer: object) -> int:
+        sid = super()._open_data_stream(request, writer)
+        if isinstance(request, FillState):
+            request.joined.data_streams_opened += 1  # draft-20: PUBLISH_DONE counts fill streams
+        return sid
+
+    def _end_fill(self, request: FillState, error_code: int | None = None) -> None:
+        """A fill is over: reset its stream when it failed, and forget it."""
+        request.answered = request.closed = True
+        siblings = self._fills.get(request.joined.request_id)
+        if siblings is not None and request in siblings:
+            siblings.remove(request)
+            if not siblings:
+                del self._fills[request.joined.request_id]
+        if error_code is not None:
+            for sid in list(request.open_data_streams):
+                if sid in self._outgoing_data:
+                    self.reset_data_stream(sid, error_code)
+        if not request.open_data_streams:
+            self._requests.pop(request.request_id, None)

@@ -1,0 +1,193 @@
+"""Draft-18 streams (section 3.3), sans I/O: each QUIC stream event goes to the control
+stream, a request stream or a data stream; a new unidirectional stream is one or the
+other by its type; resets and STOP_SENDING end what the stream carried."""
+
+from __future__ import annotations
+
+from .. import events as ev
+from ..engine import (
+    QuicEvent,
+    StopSendingReceived,
+    StreamDataReceived,
+    StreamReset,
+    stream_is_unidirectional,
+)
+from ..errors import ProtocolViolation, StreamResetCode
+from ..session_base import SessionBase
+from ..state import IncomingDataStream
+from ..varint import decode_vi64
+from ..wire import GroupOrder
+from .data import STREAM_TYPE_SETUP, DataStreamParser, FetchHeader, PaddingHeader, SubgroupHeader
+from .messages import ControlStreamParser, Fetch, SubscribeNamespace
+
+__all__ = ["StreamRouting"]
+
+
+class StreamRouting(SessionBase):
+    """Part of `MoqtSession`: QUIC stream events, by the stream they concern."""
+
+    def _is_control_event(self, event: QuicEvent) -> bool:
+        """Whether an event arriving before the peer's SETUP is processed at once:
+        traffic of the peer's control stream, or of a new unidirectional stream
+        that may be it (its type decides)."""
+        sid = getattr(event, "stream_id", None)
+        if sid is None:
+            return False
+        if sid == self._peer_control_stream_id or sid == self._control_stream_id:
+            return True
+        return (
+            isinstance(event, StreamDataReceived)
+            and stream_is_unidirectional(sid)
+            and self._peer_control_stream_id is None
+            and sid not in self._incoming_data
+            and not self._is_local_stream(sid)
+        )
+
+    def _on_stream_data(self, event: StreamDataReceived, out: list[ev.MoqtEvent]) -> None:
+        sid = event.stream_id
+        if sid == self._peer_control_stream_id:
+            self._on_control_data(event.data, out)
+            if event.end_stream:
+                raise ProtocolViolation("control stream closed")
+            return
+        data_stream = self._incoming_data.get(sid)
+        if data_stream is not None:
+            self._on_data_stream(sid, data_stream, event.data, event.end_stream, out)
+            return
+        if sid in self._ignored_streams:
+            return
+        if stream_is_unidirectional(sid):
+            if self._is_local_stream(sid):
+                return
+            self._on_new_uni(sid, event, out)
+            return
+        self._on_request_stream(sid, event.data, event.end_stream, out)
+
+    def _on_new_uni(self, sid: int, event: StreamDataReceived, out: list[ev.MoqtEvent]) -> None:
+        prefix = self._unclassified_uni.pop(sid, bytearray()) + event.data
+        try:
+            stream_type, _ = decode_vi64(prefix, 0)
+        except ProtocolViolation:
+            if event.end_stream:
+                raise ProtocolViolation("unidirectional stream ended inside its type") from None
+            self._unclassified_uni[sid] = prefix
+            return
+        if stream_type == STREAM_TYPE_SETUP:
+            if self._peer_control_stream_id is not None:
+                raise ProtocolViolation("second control stream")
+            self._peer_control_stream_id = sid
+            if event.end_stream:
+                raise ProtocolViolation("control stream closed")
+            self._on_control_data(bytes(prefix), out)
+            return
+        parser = DataStreamParser(
+            max_object_size=self.max_object_size,
+            fetch_group_order=self._fetch_order_of,
+            timed_out_range=self.profile.timed_out_range,
+        )
+        data_stream = IncomingDataStream(parser)
+        self._incoming_data[sid] = data_stream
+        if self.peer_setup is None:
+            self._hold_before_setup(StreamDataReceived(data=bytes(prefix), end_stream=event.end_stream, stream_id=sid))
+            return
+        self._on_data_stream(sid, data_stream, bytes(prefix), event.end_stream, out)
+
+    def _on_request_stream(self, sid: int, data: bytes, end_stream: bool, out: list[ev.MoqtEvent]) -> None:
+        parser = self._request_parsers.get(sid)
+        if parser is None:
+            if self._is_local_stream(sid) or sid in self._ignored_streams:
+                return
+            parser = self._request_parsers[sid] = ControlStreamParser(self.draft)
+        for message in parser.feed(data):
+            request = self._stream_requests.get(sid)
+            if request is None:
+                self._on_new_request(sid, message, out)
+            else:
+                self._on_request_message(request, message, out)
+        if end_stream:
+            if parser.buffered:
+                raise ProtocolViolation("request stream ended inside a message")
+            request = self._stream_requests.get(sid)
+            if request is None:
+                if sid not in self._ignored_streams:
+                    raise ProtocolViolation("request stream ended before its request")
+                return
+            self._on_request_fin(request, out)
+
+    def _on_stream_reset(self, event: StreamReset, out: list[ev.MoqtEvent]) -> None:
+        sid = event.stream_id
+        if sid == self._peer_control_stream_id:
+            raise ProtocolViolation("control stream reset")
+        data_stream = self._incoming_data.pop(sid, None)
+        if data_stream is not None:
+            self._on_data_stream_reset(sid, data_stream, event.error_code, out)
+            return
+        if self._unclassified_uni.pop(sid, None) is not None:
+            return
+        request = self._stream_requests.get(sid)
+        if request is None:
+            self._request_parsers.pop(sid, None)
+            self._ignored_streams.add(sid)
+            return
+        request.fin_received = True
+        if not request.closed:
+            request.closed = True
+            if not self._forget_held(request):
+                out.append(ev.RequestCancelled(request.request_id, event.error_code, request.local))
+            if request.local and request.kind is SubscribeNamespace:
+                prefix = request.message.namespace_prefix  # type: ignore[attr-defined]
+                for suffix in sorted(request.namespaces):
+                    out.append(ev.NamespaceDoneReceived(request.request_id, suffix, prefix + suffix))
+                request.namespaces.clear()
+            self._abort_stream(request, StreamResetCode.CANCELLED)
+        self._forget_if_done(request)
+
+    def _on_stop_sending(self, event: StopSendingReceived, out: list[ev.MoqtEvent]) -> None:
+        sid = event.stream_id
+        if self._on_data_stream_stopped(sid, event.error_code, out):
+            return
+        if sid == self._control_stream_id:
+            raise ProtocolViolation("STOP_SENDING on the control stream")
+        request = self._stream_requests.get(sid)
+        if request is None:
+            return
+        request.fin_sent = True  # the stream was reset by the transport
+        if not request.closed:
+            request.closed = True
+            if not self._forget_held(request):
+                out.append(ev.RequestCancelled(request.request_id, event.error_code, request.local))
+            self._abort_stream(request, event.error_code)
+        self._forget_if_done(request)
+
+    def _fetch_order_of(self, request_id: int) -> GroupOrder:
+        request = self._requests.get(request_id)
+        return GroupOrder.ASCENDING if request is None else request.fetch_group_order
+
+    def _on_data_header(self, sid: int, stream: IncomingDataStream, item: object, out: list[ev.MoqtEvent]) -> bool:
+        if isinstance(item, PaddingHeader):
+            stream.discard = True
+            return False
+        if isinstance(item, FetchHeader):
+            stream.fetch = True
+            request = self._requests.get(item.request_id)
+            subscription = self._filled_subscription(item.request_id)
+            if subscription is not None:
+                # Draft-20: a fill of our subscription; its objects are the subscription's.
+                stream.fill = True
+                stream.request = subscription
+                if subscription.closed:
+                    self._stop_incoming(sid, stream, StreamResetCode.CANCELLED)
+                    return False
+                subscription.open_data_streams.add(sid)
+                out.append(ev.SubgroupStreamOpened(subscription.request_id, sid, None))
+                return True
+            if request is None or request.kind is not Fetch or not request.local:
+                raise ProtocolViolation(f"FETCH_HEADER for unknown fetch {item.request_id}")
+            if request.closed:
+                self._stop_incoming(sid, stream, StreamResetCode.CANCELLED)
+                return False
+            stream.request = request
+            request.open_data_streams.add(sid)
+            return True
+        assert isinstance(item, SubgroupHeader)
+        return self._on_subgroup_header(sid, stream, item, out)

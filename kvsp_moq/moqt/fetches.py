@@ -1,0 +1,139 @@
+"""A peer's FETCH in its draft-18 form: a standalone range is checked; a joining FETCH
+becomes the range of the subscription it joins, and waits while that SUBSCRIBE is
+pending (section 10.12.2) until subscribe_ok() releases it or a refusal refuses it."""
+
+from __future__ import annotations
+
+from . import events as ev
+from .d18.messages import Fetch, Subscribe
+from .errors import RequestErrorCode, StreamClosed
+from .session_core import SessionCore
+from .state import RequestState
+from .wire import AuthToken, FetchType, Location
+
+__all__ = ["PeerFetches", "fetch_end_before_start"]
+
+
+class PeerFetches(SessionCore):
+    """Peer FETCHes, standalone and joining; a held joining FETCH sits in its
+    SUBSCRIBE's `held_fetches` and names it in `held_by`."""
+
+    def _on_fetch_request(
+        self, request: RequestState, message: Fetch, tokens: tuple[AuthToken, ...], out: list[ev.MoqtEvent]
+    ) -> None:
+        """A peer FETCH (in its draft-18 form): check a standalone range, or find the
+        subscription a joining FETCH joins."""
+        if message.parameters.group_order is not None:
+            request.fetch_group_order = message.parameters.group_order
+        if message.fetch_type == FetchType.STANDALONE:
+            if message.end < message.start and not (  # type: ignore[operator]
+                message.end.object == 0 and message.end.group >= message.start.group  # type: ignore[union-attr]
+            ):
+                self._reject(request, RequestErrorCode.INVALID_RANGE, "end before start")
+                return
+            out.append(
+                ev.FetchReceived(
+                    request.request_id,
+                    message.fetch_type,
+                    message.namespace,  # type: ignore[arg-type]
+                    message.track_name,  # type: ignore[arg-type]
+                    message.start,  # type: ignore[arg-type]
+                    message.end,  # type: ignore[arg-type]
+                    None,
+                    message.parameters,
+                    tokens,
+                )
+            )
+            return
+        joined = self._requests.get(message.joining_request_id)  # type: ignore[arg-type]
+        if (
+            joined is None
+            or joined.kind is not Subscribe
+            or joined.local
+            or joined.closed
+        ):
+            self._reject(request, RequestErrorCode.INVALID_JOINING_REQUEST_ID, "no such subscription")
+            return
+        if not joined.accepted:
+            # Section 10.12.2: the subscription is Pending, so the FETCH waits for its answer.
+            request.held_by = joined
+            joined.held_fetches.append((request, message, tokens))
+            return
+        self._resolve_joining(request, message, tokens, joined, out)
+
+    def _resolve_joining(
+        self,
+        request: RequestState,
+        message: Fetch,
+        tokens: tuple[AuthToken, ...],
+        joined: RequestState,
+        out: list[ev.MoqtEvent],
+    ) -> None:
+        """Turn a joining FETCH of an Established subscription into its range."""
+        if joined.parameters.forward is False:
+            self._reject(request, RequestErrorCode.INVALID_RANGE, "joined subscription has Forward 0")
+            return
+        largest = joined.largest_at_ok
+        if largest is None:
+            self._reject(request, RequestErrorCode.INVALID_RANGE, "no objects published")
+            return
+        if message.fetch_type == FetchType.RELATIVE_JOINING:
+            start = Location(max(0, largest.group - message.joining_start), 0)  # type: ignore[operator]
+        else:
+            start = Location(message.joining_start, 0)  # type: ignore[arg-type]
+        end = Location(largest.group, largest.object + 1)
+        namespace, track_name = self._track_of(joined)
+        out.append(
+            ev.FetchReceived(
+                request.request_id,
+                message.fetch_type,
+                namespace,
+                track_name,
+                start,
+                end,
+                joined.request_id,
+                message.parameters,
+                tokens,
+            )
+        )
+
+    def _release_held_fetches(self, joined: RequestState) -> None:
+        """SUBSCRIBE_OK went out: resolve the joining FETCHes that waited for it."""
+        held, joined.held_fetches = joined.held_fetches, []
+        for request, message, tokens in held:
+            request.held_by = None
+            if request.closed or self._closed:
+                continue
+            self._resolve_joining(request, message, tokens, joined, self._released)
+
+    def _refuse_held_fetches(self, joined: RequestState, reason: str) -> None:
+        """The SUBSCRIBE was refused or cancelled: so are the FETCHes joining it."""
+        held, joined.held_fetches = joined.held_fetches, []
+        for request, _, _ in held:
+            request.held_by = None
+            if request.closed or request.answered or self._closed:
+                continue
+            try:
+                self._reject(request, RequestErrorCode.INVALID_JOINING_REQUEST_ID, reason)
+            except StreamClosed:
+                request.closed = True
+
+    def _forget_held(self, request: RequestState) -> bool:
+        """A held joining FETCH was cancelled by its requester: drop it quietly (the
+        application never saw it). Returns whether it was held."""
+        joined = request.held_by
+        if joined is None:
+            return False
+        request.held_by = None
+        joined.held_fetches = [entry for entry in joined.held_fetches if entry[0] is not request]
+        return True
+
+
+def fetch_end_before_start(end: Location, start: Location) -> bool:
+    """FETCH_OK's End Location is smaller than the FETCH's Start Location (drafts 14 and 18:
+    a PROTOCOL_VIOLATION). End is encoded as in a FETCH: {G, 0} covers all of group G, so it
+    is smaller only for an earlier group; an End equal to the Start (an empty range, which a
+    FETCH may ask for: "the same or a larger Location") is not smaller."""
+    if end.object == 0:
+        return end.group < start.group
+    return (end.group, end.object) < (start.group, start.object)

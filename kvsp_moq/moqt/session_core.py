@@ -1,0 +1,211 @@
+"""The core of every session, sans I/O: the state it keeps (requests, data streams, track
+aliases, the peer's tokens), the lookups of its requests, and the hooks through which a
+draft supplies its control messages and wire forms. The shared machinery builds on it
+(`tokens`, `fetches`, `incoming_data`, `outgoing_data`) and `session_base.SessionBase`
+puts that together; a draft's `session` module fills in the hooks."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Iterable
+
+from . import events as ev
+from .d18.data import FetchStreamWriter, ObjectDatagram, SubgroupHeader
+from .d18.messages import FetchOk, Message, Setup, SubscribeOk
+from .engine import QuicEngine, QuicEvent, StopSendingReceived, StreamDataReceived, StreamReset
+from .errors import StreamClosed
+from .state import IncomingDataStream, OutgoingDataStream, RequestState
+from .wire import AuthToken, TrackNamespace
+
+__all__ = ["IMPLEMENTATION", "SessionCore"]
+
+IMPLEMENTATION = "kvsp-moq/0.1"
+
+
+class SessionCore:
+    """The state and hooks every session shares; see `session_base.SessionBase` for the
+    whole of what the drafts share."""
+
+    draft: int
+
+    def __init__(
+        self,
+        quic: QuicEngine,
+        *,
+        is_client: bool,
+        draft: int,
+        setup: Setup | None,
+        max_object_size: int,
+        max_auth_token_cache_size: int,
+        max_buffered_before_setup: int,
+        max_unmatched_stream_bytes: int,
+        accept_path: Iterable[str] | None,
+        accept_authority: Iterable[str] | None,
+    ) -> None:
+        self._quic = quic
+        self._is_client = is_client
+        self.draft = draft
+        self.max_object_size = max_object_size
+        self._max_buffered_before_setup = max_buffered_before_setup
+        self._max_unmatched_stream_bytes = max_unmatched_stream_bytes
+        self._accept_path = None if accept_path is None else set(accept_path)
+        self._accept_authority = None if accept_authority is None else set(accept_authority)
+        self._closed = False
+        self.peer_setup: Setup | None = None
+        self.goaway_received: ev.GoawayReceived | None = None
+
+        self._next_request_id = 0 if is_client else 1
+        self._requests: dict[int, RequestState] = {}
+        self._incoming_data: dict[int, IncomingDataStream] = {}
+        self._outgoing_data: dict[int, OutgoingDataStream] = {}
+
+        self._aliases_in: dict[int, RequestState] = {}  # track alias -> our subscription
+        self._aliases_out: dict[int, RequestState] = {}  # track alias -> subscription we publish
+        self._next_alias = 0
+
+        self._before_setup: list[QuicEvent] = []
+        self._released: list[ev.MoqtEvent] = []  # events produced by calls outside handle_event()
+        self._before_setup_bytes = 0
+
+        # Peer token registrations (section 10.2.2); ours are not tracked.
+        self._max_auth_token_cache_size = max_auth_token_cache_size
+        self._peer_tokens: dict[int, AuthToken] = {}
+        self._peer_token_bytes = 0
+
+        options = setup or Setup()
+        if options.max_auth_token_cache_size is None and max_auth_token_cache_size:
+            options = replace(options, max_auth_token_cache_size=max_auth_token_cache_size)
+        if options.implementation is None:
+            options = replace(options, implementation=IMPLEMENTATION)
+        self.local_setup = options
+
+    # ------------------------------------------------------------------
+    # Properties
+    # ------------------------------------------------------------------
+
+    @property
+    def is_client(self) -> bool:
+        return self._is_client
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def setup_completed(self) -> bool:
+        return self.peer_setup is not None
+
+    def track_alias_of(self, request_id: int) -> int | None:
+        request = self._requests.get(request_id)
+        return None if request is None else request.track_alias
+
+    def stream_count(self, request_id: int) -> int:
+        """Data streams opened so far for a subscription this endpoint publishes."""
+        return self._request(request_id).data_streams_opened
+
+    def _is_local_stream(self, stream_id: int) -> bool:
+        return bool(stream_id & 1) != self._is_client
+
+    # ------------------------------------------------------------------
+    # Requests
+    # ------------------------------------------------------------------
+
+    def _request(self, request_id: int) -> RequestState:
+        request = self._requests.get(request_id)
+        if request is None:
+            raise StreamClosed(f"no active request {request_id}")
+        return request
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StreamClosed("session closed")
+
+    def _peer_request(self, request_id: int, kinds: tuple[type[Message], ...]) -> RequestState:
+        self._check_open()
+        request = self._request(request_id)
+        if request.local or request.kind not in kinds:
+            raise ValueError(f"request {request_id} is not a peer {'/'.join(k.NAME for k in kinds)}")
+        if request.answered:
+            raise ValueError(f"request {request_id} was already answered")
+        if request.closed:
+            raise StreamClosed(f"request {request_id} was cancelled")
+        return request
+
+    def _answered_peer_request(self, request_id: int, kind: type[Message]) -> RequestState:
+        self._check_open()
+        request = self._request(request_id)
+        if request.local or request.kind is not kind or not request.accepted:
+            raise ValueError(f"request {request_id} is not an accepted peer {kind.NAME}")
+        if request.closed:
+            raise StreamClosed(f"request {request_id} was cancelled")
+        return request
+
+    # ------------------------------------------------------------------
+    # What each draft supplies
+    # ------------------------------------------------------------------
+
+    _FETCH_WRITER: type = FetchStreamWriter  # writes a fetch stream: (request_id, group_order)
+
+    def _is_control_event(self, event: QuicEvent) -> bool:
+        """Whether an event arriving before the peer's SETUP is processed at once."""
+        raise NotImplementedError
+
+    def _on_stream_data(self, event: StreamDataReceived, out: list[ev.MoqtEvent]) -> None:
+        raise NotImplementedError
+
+    def _on_stream_reset(self, event: StreamReset, out: list[ev.MoqtEvent]) -> None:
+        raise NotImplementedError
+
+    def _on_stop_sending(self, event: StopSendingReceived, out: list[ev.MoqtEvent]) -> None:
+        raise NotImplementedError
+
+    def _wire_id(self, request: RequestState) -> int:
+        """The Request ID a request's data streams carry."""
+        return request.request_id
+
+    def _on_data_header(self, sid: int, stream: IncomingDataStream, item: object, out: list[ev.MoqtEvent]) -> bool:
+        """The first item of an incoming data stream; False when the stream is dropped."""
+        raise NotImplementedError
+
+    def _decode_datagram(self, data: bytes) -> ObjectDatagram | None:
+        """A received datagram in its draft-18 form; None when it carries no object."""
+        raise NotImplementedError
+
+    def _encode_datagram(self, request: RequestState, datagram: ObjectDatagram) -> bytes:
+        raise NotImplementedError
+
+    def _subgroup_writer(self, request: RequestState, header: SubgroupHeader) -> object:
+        """The writer of a new subgroup stream (header_bytes(), object_header())."""
+        raise NotImplementedError
+
+    def _track_of(self, request: RequestState) -> tuple[TrackNamespace, bytes]:
+        """Namespace and track name of a peer SUBSCRIBE."""
+        raise NotImplementedError
+
+    def _send_answer(self, request: RequestState, message: SubscribeOk | FetchOk) -> None:
+        """Send SUBSCRIBE_OK / FETCH_OK (draft-18 form) for a peer request."""
+        raise NotImplementedError
+
+    def _send_publish_done(self, request: RequestState, status_code: int, reason: str) -> None:
+        """Send PUBLISH_DONE for a subscription this endpoint publishes and close it."""
+        raise NotImplementedError
+
+    def _reject(self, request: RequestState, error_code: int, reason: str) -> None:
+        raise NotImplementedError
+
+    def _fetch_stream_reset(self, request: RequestState) -> None:
+        """The data stream of an open FETCH of ours was reset."""
+        raise NotImplementedError
+
+    def _data_stream_reset(self, request: RequestState) -> None:
+        """One of our data streams was reset (by us or, through STOP_SENDING, the peer)."""
+
+    def _maybe_finish_fetch(self, request: RequestState) -> None:
+        raise NotImplementedError
+
+    def _close_request(self, request: RequestState) -> None:
+        """Mark a request over; forget it once nothing refers to it."""
+        raise NotImplementedError
+
+    def _forget_if_done(self, request: RequestState) -> None:
+        raise NotImplementedError
