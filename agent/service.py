@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
 import logging
 import os
 import sys
@@ -35,7 +34,7 @@ from agent.tiny import ensure_tiny_model
 from kvsp_moq.allocator import tune_allocator
 from kvsp_moq.auth import Authenticator, add_token_options, token_from_args
 from kvsp_moq.errors import BadRecord, KvspError, SettingError
-from kvsp_moq.scope_keys import read_scope_keys
+from kvsp_moq.scope_keys import OPEN_SCOPE, OPEN_SCOPE_KEY, read_scope_keys
 from kvsp_moq.moqt.certs import add_relay_tls_options
 from kvsp_moq.serving import INSECURE_OPEN_HELP, check_advertised, check_exposure, normalize_public_url
 from kvsp_moq.arguments import parse_listen, parse_size, positive_int
@@ -44,11 +43,6 @@ from kvsp_moq.web import BackgroundServer, bind_tcp, uvicorn_config
 log = logging.getLogger("kvsp.agent")
 T = TypeVar("T")
 DEFAULT_PORT = 8900
-#: Scope name used when no keys file is given (loopback demos only).
-OPEN_SCOPE = "default"
-#: Derived from a public label: anyone can compute it, so it protects nothing; it only lets
-#: agents started without a keys file on one machine share caches.
-OPEN_SCOPE_KEY = hashlib.sha256(b"kvsp-moq open loopback scope key").digest()
 
 DTYPES = ("float32", "float16", "bfloat16")
 
