@@ -17,6 +17,7 @@ keep loading later layers while earlier layers compute.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import math
 import threading
 from collections.abc import Callable, Sequence
@@ -355,6 +356,9 @@ class ModelAdapter:
         self._tokenizer_digest: str | None = None
         self._tokenizer: Any = None
         self._hooks: list[RemovableHandle] = []
+        #: transformers 5.20 renamed the forward's `past_key_values` to `cache`
+        params = inspect.signature(model.forward).parameters
+        self._cache_argument = "cache" if "cache" in params else "past_key_values"
         for index, layer in enumerate(model.model.layers):
             layer_idx = getattr(layer.self_attn, "layer_idx", index)
             if layer_idx != index:
@@ -507,9 +511,9 @@ class ModelAdapter:
             out = self.model(
                 input_ids=input_ids,
                 position_ids=positions.unsqueeze(0),
-                cache=state.cache,
                 use_cache=True,
                 logits_to_keep=1,
+                **{self._cache_argument: state.cache},
             )
             state.length += len(tokens)
         return out.logits[0, -1].float()
