@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -238,5 +237,5 @@ class WorkerSide:
             out["loaded_by"] = dict(out["loaded_by"])
             out["load_failures"] = list(out["load_failures"])
         out["holder"] = self.holder_url
-        out["time"] = time.time()
+        out["timelines"] = list(self.timelines)
         return out
