@@ -89,13 +89,14 @@ class Engine:
     """One vLLM engine in this process, with or without the KVSP connector."""
 
     def __init__(self, model: Path, extra: dict[str, Any] | None = None, *,
-                 kv_role: str = "kv_both", block_size: int = BLOCK) -> None:
+                 kv_role: str = "kv_both", block_size: int = BLOCK,
+                 max_batched: int = 1024) -> None:
         from vllm import LLM
 
         kw: dict[str, Any] = dict(
             model=str(model), dtype="float32", enforce_eager=True, block_size=block_size,
             enable_prefix_caching=False, max_model_len=1024, max_num_seqs=4,
-            max_num_batched_tokens=1024, seed=0, distributed_executor_backend="uni")
+            max_num_batched_tokens=max_batched, seed=0, distributed_executor_backend="uni")
         if extra is not None:
             kw["disable_hybrid_kv_cache_manager"] = True
             kw["kv_transfer_config"] = {
@@ -117,6 +118,16 @@ class Engine:
             o = self.llm.generate([TokensPrompt(prompt_token_ids=list(p))], sp, use_tqdm=False)[0]
             out.append((list(o.outputs[0].token_ids), int(o.num_cached_tokens or 0)))
         return out
+
+    def generate_together(self, prompts: Sequence[Sequence[int]], new: int = NEW_TOKENS) -> list[tuple[list[int], int]]:
+        """As `generate`, but all prompts in one call: vLLM schedules them in the same steps."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        sp = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sp,
+                                 use_tqdm=False)
+        return [(list(o.outputs[0].token_ids), int(o.num_cached_tokens or 0)) for o in outs]
 
     @property
     def core(self) -> Any:

@@ -182,20 +182,28 @@ def _copy(source: str, target: str, compat: str, scope: str, keys: list[str]) ->
 
 
 def test_holder_killed_mid_load_recomputes(model_dir: Path, index_url: str, keys_file: Path,
-                                           reference: Any, holders: Any) -> None:
+                                           reference: Any, holders: Any, tmp_path: Path) -> None:
+    """The warm request extends the cached prefix by three blocks of its own, computed in the
+    step whose load fails: they attended to a prefix with holes, so they are not saved; the
+    recompute that follows saves all six."""
     tokens = prompt(110, seed=7)
-    (expected,) = reference(tokens)
+    longer = tokens[:96] + prompt(110, seed=9)  # 6 complete blocks, the first 3 cached
+    expected, expected_longer = reference(tokens, longer)
     holder = holders()
     _computed(model_dir, index_url, keys_file, holder.url, tokens, expected)
     holders.trigger.armed = True
-    with Engine(model_dir, _config(index_url, keys_file, None)) as warm:
+    config = {**_config(index_url, keys_file, "embedded"), "data": str(tmp_path / "own")}
+    with Engine(model_dir, config) as warm:
         started = time.monotonic()
-        [(out, _)] = warm.generate([tokens])
+        [(out, _)] = warm.generate([longer])
         elapsed = time.monotonic() - started
-        worker, scheduler = warm.worker_stats(), warm.scheduler_stats()
+        worker = warm.worker_stats()
+        scheduler = warm.scheduler_stats()
+        eventually(lambda: warm.worker_stats()["saved_blocks"] == 6, "the recomputed blocks saved")
     assert holders.trigger.fired is holder and holder.process.poll() is not None, "not killed"
-    assert out == expected, "output after a holder died mid-load differs from recompute"
+    assert out == expected_longer, "output after a holder died mid-load differs from recompute"
     assert worker["loaded_blocks"] == 0 and worker["load_errors"] == 3, worker
+    assert worker["saves_dropped"] == 3, worker
     assert scheduler["load_errors"] == 3, scheduler
     assert worker["load_failures"], worker
     assert elapsed < 15, f"recovering took {elapsed:.1f} s"

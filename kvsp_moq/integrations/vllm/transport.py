@@ -69,7 +69,11 @@ class Load:
         try:
             self.loader.wait_for_layer(layer)
             return True
-        except (RuntimeError, TimeoutError, KvspError):
+        except TimeoutError as e:
+            # Later layers must not wait out the same timeout again: the load has failed.
+            self.loader.fail(e)
+            return False
+        except (RuntimeError, KvspError):
             return False
 
     def finish(self, timeout: float) -> LoadOutcome:
