@@ -70,6 +70,8 @@ class ConnectorConfig:
     load_concurrency: int = 8
     #: keep per-step load timelines (tests, the benchmark)
     timeline: bool = False
+    #: False loads the whole prefix before the forward pass starts (the benchmark's baseline)
+    pipelined: bool = True
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     @property
@@ -111,8 +113,8 @@ def _number(data: Mapping[str, Any], key: str, default: float, *, integer: bool 
     return int(value) if integer else float(value)
 
 
-def _flag(data: Mapping[str, Any], key: str) -> bool:
-    value = data.get(key, False)
+def _flag(data: Mapping[str, Any], key: str, default: bool = False) -> bool:
+    value = data.get(key, default)
     if not isinstance(value, bool):
         raise _fail(key, f"must be true or false, got {value!r}")
     return value
@@ -132,7 +134,7 @@ _KEYS = frozenset({
     "index", "scope_keys", "scope", "holder", "listen", "public_url", "data", "host_bytes",
     "disk_bytes", "relay", "relay_ca", "relay_insecure", "relay_timeout_s", "token", "token_file",
     "principals", "lease_ms", "lookup_timeout_ms", "load_timeout_s", "record_ttl_ms",
-    "layers_per_request", "load_concurrency", "timeline",
+    "layers_per_request", "load_concurrency", "timeline", "pipelined",
 })
 
 
@@ -211,4 +213,4 @@ def parse_extra_config(data: Mapping[str, Any] | None) -> ConnectorConfig:
         record_ttl_ms=_number(data, "record_ttl_ms", 60_000),
         layers_per_request=layers_per_request,
         load_concurrency=_number(data, "load_concurrency", 8),
-        timeline=_flag(data, "timeline"), extra=data)
+        timeline=_flag(data, "timeline"), pipelined=_flag(data, "pipelined", True), extra=data)

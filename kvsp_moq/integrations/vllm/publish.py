@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import threading
 from typing import Callable
 
 import httpx
@@ -40,8 +41,31 @@ class BlockSink:
 
     url: str | None = None
 
+    def __init__(self) -> None:
+        self._pending: set[concurrent.futures.Future[str]] = set()
+        self._lock = threading.Lock()
+
     def put(self, bid: BlockId, container: bytes, done: Done) -> None:
+        future = self._submit(bid, container)
+        with self._lock:
+            self._pending.add(future)
+        future.add_done_callback(self._forget)
+        future.add_done_callback(_report(done))
+
+    def _forget(self, future: "concurrent.futures.Future[str]") -> None:
+        with self._lock:
+            self._pending.discard(future)
+
+    def _submit(self, bid: BlockId, container: bytes) -> "concurrent.futures.Future[str]":
         raise NotImplementedError
+
+    def drain(self, timeout: float) -> None:
+        """Wait (bounded) for the blocks handed over so far: an engine that stops right after a
+        request must not lose the blocks still on their way."""
+        with self._lock:
+            pending = list(self._pending)
+        if pending:
+            concurrent.futures.wait(pending, timeout)
 
     def close(self) -> None:
         pass
@@ -65,6 +89,7 @@ class EmbeddedHolder(BlockSink):
     """A holder in this process: blocks go straight into its store."""
 
     def __init__(self, config: ConnectorConfig) -> None:
+        super().__init__()
         settings = HolderSettings(
             listen=config.listen, data_dir=config.data, index_url=config.index,
             public_url=config.public_url, host_bytes=config.host_bytes,
@@ -86,13 +111,13 @@ class EmbeddedHolder(BlockSink):
         self.holder.publisher.announce(entry)
         return "stored"
 
-    def put(self, bid: BlockId, container: bytes, done: Done) -> None:
+    def _submit(self, bid: BlockId, container: bytes) -> "concurrent.futures.Future[str]":
         loop = self.holder.app.state.loop
         if loop is None:
-            done("failed")
-            return
-        asyncio.run_coroutine_threadsafe(self._store(bid, container), loop).add_done_callback(
-            _report(done))
+            failed: concurrent.futures.Future[str] = concurrent.futures.Future()
+            failed.set_exception(KvspError("the embedded holder is not running"))
+            return failed
+        return asyncio.run_coroutine_threadsafe(self._store(bid, container), loop)
 
     def close(self) -> None:
         self.holder.stop()
@@ -102,6 +127,7 @@ class RemoteHolder(BlockSink):
     """A holder elsewhere: each block is PUT there (that holder publishes its records)."""
 
     def __init__(self, config: ConnectorConfig, loop: LoopThread) -> None:
+        super().__init__()
         assert config.holder is not None
         self.url = base_url(config.holder)
         self.loop = loop
@@ -123,8 +149,8 @@ class RemoteHolder(BlockSink):
         raise_for_problem(r)
         return "stored"
 
-    def put(self, bid: BlockId, container: bytes, done: Done) -> None:
-        self.loop.submit(self._put(bid, container)).add_done_callback(_report(done))
+    def _submit(self, bid: BlockId, container: bytes) -> "concurrent.futures.Future[str]":
+        return self.loop.submit(self._put(bid, container))
 
     def close(self) -> None:
         async def close() -> None:

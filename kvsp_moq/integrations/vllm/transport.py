@@ -76,6 +76,13 @@ class Load:
         except (RuntimeError, KvspError):
             return False
 
+    def wait_all(self, timeout: float) -> None:
+        """Until the whole load has ended, however it ends (the non-pipelined baseline)."""
+        try:
+            self.future.result(timeout)
+        except Exception:  # the outcome is read by `finish`
+            pass
+
     def finish(self, timeout: float) -> LoadOutcome:
         """Wait up to `timeout` for the load to end, then stop it: after this returns no octet
         is written into the paged cache any more. Idempotent."""

@@ -45,6 +45,8 @@ __all__ = ["WorkerSide"]
 
 #: How long, after the forward pass, a load may take to wind down before it is stopped.
 FINISH_S = 1.0
+#: How long shutting down waits for blocks still being stored.
+DRAIN_S = 10.0
 
 
 @dataclass(eq=False)
@@ -127,6 +129,9 @@ class WorkerSide:
                                  [s.block_key for s in spec.loads])
             step.loads[spec.req_id] = self.transport.start(target, [s.records for s in spec.loads])
             self.stats["loads"] += 1
+        if not self.config.pipelined:
+            for load in step.loads.values():
+                load.wait_all(self.config.load_timeout_s)
 
     def wait_layer(self, layer_name: str) -> None:
         """vLLM's wait_for_layer_load: until this layer of every block of the step is in."""
@@ -225,6 +230,7 @@ class WorkerSide:
             self._finish(self._step)
             self._step = None
         if self.sink is not None:
+            self.sink.drain(DRAIN_S)
             self.sink.close()
         if self.transport is not None:
             self.transport.close()
