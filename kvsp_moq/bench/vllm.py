@@ -98,7 +98,8 @@ def _wait_published(index_url: str, compat: str, scope: str, keys: list[str]) ->
         time.sleep(0.1)
 
 
-def run(*, quick: bool = False) -> dict[str, Any]:
+def run(*, quick: bool = False, layers_per_request: int | None = None,
+        load_concurrency: int | None = None) -> dict[str, Any]:
     for name, value in {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1",
                         "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "2",
                         "VLLM_NO_USAGE_STATS": "1"}.items():
@@ -128,7 +129,11 @@ def run(*, quick: bool = False) -> dict[str, Any]:
         relay_proc, relay_url = _start_relay(certs)
         holder_proc, holder_url = _start_holder(index.url, relay_url)
         try:
-            base = {"index": index.url, "holder": None, "timeline": True}
+            base: dict[str, Any] = {"index": index.url, "holder": None, "timeline": True}
+            if layers_per_request is not None:
+                base["layers_per_request"] = layers_per_request
+            if load_concurrency is not None:
+                base["load_concurrency"] = load_concurrency
             producer = _engine(model, {**base, "holder": holder_url}, kv_role="kv_producer")
             _ttft(producer, prefix + [5])
             _close(producer)

@@ -72,6 +72,9 @@ class ConnectorConfig:
     timeline: bool = False
     #: False loads the whole prefix before the forward pass starts (the benchmark's baseline)
     pipelined: bool = True
+    #: the interpreter's switch interval the worker sets, in microseconds (0: left alone); see
+    #: `worker.WorkerSide`
+    switch_interval_us: int = 200
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     @property
@@ -134,7 +137,7 @@ _KEYS = frozenset({
     "index", "scope_keys", "scope", "holder", "listen", "public_url", "data", "host_bytes",
     "disk_bytes", "relay", "relay_ca", "relay_insecure", "relay_timeout_s", "token", "token_file",
     "principals", "lease_ms", "lookup_timeout_ms", "load_timeout_s", "record_ttl_ms",
-    "layers_per_request", "load_concurrency", "timeline", "pipelined",
+    "layers_per_request", "load_concurrency", "timeline", "pipelined", "switch_interval_us",
 })
 
 
@@ -213,4 +216,5 @@ def parse_extra_config(data: Mapping[str, Any] | None) -> ConnectorConfig:
         record_ttl_ms=_number(data, "record_ttl_ms", 60_000),
         layers_per_request=layers_per_request,
         load_concurrency=_number(data, "load_concurrency", 8),
-        timeline=_flag(data, "timeline"), pipelined=_flag(data, "pipelined", True), extra=data)
+        timeline=_flag(data, "timeline"), pipelined=_flag(data, "pipelined", True),
+        switch_interval_us=_number(data, "switch_interval_us", 200, low=0), extra=data)
