@@ -33,8 +33,7 @@ from kvsp_moq.protocol.container import Container
 from kvsp_moq.protocol.keys import scope_id
 from kvsp_moq.protocol.records import ReplicaRecord
 from kvsp_moq.scope_keys import read_scope_keys
-from tests_vllm.conftest import (BLOCK, NEW_TOKENS, Engine, block_keys, compat_of, eventually,
-                                 prompt, records_of)
+from tests_vllm.conftest import BLOCK, NEW_TOKENS, Engine, block_keys, compat_of, eventually, prompt, records_of
 
 
 def _agent(model_dir: Path, index_url: str, keys_file: Path) -> Agent:

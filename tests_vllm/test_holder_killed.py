@@ -27,8 +27,7 @@ import pytest
 from kvsp_moq.integrations.vllm.loop import LoopThread
 from kvsp_moq.protocol.keys import scope_id
 from kvsp_moq.scope_keys import read_scope_keys
-from tests_vllm.conftest import (BLOCK, Engine, block_keys, compat_of, eventually, free_port,
-                                 prompt, records_of)
+from tests_vllm.conftest import BLOCK, Engine, block_keys, compat_of, eventually, free_port, prompt, records_of
 
 ROOT = Path(__file__).resolve().parent.parent
 #: Octets of block responses let through after arming: under one tiny-model block (128 KiB).

@@ -14,8 +14,7 @@ from typing import Any
 
 from kvsp_moq.protocol.keys import scope_id
 from kvsp_moq.scope_keys import read_scope_keys
-from tests_vllm.conftest import (BLOCK, Engine, block_keys, compat_of, eventually, free_port,
-                                 prompt, records_of)
+from tests_vllm.conftest import BLOCK, Engine, block_keys, compat_of, eventually, free_port, prompt, records_of
 
 PROMPT = prompt(110, seed=1)  # 3 complete blocks before the last token
 

@@ -18,8 +18,7 @@ import httpx
 
 from kvsp_moq.protocol.keys import scope_id
 from kvsp_moq.scope_keys import read_scope_keys
-from tests_vllm.conftest import (BLOCK, NEW_TOKENS, block_keys, compat_of, eventually, free_port,
-                                 prompt, records_of)
+from tests_vllm.conftest import BLOCK, NEW_TOKENS, block_keys, compat_of, eventually, free_port, prompt, records_of
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKENS = prompt(110, seed=17)

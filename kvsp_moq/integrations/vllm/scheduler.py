@@ -29,7 +29,8 @@ from kvsp_moq.integrations.vllm.config import ConnectorConfig
 from kvsp_moq.integrations.vllm.loop import LoopThread
 from kvsp_moq.integrations.vllm.metadata import KVSPMetadata, LoadSpec, RequestSpec, SaveSpec
 from kvsp_moq.protocol.compat import CompatDescriptor
-from kvsp_moq.protocol.keys import BlockKeyChain, scope_id as scope_id_of
+from kvsp_moq.protocol.keys import BlockKeyChain
+from kvsp_moq.protocol.keys import scope_id as scope_id_of
 
 log = logging.getLogger("kvsp.vllm.scheduler")
 

@@ -23,8 +23,7 @@ from typing import Any, Sequence
 
 import httpx
 
-from agent.loader import (HttpLayerSource, LeaseClient, MoqtLayerSource, PrefixLoader, Timeline,
-                          order_candidates)
+from agent.loader import HttpLayerSource, LeaseClient, MoqtLayerSource, PrefixLoader, Timeline, order_candidates
 from kvsp_moq.errors import KvspError
 from kvsp_moq.fetch.http import HttpFetcher
 from kvsp_moq.integrations.vllm.config import ConnectorConfig
