@@ -61,7 +61,7 @@ def layer_order(names: Sequence[str]) -> dict[str, int]:
 
 
 def _octets(tensor: torch.Tensor) -> memoryview:
-    return memoryview(tensor.contiguous().view(torch.uint8).reshape(-1).numpy())
+    return memoryview(tensor.contiguous().view(torch.uint8).reshape(-1).numpy())  # type: ignore[arg-type]
 
 
 def _from_octets(octets: Buffer, dtype: torch.dtype) -> torch.Tensor:
