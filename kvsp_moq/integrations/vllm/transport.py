@@ -160,7 +160,8 @@ class BlockTransport:
         assert self.leases is not None
         started = time.perf_counter()
         # The loader writes through the KVPool interface (place, layer_complete, wait_layer).
-        loader = PrefixLoader(target, plans,  # type: ignore[arg-type] leases=self.leases, lease_ms=self.config.lease_ms,
+        loader = PrefixLoader(target, plans,  # type: ignore[arg-type]
+                              leases=self.leases, lease_ms=self.config.lease_ms,
                               concurrency=self.config.load_concurrency,
                               layers_per_request=self.config.layers_per_request,
                               readiness_timeout=self.config.load_timeout_s,
