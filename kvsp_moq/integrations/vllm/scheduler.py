@@ -207,9 +207,12 @@ class SchedulerSide:
             st.saved = {i for i in st.saved if i < computed // b}
         loads: list[LoadSpec] = []
         if st.pending and st.found is not None:
+            # Every block vLLM counts as loaded gets a spec: one without records fails on the
+            # worker and is recomputed, never left holding whatever the slot held before.
             first, last = (computed - st.pending) // b, computed // b
-            for i in range(first, min(last, len(st.found), len(st.block_ids))):
-                loads.append(LoadSpec(st.block_ids[i], st.keys[i], st.found[i]))
+            for i in range(first, min(last, len(st.block_ids))):
+                records = st.found[i] if i < len(st.found) else ()
+                loads.append(LoadSpec(st.block_ids[i], st.keys[i], records))
             st.pending = 0
         saves: list[SaveSpec] = []
         end = computed + scheduled
