@@ -145,7 +145,7 @@ class SchedulerSide:
         found = self._answer(st)
         if found is None:
             return None, False
-        return max(0, len(found) * self.block_size - num_computed_tokens), False
+        return max(0, min(len(found), st.cap) * self.block_size - num_computed_tokens), False
 
     def after_alloc(self, request: Any, num_external_tokens: int) -> None:
         """vLLM's update_state_after_alloc: the next step loads `num_external_tokens`."""
