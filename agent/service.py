@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
 import logging
 import os
 import sys
@@ -35,7 +34,7 @@ from kvsp_moq.allocator import tune_allocator
 from kvsp_moq.auth import Authenticator, add_token_options, token_from_args
 from kvsp_moq.errors import BadRecord, KvspError, SettingError
 from kvsp_moq.fetch.sources import LayerSource
-from kvsp_moq.scope_keys import read_scope_keys
+from kvsp_moq.scope_keys import OPEN_SCOPE, OPEN_SCOPE_KEY, read_scope_keys
 from kvsp_moq.moqt.certs import add_relay_tls_options
 from kvsp_moq.serving import INSECURE_OPEN_HELP, check_advertised, check_exposure, normalize_public_url
 from kvsp_moq.arguments import parse_listen, parse_size, positive_int
@@ -44,11 +43,6 @@ from kvsp_moq.web import BackgroundServer, bind_tcp, uvicorn_config
 log = logging.getLogger("kvsp.agent")
 T = TypeVar("T")
 DEFAULT_PORT = 8900
-#: Scope name used when no keys file is given (loopback demos only).
-OPEN_SCOPE = "default"
-#: Derived from a public label: anyone can compute it, so it protects nothing; it only lets
-#: agents started without a keys file on one machine share caches.
-OPEN_SCOPE_KEY = hashlib.sha256(b"kvsp-moq open loopback scope key").digest()
 
 DTYPES = ("float32", "float16", "bfloat16")
 
@@ -153,18 +147,23 @@ def model_cache_dir(settings: AgentSettings) -> Path:
     return Path(base) / "kvsp-moq"
 
 
+def model_directory(settings: AgentSettings) -> Path:
+    """The directory of the model the settings name; the tiny model is created once."""
+    if settings.model == "tiny":
+        suffix = "".join(f"-{k}{v}" for k, v in sorted(settings.tiny_options.items()))
+        return ensure_tiny_model(model_cache_dir(settings) / f"tiny{suffix}",
+                                 **settings.tiny_options)
+    directory = Path(settings.model)
+    if not directory.is_dir():
+        raise BadRecord(f"{directory} is not a model directory", member="model")
+    return directory
+
+
 def load_model(settings: AgentSettings) -> ModelAdapter:
     """The model the settings name, on their device; the tiny model is created once."""
     import torch
 
-    if settings.model == "tiny":
-        suffix = "".join(f"-{k}{v}" for k, v in sorted(settings.tiny_options.items()))
-        directory = ensure_tiny_model(model_cache_dir(settings) / f"tiny{suffix}",
-                                      **settings.tiny_options)
-    else:
-        directory = Path(settings.model)
-        if not directory.is_dir():
-            raise BadRecord(f"{directory} is not a model directory", member="model")
+    directory = model_directory(settings)
     if settings.device.startswith("cuda") and not torch.cuda.is_available():
         raise BadRecord("CUDA is not available on this machine", member="device")
     return ModelAdapter.load(directory, device=settings.device, dtype=getattr(torch, settings.dtype))

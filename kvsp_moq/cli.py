@@ -166,7 +166,7 @@ def _apply_engine_option(args: argparse.Namespace) -> None:
 
 
 #: Benchmarks: name -> module under kvsp_moq.bench.
-BENCHMARKS = ("core", "http", "moqt", "ttft", "route", "load")
+BENCHMARKS = ("core", "http", "moqt", "ttft", "route", "load", "vllm")
 
 
 def _add_services(sub: argparse._SubParsersAction, argv: Sequence[str]) -> None:

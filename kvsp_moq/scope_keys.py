@@ -9,6 +9,7 @@ hand (tests, the bench) validate it the same way.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import re
 import tomllib
@@ -19,6 +20,12 @@ from kvsp_moq.errors import BadRecord
 from kvsp_moq.protocol.keys import MIN_SCOPE_KEY_OCTETS, parse_scope_key_hex
 
 _BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
+
+#: Scope name used when no keys file is given (loopback demos only).
+OPEN_SCOPE = "default"
+#: Derived from a public label: anyone can compute it, so it protects nothing; it only lets
+#: instances started without a keys file on one machine (agents, vLLM) share caches.
+OPEN_SCOPE_KEY = hashlib.sha256(b"kvsp-moq open loopback scope key").digest()
 
 
 def parse_scope_keys(data: Mapping[str, Any], where: str = "scope keys") -> dict[str, bytes]:

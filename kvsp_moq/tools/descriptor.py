@@ -1,9 +1,10 @@
 """`kvsp descriptor`: the Compatibility Descriptor (KVSP §4.1) an agent uses for a model.
 
 A descriptor names the model by the digests of its weight and tokenizer files, so writing one
-by hand is error-prone. This loads the model the way `kvsp agent` does (`agent.service.
-load_model`, which makes `tiny` once under --data or the cache folder) and prints the
-adapter's own descriptor, so its Compatibility ID is the agent's by construction and
+by hand is error-prone. This finds the model directory the way `kvsp agent` does (`agent.service.
+model_directory`, which makes `tiny` once under --data or the cache folder) and computes the
+descriptor with `kvsp_moq.model_descriptor`, as the agent and the vLLM connector do, without
+loading the weights; so its Compatibility ID is the agent's by construction and
 `kvsp compat-id`, `kvsp block-keys` and `kvsp lookup --descriptor` agree with the fleet.
 """
 
@@ -13,7 +14,7 @@ import argparse
 import json
 from pathlib import Path
 
-from agent.service import DTYPES, AgentSettings, load_model
+from agent.service import DTYPES, AgentSettings, model_directory
 from kvsp_moq.arguments import positive_int
 from kvsp_moq.errors import KvspError
 from kvsp_moq.tools import EXIT_USAGE, UsageError, say
@@ -51,13 +52,12 @@ def _quiet_transformers() -> None:
 
 def agent_descriptor(model: str, *, block_tokens: int = DEFAULT_BLOCK_TOKENS,
                      dtype: str = "float32", data_dir: str | None = None) -> dict:
-    """The descriptor an agent with these settings computes (agent/engine.py does the same)."""
-    adapter = load_model(AgentSettings(model=model, dtype=dtype, data_dir=data_dir,
-                                       block_tokens=block_tokens))
-    try:
-        return adapter.descriptor(block_tokens)
-    finally:
-        adapter.close()
+    """The descriptor an agent with these settings computes (its ModelAdapter calls the same
+    `model_descriptor`); the weights are hashed, not loaded."""
+    from kvsp_moq.model_descriptor import model_descriptor
+
+    settings = AgentSettings(model=model, dtype=dtype, data_dir=data_dir, block_tokens=block_tokens)
+    return model_descriptor(model_directory(settings), dtype=dtype, block_tokens=block_tokens)
 
 
 def run(args: argparse.Namespace) -> int:

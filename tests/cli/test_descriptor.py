@@ -70,3 +70,22 @@ def test_refusals_are_one_line(capsys, tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     rc, _, err = kvsp(capsys, "descriptor", str(tmp_path / "empty"))
     assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+
+
+def test_descriptor_from_the_files_alone_is_the_adapters(model_dir: Path, tmp_path: Path) -> None:
+    """`model_descriptor` reads the config and hashes the files without loading weights; the
+    agent's adapter, `kvsp descriptor` and the vLLM connector all call it."""
+    from kvsp_moq.model_descriptor import load_config, model_descriptor
+
+    adapter = ModelAdapter.load(model_dir)
+    assert model_descriptor(model_dir, dtype="float32", block_tokens=32) == adapter.descriptor(32)
+    assert model_descriptor(model_dir, dtype="float32", block_tokens=32,
+                            config=load_config(model_dir)) == adapter.descriptor(32)
+    # the name is the directory's: another directory with the same files is another model name
+    other = tmp_path / "elsewhere"
+    shutil.copytree(model_dir, other)
+    assert model_descriptor(other, dtype="float32", block_tokens=32)["model"] == "llama-elsewhere"
+    with pytest.raises(ValueError):
+        model_descriptor(model_dir, dtype="float33", block_tokens=32)
+    with pytest.raises(ValueError):
+        model_descriptor(model_dir, dtype="float32", block_tokens=0)
