@@ -32,7 +32,11 @@ def _import_everything() -> None:
         for info in pkgutil.walk_packages(root.__path__, package + "."):
             if info.name.endswith("__main__"):
                 continue
-            importlib.import_module(info.name)
+            try:
+                importlib.import_module(info.name)
+            except ModuleNotFoundError as e:  # the vLLM connector's modules, in their own venv
+                if e.name != "vllm":
+                    raise
 
 
 def test_every_error_class_is_defined_in_the_errors_module():
