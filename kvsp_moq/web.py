@@ -15,6 +15,7 @@ from collections import defaultdict
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, Sequence
 
 import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
@@ -197,9 +198,26 @@ def bind_tcp(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
     return sock
 
 
+class ProblemHttpProtocol(HttpToolsProtocol):
+    """uvicorn's HTTP/1.1 protocol, refusing a request it cannot parse (a bad Transfer-Encoding,
+    a broken request line) with a problem document like every other 4xx, not uvicorn's bare text.
+    """
+
+    def send_400_response(self, msg: str) -> None:
+        body = problem_for_status(400, msg).to_bytes()
+        head = [b"HTTP/1.1 400 Bad Request\r\n"]
+        for name, value in self.server_state.default_headers:
+            head += [name, b": ", value, b"\r\n"]
+        head += [b"content-type: ", PROBLEM_MEDIA_TYPE.encode(), b"\r\n",
+                 b"content-length: ", str(len(body)).encode(), b"\r\n",
+                 b"connection: close\r\n\r\n", body]
+        self.transport.write(b"".join(head))
+        self.transport.close()
+
+
 def uvicorn_config(app: ASGIApp, **kwargs: Any) -> uvicorn.Config:
     return uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
-                          http="httptools", loop="auto", timeout_keep_alive=30, **kwargs)
+                          http=ProblemHttpProtocol, loop="auto", timeout_keep_alive=30, **kwargs)
 
 
 def run(app: ASGIApp, listen: str, default_port: int) -> None:
