@@ -16,6 +16,10 @@ the harness drives many of them at once and starts their loads at the same insta
         through the relay first where the transport allows and HTTP after; answers when it
         started and finished, which source delivered how many layers, what failed, and (with
         "digest": true) the SHA-256 of each block's payload as delivered
+    {"op": "lease", "holder": URL, "keys": [...], "ttl_ms": N}
+        takes a lease at the holder (§6.6) and answers its id
+    {"op": "renew", "holder": URL, "lease": ID, "ttl_ms": N}
+        renews it: answers the term granted, or the refusal ("ok": false)
     {"op": "quit"}
 
 `python -m kvsp_moq.fleet.client CONFIG.json`; CONFIG names the index, the relay and its
@@ -206,6 +210,17 @@ class Client:
         return out
 
 
+    async def lease(self, holder: str, keys: list[str], ttl_ms: int) -> dict[str, Any]:
+        from kvsp_moq.fetch.leases import LeaseClient
+
+        return {"lease": await LeaseClient(self.http, token=self.token).acquire(holder, keys, ttl_ms)}
+
+    async def renew(self, holder: str, lease: str, ttl_ms: int) -> dict[str, Any]:
+        from kvsp_moq.fetch.leases import LeaseClient
+
+        return {"ttl_ms": await LeaseClient(self.http, token=self.token).renew(holder, lease, ttl_ms)}
+
+
 async def serve(config: dict[str, Any]) -> None:
     client = Client(config)
     loop = asyncio.get_running_loop()
@@ -229,6 +244,10 @@ async def serve(config: dict[str, Any]) -> None:
                 elif op == "load":
                     answer = await client.load(command["keys"], command.get("transport", "any"),
                                                command.get("start_at"), command.get("digest", False))
+                elif op == "lease":
+                    answer = await client.lease(command["holder"], command["keys"], command["ttl_ms"])
+                elif op == "renew":
+                    answer = await client.renew(command["holder"], command["lease"], command["ttl_ms"])
                 else:
                     raise KvspError(f"unknown command {op!r}")
                 answer = {"ok": True, **answer}

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, TypeVar
 
 from kvsp_moq.errors import NamespaceError
-from kvsp_moq.fleet.topology import Link, switch_ruleset
+from kvsp_moq.fleet.topology import NFT_TABLE, Link, switch_ruleset
 from kvsp_moq.netns import Host, Network, unavailable
 
 __all__ = ["Counters", "FleetNetwork", "fleet_unavailable"]
@@ -148,6 +148,20 @@ class FleetNetwork(Network):
         stats = json.loads(out)[0]["stats64"]
         return Counters(stats["tx"]["bytes"], stats["rx"]["bytes"], stats["tx"]["packets"],
                         stats["rx"]["packets"])
+
+    def dropped(self, name: str) -> int:
+        """Frames to and from `name` that its link's loss rate dropped at the switch, since the
+        switch's rules last changed (a change of any link's loss, a partition, a heal)."""
+        if not any(link.loss_percent for link in self.links.values()):
+            return 0
+        out = _run(["ip", "netns", "exec", self.switch, "nft", "-j", "list", "table", "bridge", NFT_TABLE],
+                   what="the switch's counters")
+        total = 0
+        for item in json.loads(out)["nftables"]:
+            rule = item.get("rule")
+            if rule is not None and rule.get("comment") == f"loss {name}":
+                total += sum(e["counter"]["packets"] for e in rule["expr"] if "counter" in e)
+        return total
 
     def in_host(self, name: str, fn: Callable[[], T]) -> T:
         """`fn()` run on a thread inside `name`'s namespace: sockets it makes stay there (the

@@ -102,9 +102,9 @@ class Link:
                 "up": self.up}
 
 
-def _loss_rule(match: str, percent: float) -> str:
+def _loss_rule(match: str, percent: float, host: str) -> str:
     threshold = round(percent * LOSS_SCALE / 100)
-    return f"{match} numgen random mod {LOSS_SCALE} < {threshold} drop"
+    return f'{match} numgen random mod {LOSS_SCALE} < {threshold} counter drop comment "loss {host}"'
 
 
 def switch_ruleset(ports: Mapping[str, str], links: Mapping[str, Link],
@@ -118,8 +118,8 @@ def switch_ruleset(ports: Mapping[str, str], links: Mapping[str, Link],
     for host, link in links.items():
         if link.loss_percent > 0:
             port = ports[host]
-            rules += [_loss_rule(f'iifname "{port}"', link.loss_percent),
-                      _loss_rule(f'oifname "{port}"', link.loss_percent)]
+            rules += [_loss_rule(f'iifname "{port}"', link.loss_percent, host),
+                      _loss_rule(f'oifname "{port}"', link.loss_percent, host)]
     body = "".join(f"    {rule}\n" for rule in rules)
     # "add" then "delete" then define: replaces the table whether or not it exists.
     return (f"add table bridge {NFT_TABLE}\ndelete table bridge {NFT_TABLE}\n"

@@ -60,6 +60,7 @@ def test_loss_drops_about_that_share_each_way_and_is_lifted(net: FleetNetwork) -
     assert 700 < got < 1300, got  # binomial(2000, 0.5): 1000 +- 22
     got = delivered(b, a, 2000)
     assert 700 < got < 1300, got
+    assert net.dropped("a") >= 4000 - 2 * 1300 and net.dropped("b") == 0
     net.set_loss("a", 0)
     assert delivered(a, b, 2000) == 2000
 

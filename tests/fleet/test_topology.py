@@ -66,9 +66,9 @@ def test_the_switch_drops_at_random_each_way_and_between_partitioned_hosts() -> 
     lines = [line.strip() for line in script.splitlines()]
     assert lines[:2] == [f"add table bridge {NFT_TABLE}", f"delete table bridge {NFT_TABLE}"]
     assert 'iifname "p0" oifname "p2" drop' in lines and 'iifname "p2" oifname "p0" drop' in lines
-    assert 'iifname "p0" numgen random mod 10000 < 500 drop' in lines
-    assert 'oifname "p0" numgen random mod 10000 < 500 drop' in lines
-    assert 'iifname "p2" numgen random mod 10000 < 25 drop' in lines
+    assert 'iifname "p0" numgen random mod 10000 < 500 counter drop comment "loss a"' in lines
+    assert 'oifname "p0" numgen random mod 10000 < 500 counter drop comment "loss a"' in lines
+    assert 'iifname "p2" numgen random mod 10000 < 25 counter drop comment "loss c"' in lines
     assert not any('"p1"' in line for line in lines)
     assert "policy accept" in script
 
