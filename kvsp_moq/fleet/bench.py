@@ -12,6 +12,8 @@ mtu     one client loads 16 MiB blocks, one at a time, cold, through the relay a
         on unshaped links of MTU 1,500 and 9,000: what the datagram size does once the CPUs,
         not the links, are the limit. Every MOQT endpoint sends datagrams of its path's size
         (MTU - 28, KVSP_MOQT_DATAGRAM_SIZE set from the topology).
+loss    one client on the fan-out's links loads a 16 MiB prefix with no loss and with 5% of
+        the frames dropped each way on its link: loads complete, verified, and the slowdown.
 
 Rounds alternate the transports, and figures are medians over rounds, so a neighbour on the
 machine slows both alike. A client is a process in its own namespace that loads as an agent
@@ -44,8 +46,11 @@ NOTE = (
     "time (Ethernet, IP and transport headers included), so 1.0x the prefix is one copy. "
     "block_bytes is the prefix: blocks x bytes_per_block of layer payload. "
     "ratio_time_moqt_vs_http = MOQT seconds_all / HTTP seconds_all. mtu: one client, unshaped "
-    "links, 16 MiB blocks loaded one at a time with a cold relay cache; MB/s = 10^6 octets/s of "
-    "payload. The machine's CPUs are shared with other work: figures vary from run to run.")
+    "links, blocks loaded one at a time with a cold relay cache; MB/s = 10^6 octets/s of payload. "
+    "loss: one client, the fan-out's links, loss_percent of the frames dropped at random each way "
+    "on its link (nftables at the switch; frames_dropped counts them); slowdown = seconds with "
+    "loss / seconds without. There is no delay on any link (no netem here): round trips are "
+    "the machine's. The machine's CPUs are shared with other work: figures vary from run to run.")
 
 
 def _median(values: list[float]) -> float:
@@ -186,7 +191,37 @@ def mtu_rates(mtu: int, *, blocks: int = 3, block_bytes: int = 16 * MiB, engine:
     moqt = round(block_bytes / _median(times["moqt"]) / MB, 1)
     http = round(block_bytes / _median(times["http"]) / MB, 1)
     return {"mtu": mtu, "datagram_size": datagram, "moqt_mb_per_s": moqt, "http_mb_per_s": http,
-            "moqt_vs_http": _ratio(moqt, http), "blocks": blocks}
+            "moqt_vs_http": _ratio(moqt, http), "blocks": blocks, "bytes_per_block": block_bytes}
+
+
+def loss(*, percent: float = 5.0, blocks: int = 2, block_bytes: int = 8 * MiB, rounds: int = 2,
+         engine: str | None = None) -> dict[str, Any]:
+    """One client on the fan-out's links loads a prefix with no loss and with `percent` lost
+    each way on its link, over each transport: loads complete, verified, and how much slower."""
+    topology = fleet_topology(clients=1)
+    times: dict[tuple[float, str], list[float]] = {}
+    dropped = 0
+    with Fleet(topology, engine=engine) as fleet:
+        cases = [(p, t) for _ in range(rounds) for p in (0.0, percent) for t in ("moqt", "http")]
+        keys, digests = _prepare(fleet, os.urandom(4).hex(), len(cases) * blocks, block_bytes)
+        _connect(fleet)
+        for i, (p, transport) in enumerate(cases):
+            if fleet.net.links["client1"].loss_percent != p:
+                dropped += fleet.net.dropped("client1")
+                fleet.net.set_loss("client1", p)
+            part = slice(i * blocks, (i + 1) * blocks)
+            run = _load_all(fleet, keys[part], transport, digests[part])
+            times.setdefault((p, transport), []).append(run["seconds_all"])
+        dropped += fleet.net.dropped("client1")
+    prefix = blocks * block_bytes
+    out: dict[str, Any] = {"percent": percent, "prefix_bytes": prefix, "frames_dropped": dropped}
+    for transport in ("moqt", "http"):
+        clean, lossy = _median(times[(0.0, transport)]), _median(times[(percent, transport)])
+        out[transport] = {"seconds": round(clean, 3), "seconds_with_loss": round(lossy, 3),
+                          "mb_per_s": round(prefix / clean / MB, 1),
+                          "mb_per_s_with_loss": round(prefix / lossy / MB, 1),
+                          "slowdown": _ratio(lossy, clean)}
+    return out
 
 
 def run(*, quick: bool = False) -> dict[str, Any]:
@@ -198,9 +233,11 @@ def run(*, quick: bool = False) -> dict[str, Any]:
         if quick:
             fan = fanout(clients=4, blocks=2, block_bytes=8 * MiB, rounds=1)
             mtus = [mtu_rates(m, blocks=1, block_bytes=8 * MiB) for m in (1500, 9000)]
+            lossy = loss(blocks=1, rounds=1)
         else:
             fan = fanout()
             mtus = [mtu_rates(m) for m in (1500, 9000)]
+            lossy = loss()
     by_mtu = {str(m["mtu"]): m for m in mtus}
     return {
         "benchmark": "fleet",
@@ -210,6 +247,7 @@ def run(*, quick: bool = False) -> dict[str, Any]:
         "fanout": fan,
         "mtu": {**by_mtu, "ratio_moqt_9000_vs_1500": _ratio(by_mtu["9000"]["moqt_mb_per_s"],
                                                              by_mtu["1500"]["moqt_mb_per_s"])},
+        "loss": lossy,
         "targets": {"moqt_holder_egress_vs_prefix": "<= 1.2 (HTTP: N)",
                     "ratio_time_moqt_vs_http": "<= 0.6"},
         "seconds": round(time.perf_counter() - started, 1),

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, TypeVar
 
 from kvsp_moq.errors import NamespaceError
-from kvsp_moq.fleet.topology import NFT_TABLE, Link, switch_ruleset
+from kvsp_moq.fleet.topology import NFT_TABLE, Link, host_ruleset, switch_ruleset
 from kvsp_moq.netns import Host, Network, unavailable
 
 __all__ = ["Counters", "FleetNetwork", "fleet_unavailable"]
@@ -93,6 +93,7 @@ class FleetNetwork(Network):
             self._shape(name, link)
         self.links[name] = link
         if link.loss_percent != old.loss_percent:
+            self._lossy(name, link)
             self._filter()
         if link.up != old.up:
             super().set_link(name, link.up)
@@ -105,7 +106,7 @@ class FleetNetwork(Network):
         self.apply(name, replace(self.links[name], rate_mbit=rate_mbit))
 
     def set_loss(self, name: str, percent: float) -> None:
-        """Drop `percent` of the frames to and from `name`, at random, at the switch."""
+        """Drop `percent` of the frames to and from `name`, at random, each way."""
         self.apply(name, replace(self.links[name], loss_percent=percent))
 
     def partition(self, a: str, b: str) -> None:
@@ -131,13 +132,27 @@ class FleetNetwork(Network):
             # removing a shaper that is not there is not an error
             _run(["tc", "-n", netns, *args], what=f"shaping {name}'s link", check=args[1] != "del")
 
-    def _filter(self) -> None:
+    @staticmethod
+    def _nft(netns: str, script: str, what: str) -> None:
         if shutil.which("nft") is None:
             raise NamespaceError("loss and partitions need the nft command (Debian package nftables; "
                                  "scripts/system-deps.sh installs it)")
+        _run(["ip", "netns", "exec", netns, "nft", "-f", "-"], what=what, input=script)
+
+    def _filter(self) -> None:
         ports = {name: self.port(name) for name in self.hosts}
-        script = switch_ruleset(ports, self.links, self.partitions)
-        _run(["ip", "netns", "exec", self.switch, "nft", "-f", "-"], what="the switch's rules", input=script)
+        self._nft(self.switch, switch_ruleset(ports, self.links, self.partitions), "the switch's rules")
+
+    def _lossy(self, name: str, link: Link) -> None:
+        """A lossy link's ends send wire frames, not GSO aggregates (so that a loss is one
+        frame's), and its host drops its share of what arrives; a link without loss is back
+        to aggregates, which cost the CPUs far less."""
+        host = self.hosts[name]
+        segs = "1" if link.loss_percent > 0 else "65535"
+        for netns, dev in ((host.netns, "eth0"), (self.switch, self.port(name))):
+            _run(["ip", "-n", netns, "link", "set", "dev", dev, "gso_max_segs", segs],
+                 what=f"{name}'s link")
+        self._nft(host.netns, host_ruleset(name, link), f"{name}'s rules")
 
     # ------------------------------------------------------------------ looking
 
@@ -150,17 +165,18 @@ class FleetNetwork(Network):
                         stats["rx"]["packets"])
 
     def dropped(self, name: str) -> int:
-        """Frames to and from `name` that its link's loss rate dropped at the switch, since the
-        switch's rules last changed (a change of any link's loss, a partition, a heal)."""
-        if not any(link.loss_percent for link in self.links.values()):
+        """Frames to and from `name` that its link's loss rate dropped, since the rules last
+        changed (a change of any link's loss, a partition, a heal)."""
+        if not self.links[name].loss_percent:
             return 0
-        out = _run(["ip", "netns", "exec", self.switch, "nft", "-j", "list", "table", "bridge", NFT_TABLE],
-                   what="the switch's counters")
         total = 0
-        for item in json.loads(out)["nftables"]:
-            rule = item.get("rule")
-            if rule is not None and rule.get("comment") == f"loss {name}":
-                total += sum(e["counter"]["packets"] for e in rule["expr"] if "counter" in e)
+        for netns, family in ((self.switch, "bridge"), (self.hosts[name].netns, "netdev")):
+            out = _run(["ip", "netns", "exec", netns, "nft", "-j", "list", "table", family, NFT_TABLE],
+                       what=f"{name}'s loss counters")
+            for item in json.loads(out)["nftables"]:
+                rule = item.get("rule")
+                if rule is not None and rule.get("comment") == f"loss {name}":
+                    total += sum(e["counter"]["packets"] for e in rule["expr"] if "counter" in e)
         return total
 
     def in_host(self, name: str, fn: Callable[[], T]) -> T:

@@ -3,9 +3,11 @@ rules that make those links real. Nothing here touches the system, so it is test
 
 Every host has one link to a switch (a bridge). A link has an MTU, a rate, a loss rate and a
 state (up or down); it shapes both directions: the host's own interface sends at the rate (its
-NIC), and the switch's port sends to the host at the rate (the switch port). Loss is dropped at
-the switch, at random, in each direction. A partition drops everything between two hosts at the
-switch while each keeps its link to the others.
+NIC), and the switch's port sends to the host at the rate (the switch port). Loss drops frames
+at random in each direction, one wire frame at a time: a lossy link's two ends send no GSO
+aggregates (`gso_max_segs 1`), frames from the host are dropped at the switch and frames to it
+at its interface's ingress. A partition drops everything between two hosts at the switch while
+each keeps its link to the others.
 
 Delay is not modelled: the kernels this runs on have no `netem` and no `fq` (whose departure
 times a BPF program could set), and a user-space hop that delays each packet would spend more
@@ -107,24 +109,37 @@ def _loss_rule(match: str, percent: float, host: str) -> str:
     return f'{match} numgen random mod {LOSS_SCALE} < {threshold} counter drop comment "loss {host}"'
 
 
+def _table(family: str, chain: str, hook: str, rules: list[str]) -> str:
+    body = "".join(f"    {rule}\n" for rule in rules)
+    # "add" then "delete" then define, in one transaction: replaces the table whether or not
+    # it exists, with no moment without rules
+    return (f"add table {family} {NFT_TABLE}\ndelete table {family} {NFT_TABLE}\n"
+            f"table {family} {NFT_TABLE} {{\n  chain {chain} {{\n"
+            f"    type filter hook {hook} priority 0; policy accept;\n{body}  }}\n}}\n")
+
+
 def switch_ruleset(ports: Mapping[str, str], links: Mapping[str, Link],
                    partitions: Iterable[frozenset[str]] = ()) -> str:
-    """The nftables script (one atomic transaction) that makes the switch drop what the links'
-    loss rates and the partitions say; `ports` maps each host to its switch port."""
+    """The nftables script (one atomic transaction) that makes the switch drop what the
+    partitions say, and what each lossy link loses on its way in (from its host); `ports` maps
+    each host to its switch port. What a link loses on its way out is `host_ruleset`'s."""
     rules = []
     for pair in sorted(tuple(sorted(p)) for p in partitions):
         a, b = (ports[h] for h in pair)
         rules += [f'iifname "{a}" oifname "{b}" drop', f'iifname "{b}" oifname "{a}" drop']
     for host, link in links.items():
         if link.loss_percent > 0:
-            port = ports[host]
-            rules += [_loss_rule(f'iifname "{port}"', link.loss_percent, host),
-                      _loss_rule(f'oifname "{port}"', link.loss_percent, host)]
-    body = "".join(f"    {rule}\n" for rule in rules)
-    # "add" then "delete" then define: replaces the table whether or not it exists.
-    return (f"add table bridge {NFT_TABLE}\ndelete table bridge {NFT_TABLE}\n"
-            f"table bridge {NFT_TABLE} {{\n  chain forward {{\n"
-            f"    type filter hook forward priority 0; policy accept;\n{body}  }}\n}}\n")
+            rules.append(_loss_rule(f'iifname "{ports[host]}"', link.loss_percent, host))
+    return _table("bridge", "forward", "forward", rules)
+
+
+def host_ruleset(host: str, link: Link, dev: str = "eth0") -> str:
+    """The nftables script, run in the host's namespace, that drops what its link loses on its
+    way to the host: at the interface's ingress, where frames arrive one wire frame each (the
+    switch port segments them for a lossy link), not at the switch, where a frame may still be
+    a 64 KiB GSO aggregate whose loss would cut a burst out of a flow."""
+    rules = [_loss_rule("", link.loss_percent, host).lstrip()] if link.loss_percent > 0 else []
+    return _table("netdev", "ingress", f'ingress device "{dev}"', rules)
 
 
 #: The roles of a fleet's hosts.

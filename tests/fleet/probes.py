@@ -84,3 +84,33 @@ def delivered(sender: Host, receiver: Host, count: int) -> int:
     assert counter.stdout is not None and counter.stdout.readline() == "listening\n"
     sender.run([sys.executable, "-c", BLAST, receiver.address, str(count)], check=True)
     return int(counter.stdout.readline())
+
+#: a TCP sink on port 9997: prints how many octets one connection brought
+SINK = """
+import socket, sys
+s = socket.socket()
+s.bind((sys.argv[1], 9997))
+s.listen()
+print("listening", flush=True)
+c, _ = s.accept()
+n = 0
+while data := c.recv(1 << 20):
+    n += len(data)
+print(n, flush=True)
+"""
+
+#: sends argv[2] octets to the TCP sink
+SOURCE = """
+import socket, sys
+s = socket.create_connection((sys.argv[1], 9997))
+s.sendall(b"t" * int(sys.argv[2]))
+s.close()
+"""
+
+
+def streamed(sender: Host, receiver: Host, octets: int) -> int:
+    """Octets of one TCP connection from sender that reach receiver."""
+    sink = receiver.start([sys.executable, "-c", SINK, receiver.address], stdout=subprocess.PIPE, text=True)
+    assert sink.stdout is not None and sink.stdout.readline() == "listening\n"
+    sender.run([sys.executable, "-c", SOURCE, receiver.address, str(octets)], check=True)
+    return int(sink.stdout.readline())

@@ -13,7 +13,7 @@ from kvsp_moq.errors import KvspError, NamespaceError
 from kvsp_moq.fleet.network import FleetNetwork
 from kvsp_moq.fleet.topology import Link
 
-from .probes import delivered, echo_server, reaches, send
+from .probes import delivered, echo_server, reaches, send, streamed
 
 PREFIX = f"kvspfn{os.getpid()}"
 
@@ -81,6 +81,25 @@ def test_a_partition_separates_two_hosts_and_no_other_then_heals(net: FleetNetwo
     assert reaches(a, c.address) and reaches(b, c.address)
     with pytest.raises(KeyError):
         net.partition("a", "nobody")
+
+
+def gso_max_segs(netns: str, dev: str) -> int:
+    out = subprocess.run(["ip", "-n", netns, "-d", "-j", "link", "show", "dev", dev],
+                         capture_output=True, text=True, check=True).stdout
+    return json.loads(out)[0]["gso_max_segs"]
+
+
+def test_a_lossy_link_carries_wire_frames_so_that_a_loss_is_one_frame(net: FleetNetwork) -> None:
+    a, b = net.add_host("a", link=Link(loss_percent=0.01)), net.add_host("b")
+    assert gso_max_segs(a.netns, "eth0") == gso_max_segs(net.switch, net.port("a")) == 1
+    assert gso_max_segs(b.netns, "eth0") > 1
+    before = net.counters("a")
+    assert streamed(b, a, 4 << 20) == 4 << 20 and streamed(a, b, 4 << 20) == 4 << 20
+    moved = net.counters("a") - before
+    # every frame at most one MTU's worth (GSO aggregates would be a few dozen frames)
+    assert moved.rx_packets >= (4 << 20) // 1500 and moved.tx_packets >= (4 << 20) // 1500, moved
+    net.set_loss("a", 0)
+    assert gso_max_segs(a.netns, "eth0") == 65535
 
 
 def test_a_cut_link_is_a_partition_from_everyone_until_restored(net: FleetNetwork) -> None:

@@ -10,6 +10,7 @@ from kvsp_moq.fleet.topology import (
     Topology,
     datagram_size,
     fleet_topology,
+    host_ruleset,
     parse_rate,
     switch_ruleset,
 )
@@ -67,8 +68,8 @@ def test_the_switch_drops_at_random_each_way_and_between_partitioned_hosts() -> 
     assert lines[:2] == [f"add table bridge {NFT_TABLE}", f"delete table bridge {NFT_TABLE}"]
     assert 'iifname "p0" oifname "p2" drop' in lines and 'iifname "p2" oifname "p0" drop' in lines
     assert 'iifname "p0" numgen random mod 10000 < 500 counter drop comment "loss a"' in lines
-    assert 'oifname "p0" numgen random mod 10000 < 500 counter drop comment "loss a"' in lines
     assert 'iifname "p2" numgen random mod 10000 < 25 counter drop comment "loss c"' in lines
+    assert not any("oifname" in line and "numgen" in line for line in lines)  # the way in: host_ruleset
     assert not any('"p1"' in line for line in lines)
     assert "policy accept" in script
 
@@ -76,6 +77,14 @@ def test_the_switch_drops_at_random_each_way_and_between_partitioned_hosts() -> 
 def test_an_empty_ruleset_still_replaces_the_old_one() -> None:
     script = switch_ruleset({"a": "p0"}, {"a": Link()})
     assert "drop" not in script and f"table bridge {NFT_TABLE} {{" in script
+
+
+def test_what_a_link_loses_on_its_way_in_is_dropped_at_its_host_s_ingress() -> None:
+    lines = [line.strip() for line in host_ruleset("a", Link(loss_percent=5)).splitlines()]
+    assert f"table netdev {NFT_TABLE} {{" in lines
+    assert 'type filter hook ingress device "eth0" priority 0; policy accept;' in lines
+    assert 'numgen random mod 10000 < 500 counter drop comment "loss a"' in lines
+    assert "drop" not in host_ruleset("a", Link())
 
 
 def test_the_default_fleet_has_the_issue_s_links() -> None:
