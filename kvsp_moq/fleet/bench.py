@@ -13,7 +13,9 @@ mtu     one client loads 16 MiB blocks, one at a time, cold, through the relay a
         not the links, are the limit. Every MOQT endpoint sends datagrams of its path's size
         (MTU - 28, KVSP_MOQT_DATAGRAM_SIZE set from the topology).
 loss    one client on the fan-out's links loads a 16 MiB prefix with no loss and with 5% of
-        the frames dropped each way on its link: loads complete, verified, and the slowdown.
+        the frames dropped each way on its link, over HTTP and as an agent with a relay does
+        (MOQT first, HTTP from the layer where MOQT failed): loads complete, verified, the
+        slowdown, and which source delivered the layers.
 
 Rounds alternate the transports, and figures are medians over rounds, so a neighbour on the
 machine slows both alike. A client is a process in its own namespace that loads as an agent
@@ -48,8 +50,9 @@ NOTE = (
     "ratio_time_moqt_vs_http = MOQT seconds_all / HTTP seconds_all. mtu: one client, unshaped "
     "links, blocks loaded one at a time with a cold relay cache; MB/s = 10^6 octets/s of payload. "
     "loss: one client, the fan-out's links, loss_percent of the frames dropped at random each way "
-    "on its link (nftables at the switch; frames_dropped counts them); slowdown = seconds with "
-    "loss / seconds without. There is no delay on any link (no netem here): round trips are "
+    "on its link (nftables; frames_dropped counts them); moqt is the agent's order (MOQT, then "
+    "HTTP from the layer where MOQT failed: layers_with_loss says which delivered what); "
+    "slowdown = seconds with loss / seconds without. There is no delay on any link (no netem here): round trips are "
     "the machine's. The machine's CPUs are shared with other work: figures vary from run to run.")
 
 
@@ -61,16 +64,39 @@ def _ratio(a: float, b: float) -> float | None:
     return round(a / b, 3) if b else None
 
 
+def _cpu_ns(pid: int) -> int:
+    """CPU time of a process's threads so far (schedstat: nanoseconds); 0 where unknown."""
+    total = 0
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                    total += int(f.read().split()[0])
+            except (OSError, ValueError, IndexError):
+                pass  # a thread that ended meanwhile
+    except OSError:
+        pass
+    return total
+
+
+def _cpu(fleet: Fleet) -> dict[str, int]:
+    out = {name: _cpu_ns(proc.pid) for name, (proc, _) in fleet.servers.items()}
+    out["clients"] = sum(_cpu_ns(c.proc.pid) for c in fleet.clients.values())
+    return out
+
+
 def _load_all(fleet: Fleet, keys: list[str], transport: str, digests: list[str] | None = None) -> dict[str, Any]:
     """Every client loads `keys` at the same instant; the run's figures."""
     clients = list(fleet.clients.values())
     holder = fleet.topology.of_role("holder")[0].name
     relay = fleet.topology.of_role("relay")[0].name
     before = {name: fleet.net.counters(name) for name in (holder, relay)}
+    cpu_before = _cpu(fleet)
     start_at = time.monotonic() + START_MARGIN_S
     for client in clients:
         client.send("load", keys=keys, transport=transport, start_at=start_at, digest=digests is not None)
     answers = [client.receive(LOAD_TIMEOUT_S) for client in clients]
+    cpu_after = _cpu(fleet)
     after = {name: fleet.net.counters(name) for name in (holder, relay)}
     for client, answer in zip(clients, answers):
         if not answer.get("ok") or answer["errors"]:
@@ -85,10 +111,15 @@ def _load_all(fleet: Fleet, keys: list[str], transport: str, digests: list[str] 
         "relay_egress_bytes": after[relay].tx_bytes - before[relay].tx_bytes,
         "layers": _sum_layers(answers),
         "fallbacks": sum(len(a["failures"]) for a in answers),
+        # what the processes spent meanwhile: near 2 x seconds_all on two cores means that
+        # the CPUs, not the links, set the pace
+        "cpu_seconds": {name: round((cpu_after[name] - cpu_before[name]) / 1e9, 2)
+                        for name in cpu_after if name in (holder, relay, "clients")},
     }
 
 
 def _sum_layers(answers: list[dict[str, Any]]) -> dict[str, int]:
+    """Layers delivered by each kind of source, over clients' answers or runs."""
     out: dict[str, int] = {}
     for answer in answers:
         for kind, n in answer["layers"].items():
@@ -197,9 +228,11 @@ def mtu_rates(mtu: int, *, blocks: int = 3, block_bytes: int = 16 * MiB, engine:
 def loss(*, percent: float = 5.0, blocks: int = 2, block_bytes: int = 8 * MiB, rounds: int = 2,
          engine: str | None = None) -> dict[str, Any]:
     """One client on the fan-out's links loads a prefix with no loss and with `percent` lost
-    each way on its link, over each transport: loads complete, verified, and how much slower."""
+    each way on its link: over HTTP, and as an agent does with a relay (MOQT first, the rest
+    over HTTP from the layer where MOQT failed). Loads complete, verified; how much slower,
+    and how many layers still came over MOQT."""
     topology = fleet_topology(clients=1)
-    times: dict[tuple[float, str], list[float]] = {}
+    runs: dict[tuple[float, str], list[dict[str, Any]]] = {}
     dropped = 0
     with Fleet(topology, engine=engine) as fleet:
         cases = [(p, t) for _ in range(rounds) for p in (0.0, percent) for t in ("moqt", "http")]
@@ -210,17 +243,20 @@ def loss(*, percent: float = 5.0, blocks: int = 2, block_bytes: int = 8 * MiB, r
                 dropped += fleet.net.dropped("client1")
                 fleet.net.set_loss("client1", p)
             part = slice(i * blocks, (i + 1) * blocks)
-            run = _load_all(fleet, keys[part], transport, digests[part])
-            times.setdefault((p, transport), []).append(run["seconds_all"])
+            run = _load_all(fleet, keys[part], "any" if transport == "moqt" else "http", digests[part])
+            runs.setdefault((p, transport), []).append(run)
         dropped += fleet.net.dropped("client1")
     prefix = blocks * block_bytes
     out: dict[str, Any] = {"percent": percent, "prefix_bytes": prefix, "frames_dropped": dropped}
     for transport in ("moqt", "http"):
-        clean, lossy = _median(times[(0.0, transport)]), _median(times[(percent, transport)])
+        clean = _median([r["seconds_all"] for r in runs[(0.0, transport)]])
+        lossy = _median([r["seconds_all"] for r in runs[(percent, transport)]])
         out[transport] = {"seconds": round(clean, 3), "seconds_with_loss": round(lossy, 3),
                           "mb_per_s": round(prefix / clean / MB, 1),
                           "mb_per_s_with_loss": round(prefix / lossy / MB, 1),
-                          "slowdown": _ratio(lossy, clean)}
+                          "slowdown": _ratio(lossy, clean),
+                          "layers_with_loss": _sum_layers(runs[(percent, transport)]),
+                          "fallbacks_with_loss": sum(r["fallbacks"] for r in runs[(percent, transport)])}
     return out
 
 
