@@ -34,7 +34,9 @@ from kvsp_moq.protocol.keys import scope_id
 __all__ = ["ClientProcess", "Fleet", "terminate_as_interrupt"]
 
 ROOT = Path(__file__).resolve().parents[2]
-INDEX_PORT, RELAY_PORT, HOLDER_PORT = 8700, 4443, 8801
+INDEX_PORT, RELAY_PORT, HOLDER_PORT, AGENT_PORT = 8700, 4443, 8801, 8900
+#: The scope of the fleet's blocks and sessions, in keys.toml.
+SCOPE = "fleet"
 #: The Compatibility ID of the fleet's blocks (any 32 octets: the holder checks no geometry).
 COMPAT = "f1" * 32
 #: How long a server may take to come up (two shared cores import slowly).
@@ -112,6 +114,7 @@ class Fleet:
     def __init__(self, topology: Topology, *, workdir: str | Path | None = None, prefix: str | None = None,
                  subnet: str = "198.18.0.0/24", engine: str | None = None, datagram_size: int | None = None,
                  relay_args: tuple[str, ...] = (), holder_args: tuple[str, ...] = (),
+                 agent_args: tuple[str, ...] = (), agent_token_interval_s: float = 0.0,
                  client_config: dict[str, Any] | None = None, keep: bool = False) -> None:
         self.topology = topology
         self.net = FleetNetwork(subnet=subnet, prefix=prefix)
@@ -121,6 +124,8 @@ class Fleet:
         self.datagram_override = datagram_size
         self.relay_args = relay_args
         self.holder_args = holder_args
+        self.agent_args = agent_args
+        self.agent_token_interval_s = agent_token_interval_s
         self.client_config = client_config or {}
         self.keep = keep
         self.scope_key = secrets.token_bytes(32)
@@ -145,6 +150,9 @@ class Fleet:
     def holder_url(self, name: str | None = None) -> str:
         name = name or self.topology.of_role("holder")[0].name
         return f"http://{self.address(name)}:{HOLDER_PORT}/"
+
+    def agent_url(self, name: str) -> str:
+        return f"http://{self.address(name)}:{AGENT_PORT}/"
 
     @property
     def relay_ca(self) -> Path:
@@ -176,7 +184,8 @@ class Fleet:
         relay = self.topology.of_role("relay")[0].name
         self._start_server(index, ["index", "--listen", f"{self.address(index)}:{INDEX_PORT}",
                                    "--public-url", self.index_url, "--principals", "principals.toml",
-                                   "--role", "is"])
+                                   "--scope-keys", "keys.toml", "--token-file", "pc.token",
+                                   "--db", "pc.sqlite3"])
         self._start_server(relay, ["relay", "--listen", f"{self.address(relay)}:{RELAY_PORT}",
                                    "--principals", "principals.toml", "--cert-dir", "relay",
                                    "--cache-bytes", "1G", *self.relay_args])
@@ -189,10 +198,23 @@ class Fleet:
                                       "--token-file", f"{name}.token", "--index", self.index_url,
                                       "--relay", self.relay_url, "--relay-ca", str(self.relay_ca),
                                       "--host-bytes", "2G", *self.holder_args])
+        agents = [n.name for n in self.topology.of_role("agent")]
+        for name in agents:
+            self._start_server(name, ["--token-interval-s", str(self.agent_token_interval_s),
+                                      "--listen", f"{self.address(name)}:{AGENT_PORT}",
+                                      "--public-url", self.agent_url(name), "--model", "tiny",
+                                      "--data", f"data-{name}", "--principals", "principals.toml",
+                                      "--scope-keys", "keys.toml", "--scope", SCOPE,
+                                      "--token-file", f"{name}.token", "--index", self.index_url,
+                                      "--pc", self.index_url, "--relay", self.relay_url,
+                                      "--relay-ca", str(self.relay_ca), *self.agent_args],
+                               module="kvsp_moq.fleet.agent")
         for node in self.topology.of_role("client"):
             self.clients[node.name] = self._start_client(node.name, node.name)
         for name in holders:
             self._wait_for_tcp(name, HOLDER_PORT)
+        for name in agents:
+            self._wait_for_tcp(name, AGENT_PORT)
 
     def close(self) -> None:
         for client in self.clients.values():
@@ -212,21 +234,30 @@ class Fleet:
     def _write_keys(self) -> None:
         """A token per process and the principals file every server reads (as `kvsp keys`
         makes them, README "Keys and tokens")."""
-        entries = []
+        entries = [self._principal("pc", ["pc"], [], scopes=["*"])]
         for node in self.topology.nodes.values():
             if node.role == "holder":
                 entries.append(self._principal(node.name, ["holder"], [self.holder_url(node.name)]))
+            elif node.role == "agent":
+                entries.append(self._principal(node.name, ["instance"], [self.agent_url(node.name)]))
             elif node.role == "client":
                 entries.append(self._principal(node.name, ["instance"], []))
-        # who stores the blocks the fleet loads (an agent that computed them, say)
+        # who stores the blocks the fleet loads (an agent that computed them, say), and an end
+        # user's front end
         entries.append(self._principal("seeder", ["instance"], []))
+        entries.append(self._principal("frontend", ["client"], []))
         self._private("principals.toml", "\n".join(entries))
-        self._private("keys.toml", f'fleet = "{self.scope_key.hex()}"\n')
+        self._private("keys.toml", f'{SCOPE} = "{self.scope_key.hex()}"\n')
 
-    def _principal(self, name: str, roles: list[str], holders: list[str]) -> str:
+    def _principal(self, name: str, roles: list[str], holders: list[str],
+                   scopes: list[str] | None = None) -> str:
         token = secrets.token_urlsafe(32)
         self._private(f"{name}.token", token + "\n")
-        return principal_entry(name, token_digest(token), [self.scope_id], holders, roles)
+        return principal_entry(name, token_digest(token), scopes or [self.scope_id], holders, roles)
+
+    def token(self, name: str) -> str:
+        """The bearer token of a principal of the fleet (a host's name, "pc", "frontend")."""
+        return (self.workdir / f"{name}.token").read_text().strip()
 
     def _private(self, name: str, text: str) -> None:
         path = self.workdir / name
@@ -247,9 +278,9 @@ class Fleet:
         self._logs.append(log)
         return path, log
 
-    def _start_server(self, name: str, args: list[str]) -> None:
+    def _start_server(self, name: str, args: list[str], module: str = "kvsp_moq.cli") -> None:
         path, log = self._open_log(name)
-        proc = self.net.hosts[name].start([sys.executable, "-m", "kvsp_moq.cli", *args], cwd=self.workdir,
+        proc = self.net.hosts[name].start([sys.executable, "-m", module, *args], cwd=self.workdir,
                                           env=self._env(name), stdout=log, stderr=subprocess.STDOUT,
                                           stdin=subprocess.DEVNULL)
         self.servers[name] = (proc, path)
@@ -312,6 +343,7 @@ class Fleet:
         return {"hosts": self.net.describe(), "index": self.index_url, "relay": self.relay_url,
                 "relay_ca": str(self.relay_ca),
                 "holders": [self.holder_url(n.name) for n in self.topology.of_role("holder")],
+                "agents": [self.agent_url(n.name) for n in self.topology.of_role("agent")],
                 "scope_id": self.scope_id, "compat_id": COMPAT, "workdir": str(self.workdir),
                 "datagram_sizes": {name: self.datagram_size(name) for name in self.topology.nodes
                                    if self.topology.moqt_peers(name)}}

@@ -142,8 +142,11 @@ def host_ruleset(host: str, link: Link, dev: str = "eth0") -> str:
     return _table("netdev", "ingress", f'ingress device "{dev}"', rules)
 
 
-#: The roles of a fleet's hosts.
-ROLES = ("index", "relay", "holder", "client")
+#: The roles of a fleet's hosts: the index (IS and PC), relays, holders, inference instances
+#: (`kvsp agent`) and fetch clients (loads as an agent makes them, without a model).
+ROLES = ("index", "relay", "holder", "agent", "client")
+#: Roles that speak MOQT with the relay.
+MOQT_ROLES = ("holder", "agent", "client")
 
 
 @dataclass(frozen=True)
@@ -179,12 +182,12 @@ class Topology:
         return link
 
     def moqt_peers(self, name: str) -> list[str]:
-        """The hosts `name` exchanges MOQT datagrams with: relays with every holder and client,
-        holders and clients with every relay."""
+        """The hosts `name` exchanges MOQT datagrams with: relays with every holder, agent and
+        client, and these with every relay."""
         role = self.nodes[name].role
         if role == "relay":
-            return [n.name for n in self.nodes.values() if n.role in ("holder", "client")]
-        if role in ("holder", "client"):
+            return [n.name for n in self.nodes.values() if n.role in MOQT_ROLES]
+        if role in MOQT_ROLES:
             return [n.name for n in self.of_role("relay")]
         return []
 
@@ -195,19 +198,22 @@ class Topology:
         return datagram_size(min(mtus))
 
 
-def fleet_topology(*, clients: int = 4, holders: int = 1, mtu: int = 1500,
+def fleet_topology(*, clients: int = 4, holders: int = 1, agents: int = 0, mtu: int = 1500,
                    holder_rate: float | None = 200.0, relay_rate: float | None = 1000.0,
                    client_rate: float | None = 1000.0, index_rate: float | None = 1000.0,
-                   client_loss: float = 0.0) -> Topology:
-    """The fleet the benchmark and the tests use: one index, one relay, `holders` holders and
-    `clients` fetch clients, each on a link of its own (rates in Mbit/s; None: unshaped)."""
-    if clients < 1 or holders < 1:
+                   agent_rate: float | None = 1000.0, client_loss: float = 0.0) -> Topology:
+    """The fleet the benchmark and the tests use: one index, one relay, `holders` holders,
+    `agents` inference instances and `clients` fetch clients, each on a link of its own (rates
+    in Mbit/s; None: unshaped)."""
+    if clients < 1 or holders < 1 or agents < 0:
         raise ValueError("a fleet has at least one holder and one client")
     topo = Topology()
     topo.add("index", "index", Link(mtu=mtu, rate_mbit=index_rate))
     topo.add("relay", "relay", Link(mtu=mtu, rate_mbit=relay_rate))
     for i in range(holders):
         topo.add(f"holder{i + 1}" if holders > 1 else "holder", "holder", Link(mtu=mtu, rate_mbit=holder_rate))
+    for i in range(agents):
+        topo.add(f"agent{i + 1}", "agent", Link(mtu=mtu, rate_mbit=agent_rate))
     for i in range(clients):
         topo.add(f"client{i + 1}", "client", Link(mtu=mtu, rate_mbit=client_rate, loss_percent=client_loss))
     return topo
