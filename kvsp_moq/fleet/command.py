@@ -1,7 +1,8 @@
 """`kvsp fleet`: build a fleet on one machine and keep it up until interrupted.
 
-An index, a relay, a holder and fetch clients, each in a network namespace of its own, on
-links with the MTU, rates and loss given, authenticated as across machines. It prints where
+An index (IS and PC), a relay, a holder, fetch clients and optionally agents, each in a network
+namespace of its own, on links with the MTU, rates and loss given, authenticated as across
+machines. It prints where
 everything is (namespaces, addresses, URLs, the work directory with the tokens and the relay's
 certificate) as one JSON document, then waits; ^C or SIGTERM (or --duration) tears it all down.
 Run commands on a host with `ip netns exec NAMESPACE ...`. Needs root.
@@ -30,6 +31,8 @@ def _rate(text: str) -> float | None:
 def configure_parser(p: argparse.ArgumentParser) -> None:
     p.description = __doc__.split("\n\n")[1].replace("\n", " ")
     p.add_argument("--clients", type=int, default=4, metavar="N", help="fetch clients (default 4)")
+    p.add_argument("--agents", type=int, default=0, metavar="N",
+                   help="inference instances (kvsp agent, the tiny model) reporting to the PC (default 0)")
     p.add_argument("--mtu", type=int, default=1500, help="MTU of every link (default 1500)")
     p.add_argument("--holder-rate", type=_rate, default=200.0, metavar="RATE",
                    help="the holder's link, e.g. 200mbit (default), 1gbit, or none (unshaped)")
@@ -39,6 +42,8 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                    help="each client's link (default 1gbit)")
     p.add_argument("--index-rate", type=_rate, default=1000.0, metavar="RATE",
                    help="the index's link (default 1gbit)")
+    p.add_argument("--agent-rate", type=_rate, default=1000.0, metavar="RATE",
+                   help="each agent's link (default 1gbit)")
     p.add_argument("--client-loss", type=float, default=0.0, metavar="PERCENT",
                    help="frames dropped at random on each client's link, each way (default 0)")
     p.add_argument("--blocks", type=int, default=0, metavar="N",
@@ -58,12 +63,15 @@ def run(args: argparse.Namespace) -> int:
 
     if args.clients < 1:
         raise UsageError("--clients must be at least 1")
+    if args.agents < 0:
+        raise UsageError("--agents cannot be negative")
     if not 0 <= args.client_loss <= 100:
         raise UsageError("--client-loss is a percentage, 0 to 100")
     try:
-        topology = fleet_topology(clients=args.clients, mtu=args.mtu, holder_rate=args.holder_rate,
-                                  relay_rate=args.relay_rate, client_rate=args.client_rate,
-                                  index_rate=args.index_rate, client_loss=args.client_loss)
+        topology = fleet_topology(clients=args.clients, agents=args.agents, mtu=args.mtu,
+                                  holder_rate=args.holder_rate, relay_rate=args.relay_rate,
+                                  client_rate=args.client_rate, index_rate=args.index_rate,
+                                  agent_rate=args.agent_rate, client_loss=args.client_loss)
     except ValueError as e:
         raise UsageError(str(e)) from None
     try:
