@@ -30,7 +30,8 @@ import statistics
 import time
 from typing import Any
 
-from kvsp_moq.errors import Failed
+from kvsp_moq.errors import Failed, NamespaceError
+from kvsp_moq.fleet.network import fleet_unavailable
 from kvsp_moq.fleet.services import Fleet, terminate_as_interrupt
 from kvsp_moq.fleet.topology import fleet_topology
 
@@ -263,6 +264,9 @@ def loss(*, percent: float = 5.0, blocks: int = 2, block_bytes: int = 8 * MiB, r
 def run(*, quick: bool = False) -> dict[str, Any]:
     from kvsp_moq.bench.moqt import cpu_parallelism
 
+    reason = fleet_unavailable()
+    if reason is not None:  # before anything is measured
+        raise NamespaceError(f"cannot build a fleet here: {reason}")
     started = time.perf_counter()
     with terminate_as_interrupt():
         parallelism = cpu_parallelism()
