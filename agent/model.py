@@ -31,6 +31,7 @@ from transformers import AutoModelForCausalLM
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from kvsp_moq import model_descriptor as md
+from kvsp_moq.fetch.prefix import LayerReadiness  # re-exported: what the forward pass waits on
 from kvsp_moq.model_descriptor import (  # re-exported: the agent's names for them
     KV_LAYOUT,
     SUPPORTED_MODEL_TYPES,
@@ -118,50 +119,6 @@ class KVPrefix:
         if callable(self.layers):
             return self.layers(index)
         return self.layers[index]
-
-
-class LayerReadiness:
-    """Per-layer readiness flags that a loader sets and the forward pass waits on.
-
-    A loader failure is propagated to the waiting forward pass via :meth:`fail`,
-    rather than leaving it blocked forever.
-    """
-
-    def __init__(self, num_layers: int, *, timeout: float | None = None) -> None:
-        self._ready = [False] * num_layers
-        self._error: BaseException | None = None
-        self._cond = threading.Condition()
-        self._timeout = timeout
-
-    def mark_ready(self, layer: int) -> None:
-        """Publish that layer ``layer``'s tensors are completely written."""
-        with self._cond:
-            self._ready[layer] = True
-            self._cond.notify_all()
-
-    def mark_all_ready(self) -> None:
-        with self._cond:
-            self._ready = [True] * len(self._ready)
-            self._cond.notify_all()
-
-    def fail(self, error: BaseException) -> None:
-        """Abort every current and future wait with ``error``."""
-        with self._cond:
-            self._error = error
-            self._cond.notify_all()
-
-    def is_ready(self, layer: int) -> bool:
-        with self._cond:
-            return self._ready[layer]
-
-    def wait_for_layer(self, layer: int) -> None:
-        """Block until ``layer`` is ready; usable directly as ``KVPrefix.wait_for_layer``."""
-        with self._cond:
-            ok = self._cond.wait_for(lambda: self._ready[layer] or self._error is not None, self._timeout)
-            if self._error is not None:
-                raise RuntimeError(f"loading the prefix of layer {layer} failed") from self._error
-            if not ok:
-                raise TimeoutError(f"prefix layer {layer} was not ready within {self._timeout} s")
 
 
 # --------------------------------------------------------------------------- cache
