@@ -50,7 +50,8 @@ test-unit: $(BIN)/.installed
 # The MOQT, relay and KV-track suites again on the second QUIC engine (the default run uses
 # the default engine, qh3); the interop suite runs on both engines below.
 test-aioquic: $(BIN)/.installed
-	KVSP_QUIC_ENGINE=aioquic $(BIN)/python -m pytest -q tests/moqt tests/relay tests/moqt_blocks
+	KVSP_QUIC_ENGINE=aioquic $(BIN)/python -m pytest -q tests/moqt tests/relay tests/holder/test_moqt_publisher.py \
+		tests/holder/test_moqt_publisher_fuzz.py tests/fetch/test_moqt.py
 
 # The independent peers (aiomoqt, moq-rs) live in venvs of their own. aiomoqt binds wildcard
 # addresses, so the interop suite runs in a private network namespace with only loopback up.

@@ -168,17 +168,3 @@ def new_session() -> str:
 
 def ndjson(index: int, epoch: int, token: int) -> bytes:
     return (json.dumps({"index": index, "epoch": epoch, "token": token}) + "\n").encode()
-
-
-async def eventually(check: Callable[[], Any], timeout: float = 5.0, step: float = 0.02) -> Any:
-    """Poll until `check` returns a truthy value; bounded."""
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if asyncio.iscoroutine(result):
-            result = await result
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(step)

@@ -49,6 +49,7 @@ from kvsp_moq.frontend import FrontEnd, Token
 from kvsp_moq.holder.service import Holder, HolderSettings
 from kvsp_moq.web import BackgroundServer
 from tests.agent.conftest import model_dir, tokens  # noqa: F401 (model_dir: a fixture)
+from tests.polling import wait_until
 
 B = 16
 PROMPT = 72  # 4 complete blocks and a tail of 8
@@ -124,16 +125,6 @@ def agent_processes(model_dir: Path, tmp_path: Path) -> Iterator[Callable[..., A
         p.stop()
 
 
-def wait_until(check: Any, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        result = check()
-        if result:
-            return result
-        time.sleep(0.05)
-    raise AssertionError(f"{what}: not within {timeout} s")
-
-
 @pytest.mark.parametrize("method", list(SAMPLERS))
 async def test_session_survives_sigkill_without_changing_a_delivered_token(
         method: str, model_dir: Path, agent_processes: Callable[..., AgentProcess],
@@ -179,7 +170,7 @@ async def _run(pc_url: str, a: AgentProcess, b_url: str, prompt: list[int], samp
         listed = httpx.get(pc_url + "instances", timeout=5).json()["instances"]
         return {i["instance"] for i in listed if i["state"] == "active"} >= {a_url, b_url}
 
-    wait_until(both_active, 30, "both agents active at the PC")
+    wait_until(both_active, timeout=30, what="both agents active at the PC", step=0.05)
 
     session = str(uuid.uuid4())
     async with httpx.AsyncClient(timeout=30) as client:

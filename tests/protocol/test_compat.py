@@ -7,7 +7,7 @@ from kvsp_moq.errors import BadDescriptor
 from kvsp_moq.protocol.compat import (
     CompatDescriptor, canonical_number, content_digest, format_positional, model_digest,
 )
-from tests.core.fixtures import DESCRIPTOR
+from tests.fixtures import DESCRIPTOR
 
 
 def plain_jcs(d: dict) -> bytes:

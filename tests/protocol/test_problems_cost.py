@@ -4,7 +4,7 @@ from kvsp_moq import errors
 from kvsp_moq.protocol.cost import DEFAULT_MBIT_PER_S, DEFAULT_RTT_US, assumed_link, estimate, fetch_us, recompute_us
 from kvsp_moq.protocol.problems import Problem
 from kvsp_moq.protocol.records import InstanceStatus, ReplicaRecord
-from tests.core.test_records import STATUS, replica
+from tests.protocol.test_records import STATUS, replica
 
 
 @pytest.mark.parametrize("cls", [errors.LeaseQuota, errors.LayersUnavailable, errors.StaleEpoch,
