@@ -36,15 +36,14 @@ from kvsp_moq.errors import (
     BadContainer,
     BadRecord,
     CodecUnavailable,
-    KvspError,
     NotFound,
-    PreconditionFailed,
     PayloadTooLarge,
+    PreconditionFailed,
     PreconditionRequired,
 )
+from kvsp_moq.holder.index_publisher import IndexPublisher
 from kvsp_moq.holder.leases import Clock, LeaseLimits, LeaseTable
 from kvsp_moq.holder.moqt_publisher import BlockPublisher
-from kvsp_moq.holder.index_publisher import IndexPublisher
 from kvsp_moq.holder.store import CHUNK, BlockId, BlockRead, BlockStore
 from kvsp_moq.index_client import IndexClient
 from kvsp_moq.moqt.certs import client_tls

@@ -24,10 +24,10 @@ from typing import Any, Sequence
 import httpx
 
 from agent.loader import PrefixLoader, Timeline
-from kvsp_moq.fetch.leases import LeaseClient
-from kvsp_moq.fetch.sources import HttpLayerSource, MoqtLayerSource, order_candidates
 from kvsp_moq.errors import KvspError
 from kvsp_moq.fetch.http import HttpFetcher
+from kvsp_moq.fetch.leases import LeaseClient
+from kvsp_moq.fetch.sources import HttpLayerSource, MoqtLayerSource, order_candidates
 from kvsp_moq.integrations.vllm.config import ConnectorConfig
 from kvsp_moq.integrations.vllm.layout import PagedBlocks
 from kvsp_moq.integrations.vllm.loop import LoopThread
@@ -136,8 +136,8 @@ class BlockTransport:
         self._fetcher = HttpFetcher(token=c.token, timeout=10.0)
         self.leases = LeaseClient(self._client, token=c.token)
         if c.relay:
-            from kvsp_moq.moqt.certs import client_tls
             from kvsp_moq.fetch.moqt import MoqtBlockFetcher
+            from kvsp_moq.moqt.certs import client_tls
 
             tls = client_tls(c.relay, cafile=c.relay_ca, insecure=c.relay_insecure,
                              ca_option="relay_ca", insecure_option="relay_insecure")
