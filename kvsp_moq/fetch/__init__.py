@@ -34,16 +34,37 @@ _WHERE = {
     "LeaseClient": "leases", "LeaseKeeper": "leases", "lease_unavailable": "leases",
 }
 
-__all__ = sorted(_WHERE)
+# Spelled out, not sorted(_WHERE), so that linters and type checkers read it; the same names.
+__all__ = [
+    "Attempt", "BlockCandidates", "CandidatesExhausted", "FallbackStream", "FetchedBlock",
+    "HttpFetcher", "HttpLayerSource", "HttpLayerStream", "LayerSource", "LayerTuple",
+    "LeaseClient", "LeaseKeeper", "LocalLayerSource", "MoqtBlockFetcher", "MoqtLayerSource",
+    "MoqtLayerStream", "SourceCandidate", "SourceFailed", "SourcedLayer", "VerifiedLayerStream",
+    "fetch_block", "fetch_layers", "lease_first_candidates", "lease_unavailable", "order_candidates",
+]
 
 if TYPE_CHECKING:
-    from kvsp_moq.fetch.fallback import (Attempt, BlockCandidates, CandidatesExhausted, FallbackStream,
-                                         SourcedLayer, fetch_layers, lease_first_candidates)
+    from kvsp_moq.fetch.fallback import (
+        Attempt,
+        BlockCandidates,
+        CandidatesExhausted,
+        FallbackStream,
+        SourcedLayer,
+        fetch_layers,
+        lease_first_candidates,
+    )
     from kvsp_moq.fetch.http import HttpFetcher, HttpLayerStream, fetch_block
     from kvsp_moq.fetch.leases import LeaseClient, LeaseKeeper, lease_unavailable
     from kvsp_moq.fetch.moqt import MoqtBlockFetcher, MoqtLayerStream
-    from kvsp_moq.fetch.sources import (HttpLayerSource, LayerSource, LayerTuple, LocalLayerSource,
-                                        MoqtLayerSource, SourceCandidate, order_candidates)
+    from kvsp_moq.fetch.sources import (
+        HttpLayerSource,
+        LayerSource,
+        LayerTuple,
+        LocalLayerSource,
+        MoqtLayerSource,
+        SourceCandidate,
+        order_candidates,
+    )
     from kvsp_moq.fetch.stream import FetchedBlock, SourceFailed, VerifiedLayerStream
 
 
