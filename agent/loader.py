@@ -43,12 +43,11 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import httpx
 
 from agent.model import LayerReadiness
-from agent.pool import KVPool
 from kvsp_moq.errors import KvspError, LayersUnavailable, PreconditionFailed
 from kvsp_moq.fetch.fallback import (
     BlockCandidates,
@@ -61,6 +60,7 @@ from kvsp_moq.fetch.leases import LeaseClient, LeaseKeeper
 from kvsp_moq.fetch.sources import MoqtLayerSource, SourceCandidate
 from kvsp_moq.holder.store import BlockId, BlockStore
 from kvsp_moq.index_client import IndexClient
+from kvsp_moq.protocol.container import Buffer
 from kvsp_moq.protocol.records import PrefetchBlock, PrefetchDirective, ReplicaRecord
 from kvsp_moq.protocol.urls import base_url
 
@@ -70,6 +70,26 @@ __all__ = ["DirectiveState", "LoadReport", "Prefetcher", "PrefixLoader", "Timeli
 
 #: Called with (holder URL, octets, seconds) after each completed transfer: link rates.
 TransferObserver = Callable[[str, int, float], None]
+
+
+class LayerTarget(Protocol):
+    """Where a `PrefixLoader` writes: the agent's `KVPool`, or the paged blocks of the vLLM
+    connector (`kvsp_moq.integrations.vllm.layout.PagedBlocks`)."""
+
+    @property
+    def block_keys(self) -> Sequence[str]: ...
+
+    @property
+    def num_layers(self) -> int: ...
+
+    @property
+    def section_bytes(self) -> int: ...
+
+    def place(self, slot: int, layer: int, k: Buffer, v: Buffer) -> None: ...
+
+    def layer_complete(self, layer: int) -> None: ...
+
+    def wait_layer(self, layer: int) -> None: ...
 
 
 # --------------------------------------------------------------------------- timeline
@@ -111,8 +131,8 @@ class Timeline:
         return [{"layer": layer,
                  "load": [ms(self.load_start[layer]), ms(self.load_end[layer])],
                  "wait": ms(self.wait_start[layer]),
-                 "compute": [ms(compute[layer][0]), ms(compute[layer][1])] if compute[layer] else None}
-                for layer in range(self.layers)]
+                 "compute": [ms(span[0]), ms(span[1])] if span else None}
+                for layer, span in enumerate(compute)]
 
 
 # --------------------------------------------------------------------------- prefix loading
@@ -161,7 +181,7 @@ class PrefixLoader:
     model's thread. `run()` runs on the event loop and returns once nothing more can be loaded.
     """
 
-    def __init__(self, pool: KVPool, blocks: Sequence[Sequence[SourceCandidate]], *,
+    def __init__(self, pool: LayerTarget, blocks: Sequence[Sequence[SourceCandidate]], *,
                  leases: LeaseClient, lease_ms: int = 10_000, concurrency: int = 8,
                  layers_per_request: int | None = None, request_bytes: int = 1 << 20,
                  split_bytes: int = 8 << 20, readiness_timeout: float = 120.0,
@@ -244,7 +264,7 @@ class PrefixLoader:
             # One observation per holder over the whole load: the rate its parallel streams
             # reached together, which is what a placement estimate for a prefix needs.
             for holder, (octets, first, last) in self._by_holder.items():
-                self.on_transfer(holder, octets, last - first)
+                self.on_transfer(holder, int(octets), last - first)  # a sum of ints
         loaded = 0
         for blk in self._blocks:
             if not blk.complete:

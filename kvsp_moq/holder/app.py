@@ -118,12 +118,12 @@ async def read_body(request: Request, limit: int) -> bytearray | memoryview:
         if pos != size:
             raise BadContainer(f"body ended after {pos} of {size} octets", member="body")
         return buf
-    buf = bytearray()
+    body = bytearray()
     async for chunk in request.stream():
-        if len(buf) + len(chunk) > limit:
+        if len(body) + len(chunk) > limit:
             raise PayloadTooLarge(f"the body exceeds the limit of {limit} octets")
-        buf += chunk
-    return buf
+        body += chunk
+    return body
 
 
 # --------------------------------------------------------------------------- responses

@@ -161,8 +161,8 @@ class BlockTransport:
             plans.append(order_candidates(parsed, self._sources))
         assert self.leases is not None
         started = time.perf_counter()
-        # The loader writes through the KVPool interface (place, layer_complete, wait_layer).
-        loader = PrefixLoader(target, plans,  # type: ignore[arg-type]
+        # The loader writes through its LayerTarget interface (place, layer_complete, wait_layer).
+        loader = PrefixLoader(target, plans,
                               leases=self.leases, lease_ms=self.config.lease_ms,
                               concurrency=self.config.load_concurrency,
                               layers_per_request=self.config.layers_per_request,
