@@ -2,7 +2,8 @@ import base64
 import hashlib
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvsp_moq.errors import BadRecord
 from kvsp_moq.naming import BlockTrack, decode_namespace, encode_namespace, publisher_id, scope_of_namespace

@@ -12,13 +12,13 @@ import pytest
 
 from kvsp_moq.errors import BadRecord, DigestMismatch, LayersUnavailable, NotFound
 from kvsp_moq.fetch.http import HttpFetcher
+from kvsp_moq.fetch.moqt import MoqtBlockFetcher
+from kvsp_moq.holder.moqt_publisher import BlockPublisher
 from kvsp_moq.holder.service import Holder, HolderSettings
 from kvsp_moq.holder.store import BlockId, BlockStore
 from kvsp_moq.moqt.certs import generate_self_signed
 from kvsp_moq.moqt.quic import connect
 from kvsp_moq.moqt.wire import property_value
-from kvsp_moq.fetch.moqt import MoqtBlockFetcher
-from kvsp_moq.holder.moqt_publisher import BlockPublisher
 from kvsp_moq.naming import (
     K_LENGTH_PROPERTY,
     TOKEN_COUNT_PROPERTY,
