@@ -326,7 +326,8 @@ class HttpLayerStream(VerifiedLayerStream):
         last_in = parser.first_layer + parser.layer_count - 1
         if digests is None:
             return last_in
-        want_last = self.range[1]  # type: ignore[index]
+        assert self.range is not None  # layer digests come with the layer count
+        want_last = self.range[1]
         if parser.first_layer > first or last_in < want_last:
             raise SourceFailed("malformed", f"response holds layers {parser.first_layer}-"
                                              f"{last_in}, not {first}-{want_last}")

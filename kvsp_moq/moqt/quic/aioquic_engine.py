@@ -178,7 +178,7 @@ class _ChunkedStreamSender(QuicStreamSender):
         acknowledged = self._buffer_start
         count = len(chunks)
         # chunks[head:] are all present: only acknowledged ones (before head) are None
-        while head < count and starts[head] + len(chunks[head]) <= acknowledged:  # type: ignore[arg-type]
+        while head < count and starts[head] + len(chunks[head]) <= acknowledged:  # type: ignore[arg-type]  # see above
             chunks[head] = None
             head += 1
         if head >= 64 and head * 2 >= count:
