@@ -1,12 +1,13 @@
 # Two entry points for a newcomer: `make demo` and `make test`. Both create .venv when missing.
 # `make test-vllm` runs the vLLM connector's suite in a venv of its own (.venv-vllm).
+# `make check` lints the source and the tests (ruff) and type-checks the source (mypy).
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV ?= .venv
 BIN := $(VENV)/bin
 VLLM_VENV ?= .venv-vllm
 VBIN := $(VLLM_VENV)/bin
 
-.PHONY: demo test test-unit test-aioquic test-interop test-vllm bench clean
+.PHONY: demo test test-unit test-aioquic test-interop test-vllm check bench clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -63,6 +64,14 @@ test-interop: $(BIN)/.installed interop/.venv-aiomoqt/.installed interop/.venv-m
 # process, with an Index Service, holders and a relay on 127.0.0.1.
 test-vllm: $(VBIN)/.installed-kvsp
 	PYTHONPATH=$(CURDIR) $(VBIN)/python -m pytest -q -p no:cacheprovider tests_vllm
+
+# Lint, import order and types; settings in pyproject.toml ([tool.ruff], [tool.mypy]: the
+# packages are type-checked, the tests only linted).
+PY_DIRS := kvsp_moq relay index pc agent tests tests_vllm interop fuzz
+
+check: $(BIN)/.installed
+	$(BIN)/ruff check $(PY_DIRS)
+	$(BIN)/mypy
 
 bench: $(BIN)/.installed
 	$(BIN)/kvsp bench core

@@ -303,8 +303,9 @@ class Engine:
             records = [r for r in remote.get(i, [])
                        if (r.holder.rstrip("/") + "/") != me
                        and (r.http_holder or "").rstrip("/") + "/" != me]
-            if local[i] is not None:
-                records.insert(0, local[i])  # type: ignore[arg-type]
+            own = local[i]
+            if own is not None:
+                records.insert(0, own)
             candidates = order_candidates(records, [self.local, *self.sources])
             if not candidates:
                 break

@@ -23,7 +23,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -303,7 +303,9 @@ class ModelAdapter:
     """
 
     def __init__(self, model: torch.nn.Module, directory: Path) -> None:
-        config = model.config
+        # transformers' configs and decoder stacks: attributes that torch.nn.Module cannot type
+        config: Any = model.config
+        decoder: Any = model.model
         md.check_model_type(config)
         self.model = model
         self.config = config
@@ -316,7 +318,7 @@ class ModelAdapter:
         #: transformers 5.20 renamed the forward's `past_key_values` to `cache`
         params = inspect.signature(model.forward).parameters
         self._cache_argument = "cache" if "cache" in params else "past_key_values"
-        for index, layer in enumerate(model.model.layers):
+        for index, layer in enumerate(decoder.layers):
             layer_idx = getattr(layer.self_attn, "layer_idx", index)
             if layer_idx != index:
                 raise ValueError(f"decoder layer {index} caches as layer {layer_idx}")
@@ -337,7 +339,7 @@ class ModelAdapter:
         kwargs: dict[str, Any] = {"local_files_only": True, "dtype": dtype}
         if attn_implementation is not None:
             kwargs["attn_implementation"] = attn_implementation
-        model = AutoModelForCausalLM.from_pretrained(directory, **kwargs)
+        model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(directory, **kwargs)
         model.to(device=torch.device(device))
         model.eval()
         return cls(model, directory)
@@ -480,8 +482,9 @@ class ModelAdapter:
         if not 0 <= start <= end <= state.length:
             raise ValueError(f"range [{start}, {end}) is outside the cached [0, {state.length})")
         result: list[KV] = []
-        for layer in state.cache.layers:
-            if layer.keys is None or layer.get_seq_length() != state.length:
+        layers = cast("list[DynamicLayer]", state.cache.layers)  # a _KVSPCache: DynamicLayers only
+        for layer in layers:
+            if layer.keys is None or layer.values is None or layer.get_seq_length() != state.length:
                 raise RuntimeError("cache does not hold every position of the state")
             keys = layer.keys[0, :, start:end, :].permute(1, 0, 2).contiguous()
             values = layer.values[0, :, start:end, :].permute(1, 0, 2).contiguous()

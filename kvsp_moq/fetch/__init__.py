@@ -38,17 +38,39 @@ _WHERE = {
     "PrefixLoader": "prefix", "Timeline": "prefix",
 }
 
-__all__ = sorted(_WHERE)
+# Spelled out, not sorted(_WHERE), so that linters and type checkers read it; the same names.
+__all__ = [
+    "Attempt", "BlockCandidates", "CandidatesExhausted", "FallbackStream", "FetchedBlock",
+    "HttpFetcher", "HttpLayerSource", "HttpLayerStream", "LayerPool", "LayerReadiness",
+    "LayerSource", "LayerTuple", "LeaseClient", "LeaseKeeper", "LoadReport", "LocalLayerSource",
+    "MoqtBlockFetcher", "MoqtLayerSource", "MoqtLayerStream", "PrefixLoader", "SourceCandidate",
+    "SourceFailed", "SourcedLayer", "Timeline", "VerifiedLayerStream",
+    "fetch_block", "fetch_layers", "lease_first_candidates", "lease_unavailable", "order_candidates",
+]
 
 if TYPE_CHECKING:
-    from kvsp_moq.fetch.fallback import (Attempt, BlockCandidates, CandidatesExhausted, FallbackStream,
-                                         SourcedLayer, fetch_layers, lease_first_candidates)
+    from kvsp_moq.fetch.fallback import (
+        Attempt,
+        BlockCandidates,
+        CandidatesExhausted,
+        FallbackStream,
+        SourcedLayer,
+        fetch_layers,
+        lease_first_candidates,
+    )
     from kvsp_moq.fetch.http import HttpFetcher, HttpLayerStream, fetch_block
     from kvsp_moq.fetch.leases import LeaseClient, LeaseKeeper, lease_unavailable
     from kvsp_moq.fetch.moqt import MoqtBlockFetcher, MoqtLayerStream
     from kvsp_moq.fetch.prefix import LayerPool, LayerReadiness, LoadReport, PrefixLoader, Timeline
-    from kvsp_moq.fetch.sources import (HttpLayerSource, LayerSource, LayerTuple, LocalLayerSource,
-                                        MoqtLayerSource, SourceCandidate, order_candidates)
+    from kvsp_moq.fetch.sources import (
+        HttpLayerSource,
+        LayerSource,
+        LayerTuple,
+        LocalLayerSource,
+        MoqtLayerSource,
+        SourceCandidate,
+        order_candidates,
+    )
     from kvsp_moq.fetch.stream import FetchedBlock, SourceFailed, VerifiedLayerStream
 
 

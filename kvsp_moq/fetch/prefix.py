@@ -48,6 +48,7 @@ from kvsp_moq.fetch.fallback import (
 )
 from kvsp_moq.fetch.leases import LeaseClient, LeaseKeeper
 from kvsp_moq.fetch.sources import SourceCandidate
+from kvsp_moq.protocol.container import Buffer
 
 __all__ = ["LayerPool", "LayerReadiness", "LoadReport", "PrefixLoader", "Timeline", "TransferObserver"]
 
@@ -56,14 +57,20 @@ TransferObserver = Callable[[str, int, float], None]
 
 
 class LayerPool(Protocol):
-    """Where a prefix load puts its layers: one slot per block, K and V sections per layer."""
+    """Where a prefix load puts its layers: one slot per block, K and V sections per layer (the
+    agent's `KVPool`, the vLLM connector's `PagedBlocks`)."""
 
-    block_keys: list[str]
-    num_layers: int
-    #: octets of one block's K (or V) of one layer
-    section_bytes: int
+    @property
+    def block_keys(self) -> Sequence[str]: ...
 
-    def place(self, slot: int, layer: int, k: Any, v: Any) -> None:
+    @property
+    def num_layers(self) -> int: ...
+
+    @property
+    def section_bytes(self) -> int:
+        """Octets of one block's K (or V) of one layer."""
+
+    def place(self, slot: int, layer: int, k: Buffer, v: Buffer) -> None:
         """Copy one verified layer of the block in `slot` into place."""
 
     def layer_complete(self, layer: int) -> None:

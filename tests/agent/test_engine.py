@@ -22,8 +22,8 @@ from kvsp_moq.protocol.compat import CompatDescriptor
 from kvsp_moq.protocol.container import Container
 from kvsp_moq.protocol.keys import BlockKeyChain
 from kvsp_moq.protocol.records import SessionCheckpoint
-from tests.agent.conftest import tokens
 from tests.agent.bare_engine import SCOPE_KEY, SELF, B, FakePC, finished, running_engine
+from tests.agent.conftest import tokens
 from tests.polling import eventually
 
 PROMPT = 40  # two complete blocks and a tail of 8

@@ -17,15 +17,14 @@ from starlette.routing import Route
 
 from kvsp_moq.auth import Authenticator
 from kvsp_moq.errors import SettingError
-from kvsp_moq.moqt.certs import client_tls
-from kvsp_moq.holder.service import Holder, HolderSettings
-from kvsp_moq.moqt.certs import generate_self_signed
 from kvsp_moq.fetch.moqt import MoqtBlockFetcher
+from kvsp_moq.holder.service import Holder, HolderSettings
+from kvsp_moq.moqt.certs import client_tls, generate_self_signed
 from kvsp_moq.naming import BlockTrack, decode_namespace, publisher_id
 from kvsp_moq.protocol.container import Container
 from kvsp_moq.protocol.records import ReplicaRecord, replica_id
-from relay.relay import Relay, RelaySettings
 from kvsp_moq.web import BackgroundServer
+from relay.relay import Relay, RelaySettings
 from tests.holder.conftest import COMPAT, OTHER_SCOPE, SCOPE, FakeIndex, make_block
 from tests.polling import eventually
 

@@ -19,9 +19,8 @@ from starlette.routing import Route
 from kvsp_moq.protocol.instances import instance_id
 from kvsp_moq.protocol.records import ReplicaRecord
 from kvsp_moq.web import BackgroundServer
-
-from pc.lifecycle import LifecycleSettings
 from pc.app import PCSettings, create_pc_app
+from pc.lifecycle import LifecycleSettings
 from pc.placement import MemoryIndex, PlacementSettings, ScopeKeys
 
 COMPAT = "c0" * 32

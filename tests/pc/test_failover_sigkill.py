@@ -41,14 +41,16 @@ import pytest
 
 from agent.model import ModelAdapter, TokenSampler
 from agent.service import OPEN_SCOPE, OPEN_SCOPE_KEY, Agent, AgentSettings
-from index.app import IndexSettings, create_app as create_index_app
-from pc.lifecycle import LifecycleSettings
-from pc.app import PCSettings, create_pc_app
-from pc.placement import ScopeKeys
+from index.app import IndexSettings
+from index.app import create_app as create_index_app
 from kvsp_moq.frontend import FrontEnd, Token
 from kvsp_moq.holder.service import Holder, HolderSettings
 from kvsp_moq.web import BackgroundServer
-from tests.agent.conftest import model_dir, tokens  # noqa: F401 (model_dir: a fixture)
+from pc.app import PCSettings, create_pc_app
+from pc.lifecycle import LifecycleSettings
+from pc.placement import ScopeKeys
+from tests.agent.conftest import model_dir as model_dir  # a fixture, re-exported for pytest
+from tests.agent.conftest import tokens
 from tests.polling import wait_until
 
 B = 16

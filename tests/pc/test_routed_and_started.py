@@ -9,11 +9,9 @@ import pytest
 from kvsp_moq.errors import StaleEpoch
 from kvsp_moq.protocol.keys import block_keys, scope_id
 from kvsp_moq.protocol.records import InstanceStatus
-
 from pc.lifecycle import InstanceFailed, InstanceRegistry, LifecycleSettings, StateChanged
 from pc.placement import PlacementSettings
-from tests.pc.fakes import (COMPAT, SCOPE_KEY, fake_agents, pc_server, replica,
-                            status, status_path)
+from tests.pc.fakes import COMPAT, SCOPE_KEY, fake_agents, pc_server, replica, status, status_path
 from tests.polling import eventually
 
 SCOPE = scope_id(SCOPE_KEY).hex()

@@ -7,11 +7,9 @@ import pytest
 
 from kvsp_moq.protocol.instances import instance_id
 from kvsp_moq.protocol.keys import block_keys, scope_id
-
 from pc.lifecycle import LifecycleSettings
 from pc.placement import PlacementSettings
-from tests.pc.fakes import (COMPAT, SCOPE_KEY, fake_agents, pc_server, replica,
-                            status, status_path)
+from tests.pc.fakes import COMPAT, SCOPE_KEY, fake_agents, pc_server, replica, status, status_path
 from tests.polling import eventually
 
 SCOPE = scope_id(SCOPE_KEY).hex()

@@ -5,10 +5,8 @@ import pytest
 
 from kvsp_moq.errors import BadRecord, StaleEpoch
 from kvsp_moq.protocol.records import SessionCheckpoint
-
 from pc.sessions import SessionStore, accept_checkpoint, move_session, resume_body
-from tests.pc.fakes import (checkpoint, fake_agents, new_session, pc_server, status,
-                            status_path)
+from tests.pc.fakes import checkpoint, fake_agents, new_session, pc_server, status, status_path
 from tests.polling import eventually
 
 II = "http://127.0.0.1:9001/"

@@ -7,7 +7,6 @@ import asyncio
 import pytest
 
 from kvsp_moq.errors import SettingError
-
 from kvsp_moq.moqt.errors import DoesNotExist, PublishDoneCode, PublishDoneError
 from kvsp_moq.moqt.quic import MoqtConnection, connect
 from tests.polling import eventually
@@ -99,10 +98,9 @@ def relay_args(*argv: str):
 
 
 async def test_cli_sets_probing_and_can_refuse_draft14_clients(tmp_path):
+    from kvsp_moq.moqt.errors import SessionClosed
     from relay.relay import Relay
     from relay.service import settings_from_args
-
-    from kvsp_moq.moqt.errors import SessionClosed
 
     settings, _ = settings_from_args(relay_args("--cert-dir", str(tmp_path), "--probe-interval", "0.5",
                                                 "--probe-timeout", "1.5", "--no-draft14"))
