@@ -7,14 +7,14 @@ from __future__ import annotations
 
 from .. import events as ev
 from ..errors import InvalidRequestId, ProtocolViolation, SessionError
-from ..session_base import SessionBase
 from . import messages as d14
 from .request_state import Request14
+from .session_state import SessionState14
 
 __all__ = ["RequestCredit"]
 
 
-class RequestCredit(SessionBase):
+class RequestCredit(SessionState14):
     """Part of `MoqtSession14`: the peer's Request IDs and ours, and the queue of requests
     waiting for credit."""
 

@@ -87,7 +87,7 @@ What has no draft-14 form, and what happens instead:
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable, Iterable
+from typing import Iterable
 
 from .. import events as ev
 from ..d18 import data as data18
@@ -127,8 +127,6 @@ class MoqtSession14(ControlMessageHandling, NamespaceMapping, MessageSending, Re
     MAX_REQUEST_ID. The client writes CLIENT_SETUP when the session is created.
     """
 
-    _requests: dict[int, Request14]  # type: ignore[assignment]
-
     def __init__(
         self,
         quic: QuicEngine,
@@ -162,7 +160,7 @@ class MoqtSession14(ControlMessageHandling, NamespaceMapping, MessageSending, Re
         self.versions = tuple(versions)
         if not self.versions:
             raise ValueError("no version to offer")
-        self.version: int | None = None
+        self.version = None
         self._goaway_sent = False
 
         # Request IDs and their credit (section 9.1 / MAX_REQUEST_ID).
@@ -171,11 +169,11 @@ class MoqtSession14(ControlMessageHandling, NamespaceMapping, MessageSending, Re
         self._peer_active = 0
         self._granted = self._peer_next_id + 2 * max_requests  # peer IDs below this are allowed
         self._peer_grant = 0  # our IDs below this may be sent
-        self._blocked_reported: int | None = None
-        self._queue: deque[list] = deque()  # [request_id, bytearray] not yet sent
-        self._updates: dict[int, Request14] = {}  # peer SUBSCRIBE_UPDATE id -> subscription
+        self._blocked_reported = None
+        self._queue = deque()  # [request_id, bytearray] not yet sent
+        self._updates = {}  # peer SUBSCRIBE_UPDATE id -> subscription
 
-        self._control_stream_id: int | None = None
+        self._control_stream_id = None
         self._control_parser = d14.ControlStreamParser()
         if is_client:
             self._control_stream_id = quic.get_next_available_stream_id(is_unidirectional=False)
@@ -235,7 +233,7 @@ class MoqtSession14(ControlMessageHandling, NamespaceMapping, MessageSending, Re
         assert self._control_stream_id is not None
         self._quic.send_stream_data(self._control_stream_id, message.encode())
 
-    _HANDLERS: dict[type, Callable[["MoqtSession14", d14.Message, list[ev.MoqtEvent]], None]] = {}
+    _HANDLERS = {}
 
     # ------------------------------------------------------------------
     # Data streams and datagrams
@@ -266,8 +264,8 @@ class MoqtSession14(ControlMessageHandling, NamespaceMapping, MessageSending, Re
         request = stream.request
         attached = request is not None and not stream.discard and sid in request.open_data_streams
         super()._stop_incoming(sid, stream, code)
-        if attached:
-            self._forget_if_done(request)  # type: ignore[arg-type]
+        if attached and request is not None:
+            self._forget_if_done(request)
 
     def _end_data_streams(self, request: Request14, error_code: int) -> None:
         """Reset the data streams we send for a request and stop those we receive."""
@@ -312,8 +310,8 @@ class MoqtSession14(ControlMessageHandling, NamespaceMapping, MessageSending, Re
     # Teardown
     # ------------------------------------------------------------------
 
-    def _track_of(self, request: RequestState) -> tuple[TrackNamespace, bytes]:
-        return request.namespace, request.track_name  # type: ignore[attr-defined]
+    def _track_of(self, request: Request14) -> tuple[TrackNamespace, bytes]:
+        return request.namespace, request.track_name
 
     def _fetch_stream_reset(self, request: RequestState) -> None:
         """The publisher has dropped the fetch already, so no FETCH_CANCEL follows."""
@@ -329,11 +327,11 @@ class MoqtSession14(ControlMessageHandling, NamespaceMapping, MessageSending, Re
         if request.fetch_stream_closed and not request.open_data_streams:
             self._close_request(request)
 
-    def _close_request(self, request: RequestState) -> None:
+    def _close_request(self, request: Request14) -> None:
         """Mark a request over; a peer request gives its Request ID credit back."""
         request.closed = True
-        if not request.local and not request.credit_returned:  # type: ignore[attr-defined]
-            request.credit_returned = True  # type: ignore[attr-defined]
+        if not request.local and not request.credit_returned:
+            request.credit_returned = True
             self._peer_active -= 1
             self._grant()
         self._forget_if_done(request)
@@ -376,4 +374,4 @@ MoqtSession14._HANDLERS = {
     d14.SubscribeNamespaceOk: MoqtSession14._on_namespace_ok,
     d14.SubscribeNamespaceError: MoqtSession14._on_request_error,
     d14.UnsubscribeNamespace: MoqtSession14._on_unsubscribe_namespace,
-}  # type: ignore[assignment]
+}
