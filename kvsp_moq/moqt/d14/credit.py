@@ -5,7 +5,10 @@ MAX_REQUEST_ID arrives, and REQUESTS_BLOCKED is sent once per grant."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from .. import events as ev
+from ..d18.messages import Message
 from ..errors import InvalidRequestId, ProtocolViolation, SessionError
 from . import messages as d14
 from .request_state import Request14
@@ -37,7 +40,7 @@ class RequestCredit(SessionState14):
             )
         self._peer_next_id += 2
 
-    def _new_peer_request(self, request_id: int, kind: type, **fields) -> Request14:
+    def _new_peer_request(self, request_id: int, kind: type[Message], **fields: Any) -> Request14:
         self._accept_peer_id(request_id)
         request = Request14(request_id, kind, False, **fields)
         self._requests[request_id] = request

@@ -627,7 +627,7 @@ class SetupParameters:
         for _ in range(count):
             ktype, value = _pull_kvp(buf)
             if ktype == SetupParameterType.AUTHORIZATION_TOKEN:
-                tokens.append(_decode_token(value))  # type: ignore[arg-type]  # odd type: bytes
+                tokens.append(_decode_token(value))  # type: ignore[arg-type]  # an odd key type carries bytes
                 continue
             name = names.get(ktype)
             if name is None:
@@ -691,7 +691,7 @@ class Parameters:
             if ktype not in scope:
                 unknown.append((ktype, value))
             elif ktype == _P.AUTHORIZATION_TOKEN:
-                tokens.append(_decode_token(value))  # type: ignore[arg-type]  # odd type: bytes
+                tokens.append(_decode_token(value))  # type: ignore[arg-type]  # an odd key type carries bytes
             else:
                 name = "delivery_timeout" if ktype == _P.DELIVERY_TIMEOUT else "max_cache_duration"
                 if name in values:

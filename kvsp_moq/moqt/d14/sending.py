@@ -6,7 +6,7 @@ renumbered, PUBLISH_DONE)."""
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Callable
+from typing import Any, Callable
 
 from .. import events as ev
 from ..d18 import messages as m18
@@ -59,7 +59,7 @@ class MessageSending(SessionState14):
     # Sending: requests
     # ------------------------------------------------------------------
 
-    def _open_request(self, kind: type, build: Callable[[int], d14.Message], **fields) -> int:
+    def _open_request(self, kind: type[m18.Message], build: Callable[[int], d14.Message], **fields: Any) -> int:
         self._check_open()
         request_id = self._next_request_id
         # Encoded first: a value draft-14 cannot carry is refused before the ID is spent.

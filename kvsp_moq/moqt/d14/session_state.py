@@ -103,7 +103,7 @@ class SessionState14(SessionBase):
 
     # -- sending -------------------------------------------------------------
 
-    def _open_request(self, kind: type, build: Callable[[int], d14.Message], **fields: Any) -> int:
+    def _open_request(self, kind: type[Message], build: Callable[[int], d14.Message], **fields: Any) -> int:
         """Defined by MessageSending."""
         raise NotImplementedError
 
@@ -113,7 +113,7 @@ class SessionState14(SessionBase):
         """Defined by RequestCredit."""
         raise NotImplementedError
 
-    def _new_peer_request(self, request_id: int, kind: type, **fields: Any) -> Request14:
+    def _new_peer_request(self, request_id: int, kind: type[Message], **fields: Any) -> Request14:
         """Defined by RequestCredit."""
         raise NotImplementedError
 
