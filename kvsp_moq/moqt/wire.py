@@ -317,7 +317,7 @@ class SubscriptionFilter:
         has_end = self.filter_type == FilterType.ABSOLUTE_RANGE
         if has_end != (self.end_group is not None):
             raise ValueError(f"{self.filter_type.name} filter {'needs' if has_end else 'has no'} an end group")
-        if has_end and self.end_group < self.start.group:  # type: ignore[operator, union-attr]
+        if self.end_group is not None and self.start is not None and self.end_group < self.start.group:
             raise ValueError("end group before the start group")
         if self.end_object is not None and not has_end:
             raise ValueError("an end object needs an end group")
@@ -343,8 +343,8 @@ class SubscriptionFilter:
         w.varint(self.filter_type)
         if self.start is not None:
             w.location(self.start)
-        if self.end_group is not None:
-            w.varint(self.end_group - self.start.group)  # type: ignore[union-attr]
+            if self.end_group is not None:  # an AbsoluteRange, which has a start
+                w.varint(self.end_group - self.start.group)
         return bytes(w.data)
 
     @classmethod
@@ -354,13 +354,14 @@ class SubscriptionFilter:
         if raw_type not in (1, 2, 3, 4):
             raise ProtocolViolation(f"unknown subscription filter type {raw_type}")
         filter_type = FilterType(raw_type)
-        start = end_group = None
+        start: Location | None = None
+        end_group: int | None = None
         if filter_type in (FilterType.ABSOLUTE_START, FilterType.ABSOLUTE_RANGE):
             start = pull_location(buf)
-        if filter_type == FilterType.ABSOLUTE_RANGE:
-            end_group = start.group + buf.pull_varint()  # type: ignore[union-attr]
-            if end_group > U64_MAX:
-                raise ProtocolViolation("subscription filter end group over 2^64-1")
+            if filter_type == FilterType.ABSOLUTE_RANGE:
+                end_group = start.group + buf.pull_varint()
+                if end_group > U64_MAX:
+                    raise ProtocolViolation("subscription filter end group over 2^64-1")
         if not buf.eof():
             raise ProtocolViolation("subscription filter longer than its fields")
         return cls(filter_type, start, end_group)

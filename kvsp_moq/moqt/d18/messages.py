@@ -999,6 +999,22 @@ class Fetch(Message):
         if not standalone and (any(j is None for j in joining) or any(p is not None for p in parts)):
             raise ValueError("a joining FETCH has joining fields only")
 
+    def track_and_range(self) -> tuple[TrackNamespace, bytes, Location, Location]:
+        """A standalone FETCH's namespace, track name, start and end, which
+        `__post_init__` ensures are all set."""
+        namespace, track_name, start, end = self.namespace, self.track_name, self.start, self.end
+        if namespace is None or track_name is None or start is None or end is None:
+            raise ValueError("not a standalone FETCH")
+        return namespace, track_name, start, end
+
+    def joining(self) -> tuple[int, int]:
+        """A joining FETCH's Joining Request ID and Joining Start, which
+        `__post_init__` ensures are set."""
+        joining_request_id, joining_start = self.joining_request_id, self.joining_start
+        if joining_request_id is None or joining_start is None:
+            raise ValueError("not a joining FETCH")
+        return joining_request_id, joining_start
+
     def _encode18(self, w: Writer, p: Profile) -> None:
         _check_parameters(self.parameters, _SCOPE_FETCH, self.NAME, p)
         w.varint(self.request_id)
@@ -1006,23 +1022,26 @@ class Fetch(Message):
             # Draft-20: standalone only, its range in LOCATION_FILTER, inclusive.
             if self.fetch_type != FetchType.STANDALONE:
                 raise ValueError(f"draft-{p.draft} has no joining FETCH (FILL_PARAMETERS replaces it)")
-            check_full_track_name(self.namespace, self.track_name)  # type: ignore[arg-type]
-            w.namespace(self.namespace)  # type: ignore[arg-type]
-            w.track_name(self.track_name)  # type: ignore[arg-type]
+            namespace, track_name, start, end = self.track_and_range()
+            check_full_track_name(namespace, track_name)
+            w.namespace(namespace)
+            w.track_name(track_name)
             lf = Writer()
-            put_location_filter(lf, range_to_location_filter(self.start, self.end), p)  # type: ignore[arg-type]
+            put_location_filter(lf, range_to_location_filter(start, end), p)
             self.parameters.encode(w, p, {int(ParameterType.SUBSCRIPTION_FILTER): bytes(lf.data)})
             return
         w.varint(self.fetch_type)
         if self.fetch_type == FetchType.STANDALONE:
-            check_full_track_name(self.namespace, self.track_name)  # type: ignore[arg-type]
-            w.namespace(self.namespace)  # type: ignore[arg-type]
-            w.track_name(self.track_name)  # type: ignore[arg-type]
-            w.location(self.start)  # type: ignore[arg-type]
-            w.location(self.end)  # type: ignore[arg-type]
+            namespace, track_name, start, end = self.track_and_range()
+            check_full_track_name(namespace, track_name)
+            w.namespace(namespace)
+            w.track_name(track_name)
+            w.location(start)
+            w.location(end)
         else:
-            w.varint(self.joining_request_id)  # type: ignore[arg-type]
-            w.varint(self.joining_start)  # type: ignore[arg-type]
+            joining_request_id, joining_start = self.joining()
+            w.varint(joining_request_id)
+            w.varint(joining_start)
         self.parameters.encode(w, p)
 
     @classmethod
