@@ -96,8 +96,8 @@ class SubgroupHeader:
             encode_quic_varint(self.track_alias),
             encode_quic_varint(self.group_id),
         ]
-        if mode == SubgroupIdMode.EXPLICIT:
-            parts.append(encode_quic_varint(self.subgroup_id))  # type: ignore[arg-type]  # not None: checked above
+        if mode == SubgroupIdMode.EXPLICIT and self.subgroup_id is not None:  # EXPLICIT has one: checked above
+            parts.append(encode_quic_varint(self.subgroup_id))
         parts.append(bytes((self.publisher_priority,)))
         return b"".join(parts)
 

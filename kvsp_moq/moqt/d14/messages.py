@@ -1220,20 +1220,37 @@ class Fetch(Message):
         if not standalone and (any(j is None for j in joining) or any(p is not None for p in parts)):
             raise ValueError("a joining FETCH has joining fields only")
 
+    def track_and_range(self) -> tuple[TrackNamespace, bytes, Location, Location]:
+        """A standalone FETCH's namespace, track name, start and end, which
+        `__post_init__` ensures are all set."""
+        namespace, track_name, start, end = self.namespace, self.track_name, self.start, self.end
+        if namespace is None or track_name is None or start is None or end is None:
+            raise ValueError("not a standalone FETCH")
+        return namespace, track_name, start, end
+
+    def joining(self) -> tuple[int, int]:
+        """A joining FETCH's Joining Request ID and Joining Start, which
+        `__post_init__` ensures are set."""
+        joining_request_id, joining_start = self.joining_request_id, self.joining_start
+        if joining_request_id is None or joining_start is None:
+            raise ValueError("not a joining FETCH")
+        return joining_request_id, joining_start
+
     def _encode(self, w: wire.Writer) -> None:
         _check_uint8(self.subscriber_priority, "subscriber priority")
         w.varint(self.request_id)
         w.uint8(self.subscriber_priority)
         _put_group_order(w, self.group_order, allow_default=True)
         w.varint(self.fetch_type)
-        # __post_init__ leaves each field below None only in the other FETCH type.
         if self.fetch_type == FetchType.STANDALONE:
-            _put_full_track_name(w, self.namespace, self.track_name)  # type: ignore[arg-type]
-            w.location(self.start)  # type: ignore[arg-type]
-            w.location(self.end)  # type: ignore[arg-type]
+            namespace, track_name, start, end = self.track_and_range()
+            _put_full_track_name(w, namespace, track_name)
+            w.location(start)
+            w.location(end)
         else:
-            w.varint(self.joining_request_id)  # type: ignore[arg-type]
-            w.varint(self.joining_start)  # type: ignore[arg-type]
+            joining_request_id, joining_start = self.joining()
+            w.varint(joining_request_id)
+            w.varint(joining_start)
         self.parameters.encode(w, self.SCOPE, self.NAME)
 
     @classmethod
@@ -1344,7 +1361,8 @@ class TrackStatus(Subscribe):
 
     TYPE: ClassVar[int] = MessageType.TRACK_STATUS
 
-    # SUBSCRIBE's format, but not its draft-18 message: the conversions differ in type.
+    # SUBSCRIBE's format, but a different draft-18 message: to_draft18() and
+    # from_draft18() convert to and from TRACK_STATUS, not SUBSCRIBE.
     def to_draft18(self) -> m18.TrackStatus:  # type: ignore[override]
         """The draft-18 TRACK_STATUS, which carries only the track and its tokens."""
         return m18.TrackStatus(
@@ -1353,7 +1371,7 @@ class TrackStatus(Subscribe):
         )
 
     @classmethod
-    def from_draft18(cls, message: m18.TrackStatus) -> "TrackStatus":  # type: ignore[override]
+    def from_draft18(cls, message: m18.TrackStatus) -> "TrackStatus":  # type: ignore[override]  # see to_draft18
         """The subscription fields get their defaults: a publisher ignores them."""
         return cls(
             message.request_id, message.namespace, message.track_name,
@@ -1367,14 +1385,17 @@ class TrackStatusOk(SubscribeOk):
 
     TYPE: ClassVar[int] = MessageType.TRACK_STATUS_OK
 
-    # SUBSCRIBE_OK's format, but draft-18 answers TRACK_STATUS with REQUEST_OK.
+    # SUBSCRIBE_OK's format, but draft-18 answers TRACK_STATUS with REQUEST_OK: to_draft18()
+    # and from_draft18() convert to and from REQUEST_OK, not SUBSCRIBE_OK.
     def to_draft18(self) -> m18.RequestOk:  # type: ignore[override]
         """The draft-18 REQUEST_OK answering TRACK_STATUS; expires has no place there."""
         ok = SubscribeOk.to_draft18(self)
         return m18.RequestOk(m18.Parameters(largest_object=self.largest_location), ok.track_properties)
 
     @classmethod
-    def from_draft18(cls, message: m18.RequestOk, request_id: int) -> "TrackStatusOk":  # type: ignore[override]
+    def from_draft18(  # type: ignore[override]  # see to_draft18
+        cls, message: m18.RequestOk, request_id: int
+    ) -> "TrackStatusOk":
         """This TRACK_STATUS_OK (Track Alias 0) for a draft-18 REQUEST_OK answering `request_id`."""
         order, cache = _ok_properties(message.track_properties)
         return cls(request_id, 0, 0, order, message.parameters.largest_object, Parameters(max_cache_duration=cache))

@@ -12,7 +12,6 @@ from .. import events as ev
 from ..d18 import messages as m18
 from ..d18.messages import Parameters, Redirect
 from ..errors import NotSupported, PublishDoneCode, RequestErrorCode, StreamClosed, StreamResetCode
-from ..state import RequestState
 from ..wire import (
     DEFAULT_PUBLISHER_PRIORITY,
     FetchType,
@@ -290,7 +289,7 @@ class MessageSending(SessionState14):
     # Sending: answers
     # ------------------------------------------------------------------
 
-    def _send_answer(self, request: RequestState, message: m18.SubscribeOk | m18.FetchOk) -> None:
+    def _send_answer(self, request: Request14, message: m18.SubscribeOk | m18.FetchOk) -> None:
         if isinstance(message, m18.SubscribeOk):
             self._send(d14.SubscribeOk.from_draft18(message, request.request_id))
         else:

@@ -8,7 +8,7 @@ which come first in the session's MRO."""
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING, Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar
 
 from .. import events as ev
 from ..d18.messages import Message
@@ -19,7 +19,7 @@ from .request_state import Request14
 __all__ = ["SessionState14"]
 
 
-class SessionState14(SessionBase):
+class SessionState14(SessionBase[Request14]):
     """Declarations of the state and methods the parts of `MoqtSession14` share."""
 
     # SETUP and GOAWAY.
@@ -27,9 +27,6 @@ class SessionState14(SessionBase):
     version: int | None  # negotiated; None before SETUP
     _goaway_sent: bool
 
-    # Every request of a draft-14 session is a Request14. SessionCore keeps RequestState
-    # and a dict is invariant in its values, hence the ignore.
-    _requests: dict[int, Request14]  # type: ignore[assignment]
     _updates: dict[int, Request14]  # peer SUBSCRIBE_UPDATE Request ID -> the subscription it updates
 
     # Request IDs and their credit (`credit`).
@@ -47,17 +44,6 @@ class SessionState14(SessionBase):
     # Message class -> handler, a method of one of the parts taking a message of that
     # class: neither the receiver nor the message type can be spelled for every entry.
     _HANDLERS: ClassVar[dict[type[d14.Message], Callable[[Any, Any, list[ev.MoqtEvent]], None]]]
-
-    if TYPE_CHECKING:
-        # SessionCore's lookups, declared again for what they return in a draft-14
-        # session; they are not redefined, so SessionCore's run.
-
-        def _request(self, request_id: int) -> Request14: ...
-
-        def _peer_request(self, request_id: int, kinds: tuple[type[Message], ...]) -> Request14: ...
-
-        def _answered_peer_request(self, request_id: int, kind: type[Message]) -> Request14: ...
-
 
     # -- MoqtSession14 -------------------------------------------------------
 
