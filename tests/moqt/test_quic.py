@@ -510,3 +510,19 @@ async def test_a_ping_abandoned_by_its_caller_leaves_no_unretrieved_error_when_t
         logging.getLogger("asyncio").removeHandler(handler)
     assert not [r for r in records if "never retrieved" in r.getMessage()], \
         [r.getMessage() for r in records]
+
+
+async def test_a_ping_on_a_closing_or_closed_connection_is_a_connection_error():
+    """The relay's probe treats ConnectionError as a dead peer; an engine's own exception for
+    a connection that is closing (qh3 raises where aioquic ignores) must not escape it."""
+    server = await start()
+    try:
+        client = await dial(server)
+        client.close()
+        with pytest.raises(ConnectionError):  # closing: fails when the connection ends
+            await asyncio.wait_for(client.ping(), STEP)
+        await asyncio.wait_for(client.wait_closed(), STEP)
+        with pytest.raises(ConnectionError):  # closed: at once
+            await asyncio.wait_for(client.ping(), STEP)
+    finally:
+        server.close()

@@ -68,6 +68,8 @@ class QuicProtocol(asyncio.DatagramProtocol):
         A waiter its caller gave up on (a probe's timeout) has its failure retrieved when
         the connection ends, instead of asyncio reporting "Future exception was never
         retrieved" for every vanished peer."""
+        if self._closed.is_set():
+            raise ConnectionError("connection closed")
         waiter = self._loop.create_future()
         waiter.add_done_callback(_retrieve)
         uid = id(waiter)

@@ -312,7 +312,11 @@ class Qh3Engine:
         self.receive_datagrams = quic.receive_many_datagrams
         self.get_timer = quic.get_timer
         self.handle_timer = quic.handle_timer
-        self.send_ping = quic.send_ping
+
+    def send_ping(self, uid: int) -> None:
+        # A ping on a closing connection is never acknowledged: its waiter fails when the
+        # connection ends, as on aioquic, instead of the call raising.
+        _unless_closed(self.quic.send_ping, uid)
 
     def close(self, error_code: int = 0, reason_phrase: str = "") -> None:
         if isinstance(self.quic, _Connection):
