@@ -71,10 +71,7 @@ class SubgroupHeader:
     subgroup_id_mode: SubgroupIdMode | None = None
 
     def resolved_mode(self) -> SubgroupIdMode:
-        """The mode written: draft-18's rule."""
-        if self.subgroup_id_mode is not None:
-            return self.subgroup_id_mode
-        return SubgroupIdMode.ZERO if self.subgroup_id == 0 else SubgroupIdMode.EXPLICIT
+        return data18.resolve_subgroup_mode(self.subgroup_id_mode, self.subgroup_id)
 
     def stream_type(self) -> int:
         value = 0x10 | (self.resolved_mode() << 1)

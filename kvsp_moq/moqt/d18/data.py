@@ -94,6 +94,14 @@ class SubgroupIdMode(IntEnum):
     EXPLICIT = 2
 
 
+def resolve_subgroup_mode(mode: SubgroupIdMode | None, subgroup_id: int | None) -> SubgroupIdMode:
+    """The Subgroup ID mode a header is written with when none was chosen: ZERO for subgroup
+    0, EXPLICIT otherwise (both drafts' rule)."""
+    if mode is not None:
+        return mode
+    return SubgroupIdMode.ZERO if subgroup_id == 0 else SubgroupIdMode.EXPLICIT
+
+
 def is_subgroup_stream_type(stream_type: int) -> bool:
     """True for a valid SUBGROUP_HEADER type (0b0XX1XXXX, mode not 0b11)."""
     return stream_type < 0x80 and stream_type & 0x10 != 0 and stream_type & 0x06 != 0x06
@@ -127,9 +135,7 @@ class SubgroupHeader:
     subgroup_id_mode: SubgroupIdMode | None = None
 
     def resolved_mode(self) -> SubgroupIdMode:
-        if self.subgroup_id_mode is not None:
-            return self.subgroup_id_mode
-        return SubgroupIdMode.ZERO if self.subgroup_id == 0 else SubgroupIdMode.EXPLICIT
+        return resolve_subgroup_mode(self.subgroup_id_mode, self.subgroup_id)
 
     def stream_type(self) -> int:
         mode = self.resolved_mode()

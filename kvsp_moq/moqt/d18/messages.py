@@ -38,6 +38,7 @@ from ..varint import U64_MAX, VI64, Buffer
 from ..wire import (
     MAX_GOAWAY_URI,
     AuthToken,
+    FetchFields,
     FetchType,
     FilterType,
     FramedMessageParser,
@@ -971,7 +972,7 @@ class PublishDone(Message):
 
 
 @dataclass(frozen=True, slots=True)
-class Fetch(Message):
+class Fetch(FetchFields, Message):
     """FETCH (0x16). Standalone: namespace, track_name, start, end (end is the wire
     End Location: the last Object plus one, Object 0 meaning the whole group).
     Joining: joining_request_id and joining_start."""
@@ -987,30 +988,6 @@ class Fetch(Message):
     joining_start: int | None = None
     parameters: Parameters = _NO_PARAMETERS
 
-    def __post_init__(self) -> None:
-        standalone = self.fetch_type == FetchType.STANDALONE
-        parts = (self.namespace, self.track_name, self.start, self.end)
-        joining = (self.joining_request_id, self.joining_start)
-        if standalone and (any(p is None for p in parts) or any(j is not None for j in joining)):
-            raise ValueError("a standalone FETCH has a track and a range, and no joining fields")
-        if not standalone and (any(j is None for j in joining) or any(p is not None for p in parts)):
-            raise ValueError("a joining FETCH has joining fields only")
-
-    def track_and_range(self) -> tuple[TrackNamespace, bytes, Location, Location]:
-        """A standalone FETCH's namespace, track name, start and end, which
-        `__post_init__` ensures are all set."""
-        namespace, track_name, start, end = self.namespace, self.track_name, self.start, self.end
-        if namespace is None or track_name is None or start is None or end is None:
-            raise ValueError("not a standalone FETCH")
-        return namespace, track_name, start, end
-
-    def joining(self) -> tuple[int, int]:
-        """A joining FETCH's Joining Request ID and Joining Start, which
-        `__post_init__` ensures are set."""
-        joining_request_id, joining_start = self.joining_request_id, self.joining_start
-        if joining_request_id is None or joining_start is None:
-            raise ValueError("not a joining FETCH")
-        return joining_request_id, joining_start
 
     def _encode18(self, w: Writer, p: Profile) -> None:
         _check_parameters(self.parameters, _SCOPE_FETCH, self.NAME, p)
