@@ -1,12 +1,13 @@
 # Two entry points for a newcomer: `make demo` and `make test`. Both create .venv when missing.
 # `make test-vllm` runs the vLLM connector's suite in a venv of its own (.venv-vllm).
+# `make check` lints the source and the tests (ruff) and type-checks the source (mypy).
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV ?= .venv
 BIN := $(VENV)/bin
 VLLM_VENV ?= .venv-vllm
 VBIN := $(VLLM_VENV)/bin
 
-.PHONY: demo test test-unit test-aioquic test-interop test-vllm test-fleet bench clean
+.PHONY: demo test test-unit test-aioquic test-interop test-vllm test-fleet check bench clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -50,7 +51,8 @@ test-unit: $(BIN)/.installed
 # The MOQT, relay and KV-track suites again on the second QUIC engine (the default run uses
 # the default engine, qh3); the interop suite runs on both engines below.
 test-aioquic: $(BIN)/.installed
-	KVSP_QUIC_ENGINE=aioquic $(BIN)/python -m pytest -q tests/moqt tests/relay tests/moqt_blocks
+	KVSP_QUIC_ENGINE=aioquic $(BIN)/python -m pytest -q tests/moqt tests/relay tests/holder/test_moqt_publisher.py \
+		tests/holder/test_moqt_publisher_fuzz.py tests/fetch/test_moqt.py
 
 # The independent peers (aiomoqt, moq-rs) live in venvs of their own. aiomoqt binds wildcard
 # addresses, so the interop suite runs in a private network namespace with only loopback up.
@@ -69,6 +71,14 @@ test-vllm: $(VBIN)/.installed-kvsp
 test-fleet: $(BIN)/.installed
 	bash scripts/system-deps.sh
 	$(BIN)/python -m pytest -q tests/fleet
+
+# Lint, import order and types; settings in pyproject.toml ([tool.ruff], [tool.mypy]: the
+# packages are type-checked, the tests only linted).
+PY_DIRS := kvsp_moq relay index pc agent tests tests_vllm interop fuzz
+
+check: $(BIN)/.installed
+	$(BIN)/ruff check $(PY_DIRS)
+	$(BIN)/mypy
 
 bench: $(BIN)/.installed
 	$(BIN)/kvsp bench core

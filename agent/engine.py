@@ -33,7 +33,6 @@ import torch
 from agent.checkpoints import Checkpointer, read_resume, resume_point
 from agent.choice import choose
 from agent.export import BlockExporter
-from agent.loader import LoadReport, PrefixLoader, Timeline
 from agent.model import DecodeState, KVPrefix, ModelAdapter, TokenSampler
 from agent.options import EngineOptions
 from agent.pool import KVPool
@@ -41,6 +40,7 @@ from agent.requests import GenerateRequest
 from agent.sessions import Session, TokenSequence
 from kvsp_moq.errors import BadRecord, KvspError, NotActive, PrefixUnavailable, SessionConflict
 from kvsp_moq.fetch.leases import LeaseClient
+from kvsp_moq.fetch.prefix import LoadReport, PrefixLoader, Timeline
 from kvsp_moq.fetch.sources import LayerSource, LocalLayerSource, order_candidates
 from kvsp_moq.fetch.sources import SourceCandidate as Candidate
 from kvsp_moq.holder.store import BlockId, BlockStore
@@ -303,8 +303,9 @@ class Engine:
             records = [r for r in remote.get(i, [])
                        if (r.holder.rstrip("/") + "/") != me
                        and (r.http_holder or "").rstrip("/") + "/" != me]
-            if local[i] is not None:
-                records.insert(0, local[i])  # type: ignore[arg-type]
+            own = local[i]
+            if own is not None:
+                records.insert(0, own)
             candidates = order_candidates(records, [self.local, *self.sources])
             if not candidates:
                 break

@@ -23,7 +23,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -31,6 +31,7 @@ from transformers import AutoModelForCausalLM
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from kvsp_moq import model_descriptor as md
+from kvsp_moq.fetch.prefix import LayerReadiness  # re-exported: what the forward pass waits on
 from kvsp_moq.model_descriptor import (  # re-exported: the agent's names for them
     KV_LAYOUT,
     SUPPORTED_MODEL_TYPES,
@@ -118,50 +119,6 @@ class KVPrefix:
         if callable(self.layers):
             return self.layers(index)
         return self.layers[index]
-
-
-class LayerReadiness:
-    """Per-layer readiness flags that a loader sets and the forward pass waits on.
-
-    A loader failure is propagated to the waiting forward pass via :meth:`fail`,
-    rather than leaving it blocked forever.
-    """
-
-    def __init__(self, num_layers: int, *, timeout: float | None = None) -> None:
-        self._ready = [False] * num_layers
-        self._error: BaseException | None = None
-        self._cond = threading.Condition()
-        self._timeout = timeout
-
-    def mark_ready(self, layer: int) -> None:
-        """Publish that layer ``layer``'s tensors are completely written."""
-        with self._cond:
-            self._ready[layer] = True
-            self._cond.notify_all()
-
-    def mark_all_ready(self) -> None:
-        with self._cond:
-            self._ready = [True] * len(self._ready)
-            self._cond.notify_all()
-
-    def fail(self, error: BaseException) -> None:
-        """Abort every current and future wait with ``error``."""
-        with self._cond:
-            self._error = error
-            self._cond.notify_all()
-
-    def is_ready(self, layer: int) -> bool:
-        with self._cond:
-            return self._ready[layer]
-
-    def wait_for_layer(self, layer: int) -> None:
-        """Block until ``layer`` is ready; usable directly as ``KVPrefix.wait_for_layer``."""
-        with self._cond:
-            ok = self._cond.wait_for(lambda: self._ready[layer] or self._error is not None, self._timeout)
-            if self._error is not None:
-                raise RuntimeError(f"loading the prefix of layer {layer} failed") from self._error
-            if not ok:
-                raise TimeoutError(f"prefix layer {layer} was not ready within {self._timeout} s")
 
 
 # --------------------------------------------------------------------------- cache
@@ -346,7 +303,9 @@ class ModelAdapter:
     """
 
     def __init__(self, model: torch.nn.Module, directory: Path) -> None:
-        config = model.config
+        # transformers' configs and decoder stacks: attributes that torch.nn.Module cannot type
+        config: Any = model.config
+        decoder: Any = model.model
         md.check_model_type(config)
         self.model = model
         self.config = config
@@ -359,7 +318,7 @@ class ModelAdapter:
         #: transformers 5.20 renamed the forward's `past_key_values` to `cache`
         params = inspect.signature(model.forward).parameters
         self._cache_argument = "cache" if "cache" in params else "past_key_values"
-        for index, layer in enumerate(model.model.layers):
+        for index, layer in enumerate(decoder.layers):
             layer_idx = getattr(layer.self_attn, "layer_idx", index)
             if layer_idx != index:
                 raise ValueError(f"decoder layer {index} caches as layer {layer_idx}")
@@ -380,7 +339,7 @@ class ModelAdapter:
         kwargs: dict[str, Any] = {"local_files_only": True, "dtype": dtype}
         if attn_implementation is not None:
             kwargs["attn_implementation"] = attn_implementation
-        model = AutoModelForCausalLM.from_pretrained(directory, **kwargs)
+        model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(directory, **kwargs)
         model.to(device=torch.device(device))
         model.eval()
         return cls(model, directory)
@@ -523,8 +482,9 @@ class ModelAdapter:
         if not 0 <= start <= end <= state.length:
             raise ValueError(f"range [{start}, {end}) is outside the cached [0, {state.length})")
         result: list[KV] = []
-        for layer in state.cache.layers:
-            if layer.keys is None or layer.get_seq_length() != state.length:
+        layers = cast("list[DynamicLayer]", state.cache.layers)  # a _KVSPCache: DynamicLayers only
+        for layer in layers:
+            if layer.keys is None or layer.values is None or layer.get_seq_length() != state.length:
                 raise RuntimeError("cache does not hold every position of the state")
             keys = layer.keys[0, :, start:end, :].permute(1, 0, 2).contiguous()
             values = layer.values[0, :, start:end, :].permute(1, 0, 2).contiguous()

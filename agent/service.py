@@ -31,13 +31,13 @@ import uvicorn
 from agent.model import ModelAdapter
 from agent.tiny import ensure_tiny_model
 from kvsp_moq.allocator import tune_allocator
+from kvsp_moq.arguments import parse_listen, parse_size, positive_int
 from kvsp_moq.auth import Authenticator, add_token_options, token_from_args
 from kvsp_moq.errors import BadRecord, KvspError, SettingError
 from kvsp_moq.fetch.sources import LayerSource
-from kvsp_moq.scope_keys import OPEN_SCOPE, OPEN_SCOPE_KEY, read_scope_keys
 from kvsp_moq.moqt.certs import add_relay_tls_options
+from kvsp_moq.scope_keys import OPEN_SCOPE, OPEN_SCOPE_KEY, read_scope_keys
 from kvsp_moq.serving import INSECURE_OPEN_HELP, check_advertised, check_exposure, normalize_public_url
-from kvsp_moq.arguments import parse_listen, parse_size, positive_int
 from kvsp_moq.web import BackgroundServer, bind_tcp, uvicorn_config
 
 log = logging.getLogger("kvsp.agent")

@@ -22,8 +22,8 @@ import torch
 
 from agent.checkpoints import build_checkpoint
 from agent.choice import LoadChoice
-from agent.loader import Timeline
 from agent.requests import SamplerSpec
+from kvsp_moq.fetch.prefix import Timeline
 from kvsp_moq.protocol.keys import BlockKeyChain
 from kvsp_moq.protocol.keys import scope_id as scope_id_of
 from kvsp_moq.protocol.records import SessionCheckpoint

@@ -1,6 +1,6 @@
 """Coverage-guided fuzzing of every parser that reads octets from the network or a disk.
 
-The targets are those of the hypothesis tests (tests/core, tests/moqt), run here for as long as
+The targets are those of the hypothesis tests (tests/protocol, tests/moqt), run here for as long as
 one likes with libFuzzer's coverage feedback. Each target has the same rule as its test: the
 input gives a value, or the documented error; any other exception is a finding, and libFuzzer
 saves the input that raised it.

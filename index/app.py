@@ -42,7 +42,6 @@ from kvsp_moq.index_client import BATCH_LIMIT
 from kvsp_moq.protocol import cost
 from kvsp_moq.protocol import validate as v
 from kvsp_moq.protocol.records import InstanceStatus, ReplicaRecord, replica_id
-from kvsp_moq.protocol.urls import base_url
 from kvsp_moq.web import KVSP_JSON, build_app, json_response, principal, read_json
 
 log = logging.getLogger("kvsp.index")
@@ -120,7 +119,6 @@ def plan_fetch_us(status: InstanceStatus, instance: str,
     replica summary (records of one holder share one) so that thousands of blocks cost a few
     estimates, not thousands.
     """
-    here = base_url(instance)
     # Stores share one summary object per distinct value, so identity is a cheap key.
     alone: dict[int, tuple[float, float]] = {}  # id(summary) -> (fetch_us alone, rtt)
     load: dict[int, tuple[ReplicaSummary, int]] = {}
@@ -130,8 +128,7 @@ def plan_fetch_us(status: InstanceStatus, instance: str,
         for s in replicas:
             t = alone.get(id(s))
             if t is None:
-                if base_url(s.holder) == here or (s.http_holder
-                                                  and base_url(s.http_holder) == here):
+                if cost.resides_at(instance, s):
                     t = (-1.0, 0.0)
                 else:
                     record = s.cost_record

@@ -206,7 +206,8 @@ def pytest_terminal_summary(terminalreporter: object) -> None:
     rows = [("peers", "through", "draft", "result")]
     for (pairing, path, draft), results in sorted(_MATRIX.items()):
         failed = results.count("FAILED")
-        rows.append((pairing, path, draft, f"{len(results) - failed}/{len(results)} ok" + (" FAILED" if failed else "")))
+        rows.append((pairing, path, draft,
+                     f"{len(results) - failed}/{len(results)} ok" + (" FAILED" if failed else "")))
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     write = terminalreporter.write_line  # type: ignore[attr-defined]
     terminalreporter.section("MOQT interop matrix")  # type: ignore[attr-defined]

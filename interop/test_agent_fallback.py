@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
 from agent.service import OPEN_SCOPE_KEY, Agent, AgentSettings
 from kvsp_moq.protocol.keys import block_keys, scope_id
 

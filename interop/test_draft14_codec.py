@@ -98,4 +98,5 @@ def test_decodes_aiomoqt_draft14_encodings() -> None:
         d14data.FetchObject(1, 0, 2, 9, d.ObjectStatus.NORMAL, b"xy", ((2, 5),)),
     ]
     assert d14data.decode_datagram(wire["datagram"]) == d14data.ObjectDatagram(1, 2, 0, b"hi", 5, end_of_group=True)
-    assert d14data.decode_datagram(wire["datagram_status"]) == d14data.ObjectDatagram(1, 2, 3, b"", 5, d.ObjectStatus.END_OF_TRACK)
+    assert d14data.decode_datagram(wire["datagram_status"]) == d14data.ObjectDatagram(
+        1, 2, 3, b"", 5, d.ObjectStatus.END_OF_TRACK)

@@ -72,8 +72,10 @@ for draft in (20, 22):
     r["fetch_big"] = out(fetch(4, (200, 130), (300, 150), priority=9, order=2).serialize(prof=p))
     r["fetch_whole_group"] = out(fetch(6, (5, 0), (7, 0)).serialize(prof=p))
     r["fetch_open"] = out(fetch(8, (3, 1), None, order=1).serialize(prof=p))
-    r["fetch_ok"] = out(FetchOk(request_id=0, end_of_track=0, largest_group_id=0, largest_object_id=6).serialize(prof=p))
-    r["fetch_ok_big"] = out(FetchOk(request_id=0, end_of_track=1, largest_group_id=300, largest_object_id=200).serialize(prof=p))
+    r["fetch_ok"] = out(FetchOk(request_id=0, end_of_track=0, largest_group_id=0,
+                                largest_object_id=6).serialize(prof=p))
+    r["fetch_ok_big"] = out(FetchOk(request_id=0, end_of_track=1, largest_group_id=300,
+                                    largest_object_id=200).serialize(prof=p))
     r["goaway"] = out(GoAway(new_session_uri="", timeout=5, request_id=3).serialize(prof=p))
     r["goaway_uri"] = out(GoAway(new_session_uri="moqt://relay.example/next", timeout=1000).serialize(prof=p))
     r["publish_ok"] = out(PublishOk(expires=1000).serialize(prof=p))
@@ -82,17 +84,21 @@ for draft in (20, 22):
     r["psn_filter"] = out(PublishStateNotify(largest_group_id=300, largest_object_id=7, forward=1,
                                              location_filter=LocationFilter.next_object()).serialize(prof=p))
     r["update_prefix"] = out(RequestUpdate(request_id=2, parameters={0x34: (b"a", b"b")}).serialize(prof=p))
-    r["update_fill"] = out(RequestUpdate(request_id=2, parameters={0x23: {0x21: LocationFilter.relative(1)}}).serialize(prof=p))
+    r["update_fill"] = out(RequestUpdate(request_id=2,
+                                         parameters={0x23: {0x21: LocationFilter.relative(1)}}).serialize(prof=p))
     r["sub_next_object_fill"] = out(sub(location_filter=LocationFilter.next_object(),
                                         parameters={0x23: {0x21: LocationFilter.relative(1)}}).serialize(prof=p))
-    r["sub_range_fill"] = out(sub(location_filter=LocationFilter.absolute(0, 2, 0, 5), parameters={0x23: {}}).serialize(prof=p))
+    r["sub_range_fill"] = out(sub(location_filter=LocationFilter.absolute(0, 2, 0, 5),
+                                  parameters={0x23: {}}).serialize(prof=p))
     r["sub_next_group"] = out(sub(location_filter=LocationFilter.relative(0)).serialize(prof=p))
     r["sub_abs_start"] = out(sub(location_filter=LocationFilter.absolute(3, 4)).serialize(prof=p))
     r["sub_abs_zero"] = out(sub(location_filter=LocationFilter.absolute(0, 0)).serialize(prof=p))
     r["sub_big"] = out(sub(6, priority=7, forward=1, location_filter=LocationFilter.absolute(200, 130, 300),
-                           parameters={0x35: 0, 0x23: {0x0A: 500, 0x20: 200, 0x21: LocationFilter.absolute(200, 0, 205, 149),
+                           parameters={0x35: 0, 0x23: {0x0A: 500, 0x20: 200,
+                                                       0x21: LocationFilter.absolute(200, 0, 205, 149),
                                                        0x22: 2}}).serialize(prof=p))
-    r["sub_namespace"] = out(SubscribeNamespace(request_id=0, namespace_prefix=(b"kvsp",), parameters={}).serialize(prof=p))
+    r["sub_namespace"] = out(SubscribeNamespace(request_id=0, namespace_prefix=(b"kvsp",),
+                                                parameters={}).serialize(prof=p))
     o1 = FetchObject(group_id=0, subgroup_id=0, object_id=2, publisher_priority=128, payload=b"A")
     o2 = FetchObject(group_id=0, subgroup_id=0, object_id=3, publisher_priority=128, payload=b"B")
     o3 = FetchObject(group_id=0, object_id=5, end_of_range=0x20C)
@@ -216,7 +222,8 @@ OURS: dict[str, tuple[Callable[[int], m.Message], bool]] = {
     "sub_next_object_fill": (lambda d: _sub(subscription_filter=SubscriptionFilter(FilterType.LARGEST_OBJECT),
                                             fill=m.Fill(location_filter=(LF.RELATIVE_START, (1,)))), True),
     # Our subscription filter has no end Object: only the decode is compared here.
-    "sub_range_fill": (lambda d: _sub(subscription_filter=SubscriptionFilter(FilterType.ABSOLUTE_RANGE, Location(0, 2), 0, 5),
+    "sub_range_fill": (lambda d: _sub(subscription_filter=SubscriptionFilter(FilterType.ABSOLUTE_RANGE,
+                                                                             Location(0, 2), 0, 5),
                                       fill=m.Fill()), True),
     "sub_next_group": (lambda d: _sub(subscription_filter=SubscriptionFilter(FilterType.NEXT_GROUP_START)), True),
     "sub_abs_start": (lambda d: _sub(subscription_filter=SubscriptionFilter(FilterType.ABSOLUTE_START, Location(3, 4))),
@@ -225,7 +232,8 @@ OURS: dict[str, tuple[Callable[[int], m.Message], bool]] = {
     "sub_abs_zero": (lambda d: _sub(subscription_filter=None if d == 20 else
                                     SubscriptionFilter(FilterType.ABSOLUTE_START, Location(0, 0))), True),
     "sub_big": (lambda d: _sub(6, subscriber_priority=7, forward=True, include_properties=False,
-                               subscription_filter=SubscriptionFilter(FilterType.ABSOLUTE_RANGE, Location(200, 130), 300),
+                               subscription_filter=SubscriptionFilter(FilterType.ABSOLUTE_RANGE,
+                                                                      Location(200, 130), 300),
                                fill=m.Fill(location_filter=(LF.ABSOLUTE_RANGE, (200, 0, 5, 149)), fill_timeout=500,
                                            subscriber_priority=200, group_order=GroupOrder.DESCENDING)), True),
     "sub_namespace": (lambda d: m.SubscribeNamespace(0, (b"kvsp",)), True),
@@ -345,7 +353,8 @@ def test_aiomoqt_reads_our_answers(aiomoqt_reads_ours: dict[int, dict[str, Any]]
             got["fetch_ok_big"]["largest_object_id"]) == (1, 300, 200)
     assert (got["goaway_uri"]["new_session_uri"], got["goaway_uri"]["timeout"], got["goaway_uri"]["request_id"]) == (
         "moqt://relay.example/next", 1000, None)
-    assert (got["publish_ok"]["type"], got["publish_ok"]["expires"], got["publish_ok"]["parameters"]) == (0x07, 1000, {})
+    assert (got["publish_ok"]["type"], got["publish_ok"]["expires"],
+            got["publish_ok"]["parameters"]) == (0x07, 1000, {})
     assert got["request_ok"]["parameters"] == {"8": 5, "9": [3, 4]}
     psn = got["psn_filter"]
     assert (psn["type"], psn["forward"], psn["largest_group_id"], psn["largest_object_id"]) == (0x22, 1, 300, 7)

@@ -19,8 +19,19 @@ from kvsp_moq.naming import BlockTrack, moqt_record
 from kvsp_moq.protocol.container import Container
 from relay.relay import Relay, RelaySettings
 
-from .helpers import COMPAT, SCOPE, STEP, eventually, healthy, logged, make_block, put_block, relay_cert, \
-    relay_up, services
+from .helpers import (
+    COMPAT,
+    SCOPE,
+    STEP,
+    eventually,
+    healthy,
+    logged,
+    make_block,
+    put_block,
+    relay_cert,
+    relay_up,
+    services,
+)
 
 RANGES = [(2, 6), (0, 11), (9, 9)]
 #: Relay A's counters that any request reaching it moves.

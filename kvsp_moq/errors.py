@@ -425,6 +425,9 @@ class ReadTimeout(Http1Error):
 
 class RemoteProtocolError(Http1Error):
     title = "Not HTTP/1.1"
+    #: set when the connection closed before any octet of the response: a kept-alive
+    #: connection the server had closed, so the request may go again on a new one
+    before_head: bool = False
 
 
 # --------------------------------------------------------------------------- MOQT

@@ -15,13 +15,13 @@ from collections import defaultdict
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, Sequence
 
 import uvicorn
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from kvsp_moq.arguments import parse_listen
 from kvsp_moq.auth import Action, Authenticator, Principal

@@ -50,7 +50,19 @@ from typing import Any, Awaitable, Callable, Iterable, Mapping, Sequence
 from kvsp_moq.errors import BadRecord, KvspError, NoActiveInstance
 from kvsp_moq.index_client import IndexClient, LookupBlock, LookupResult
 from kvsp_moq.protocol import validate as v
-from kvsp_moq.protocol.cost import Estimate, Profile, assumed_link, bytes_us, estimate, mean_service_us, tier_octets
+from kvsp_moq.protocol.cost import (
+    Estimate,
+    LinkTable,
+    Profile,
+    assumed_link,
+    bytes_us,
+    estimate,
+    link_table,
+    mean_service_us,
+    replica_link,
+    resides_at,
+    tier_octets,
+)
 from kvsp_moq.protocol.keys import block_keys
 from kvsp_moq.protocol.keys import scope_id as scope_id_of
 from kvsp_moq.protocol.records import InstanceStatus, LookupRequest, PrefetchBlock, PrefetchDirective, ReplicaRecord
@@ -174,9 +186,8 @@ class RouteRequest:
 
 
 def holds(instance: str, record: ReplicaRecord) -> bool:
-    """Whether the replica sits at the instance itself (an instance is also a holder)."""
-    return (record.holder.startswith(instance)
-            or (record.http_holder is not None and record.http_holder.startswith(instance)))
+    """Whether the replica sits at the instance itself (§6.4's rule, `cost.resides_at`)."""
+    return resides_at(instance, record)
 
 
 def _finite(x: float) -> float | None:
@@ -254,24 +265,18 @@ class Grouping:
 
 
 #: An instance's reported links by holder, and the link assumed for any other holder.
-_Links = tuple[dict[str, tuple[float, float]], tuple[float, float]]
+_Links = tuple[LinkTable, tuple[float, float]]
 
 
 def _links(status: InstanceStatus) -> _Links:
-    out: dict[str, tuple[float, float]] = {}
-    for link in status.links:
-        out.setdefault(link.holder, (link.mbit_per_s, link.rtt_us))
-    return out, assumed_link(tuple(status.links))
+    return link_table(status.links), assumed_link(tuple(status.links))
 
 
 def _load_us(links: _Links, record: ReplicaRecord, profile: Profile) -> float:
     """rtt + 8 * octets / rate from one source, each tier at min(link, tier read rate): the
     fetch_us of §6.4 for a single source, used to pick the source of a group."""
     known, assumed = links
-    link = known.get(record.holder)
-    if link is None and record.http_holder is not None:
-        link = known.get(record.http_holder)
-    rate, rtt = link or assumed
+    rate, rtt = replica_link(known, record) or assumed
     return rtt + bytes_us(profile, rate)
 
 

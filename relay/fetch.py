@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncGenerator, Callable
 
 from kvsp_moq.moqt.errors import (
     DoesNotExist,
@@ -99,7 +99,7 @@ class SharedFetch:
                 self.readers.pop(slowest)
                 self.droppers.pop(slowest, lambda: None)()
 
-    async def read(self, reader: int, drop: Callable[[], None] = lambda: None) -> AsyncIterator[MoqtObject]:
+    async def read(self, reader: int, drop: Callable[[], None] = lambda: None) -> AsyncGenerator[MoqtObject, None]:
         """The response's objects from the first, as they arrive; raises what ended it.
         `drop` ends the reader's response if it stalls the others."""
         self.readers[reader] = 0
@@ -164,14 +164,14 @@ class Fetches:
             joined = self.in_flight.get(ident)
             if joined is not None and not joined.done:
                 try:
-                    upstream = await asyncio.shield(joined.started)
+                    started = await asyncio.shield(joined.started)
                 except asyncio.CancelledError:
                     raise
                 except BaseException as e:
                     raise request_error(e) from None
                 self.host.stats.fetches_shared += 1
-                sender = req.accept(end=upstream.end_location or req.end, end_of_track=upstream.end_of_track,
-                                    track_properties=upstream.track_properties)
+                sender = req.accept(end=started.end_location or req.end, end_of_track=started.end_of_track,
+                                    track_properties=started.track_properties)
                 await self._follow(joined, req, sender)
                 return
             shared = self.in_flight[ident] = SharedFetch(self.host.settings.quic.max_stream_data,

@@ -63,7 +63,9 @@ def render(snapshot: dict[str, int], prefix: str = PREFIX) -> str:
     return "\n".join(lines) + "\n"
 
 
-def snapshot_on_loop(relay: Relay, loop: asyncio.AbstractEventLoop, timeout: float = 5.0) -> Callable[[], dict[str, int]]:
+def snapshot_on_loop(
+    relay: Relay, loop: asyncio.AbstractEventLoop, timeout: float = 5.0
+) -> Callable[[], dict[str, int]]:
     """A function, callable from any other thread, that takes `relay.snapshot()` on `loop`."""
 
     async def take() -> dict[str, int]:

@@ -22,7 +22,9 @@ class Peer:
 
     def __init__(self, ident: int, connection: MoqtConnection | None, *, upstream: bool = False) -> None:
         self.id = ident
-        self.connection: MoqtConnection = connection  # type: ignore[assignment]
+        # The upstream's Peer exists before its connection (its handlers need it); the link
+        # sets it before any use.
+        self.connection: MoqtConnection = connection  # type: ignore[assignment]  # None until then
         self.is_upstream = upstream
 
     @property

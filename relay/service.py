@@ -38,9 +38,9 @@ from kvsp_moq.auth import Authenticator, add_token_options, token_from_args
 from kvsp_moq.errors import KvspError, SettingError
 from kvsp_moq.moqt.certs import certificate_names, client_tls, fingerprint, load_or_generate
 from kvsp_moq.moqt.drafts import parse_drafts
-from kvsp_moq.serving import INSECURE_OPEN_HELP, check_advertised, check_exposure, normalize_public_url
 from kvsp_moq.moqt.quic import new_event_loop
 from kvsp_moq.moqt.quic import run as run_loop
+from kvsp_moq.serving import INSECURE_OPEN_HELP, check_advertised, check_exposure, normalize_public_url
 
 from .relay import Relay, RelaySettings
 

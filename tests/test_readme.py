@@ -30,7 +30,7 @@ def test_readme_starts_with_the_two_commands():
 
 
 def test_every_kvsp_command_in_the_readme_exists_with_its_options():
-    lines = [l for l in shell_lines() if l.startswith("kvsp ")]
+    lines = [text for text in shell_lines() if text.startswith("kvsp ")]
     assert len(lines) >= 8
     for line in lines:
         words = line.split()

@@ -13,14 +13,16 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from index.app import IndexSettings, create_app as create_index_app
+from index.app import IndexSettings
+from index.app import create_app as create_index_app
 from kvsp_moq.auth import OPEN, PERMISSIONS, ROLES, Action, Authenticator, Principal
 from kvsp_moq.holder.service import Holder, HolderSettings
 from kvsp_moq.protocol.keys import scope_id
 from kvsp_moq.web import BackgroundServer
 from tests.holder.conftest import make_block
 from tests.index.conftest import H1, key, lookup_body, path, record
-from tests.pc.fakes import COMPAT as PC_COMPAT, checkpoint, fake_agents, pc_server, status, status_path
+from tests.pc.fakes import COMPAT as PC_COMPAT
+from tests.pc.fakes import checkpoint, fake_agents, pc_server, status, status_path
 
 SCOPE_KEY = bytes(range(7, 39))
 SCOPE = scope_id(SCOPE_KEY).hex()

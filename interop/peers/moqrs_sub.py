@@ -33,7 +33,6 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import moq  # noqa: E402
-
 from moqrs_common import parse_sizes, payload  # noqa: E402
 from moqrs_endpoint import endpoint  # noqa: E402
 
@@ -58,7 +57,8 @@ class Tally:
         return {"groups": len(seqs), "complete_groups": len(self.complete), "objects": self.objects,
                 "bytes": self.bytes, "mismatches": self.mismatches,
                 "first_group": seqs[0] if seqs else None, "last_group": seqs[-1] if seqs else None,
-                "per_group": {str(g): self.groups[g] for g in seqs}, "empty_groups": sorted(self.empty), "error": self.error, "ended": self.ended}
+                "per_group": {str(g): self.groups[g] for g in seqs}, "empty_groups": sorted(self.empty),
+                "error": self.error, "ended": self.ended}
 
 
 async def read_group(group, a: argparse.Namespace, sizes, tally: Tally, enough: asyncio.Event) -> None:

@@ -227,9 +227,9 @@ def run(*, quick: bool = False, model: dict[str, int] | None = None,
     from agent.service import Agent, AgentSettings, tune_interpreter  # noqa: PLC0415
     from index.app import IndexSettings  # noqa: PLC0415
     from index.app import create_app as create_index_app  # noqa: PLC0415
-    from kvsp_moq.moqt.certs import client_tls  # noqa: PLC0415
     from kvsp_moq.fetch.moqt import MoqtBlockFetcher  # noqa: PLC0415
     from kvsp_moq.fetch.sources import MoqtLayerSource  # noqa: PLC0415
+    from kvsp_moq.moqt.certs import client_tls  # noqa: PLC0415
     from kvsp_moq.web import BackgroundServer  # noqa: PLC0415
 
     logging.getLogger("kvsp").setLevel(logging.WARNING)

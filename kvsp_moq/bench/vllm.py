@@ -102,7 +102,9 @@ def run(*, quick: bool = False, layers_per_request: int | None = None,
         load_concurrency: int | None = None) -> dict[str, Any]:
     for name, value in {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1",
                         "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "2",
-                        "VLLM_NO_USAGE_STATS": "1"}.items():
+                        "VLLM_NO_USAGE_STATS": "1",
+                        # vLLM logs to stdout by default, where the benchmark's JSON goes
+                        "VLLM_LOGGING_STREAM": "ext://sys.stderr"}.items():
         os.environ.setdefault(name, value)
     from agent.tiny import ensure_tiny_model
     from index.app import IndexSettings, create_app

@@ -10,6 +10,8 @@ sources, verified, in ascending order, with fallback.
     fallback.py  BlockCandidates / fetch_layers: candidates tried in order, leased, falling
                  back across transports and replicas mid-block
     leases.py    LeaseClient and LeaseKeeper (§6.6)
+    prefix.py    PrefixLoader: the blocks of a prefix into a LayerPool, layer-group-major,
+                 each layer marked ready once every block holds it (the pipelined load)
 
 The agent and the vLLM connector use it alike. Names are importable from here too; each
 submodule is imported on first use, so that a caller of the HTTP fetcher alone does not load
@@ -32,18 +34,43 @@ _WHERE = {
     "FallbackStream": "fallback", "SourcedLayer": "fallback", "fetch_layers": "fallback",
     "lease_first_candidates": "fallback",
     "LeaseClient": "leases", "LeaseKeeper": "leases", "lease_unavailable": "leases",
+    "LayerPool": "prefix", "LayerReadiness": "prefix", "LoadReport": "prefix",
+    "PrefixLoader": "prefix", "Timeline": "prefix",
 }
 
-__all__ = sorted(_WHERE)
+# Spelled out, not sorted(_WHERE), so that linters and type checkers read it; the same names.
+__all__ = [
+    "Attempt", "BlockCandidates", "CandidatesExhausted", "FallbackStream", "FetchedBlock",
+    "HttpFetcher", "HttpLayerSource", "HttpLayerStream", "LayerPool", "LayerReadiness",
+    "LayerSource", "LayerTuple", "LeaseClient", "LeaseKeeper", "LoadReport", "LocalLayerSource",
+    "MoqtBlockFetcher", "MoqtLayerSource", "MoqtLayerStream", "PrefixLoader", "SourceCandidate",
+    "SourceFailed", "SourcedLayer", "Timeline", "VerifiedLayerStream",
+    "fetch_block", "fetch_layers", "lease_first_candidates", "lease_unavailable", "order_candidates",
+]
 
 if TYPE_CHECKING:
-    from kvsp_moq.fetch.fallback import (Attempt, BlockCandidates, CandidatesExhausted, FallbackStream,
-                                         SourcedLayer, fetch_layers, lease_first_candidates)
+    from kvsp_moq.fetch.fallback import (
+        Attempt,
+        BlockCandidates,
+        CandidatesExhausted,
+        FallbackStream,
+        SourcedLayer,
+        fetch_layers,
+        lease_first_candidates,
+    )
     from kvsp_moq.fetch.http import HttpFetcher, HttpLayerStream, fetch_block
     from kvsp_moq.fetch.leases import LeaseClient, LeaseKeeper, lease_unavailable
     from kvsp_moq.fetch.moqt import MoqtBlockFetcher, MoqtLayerStream
-    from kvsp_moq.fetch.sources import (HttpLayerSource, LayerSource, LayerTuple, LocalLayerSource,
-                                        MoqtLayerSource, SourceCandidate, order_candidates)
+    from kvsp_moq.fetch.prefix import LayerPool, LayerReadiness, LoadReport, PrefixLoader, Timeline
+    from kvsp_moq.fetch.sources import (
+        HttpLayerSource,
+        LayerSource,
+        LayerTuple,
+        LocalLayerSource,
+        MoqtLayerSource,
+        SourceCandidate,
+        order_candidates,
+    )
     from kvsp_moq.fetch.stream import FetchedBlock, SourceFailed, VerifiedLayerStream
 
 

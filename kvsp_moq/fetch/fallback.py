@@ -25,7 +25,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, NamedTuple, Sequence
+from typing import Any, AsyncGenerator, AsyncIterator, Callable, NamedTuple, Sequence
 
 from kvsp_moq.errors import CandidatesExhausted, KvspError, LayersUnavailable
 from kvsp_moq.fetch.leases import LeaseKeeper, lease_unavailable
@@ -46,7 +46,7 @@ FailureObserver = Callable[[str, SourceCandidate, str], None]
 class SourcedLayer(NamedTuple):
     """One verified layer and the candidate that delivered it."""
 
-    index: int
+    index: int  # type: ignore[assignment]  # the field shadows tuple.index(), as NamedTuple fields may
     k: Buffer
     v: Buffer
     candidate: SourceCandidate
@@ -207,7 +207,7 @@ class FallbackStream:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    async def _run(self) -> AsyncIterator[SourcedLayer]:
+    async def _run(self) -> AsyncGenerator[SourcedLayer, None]:
         block, last = self.block, self.last
         while self.next_layer <= last:
             cand = await block.candidate()

@@ -42,7 +42,7 @@ import re
 import sys
 import time
 from concurrent.futures import Future
-from typing import AsyncIterator, Sequence
+from typing import AsyncGenerator, AsyncIterator, Sequence
 from urllib.parse import urlsplit
 
 import httpcore
@@ -151,7 +151,7 @@ class HttpLayerStream(VerifiedLayerStream):
 
     # ---------------------------------------------------------------- the source loop
 
-    async def _run(self) -> AsyncIterator[Layer]:
+    async def _run(self) -> AsyncGenerator[Layer, None]:
         record = self.record
         digests = record_layer_digests(record)
         want = self.range
@@ -229,8 +229,9 @@ class HttpLayerStream(VerifiedLayerStream):
                                              f"the replica's {max_size}")
         parser = ContainerParser(max_size=max_size, allocate=receive_buffer)
         self._current = parser
-        if lean and resp.content_length is not None:  # type: ignore[union-attr]
-            steps = self._steps_in_place(parser, resp)  # type: ignore[arg-type]
+        steps: AsyncGenerator[list[Layer], None]
+        if lean and isinstance(resp, http1.Response) and resp.content_length is not None:
+            steps = self._steps_in_place(parser, resp, resp.content_length)
         else:
             steps = self._steps_fed(parser, resp.aiter_raw())
         small = declared is not None and declared.isdigit() and int(declared) < INLINE_BODY_BELOW
@@ -279,7 +280,7 @@ class HttpLayerStream(VerifiedLayerStream):
             except BadContainer as e:
                 raise SourceFailed("transport", str(e)) from None
             if stream_hash is not None:
-                if hashed < parser.received:
+                if hashed < parser.received and parser.buffer is not None:  # close() left it set
                     stream_hash.update(parser.buffer[hashed:parser.received])
                 if await stream_hash.digest() != expected_repr:
                     raise SourceFailed("digest", "Repr-Digest does not match the body")
@@ -298,16 +299,17 @@ class HttpLayerStream(VerifiedLayerStream):
             yield held
 
     async def _steps_fed(self, parser: ContainerParser,
-                         pieces: AsyncIterator[bytes]) -> AsyncIterator[list[Layer]]:
+                         pieces: AsyncIterator[bytes]) -> AsyncGenerator[list[Layer], None]:
         """Feed the parser each piece received; the layers each one completed."""
         async for piece in pieces:
             self.bytes_received += len(piece)
             yield parser.feed(piece)
 
     async def _steps_in_place(self, parser: ContainerParser,
-                              resp: http1.Response) -> AsyncIterator[list[Layer]]:
-        """Receive straight into the block's buffer; the layers each socket read completed."""
-        buffer = receive_buffer(resp.content_length)  # type: ignore[arg-type]
+                              resp: http1.Response, size: int) -> AsyncGenerator[list[Layer], None]:
+        """Receive straight into the block's buffer (`size`: the body's Content-Length); the
+        layers each socket read completed."""
+        buffer = receive_buffer(size)
         parser.attach(buffer)
         before = 0
         async for received in resp.body_into(buffer):
@@ -324,7 +326,8 @@ class HttpLayerStream(VerifiedLayerStream):
         last_in = parser.first_layer + parser.layer_count - 1
         if digests is None:
             return last_in
-        want_last = self.range[1]  # type: ignore[index]
+        assert self.range is not None  # layer digests come with the layer count
+        want_last = self.range[1]
         if parser.first_layer > first or last_in < want_last:
             raise SourceFailed("malformed", f"response holds layers {parser.first_layer}-"
                                              f"{last_in}, not {first}-{want_last}")

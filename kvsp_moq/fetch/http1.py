@@ -15,7 +15,7 @@ fetchers given their own httpx client, use httpx.
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator
+from typing import AsyncIterator, cast
 from urllib.parse import urlsplit
 
 from kvsp_moq.errors import ConnectError, ConnectTimeout, Http1Error, ReadTimeout, RemoteProtocolError
@@ -51,7 +51,7 @@ class _Protocol(asyncio.BufferedProtocol):
         self._waiter: asyncio.Future | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        self.transport = cast(asyncio.Transport, transport)  # a TCP connection's
 
     def get_buffer(self, sizehint: int) -> memoryview:
         dest = self.dest
@@ -67,7 +67,8 @@ class _Protocol(asyncio.BufferedProtocol):
             self.held += nbytes
             if self.held == len(self.scratch) and not self.paused:
                 self.paused = True
-                self.transport.pause_reading()  # type: ignore[union-attr]
+                assert self.transport is not None  # octets arrive only once connected
+                self.transport.pause_reading()
         self._wake()
 
     def eof_received(self) -> bool:
@@ -106,7 +107,8 @@ class _Protocol(asyncio.BufferedProtocol):
         self.held = rest
         if self.paused:
             self.paused = False
-            self.transport.resume_reading()  # type: ignore[union-attr]
+            assert self.transport is not None  # it was paused, so connected
+            self.transport.resume_reading()
         return out
 
 
@@ -160,12 +162,17 @@ class Response:
         conn_hdr = headers.get("connection", "").lower()
         self._keep_alive = version == "HTTP/1.1" and "close" not in conn_hdr
 
+    def _protocol(self) -> _Protocol:
+        conn = self._conn
+        assert conn is not None, "the response is closed"
+        return conn.protocol
+
     async def body_into(self, buffer: bytearray | memoryview) -> AsyncIterator[int]:
         """Receive a Content-Length body of len(buffer) octets into buffer, with no copy.
 
         Yields the number of octets received so far, whenever that grew.
         """
-        proto = self._conn.protocol  # type: ignore[union-attr]
+        proto = self._protocol()
         size = len(buffer)
         if self.content_length != size:
             raise ValueError("body_into needs a buffer of the Content-Length")
@@ -176,7 +183,8 @@ class Response:
         proto.dest, proto.dest_pos = view, early
         if proto.paused:
             proto.paused = False
-            proto.transport.resume_reading()  # type: ignore[union-attr]
+            assert proto.transport is not None  # it was paused, so connected
+            proto.transport.resume_reading()
         seen = 0
         try:
             while True:
@@ -197,7 +205,7 @@ class Response:
 
     async def aiter_raw(self) -> AsyncIterator[bytes]:
         """The body in pieces (copied out of the scratch buffer), however it is delimited."""
-        proto = self._conn.protocol  # type: ignore[union-attr]
+        proto = self._protocol()
         if self.chunked:
             async for piece in self._chunks(proto):
                 yield piece
@@ -360,7 +368,7 @@ class Http1Pool:
                                  f"{self.connect_timeout} s") from None
         except OSError as e:
             raise ConnectError(str(e)) from None
-        return Connection(key, transport, proto)  # type: ignore[arg-type]
+        return Connection(key, transport, proto)
 
     async def _exchange(self, conn: Connection, request: bytes) -> Response:
         conn.transport.write(request)
@@ -382,7 +390,7 @@ class Http1Pool:
                 raise RemoteProtocolError("response head too large")
             if proto.eof:
                 err = RemoteProtocolError("connection closed before a complete response head")
-                err.before_head = proto.held == 0  # type: ignore[attr-defined]
+                err.before_head = proto.held == 0
                 raise err
             await proto.wait(self.timeout)
         head = proto.take(end + 4)[:-4].decode("latin-1")

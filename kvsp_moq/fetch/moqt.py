@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Sequence
+from typing import AsyncGenerator, AsyncIterator, Sequence
 
 from kvsp_moq.errors import BadRecord, KvspError, LayersUnavailable
 from kvsp_moq.fetch.stream import FetchedBlock, SourceFailed, VerifiedLayerStream, record_layer_digests
@@ -63,7 +63,7 @@ class MoqtLayerStream(VerifiedLayerStream):
 
     # ---------------------------------------------------------------- the source loop
 
-    async def _run(self) -> AsyncIterator[Layer]:
+    async def _run(self) -> AsyncGenerator[Layer, None]:
         record = self.record
         digests = record_layer_digests(record)
         assert self.range is not None

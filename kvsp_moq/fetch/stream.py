@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Sequence
+from typing import AsyncGenerator, Sequence
 
 from kvsp_moq.errors import DigestMismatch, KvspError, LayersUnavailable, NotFound, TransportError
 from kvsp_moq.protocol.container import Container, Layer, replica_digest
@@ -105,7 +105,7 @@ class VerifiedLayerStream:
     def _start(self) -> None:
         self._gen = self._run()
 
-    async def _run(self) -> AsyncIterator[Layer]:  # pragma: no cover - overridden
+    async def _run(self) -> AsyncGenerator[Layer, None]:  # pragma: no cover - overridden
         raise NotImplementedError
         yield
 
@@ -142,5 +142,5 @@ class VerifiedLayerStream:
             err = NotFound(f"no source holds the layers ({summary})")
         else:
             err = TransportError(f"no source delivered the layers ({summary})")
-        err.failures = list(self.failures)  # type: ignore[attr-defined]
+        err.failures = list(self.failures)  # type: ignore[union-attr]  # an attribute of this error only
         return err

@@ -36,15 +36,14 @@ from kvsp_moq.errors import (
     BadContainer,
     BadRecord,
     CodecUnavailable,
-    KvspError,
     NotFound,
-    PreconditionFailed,
     PayloadTooLarge,
+    PreconditionFailed,
     PreconditionRequired,
 )
+from kvsp_moq.holder.index_publisher import IndexPublisher
 from kvsp_moq.holder.leases import Clock, LeaseLimits, LeaseTable
 from kvsp_moq.holder.moqt_publisher import BlockPublisher
-from kvsp_moq.holder.index_publisher import IndexPublisher
 from kvsp_moq.holder.store import CHUNK, BlockId, BlockRead, BlockStore
 from kvsp_moq.index_client import IndexClient
 from kvsp_moq.moqt.certs import client_tls
@@ -119,12 +118,12 @@ async def read_body(request: Request, limit: int) -> bytearray | memoryview:
         if pos != size:
             raise BadContainer(f"body ended after {pos} of {size} octets", member="body")
         return buf
-    buf = bytearray()
+    body = bytearray()
     async for chunk in request.stream():
-        if len(buf) + len(chunk) > limit:
+        if len(body) + len(chunk) > limit:
             raise PayloadTooLarge(f"the body exceeds the limit of {limit} octets")
-        buf += chunk
-    return buf
+        body += chunk
+    return body
 
 
 # --------------------------------------------------------------------------- responses

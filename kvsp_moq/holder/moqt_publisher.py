@@ -406,14 +406,22 @@ class BlockPublisher:
 
     async def _on_track_status(self, req: IncomingTrackStatus) -> None:
         _, live, entry = self._locate(req.namespace, req.track_name)
-        available = entry.meta.layer_count if entry is not None else live.available  # type: ignore[union-attr]
+        if entry is not None:
+            available = entry.meta.layer_count
+        else:
+            assert live is not None
+            available = live.available
         req.accept(largest=Location(GROUP, available - 1) if available else None)
 
     async def _on_fetch(self, req: IncomingFetch) -> None:
         bid, live, entry = self._locate(req.namespace, req.track_name)
         self.stats.fetches += 1
-        total = entry.meta.layer_count if entry is not None else live.layer_count  # type: ignore[union-attr]
-        available = total if entry is not None else live.available  # type: ignore[union-attr]
+        if entry is not None:
+            total = available = entry.meta.layer_count
+        else:
+            assert live is not None
+            total, available = live.layer_count, live.available
+        payload: bytes | memoryview  # a stored layer's view, or a live layer
         first = req.start.object if req.start.group == GROUP else None
         last = available - 1
         if req.end.group == GROUP and req.end.object:
@@ -457,8 +465,10 @@ class BlockPublisher:
         read = await self.store.open_read(bid, start, total - 1) if entry is not None else None
         try:
             sender = subscription.open_subgroup(GROUP, 0, has_properties=True)
+            payload: bytes | memoryview  # a stored layer's view, or a live layer
             if read is not None:
-                meta = entry.meta  # type: ignore[union-attr]
+                assert entry is not None
+                meta = entry.meta
                 for index, payload in _layer_views(read, meta.lengths):
                     await sender.send(index, payload,
                                       properties=layer_properties(meta.token_count, meta.lengths[index][0]))

@@ -28,6 +28,7 @@ from typing import Any, Coroutine, Mapping, TypeVar
 
 import uvicorn
 
+from kvsp_moq.arguments import parse_listen, parse_size, positive_int
 from kvsp_moq.auth import Authenticator, add_token_options, token_from_args
 from kvsp_moq.errors import BadRecord
 from kvsp_moq.holder.app import create_app
@@ -36,7 +37,6 @@ from kvsp_moq.holder.store import TierRates
 from kvsp_moq.moqt.certs import add_relay_tls_options
 from kvsp_moq.protocol.compat import CompatDescriptor
 from kvsp_moq.serving import INSECURE_OPEN_HELP, check_advertised, check_exposure, normalize_public_url
-from kvsp_moq.arguments import parse_listen, parse_size, positive_int
 from kvsp_moq.web import BackgroundServer, bind_tcp, uvicorn_config
 
 log = logging.getLogger("kvsp.holder")

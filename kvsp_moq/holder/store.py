@@ -344,7 +344,7 @@ def read_file(path: Path) -> tuple[memoryview, float]:
 
 def scan_block_files(root: Path) -> list[tuple[BlockId, Path, BlockMeta]]:
     """Every complete block file under root, checked and digested; leftovers are removed."""
-    found = []
+    found: list[tuple[BlockId, Path, BlockMeta]] = []
     if not root.is_dir():
         return found
     for path in sorted(root.glob("*/*/*")):
@@ -444,6 +444,11 @@ class BlockStore:
     @property
     def disk_enabled(self) -> bool:
         return self.root is not None and self.budget["disk"] > 0
+
+    def _disk_file(self, bid: BlockId) -> Path:
+        """A block's file on the disk tier (only written when there is one)."""
+        assert self.root is not None, "no disk tier"
+        return _block_file(self.root, bid)
 
     def residency(self, entry: StoredBlock) -> tuple[Residency, ...]:
         """Each layer at its fastest tier, as inclusive, non-overlapping ranges (§4.4)."""
@@ -602,7 +607,7 @@ class BlockStore:
 
     async def _write(self, entry: StoredBlock, data: memoryview) -> Path:
         """Write a block file, its octets reserved in the disk budget meanwhile."""
-        path = _block_file(self.root, entry.id)  # type: ignore[arg-type]
+        path = self._disk_file(entry.id)
         self.used["disk"] += entry.size
         try:
             await asyncio.to_thread(write_block_file, path, data)
@@ -634,7 +639,7 @@ class BlockStore:
             self._persist(entry, entry.host.buffer))
 
     async def _persist(self, entry: StoredBlock, data: memoryview) -> None:
-        path = _block_file(self.root, entry.id)  # type: ignore[arg-type]
+        path = self._disk_file(entry.id)
         try:
             await asyncio.to_thread(write_block_file, path, data)
         except OSError as e:

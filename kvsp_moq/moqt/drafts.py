@@ -62,4 +62,5 @@ def parse_drafts(text: str) -> tuple[int, ...]:
     try:
         return check_drafts(int(part) for part in text.split(",") if part.strip())
     except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e) if "draft" in str(e) else f"not a list of draft numbers: {text!r}") from None
+        message = str(e) if "draft" in str(e) else f"not a list of draft numbers: {text!r}"
+        raise argparse.ArgumentTypeError(message) from None

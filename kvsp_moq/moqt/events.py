@@ -393,8 +393,8 @@ class ObjectReceived(MoqtEvent):
 
     request_id: int
     "Request ID of the subscription."
-    track_alias: int
-    "Track Alias on the wire."
+    track_alias: int | None
+    "Track Alias on the wire; None for an object of a fill (draft-20+) read before SUBSCRIBE_OK."
     group_id: int
     "Group ID."
     subgroup_id: int | None

@@ -4,48 +4,50 @@ pending (section 10.12.2) until subscribe_ok() releases it or a refusal refuses 
 
 from __future__ import annotations
 
+from typing import cast
+
 from . import events as ev
 from .d18.messages import Fetch, Subscribe
 from .errors import RequestErrorCode, StreamClosed
 from .session_core import SessionCore
-from .state import RequestState
+from .state import RequestState, RequestT
 from .wire import AuthToken, FetchType, Location
 
 __all__ = ["PeerFetches", "fetch_end_before_start"]
 
 
-class PeerFetches(SessionCore):
+class PeerFetches(SessionCore[RequestT]):
     """Peer FETCHes, standalone and joining; a held joining FETCH sits in its
     SUBSCRIBE's `held_fetches` and names it in `held_by`."""
 
     def _on_fetch_request(
-        self, request: RequestState, message: Fetch, tokens: tuple[AuthToken, ...], out: list[ev.MoqtEvent]
+        self, request: RequestT, message: Fetch, tokens: tuple[AuthToken, ...], out: list[ev.MoqtEvent]
     ) -> None:
         """A peer FETCH (in its draft-18 form): check a standalone range, or find the
         subscription a joining FETCH joins."""
         if message.parameters.group_order is not None:
             request.fetch_group_order = message.parameters.group_order
         if message.fetch_type == FetchType.STANDALONE:
-            if message.end < message.start and not (  # type: ignore[operator]
-                message.end.object == 0 and message.end.group >= message.start.group  # type: ignore[union-attr]
-            ):
+            namespace, track_name, start, end = message.track_and_range()
+            if end < start and not (end.object == 0 and end.group >= start.group):
                 self._reject(request, RequestErrorCode.INVALID_RANGE, "end before start")
                 return
             out.append(
                 ev.FetchReceived(
                     request.request_id,
                     message.fetch_type,
-                    message.namespace,  # type: ignore[arg-type]
-                    message.track_name,  # type: ignore[arg-type]
-                    message.start,  # type: ignore[arg-type]
-                    message.end,  # type: ignore[arg-type]
+                    namespace,
+                    track_name,
+                    start,
+                    end,
                     None,
                     message.parameters,
                     tokens,
                 )
             )
             return
-        joined = self._requests.get(message.joining_request_id)  # type: ignore[arg-type]
+        joining_request_id, _ = message.joining()
+        joined = self._requests.get(joining_request_id)
         if (
             joined is None
             or joined.kind is not Subscribe
@@ -63,10 +65,10 @@ class PeerFetches(SessionCore):
 
     def _resolve_joining(
         self,
-        request: RequestState,
+        request: RequestT,
         message: Fetch,
         tokens: tuple[AuthToken, ...],
-        joined: RequestState,
+        joined: RequestT,
         out: list[ev.MoqtEvent],
     ) -> None:
         """Turn a joining FETCH of an Established subscription into its range."""
@@ -77,10 +79,11 @@ class PeerFetches(SessionCore):
         if largest is None:
             self._reject(request, RequestErrorCode.INVALID_RANGE, "no objects published")
             return
+        _, joining_start = message.joining()
         if message.fetch_type == FetchType.RELATIVE_JOINING:
-            start = Location(max(0, largest.group - message.joining_start), 0)  # type: ignore[operator]
+            start = Location(max(0, largest.group - joining_start), 0)
         else:
-            start = Location(message.joining_start, 0)  # type: ignore[arg-type]
+            start = Location(joining_start, 0)
         end = Location(largest.group, largest.object + 1)
         namespace, track_name = self._track_of(joined)
         out.append(
@@ -97,19 +100,22 @@ class PeerFetches(SessionCore):
             )
         )
 
-    def _release_held_fetches(self, joined: RequestState) -> None:
+    def _release_held_fetches(self, joined: RequestT) -> None:
         """SUBSCRIBE_OK went out: resolve the joining FETCHes that waited for it."""
         held, joined.held_fetches = joined.held_fetches, []
-        for request, message, tokens in held:
+        for held_request, message, tokens in held:
+            # Held by _on_fetch_request, so one of this session's records.
+            request = cast(RequestT, held_request)
             request.held_by = None
             if request.closed or self._closed:
                 continue
             self._resolve_joining(request, message, tokens, joined, self._released)
 
-    def _refuse_held_fetches(self, joined: RequestState, reason: str) -> None:
+    def _refuse_held_fetches(self, joined: RequestT, reason: str) -> None:
         """The SUBSCRIBE was refused or cancelled: so are the FETCHes joining it."""
         held, joined.held_fetches = joined.held_fetches, []
-        for request, _, _ in held:
+        for held_request, _, _ in held:
+            request = cast(RequestT, held_request)  # one of this session's records
             request.held_by = None
             if request.closed or request.answered or self._closed:
                 continue

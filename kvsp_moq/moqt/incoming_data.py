@@ -9,17 +9,17 @@ from . import events as ev
 from .d18.data import FetchEndOfRange, FetchObject, SubgroupHeader, SubgroupObject
 from .errors import StreamResetCode
 from .session_core import SessionCore
-from .state import UNKNOWN_STREAM_COUNT, IncomingDataStream, RequestState
+from .state import UNKNOWN_STREAM_COUNT, IncomingDataStream, RequestT
 from .wire import ObjectStatus
 
 __all__ = ["DataReceiving"]
 
 
-class DataReceiving(SessionCore):
+class DataReceiving(SessionCore[RequestT]):
     """Incoming data streams (`_incoming_data`) and datagrams, as events."""
 
     def _on_data_stream_reset(
-        self, sid: int, stream: IncomingDataStream, error_code: int, out: list[ev.MoqtEvent]
+        self, sid: int, stream: IncomingDataStream[RequestT], error_code: int, out: list[ev.MoqtEvent]
     ) -> None:
         """The publisher reset an incoming data stream (already removed from the table)."""
         request = stream.request
@@ -42,13 +42,13 @@ class DataReceiving(SessionCore):
             self._maybe_end_subscription(request)
 
     def _on_data_stream(
-        self, sid: int, stream: IncomingDataStream, data: bytes, end_stream: bool, out: list[ev.MoqtEvent]
+        self, sid: int, stream: IncomingDataStream[RequestT], data: bytes, end_stream: bool, out: list[ev.MoqtEvent]
     ) -> None:
         if stream.discard:
             if end_stream:
                 self._incoming_data.pop(sid, None)
             return
-        items = stream.parser.feed(data, end_stream)  # type: ignore[attr-defined]
+        items = stream.parser.feed(data, end_stream)
         for item in items:
             if stream.request is None and stream.header is None and not stream.fetch:
                 if not self._on_data_header(sid, stream, item, out):
@@ -70,7 +70,7 @@ class DataReceiving(SessionCore):
                 stream.held.append(None)  # FIN marker, delivered with the held items
 
     def _on_subgroup_header(
-        self, sid: int, stream: IncomingDataStream, header: SubgroupHeader, out: list[ev.MoqtEvent]
+        self, sid: int, stream: IncomingDataStream[RequestT], header: SubgroupHeader, out: list[ev.MoqtEvent]
     ) -> bool:
         """A subgroup stream begins; its objects wait until the track alias is known.
         False when the stream is stopped instead."""
@@ -99,7 +99,7 @@ class DataReceiving(SessionCore):
         stream = self._incoming_data.get(stream_id)
         return stream is not None and not stream.discard
 
-    def _stop_incoming(self, sid: int, stream: IncomingDataStream, code: int) -> None:
+    def _stop_incoming(self, sid: int, stream: IncomingDataStream[RequestT], code: int) -> None:
         if stream.discard:
             return
         stream.discard = True
@@ -115,7 +115,9 @@ class DataReceiving(SessionCore):
         except (ValueError, RuntimeError, AssertionError):
             pass
 
-    def _deliver_item(self, sid: int, stream: IncomingDataStream, item: object, out: list[ev.MoqtEvent]) -> None:
+    def _deliver_item(
+        self, sid: int, stream: IncomingDataStream[RequestT], item: object, out: list[ev.MoqtEvent]
+    ) -> None:
         request = stream.request
         assert request is not None
         if isinstance(item, SubgroupObject):
@@ -173,7 +175,7 @@ class DataReceiving(SessionCore):
         elif isinstance(item, SubgroupHeader):
             out.append(ev.SubgroupStreamOpened(request.request_id, sid, item))
 
-    def _end_incoming(self, sid: int, stream: IncomingDataStream, out: list[ev.MoqtEvent]) -> None:
+    def _end_incoming(self, sid: int, stream: IncomingDataStream[RequestT], out: list[ev.MoqtEvent]) -> None:
         request = stream.request
         assert request is not None
         request.open_data_streams.discard(sid)
@@ -186,7 +188,7 @@ class DataReceiving(SessionCore):
             self._maybe_end_subscription(request)
         self._forget_if_done(request)
 
-    def _maybe_end_subscription(self, request: RequestState) -> None:
+    def _maybe_end_subscription(self, request: RequestT) -> None:
         """After PUBLISH_DONE, forget the subscription once all its streams ended."""
         count = request.done_stream_count
         if count is None or request.closed or request.open_data_streams:

@@ -4,18 +4,20 @@ by piece, and the ends of those streams (FIN, reset, or the peer's STOP_SENDING)
 
 from __future__ import annotations
 
+from typing import cast
+
 from . import events as ev
 from .d18.data import ObjectDatagram, SubgroupHeader
 from .d18.messages import Fetch, Subscribe
 from .errors import StreamClosed, StreamResetCode
 from .session_core import SessionCore
-from .state import OutgoingDataStream, RequestState
+from .state import FetchObjectWriter, OutgoingDataStream, RequestT, SubgroupObjectWriter
 from .wire import DEFAULT_PUBLISHER_PRIORITY, ObjectStatus, Properties
 
 __all__ = ["DataSending"]
 
 
-class DataSending(SessionCore):
+class DataSending(SessionCore[RequestT]):
     """Outgoing data streams (`_outgoing_data`) and datagrams."""
 
     def _on_data_stream_stopped(self, sid: int, error_code: int, out: list[ev.MoqtEvent]) -> bool:
@@ -30,7 +32,7 @@ class DataSending(SessionCore):
             stream.request.fetch_stream_closed = True
         return True
 
-    def _publishing_request(self, request_id: int) -> RequestState:
+    def _publishing_request(self, request_id: int) -> RequestT:
         self._check_open()
         request = self._request(request_id)
         if not request.is_subscription or not request.publisher_is_local:
@@ -41,9 +43,9 @@ class DataSending(SessionCore):
             raise ValueError("objects are sent only after SUBSCRIBE_OK")
         return request
 
-    def _open_data_stream(self, request: RequestState, writer: object) -> int:
+    def _open_data_stream(self, request: RequestT, writer: SubgroupObjectWriter | FetchObjectWriter) -> int:
         sid = self._quic.get_next_available_stream_id(is_unidirectional=True)
-        self._quic.send_stream_data(sid, writer.header_bytes())  # type: ignore[attr-defined]
+        self._quic.send_stream_data(sid, writer.header_bytes())
         self._outgoing_data[sid] = OutgoingDataStream(request, writer)
         request.data_streams_opened += 1
         request.open_data_streams.add(sid)
@@ -63,8 +65,10 @@ class DataSending(SessionCore):
         """Open a subgroup stream for a subscription this endpoint publishes; returns
         the stream ID. `publisher_priority` None inherits the track's default."""
         request = self._publishing_request(request_id)
+        alias = request.track_alias
+        assert alias is not None  # set by subscribe_ok() or publish(), before any object
         header = SubgroupHeader(
-            request.track_alias,  # type: ignore[arg-type]
+            alias,
             group_id,
             subgroup_id,
             publisher_priority,
@@ -74,7 +78,7 @@ class DataSending(SessionCore):
         )
         return self._open_data_stream(request, self._subgroup_writer(request, header))
 
-    def _outgoing(self, stream_id: int) -> OutgoingDataStream:
+    def _outgoing(self, stream_id: int) -> OutgoingDataStream[RequestT]:
         stream = self._outgoing_data.get(stream_id)
         if stream is None:
             raise StreamClosed(f"no open data stream {stream_id}")
@@ -82,7 +86,13 @@ class DataSending(SessionCore):
             raise StreamClosed(f"data stream {stream_id} is closed")
         return stream
 
-    def _send_data(self, stream: OutgoingDataStream, stream_id: int, data, end_stream: bool = False) -> None:
+    def _send_data(
+        self,
+        stream: OutgoingDataStream[RequestT],
+        stream_id: int,
+        data: bytes | bytearray | memoryview,
+        end_stream: bool = False,
+    ) -> None:
         try:
             self._quic.send_stream_data(stream_id, data, end_stream=end_stream)
         except (ValueError, RuntimeError, AssertionError) as exc:
@@ -91,12 +101,14 @@ class DataSending(SessionCore):
         if end_stream:
             self._data_stream_finished(stream_id, stream)
 
-    def _new_object(self, stream_id: int, fetch: bool) -> OutgoingDataStream:
+    def _new_object(self, stream_id: int, fetch: bool) -> OutgoingDataStream[RequestT]:
         stream = self._outgoing(stream_id)
         if isinstance(stream.writer, self._FETCH_WRITER) != fetch:
             raise ValueError(f"stream {stream_id} is not a {'fetch' if fetch else 'subgroup'} stream")
         if stream.payload_remaining:
-            raise ValueError(f"stream {stream_id}: the previous object has {stream.payload_remaining} payload bytes unwritten")
+            raise ValueError(
+                f"stream {stream_id}: the previous object has {stream.payload_remaining} payload bytes unwritten"
+            )
         return stream
 
     def begin_object(
@@ -105,7 +117,8 @@ class DataSending(SessionCore):
         """Write the header of a Normal object on a subgroup stream; its payload
         follows with write_payload(), in as many pieces as the caller likes."""
         stream = self._new_object(stream_id, fetch=False)
-        header = stream.writer.object_header(object_id, payload_length, properties=properties)  # type: ignore[attr-defined]
+        writer = cast(SubgroupObjectWriter, stream.writer)  # _new_object() checked it is no fetch writer
+        header = writer.object_header(object_id, payload_length, properties=properties)
         self._send_data(stream, stream_id, header)
         stream.payload_remaining = payload_length
 
@@ -138,7 +151,8 @@ class DataSending(SessionCore):
     ) -> None:
         """Write an object status (End of Group / End of Track, or an empty Normal object)."""
         stream = self._new_object(stream_id, fetch=False)
-        header = stream.writer.object_header(object_id, 0, status=status)  # type: ignore[attr-defined]
+        writer = cast(SubgroupObjectWriter, stream.writer)  # _new_object() checked it is no fetch writer
+        header = writer.object_header(object_id, 0, status=status)
         self._send_data(stream, stream_id, header, end_stream)
 
     def open_fetch_stream(self, request_id: int) -> int:
@@ -167,7 +181,8 @@ class DataSending(SessionCore):
         """Write the header of the next object of a FETCH response; the payload
         follows with write_payload(). `subgroup_id` None marks a Datagram object."""
         stream = self._new_object(stream_id, fetch=True)
-        header = stream.writer.object_header(  # type: ignore[attr-defined]
+        writer = cast(FetchObjectWriter, stream.writer)  # _new_object() checked it is a fetch writer
+        header = writer.object_header(
             group_id,
             object_id,
             payload_length,
@@ -227,7 +242,7 @@ class DataSending(SessionCore):
             pass
         self._data_stream_reset(stream.request)
 
-    def _data_stream_finished(self, stream_id: int, stream: OutgoingDataStream) -> None:
+    def _data_stream_finished(self, stream_id: int, stream: OutgoingDataStream[RequestT]) -> None:
         stream.fin_sent = True
         self._outgoing_data.pop(stream_id, None)
         request = stream.request
@@ -258,8 +273,10 @@ class DataSending(SessionCore):
     ) -> None:
         """Send one object as an OBJECT_DATAGRAM (dropped by QUIC if it does not fit)."""
         request = self._publishing_request(request_id)
+        alias = request.track_alias
+        assert alias is not None  # set by subscribe_ok() or publish(), before any object
         datagram = ObjectDatagram(
-            request.track_alias,  # type: ignore[arg-type]
+            alias,
             group_id,
             object_id,
             payload,

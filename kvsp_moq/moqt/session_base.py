@@ -22,18 +22,19 @@ from .engine import (
     StreamReset,
 )
 from .errors import (
+    SESSION_ENDING,
     InvalidAuthority,
     InvalidPath,
     ProtocolViolation,
     PublishDoneCode,
     SessionCloseCode,
-    SESSION_ENDING,
     StreamClosed,
     StreamResetCode,
 )
 from .fetches import PeerFetches
 from .incoming_data import DataReceiving
 from .outgoing_data import DataSending
+from .state import RequestT
 from .tokens import AuthTokenCache
 from .wire import (
     DEFAULT_PUBLISHER_PRIORITY,
@@ -46,7 +47,7 @@ from .wire import (
 __all__ = ["SessionBase"]
 
 
-class SessionBase(DataReceiving, DataSending, PeerFetches, AuthTokenCache):
+class SessionBase(DataReceiving[RequestT], DataSending[RequestT], PeerFetches[RequestT], AuthTokenCache[RequestT]):
     """What the draft-18 and draft-14 sessions share: the session's lifecycle, the
     authorization token cache, track aliases, joining FETCHes, reading data streams
     and datagrams, and writing objects. A draft supplies its control messages and

@@ -7,14 +7,14 @@ puts that together; a draft's `session` module fills in the hooks."""
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Iterable
+from typing import ClassVar, Generic, Iterable
 
 from . import events as ev
 from .d18.data import FetchStreamWriter, ObjectDatagram, SubgroupHeader
 from .d18.messages import FetchOk, Message, Setup, SubscribeOk
 from .engine import QuicEngine, QuicEvent, StopSendingReceived, StreamDataReceived, StreamReset
 from .errors import StreamClosed
-from .state import IncomingDataStream, OutgoingDataStream, RequestState
+from .state import FetchObjectWriter, IncomingDataStream, OutgoingDataStream, RequestT, SubgroupObjectWriter
 from .wire import AuthToken, TrackNamespace
 
 __all__ = ["IMPLEMENTATION", "SessionCore"]
@@ -22,9 +22,11 @@ __all__ = ["IMPLEMENTATION", "SessionCore"]
 IMPLEMENTATION = "kvsp-moq/0.1"
 
 
-class SessionCore:
+class SessionCore(Generic[RequestT]):
     """The state and hooks every session shares; see `session_base.SessionBase` for the
-    whole of what the drafts share."""
+    whole of what the drafts share. `RequestT` is the record a draft keeps of each
+    request (draft-18: its stream or a fill; draft-14: `Request14`), so the shared code
+    and the draft's parts agree on what `_requests` and the hooks hold."""
 
     draft: int
 
@@ -55,12 +57,12 @@ class SessionCore:
         self.goaway_received: ev.GoawayReceived | None = None
 
         self._next_request_id = 0 if is_client else 1
-        self._requests: dict[int, RequestState] = {}
-        self._incoming_data: dict[int, IncomingDataStream] = {}
-        self._outgoing_data: dict[int, OutgoingDataStream] = {}
+        self._requests: dict[int, RequestT] = {}
+        self._incoming_data: dict[int, IncomingDataStream[RequestT]] = {}
+        self._outgoing_data: dict[int, OutgoingDataStream[RequestT]] = {}
 
-        self._aliases_in: dict[int, RequestState] = {}  # track alias -> our subscription
-        self._aliases_out: dict[int, RequestState] = {}  # track alias -> subscription we publish
+        self._aliases_in: dict[int, RequestT] = {}  # track alias -> our subscription
+        self._aliases_out: dict[int, RequestT] = {}  # track alias -> subscription we publish
         self._next_alias = 0
 
         self._before_setup: list[QuicEvent] = []
@@ -110,7 +112,7 @@ class SessionCore:
     # Requests
     # ------------------------------------------------------------------
 
-    def _request(self, request_id: int) -> RequestState:
+    def _request(self, request_id: int) -> RequestT:
         request = self._requests.get(request_id)
         if request is None:
             raise StreamClosed(f"no active request {request_id}")
@@ -120,7 +122,7 @@ class SessionCore:
         if self._closed:
             raise StreamClosed("session closed")
 
-    def _peer_request(self, request_id: int, kinds: tuple[type[Message], ...]) -> RequestState:
+    def _peer_request(self, request_id: int, kinds: tuple[type[Message], ...]) -> RequestT:
         self._check_open()
         request = self._request(request_id)
         if request.local or request.kind not in kinds:
@@ -131,7 +133,7 @@ class SessionCore:
             raise StreamClosed(f"request {request_id} was cancelled")
         return request
 
-    def _answered_peer_request(self, request_id: int, kind: type[Message]) -> RequestState:
+    def _answered_peer_request(self, request_id: int, kind: type[Message]) -> RequestT:
         self._check_open()
         request = self._request(request_id)
         if request.local or request.kind is not kind or not request.accepted:
@@ -144,7 +146,11 @@ class SessionCore:
     # What each draft supplies
     # ------------------------------------------------------------------
 
-    _FETCH_WRITER: type = FetchStreamWriter  # writes a fetch stream: (request_id, group_order)
+    _FETCH_WRITER: ClassVar[type[FetchObjectWriter]] = FetchStreamWriter  # writes a fetch stream
+
+    def _on_control_data(self, data: bytes, out: list[ev.MoqtEvent]) -> None:
+        """Bytes of the peer's control stream (both drafts have one)."""
+        raise NotImplementedError
 
     def _is_control_event(self, event: QuicEvent) -> bool:
         """Whether an event arriving before the peer's SETUP is processed at once."""
@@ -159,11 +165,13 @@ class SessionCore:
     def _on_stop_sending(self, event: StopSendingReceived, out: list[ev.MoqtEvent]) -> None:
         raise NotImplementedError
 
-    def _wire_id(self, request: RequestState) -> int:
+    def _wire_id(self, request: RequestT) -> int:
         """The Request ID a request's data streams carry."""
         return request.request_id
 
-    def _on_data_header(self, sid: int, stream: IncomingDataStream, item: object, out: list[ev.MoqtEvent]) -> bool:
+    def _on_data_header(
+        self, sid: int, stream: IncomingDataStream[RequestT], item: object, out: list[ev.MoqtEvent]
+    ) -> bool:
         """The first item of an incoming data stream; False when the stream is dropped."""
         raise NotImplementedError
 
@@ -171,41 +179,41 @@ class SessionCore:
         """A received datagram in its draft-18 form; None when it carries no object."""
         raise NotImplementedError
 
-    def _encode_datagram(self, request: RequestState, datagram: ObjectDatagram) -> bytes:
+    def _encode_datagram(self, request: RequestT, datagram: ObjectDatagram) -> bytes:
         raise NotImplementedError
 
-    def _subgroup_writer(self, request: RequestState, header: SubgroupHeader) -> object:
-        """The writer of a new subgroup stream (header_bytes(), object_header())."""
+    def _subgroup_writer(self, request: RequestT, header: SubgroupHeader) -> SubgroupObjectWriter:
+        """The writer of a new subgroup stream."""
         raise NotImplementedError
 
-    def _track_of(self, request: RequestState) -> tuple[TrackNamespace, bytes]:
+    def _track_of(self, request: RequestT) -> tuple[TrackNamespace, bytes]:
         """Namespace and track name of a peer SUBSCRIBE."""
         raise NotImplementedError
 
-    def _send_answer(self, request: RequestState, message: SubscribeOk | FetchOk) -> None:
+    def _send_answer(self, request: RequestT, message: SubscribeOk | FetchOk) -> None:
         """Send SUBSCRIBE_OK / FETCH_OK (draft-18 form) for a peer request."""
         raise NotImplementedError
 
-    def _send_publish_done(self, request: RequestState, status_code: int, reason: str) -> None:
+    def _send_publish_done(self, request: RequestT, status_code: int, reason: str) -> None:
         """Send PUBLISH_DONE for a subscription this endpoint publishes and close it."""
         raise NotImplementedError
 
-    def _reject(self, request: RequestState, error_code: int, reason: str) -> None:
+    def _reject(self, request: RequestT, error_code: int, reason: str) -> None:
         raise NotImplementedError
 
-    def _fetch_stream_reset(self, request: RequestState) -> None:
+    def _fetch_stream_reset(self, request: RequestT) -> None:
         """The data stream of an open FETCH of ours was reset."""
         raise NotImplementedError
 
-    def _data_stream_reset(self, request: RequestState) -> None:
+    def _data_stream_reset(self, request: RequestT) -> None:
         """One of our data streams was reset (by us or, through STOP_SENDING, the peer)."""
 
-    def _maybe_finish_fetch(self, request: RequestState) -> None:
+    def _maybe_finish_fetch(self, request: RequestT) -> None:
         raise NotImplementedError
 
-    def _close_request(self, request: RequestState) -> None:
+    def _close_request(self, request: RequestT) -> None:
         """Mark a request over; forget it once nothing refers to it."""
         raise NotImplementedError
 
-    def _forget_if_done(self, request: RequestState) -> None:
+    def _forget_if_done(self, request: RequestT) -> None:
         raise NotImplementedError

@@ -1,16 +1,30 @@
 """What a session keeps of each request, from either side (`RequestState`), of each data
-stream it reads or writes (`IncomingDataStream`, `OutgoingDataStream`), and of the peer's
-Request IDs (`RequestIdTracker`); both drafts use the same records."""
+stream it reads or writes (`IncomingDataStream`, `OutgoingDataStream`, with the draft's
+parser or writer as the protocols here describe them), and of the peer's Request IDs
+(`RequestIdTracker`); both drafts use the same records. A draft's session names its own
+request record through `RequestT`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Generic, Protocol, Sequence, TypeVar
 
 from .d18.data import SubgroupHeader
-from .d18.messages import Message, Parameters, Publish, Subscribe
-from .wire import DEFAULT_PUBLISHER_PRIORITY, GroupOrder, Location
+from .d18.messages import Fetch, Message, Parameters, Publish, Subscribe
+from .wire import DEFAULT_PUBLISHER_PRIORITY, AuthToken, GroupOrder, Location, ObjectStatus, Properties
 
-__all__ = ["UNKNOWN_STREAM_COUNT", "IncomingDataStream", "OutgoingDataStream", "RequestIdTracker", "RequestState"]
+__all__ = [
+    "UNKNOWN_STREAM_COUNT",
+    "DataStreamReader",
+    "FetchObjectWriter",
+    "HeldFetch",
+    "IncomingDataStream",
+    "OutgoingDataStream",
+    "RequestIdTracker",
+    "RequestState",
+    "RequestT",
+    "SubgroupObjectWriter",
+]
 
 UNKNOWN_STREAM_COUNT = (1 << 62) - 1
 
@@ -32,12 +46,12 @@ class RequestState:
     largest_at_ok: Location | None = None  # Joining Location of a subscription
     fetch_group_order: GroupOrder = GroupOrder.ASCENDING
     data_streams_opened: int = 0
-    open_data_streams: set = field(default_factory=set)
+    open_data_streams: set[int] = field(default_factory=set)
     fetch_stream_closed: bool = False
     done_stream_count: int | None = None  # PUBLISH_DONE received: streams the publisher opened
     data_streams_ended: int = 0
-    held_fetches: list = field(default_factory=list)  # joining FETCHes waiting for this SUBSCRIBE's answer
-    held_by: "RequestState | None" = None  # a joining FETCH: the pending SUBSCRIBE it waits for
+    held_fetches: list[HeldFetch] = field(default_factory=list)  # joining FETCHes waiting for this SUBSCRIBE's answer
+    held_by: RequestState | None = None  # a joining FETCH: the pending SUBSCRIBE it waits for
 
     @property
     def is_subscription(self) -> bool:
@@ -49,24 +63,69 @@ class RequestState:
         return (self.kind is Publish) == self.local
 
 
+#: A joining FETCH held until its SUBSCRIBE is answered: the FETCH's own record (one of
+#: the session's), the FETCH in its draft-18 form, and its resolved tokens.
+HeldFetch = tuple[RequestState, Fetch, tuple[AuthToken, ...]]
+
+#: The record a draft's session keeps of each request: `RequestState` or a subclass.
+RequestT = TypeVar("RequestT", bound=RequestState)
+
+
+class DataStreamReader(Protocol):
+    """A data stream parser of the session's draft whose items are draft-18 ones."""
+
+    def feed(self, data: bytes | bytearray | memoryview, end_stream: bool = False) -> Sequence[object]: ...
+
+
+class SubgroupObjectWriter(Protocol):
+    """A subgroup stream writer of the session's draft, taking draft-18 properties."""
+
+    def header_bytes(self) -> bytes: ...
+
+    def object_header(
+        self, object_id: int, payload_length: int, *, properties: Properties = ..., status: ObjectStatus = ...
+    ) -> bytes: ...
+
+
+class FetchObjectWriter(Protocol):
+    """A fetch stream writer of the session's draft, taking draft-18 properties."""
+
+    def __init__(self, request_id: int, group_order: GroupOrder = ...) -> None: ...
+
+    def header_bytes(self) -> bytes: ...
+
+    def object_header(
+        self,
+        group_id: int,
+        object_id: int,
+        payload_length: int,
+        *,
+        subgroup_id: int | None = ...,
+        publisher_priority: int = ...,
+        properties: Properties = ...,
+    ) -> bytes: ...
+
+
 @dataclass(eq=False)
-class IncomingDataStream:
+class IncomingDataStream(Generic[RequestT]):
     """A data stream being read; its items are draft-18 ones whatever the wire."""
 
-    parser: object  # feed(data, end_stream) -> draft-18 items
-    request: RequestState | None = None
+    parser: DataStreamReader
+    request: RequestT | None = None
     fetch: bool = False
     header: SubgroupHeader | None = None
-    held: list = field(default_factory=list)  # items waiting for their track alias; None = FIN
+    held: list[object | None] = field(default_factory=list)  # items waiting for their track alias; None = FIN
     held_bytes: int = 0
     discard: bool = False
     fill: bool = False  # draft-20+: a fetch stream carrying a fill of `request`, a subscription
 
 
 @dataclass(eq=False)
-class OutgoingDataStream:
-    request: RequestState
-    writer: object  # a subgroup or fetch stream writer of the session's draft
+class OutgoingDataStream(Generic[RequestT]):
+    """A data stream being written, with the writer of the session's draft."""
+
+    request: RequestT
+    writer: SubgroupObjectWriter | FetchObjectWriter
     fin_sent: bool = False
     reset: bool = False
     payload_remaining: int = 0  # bytes of the current object's payload still to write

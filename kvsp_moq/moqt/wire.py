@@ -51,6 +51,46 @@ class FetchType(IntEnum):
     RELATIVE_JOINING = 0x2
     ABSOLUTE_JOINING = 0x3
 
+
+class FetchFields:
+    """What a FETCH is in every draft: standalone (a track and a range) or joining (a request
+    and a start), never both. Mixed into each draft's FETCH dataclass, which declares the fields."""
+
+    __slots__ = ()
+    fetch_type: FetchType
+    namespace: TrackNamespace | None
+    track_name: bytes | None
+    start: Location | None
+    end: Location | None
+    joining_request_id: int | None
+    joining_start: int | None
+
+    def __post_init__(self) -> None:
+        standalone = self.fetch_type == FetchType.STANDALONE
+        parts = (self.namespace, self.track_name, self.start, self.end)
+        joining = (self.joining_request_id, self.joining_start)
+        if standalone and (any(p is None for p in parts) or any(j is not None for j in joining)):
+            raise ValueError("a standalone FETCH has a track and a range, and no joining fields")
+        if not standalone and (any(j is None for j in joining) or any(p is not None for p in parts)):
+            raise ValueError("a joining FETCH has joining fields only")
+
+    def track_and_range(self) -> tuple[TrackNamespace, bytes, Location, Location]:
+        """A standalone FETCH's namespace, track name, start and end, which
+        `__post_init__` ensures are all set."""
+        namespace, track_name, start, end = self.namespace, self.track_name, self.start, self.end
+        if namespace is None or track_name is None or start is None or end is None:
+            raise ValueError("not a standalone FETCH")
+        return namespace, track_name, start, end
+
+    def joining(self) -> tuple[int, int]:
+        """A joining FETCH's Joining Request ID and Joining Start, which
+        `__post_init__` ensures are set."""
+        joining_request_id, joining_start = self.joining_request_id, self.joining_start
+        if joining_request_id is None or joining_start is None:
+            raise ValueError("not a joining FETCH")
+        return joining_request_id, joining_start
+
+
 class TrackPropertyType(IntEnum):
     """Property types defined by draft-18 (section 12)."""
 
@@ -317,7 +357,7 @@ class SubscriptionFilter:
         has_end = self.filter_type == FilterType.ABSOLUTE_RANGE
         if has_end != (self.end_group is not None):
             raise ValueError(f"{self.filter_type.name} filter {'needs' if has_end else 'has no'} an end group")
-        if has_end and self.end_group < self.start.group:  # type: ignore[operator, union-attr]
+        if self.end_group is not None and self.start is not None and self.end_group < self.start.group:
             raise ValueError("end group before the start group")
         if self.end_object is not None and not has_end:
             raise ValueError("an end object needs an end group")
@@ -343,8 +383,8 @@ class SubscriptionFilter:
         w.varint(self.filter_type)
         if self.start is not None:
             w.location(self.start)
-        if self.end_group is not None:
-            w.varint(self.end_group - self.start.group)  # type: ignore[union-attr]
+            if self.end_group is not None:  # an AbsoluteRange, which has a start
+                w.varint(self.end_group - self.start.group)
         return bytes(w.data)
 
     @classmethod
@@ -354,13 +394,14 @@ class SubscriptionFilter:
         if raw_type not in (1, 2, 3, 4):
             raise ProtocolViolation(f"unknown subscription filter type {raw_type}")
         filter_type = FilterType(raw_type)
-        start = end_group = None
+        start: Location | None = None
+        end_group: int | None = None
         if filter_type in (FilterType.ABSOLUTE_START, FilterType.ABSOLUTE_RANGE):
             start = pull_location(buf)
-        if filter_type == FilterType.ABSOLUTE_RANGE:
-            end_group = start.group + buf.pull_varint()  # type: ignore[union-attr]
-            if end_group > U64_MAX:
-                raise ProtocolViolation("subscription filter end group over 2^64-1")
+            if filter_type == FilterType.ABSOLUTE_RANGE:
+                end_group = start.group + buf.pull_varint()
+                if end_group > U64_MAX:
+                    raise ProtocolViolation("subscription filter end group over 2^64-1")
         if not buf.eof():
             raise ProtocolViolation("subscription filter longer than its fields")
         return cls(filter_type, start, end_group)

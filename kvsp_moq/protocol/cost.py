@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Mapping, Protocol, Sequence
 
 from kvsp_moq.protocol.records import InstanceStatus, Link, ReplicaRecord
+from kvsp_moq.protocol.urls import base_url
 
 #: Link rate assumed when the instance has reported no link at all (1 Gbit/s, 1 ms).
 DEFAULT_MBIT_PER_S = 1000.0
@@ -65,17 +66,51 @@ def recompute_us(tokens: int, prefill_tokens_per_s: float) -> float:
     return 1e6 * tokens / prefill_tokens_per_s
 
 
+class Placed(Protocol):
+    """Where a replica sits: a record, or the Index Service's summary of one."""
+
+    @property
+    def holder(self) -> str: ...
+
+    @property
+    def http_holder(self) -> str | None: ...
+
+
+def resides_at(instance: str, replica: Placed) -> bool:
+    """Whether the replica sits at the instance itself (an instance is also a holder): its
+    holder, or for a MOQT replica its HTTP holder, is the instance's base URL. Such a block is
+    resident and costs nothing to load (§6.4)."""
+    here = base_url(instance)
+    return base_url(replica.holder) == here or (
+        replica.http_holder is not None and base_url(replica.http_holder) == here)
+
+
+#: An instance's reported links by holder: (mbit_per_s, rtt_us), the first report of each.
+LinkTable = Mapping[str, tuple[float, float]]
+
+
+def link_table(links: Iterable[Link]) -> dict[str, tuple[float, float]]:
+    out: dict[str, tuple[float, float]] = {}
+    for link in links:
+        out.setdefault(link.holder, (link.mbit_per_s, link.rtt_us))
+    return out
+
+
+def replica_link(table: LinkTable, replica: Placed) -> tuple[float, float] | None:
+    """The instance's link to a replica: the one reported for its holder, else (a MOQT
+    replica read through a relay) the one for its HTTP holder; None when neither is known."""
+    link = table.get(replica.holder)
+    if link is None and replica.http_holder is not None:
+        link = table.get(replica.http_holder)
+    return link
+
+
 def source_rate(status: InstanceStatus, record: ReplicaRecord, layer: int | None = None
                 ) -> tuple[float, float]:
     """(mbit_per_s, rtt_us) from the instance to the record's holder, capped by the tier read
     rate of the layer's residency entry."""
-    link_holder = record.http_holder or record.holder
-    for link in status.links:
-        if link.holder in (record.holder, link_holder):
-            rate, rtt = link.mbit_per_s, link.rtt_us
-            break
-    else:
-        rate, rtt = assumed_link(tuple(status.links))
+    rate, rtt = (replica_link(link_table(status.links), record)
+                 or assumed_link(tuple(status.links)))
     if layer is not None:
         tier = record.tier_of(layer)
         if tier is not None and tier.read_mbit_per_s is not None:

@@ -10,9 +10,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 import torch
-
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse

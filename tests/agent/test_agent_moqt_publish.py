@@ -9,7 +9,7 @@ import asyncio
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Iterator
 
 import httpx
 import pytest
@@ -25,25 +25,12 @@ from kvsp_moq.protocol.records import ReplicaRecord
 from relay.relay import RelaySettings
 from relay.service import BackgroundRelay
 from tests.agent.conftest import tokens
+from tests.polling import wait_until
 
 B = 16
 PROMPT = 128
 SCOPE = scope_id(OPEN_SCOPE_KEY).hex()
 STEP = 20.0
-
-
-
-def eventually(predicate: Callable[[], Any], what: str, timeout: float = STEP) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
-
-
 
 
 @pytest.fixture
@@ -96,10 +83,10 @@ def test_agent_publishes_its_blocks_over_moqt(model_dir: Path, index_url: str,
         assert len(keys) == PROMPT // B + 1
         moqt = a.context.moqt_publisher
         assert moqt is not None
-        eventually(lambda: (compat, SCOPE) in moqt.announced, "the agent's namespace at the relay")
+        wait_until(lambda: (compat, SCOPE) in moqt.announced, timeout=STEP, what="the agent's namespace at the relay")
 
-        found = eventually(lambda: (lambda rs: rs if all(len(r) == 2 for r in rs) else None)(
-            records(index_url, compat, keys)), "an HTTP and a MOQT record per block")
+        found = wait_until(lambda: (lambda rs: rs if all(len(r) == 2 for r in rs) else None)(
+            records(index_url, compat, keys)), timeout=STEP, what="an HTTP and a MOQT record per block")
         by_kind = [{("moqt" if r.is_moqt else "http"): r for r in rs} for rs in found]
         for key, kinds in zip(keys, by_kind):
             http, mrec = kinds["http"], kinds["moqt"]
@@ -138,8 +125,8 @@ def prefetch(agent: Agent, body: dict) -> dict:
     r = httpx.post(agent.url + "prefetch", json=body, timeout=10)
     assert r.status_code == 202, r.text
     location = r.headers["location"]
-    return eventually(lambda: (lambda s: s if s["state"] != "pending" else None)(
-        httpx.get(location, timeout=10).json()), "the directive to finish", timeout=40.0)
+    return wait_until(lambda: (lambda s: s if s["state"] != "pending" else None)(
+        httpx.get(location, timeout=10).json()), timeout=40.0, what="the directive to finish")
 
 
 def test_prefetch_loads_over_moqt_then_falls_back_to_http(model_dir: Path, index_url: str,
@@ -149,10 +136,10 @@ def test_prefetch_loads_over_moqt_then_falls_back_to_http(model_dir: Path, index
         compat = a.context.compat_id
         keys = generate(a, tokens(PROMPT, 62), 1)
         assert len(keys) == PROMPT // B
-        eventually(lambda: all(len(r) == 2 for r in records(index_url, compat, keys)),
-                   "A's HTTP and MOQT records")
-        eventually(lambda: (compat, SCOPE) in a.context.moqt_publisher.announced,
-                   "A's namespace at the relay")
+        wait_until(lambda: all(len(r) == 2 for r in records(index_url, compat, keys)),
+                   timeout=STEP, what="A's HTTP and MOQT records")
+        wait_until(lambda: (compat, SCOPE) in a.context.moqt_publisher.announced,
+                   timeout=STEP, what="A's namespace at the relay")
         fetches = relay.snapshot()["fetches"]
         leases = a.app.state.metrics.requests[("POST", "/leases", 201)]
 
@@ -170,8 +157,8 @@ def test_prefetch_loads_over_moqt_then_falls_back_to_http(model_dir: Path, index
         # The relay goes away while A's records still name MOQT replicas; HTTP takes over.
         # (The records go in first: with its relay gone, A holds back MOQT records of new blocks.)
         more = generate(a, tokens(PROMPT, 63), 1)
-        eventually(lambda: all(len(r) == 2 for r in records(index_url, compat, more)),
-                   "A's records of the second prompt")
+        wait_until(lambda: all(len(r) == 2 for r in records(index_url, compat, more)),
+                   timeout=STEP, what="A's records of the second prompt")
         relay.stop()
         started = time.monotonic()
         done = prefetch(b, directive(b, more, [a.url]))

@@ -12,7 +12,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-
 from agent.service import OPEN_SCOPE, configure_parser, settings_from_args  # noqa: E402
 from kvsp_moq.errors import BadRecord  # noqa: E402
 from kvsp_moq.scope_keys import read_scope_keys  # noqa: E402

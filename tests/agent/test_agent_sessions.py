@@ -13,7 +13,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -21,12 +20,12 @@ from starlette.routing import Route
 
 from agent.model import ModelAdapter
 from agent.service import OPEN_SCOPE, OPEN_SCOPE_KEY, Agent, AgentSettings
-from pc.lifecycle import LifecycleSettings
-from pc.app import PCSettings, create_pc_app
-from pc.placement import ScopeKeys
 from kvsp_moq.frontend import FrontEnd
 from kvsp_moq.holder.service import Holder, HolderSettings
 from kvsp_moq.web import BackgroundServer
+from pc.app import PCSettings, create_pc_app
+from pc.lifecycle import LifecycleSettings
+from pc.placement import ScopeKeys
 from tests.agent.conftest import tokens
 
 B = 16

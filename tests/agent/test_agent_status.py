@@ -10,8 +10,6 @@ from pathlib import Path
 from typing import Callable
 
 import httpx
-
-
 from starlette.applications import Starlette  # noqa: E402
 from starlette.requests import Request  # noqa: E402
 from starlette.responses import JSONResponse, Response  # noqa: E402
@@ -19,9 +17,10 @@ from starlette.routing import Route  # noqa: E402
 
 from agent.service import Agent, AgentSettings  # noqa: E402
 from agent.status import Meters, StatusReporter, instance_id  # noqa: E402
-from pc.lifecycle import instance_id as pc_instance_id  # noqa: E402
 from kvsp_moq.protocol.records import InstanceStatus  # noqa: E402
 from kvsp_moq.web import BackgroundServer  # noqa: E402
+from pc.lifecycle import instance_id as pc_instance_id  # noqa: E402
+from tests.polling import wait_until  # noqa: E402
 
 
 class RecordingPC:
@@ -42,15 +41,10 @@ class RecordingPC:
 
         return Starlette(routes=[Route("/instances/{id}/status", status, methods=["PUT"])])
 
-    def wait_for(self, predicate: Callable[[dict], bool], timeout: float = 5.0) -> dict:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            with self.lock:
-                for _, body in self.records:
-                    if predicate(body):
-                        return body
-            time.sleep(0.02)
-        raise AssertionError("no such status record arrived")
+    def first(self, predicate: Callable[[dict], bool]) -> dict | None:
+        """The first record received that `predicate` holds for, if one has arrived."""
+        with self.lock:
+            return next((body for _, body in self.records if predicate(body)), None)
 
 
 
@@ -63,7 +57,7 @@ def test_status_record_rates_links_and_epoch(model_dir: Path, index_url: str) ->
                                 warmup_tokens=0)) as a, \
             Agent(AgentSettings(listen="127.0.0.1:0", model=str(model_dir), index_url=index_url,
                                 pc_url=server.url, status_ttl_ms=300, warmup_tokens=16)) as b:
-        first = pc.wait_for(lambda body: True)
+        first = wait_until(lambda: pc.first(lambda body: True), timeout=5.0, what="a status record")
         assert first["instance"] == b.url
         assert before <= first["epoch"] <= int(time.time() * 1000)
         assert first["ttl_ms"] == 300 and first["state"] == "active"
@@ -77,7 +71,8 @@ def test_status_record_rates_links_and_epoch(model_dir: Path, index_url: str) ->
         out = httpx.post(b.url + "generate", json={"tokens": prompt + [9, 9], "max_new_tokens": 1},
                          timeout=60).json()
         assert out["sources"]["http"] == 8
-        linked = pc.wait_for(lambda body: any(link["holder"] == a.url for link in body["links"]))
+        linked = wait_until(lambda: pc.first(lambda body: any(link["holder"] == a.url for link in body["links"])),
+                            timeout=5.0, what="a status record with a link to a")
         link = next(link for link in linked["links"] if link["holder"] == a.url)
         assert link["mbit_per_s"] > 0 and link["rtt_us"] > 0
         assert all(body["epoch"] == first["epoch"] for _, body in pc.records)
@@ -96,8 +91,10 @@ def test_sleep_request_drain_and_sleep(model_dir: Path) -> None:
     with BackgroundServer(pc.app()) as server, \
             Agent(AgentSettings(listen="127.0.0.1:0", model=str(model_dir), pc_url=server.url,
                                 status_ttl_ms=150, sleep_after_s=0.1, warmup_tokens=0)) as a:
-        pc.wait_for(lambda body: body["requested_state"] == "sleeping")
-        pc.wait_for(lambda body: body["state"] == "sleeping")
+        wait_until(lambda: pc.first(lambda body: body["requested_state"] == "sleeping"), timeout=5.0,
+                   what="a status record requesting sleep")
+        wait_until(lambda: pc.first(lambda body: body["state"] == "sleeping"), timeout=5.0,
+                   what="a status record of a sleeping instance")
         assert a.engine.state == "sleeping"
         r = httpx.post(a.url + "generate", json={"tokens": [5, 6], "max_new_tokens": 1})
         assert r.status_code == 503 and r.json()["type"] == "urn:kvsp:problem:kvsp-not-active"

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from agent.loader import PrefixLoader
 from agent.pool import KVPool
+from kvsp_moq.fetch.prefix import PrefixLoader
 
 
 def loader(blocks: int, *, layers: int = 8, kv_heads: int = 2, head_dim: int = 32) -> PrefixLoader:

@@ -9,11 +9,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 import torch  # noqa: E402
-
-from transformers import LlamaConfig, MistralConfig, Qwen2Config  # noqa: E402
-from transformers import MistralForCausalLM, Qwen2ForCausalLM  # noqa: E402
+from transformers import LlamaConfig, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
 from agent.model import (  # noqa: E402
     KVPrefix,

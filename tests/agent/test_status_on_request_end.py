@@ -11,10 +11,10 @@ from pathlib import Path
 import httpx
 
 from agent.service import OPEN_SCOPE, OPEN_SCOPE_KEY, Agent, AgentSettings
-from pc.lifecycle import LifecycleSettings
-from pc.app import PCSettings, create_pc_app
-from pc.placement import ScopeKeys
 from kvsp_moq.web import BackgroundServer
+from pc.app import PCSettings, create_pc_app
+from pc.lifecycle import LifecycleSettings
+from pc.placement import ScopeKeys
 from tests.agent.conftest import tokens
 
 B = 16

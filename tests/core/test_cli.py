@@ -7,7 +7,7 @@ import pytest
 
 from kvsp_moq.protocol.container import encode
 from kvsp_moq.protocol.keys import block_keys
-from tests.core.fixtures import DESCRIPTOR
+from tests.fixtures import DESCRIPTOR
 
 
 def kvsp(*args, stdin=None):

@@ -2,10 +2,26 @@ import base64
 import hashlib
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvsp_moq.errors import BadRecord
-from kvsp_moq.naming import BlockTrack, decode_namespace, encode_namespace, publisher_id, scope_of_namespace
+from kvsp_moq.moqt.wire import property_value
+from kvsp_moq.naming import (
+    K_LENGTH_PROPERTY,
+    TOKEN_COUNT_PROPERTY,
+    BlockTrack,
+    decode_namespace,
+    encode_namespace,
+    layer_properties,
+    moqt_record,
+    publisher_id,
+    scope_of_namespace,
+    split_layer,
+)
+from kvsp_moq.protocol.container import Container
+from kvsp_moq.protocol.records import ReplicaRecord, replica_id
+from tests.block_tracks import COMPAT, HTTP_HOLDER, SCOPE, container, key
 
 
 def test_block_track_namespace_known_answer():
@@ -52,3 +68,34 @@ def test_namespace_round_trip(fields):
 def test_bad_namespace_text(text):
     with pytest.raises(BadRecord):
         BlockTrack.from_record_namespace(text)
+
+
+def test_layer_properties_split_k_from_v():
+    props = layer_properties(16, 3)
+    assert property_value(props, TOKEN_COUNT_PROPERTY) == 16 and property_value(props, K_LENGTH_PROPERTY) == 3
+    layer, tokens = split_layer(4, b"kkkvv", props)
+    assert (bytes(layer.k), bytes(layer.v), layer.index, tokens) == (b"kkk", b"vv", 4, 16)
+    layer, tokens = split_layer(0, b"kkvv", ())
+    assert (bytes(layer.k), bytes(layer.v), tokens) == (b"kk", b"vv", None)
+    with pytest.raises(BadRecord):
+        split_layer(0, b"odd", ())
+    with pytest.raises(BadRecord):
+        split_layer(0, b"ab", layer_properties(1, 9))
+
+def test_moqt_record_names_relay_namespace_and_http_holder():
+    data = container(1, layers=4, section=10)
+    whole = Container(data)
+    http = ReplicaRecord(block_key=key(1), compat_id=COMPAT, scope_id=SCOPE, holder=HTTP_HOLDER, codec=1,
+                         size=len(data), digest="sha-256:" + whole.digest().hex(), ttl_ms=60_000,
+                         layer_digests=tuple(d.hex() for d in whole.layer_digests()))
+    record = moqt_record(http, "moqt://127.0.0.1:4443")
+    assert record.holder == "moqt://127.0.0.1:4443" and record.http_holder == HTTP_HOLDER
+    fields = decode_namespace(record.moqt_namespace)
+    assert fields == (b"kvsp", COMPAT.encode(), SCOPE.encode(), publisher_id(HTTP_HOLDER).hex().encode(),
+                      key(1).encode())
+    assert ReplicaRecord.from_json(record.to_json()) == record
+    assert replica_id(record.holder, record.moqt_namespace) != replica_id(http.holder)
+    with pytest.raises(BadRecord):
+        moqt_record(http, "http://not-moqt/")
+    with pytest.raises(BadRecord):
+        moqt_record(record, "moqt://127.0.0.1:1")

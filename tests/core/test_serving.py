@@ -14,8 +14,7 @@ import pytest
 
 from kvsp_moq import cli
 from kvsp_moq.errors import SettingError
-from kvsp_moq.serving import (check_advertised, check_exposure, is_loopback, is_unspecified,
-                              normalize_public_url)
+from kvsp_moq.serving import check_advertised, check_exposure, is_loopback, is_unspecified, normalize_public_url
 
 ROOT = Path(__file__).resolve().parents[2]
 #: An address the checks see as off loopback; never bound by these tests (refusals come first).

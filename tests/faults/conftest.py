@@ -227,20 +227,6 @@ def lookup(index_url: str, bkeys: Sequence[str]) -> dict[str, list[ReplicaRecord
     return out
 
 
-def wait_until(predicate: Callable[[], bool], timeout: float = STEP, step: float = 0.05) -> float:
-    """Seconds until `predicate()` held; AssertionError after `timeout`."""
-    start = time.monotonic()
-    while True:
-        try:
-            if predicate():
-                return time.monotonic() - start
-        except (httpx.HTTPError, OSError, AssertionError):
-            pass
-        if time.monotonic() - start > timeout:
-            raise AssertionError(f"condition not met within {timeout} s")
-        time.sleep(step)
-
-
 def small_window_client(rcvbuf: int = 256 << 10, timeout: float = 10.0) -> httpx.AsyncClient:
     """An HTTP client whose sockets take at most `rcvbuf` octets ahead of the reader.
 

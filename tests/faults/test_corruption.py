@@ -20,7 +20,7 @@ from kvsp_moq.errors import DigestMismatch
 from kvsp_moq.fetch.http import HttpFetcher
 from kvsp_moq.fetch.moqt import MoqtBlockFetcher
 from kvsp_moq.naming import moqt_record
-from kvsp_moq.protocol.container import HEADER_SIZE, ENTRY_SIZE, Container
+from kvsp_moq.protocol.container import ENTRY_SIZE, HEADER_SIZE, Container
 from tests.faults.conftest import Processes, block_key, make_container, stored_record
 
 LAYERS = 4

@@ -40,8 +40,8 @@ from tests.faults.conftest import (
     put_block,
     small_window_client,
     stored_record,
-    wait_until,
 )
+from tests.polling import wait_until
 
 MiB = 1 << 20
 
@@ -227,7 +227,9 @@ def test_full_disk_put_fails_cleanly(procs: Processes, small_disk) -> None:
     assert head(holder.url, key) == 404, "nothing of the refused block is served"
     leftovers = [p.name for p in data.rglob("*") if p.is_file() and not p.name.endswith(".kvb")]
     assert leftovers == [], f"partial files left behind: {leftovers}"
-    wait_until(lambda: all(lookup(index.url, list(stored))[k] for k in stored), timeout=5)
+    wait_until(lambda: all(lookup(index.url, list(stored))[k] for k in stored), timeout=5,
+               what="records of the stored blocks", step=0.05,
+               ignoring=(httpx.HTTPError, OSError, AssertionError))
     assert lookup(index.url, [key])[key] == [], "no record for the refused block"
     for k, body in stored.items():
         got = httpx.get(f"{holder.url}blocks/{COMPAT}/{SCOPE}/{k}", timeout=5, trust_env=False)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -50,18 +49,6 @@ def make_block(n: int, *, layers: int = 4, section: int = 1024, scope: str = SCO
               mv[(2 * i + 1) * section:(2 * i + 2) * section]) for i in range(layers)]
     digests = [hashlib.sha256(bytes(k) + bytes(v)).hexdigest() for k, v in parts]
     return Block(BlockId(COMPAT, scope, block_key(n)), encode(0, tokens, parts), digests)
-
-
-def wait_until(predicate: Callable[[], Any], timeout: float = 5.0, what: str = "condition") -> Any:
-    """Poll a predicate for at most `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 class FakeClock:

@@ -6,8 +6,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
-import time
-from typing import Any, Callable
+from typing import Any
 
 import httpx
 import pytest
@@ -18,32 +17,20 @@ from starlette.routing import Route
 
 from kvsp_moq.auth import Authenticator
 from kvsp_moq.errors import SettingError
-from kvsp_moq.moqt.certs import client_tls
-from kvsp_moq.holder.service import Holder, HolderSettings
-from kvsp_moq.moqt.certs import generate_self_signed
 from kvsp_moq.fetch.moqt import MoqtBlockFetcher
+from kvsp_moq.holder.service import Holder, HolderSettings
+from kvsp_moq.moqt.certs import client_tls, generate_self_signed
 from kvsp_moq.naming import BlockTrack, decode_namespace, publisher_id
 from kvsp_moq.protocol.container import Container
 from kvsp_moq.protocol.records import ReplicaRecord, replica_id
-from relay.relay import Relay, RelaySettings
 from kvsp_moq.web import BackgroundServer
+from relay.relay import Relay, RelaySettings
 from tests.holder.conftest import COMPAT, OTHER_SCOPE, SCOPE, FakeIndex, make_block
+from tests.polling import eventually
 
 CERT = generate_self_signed()
 PUT = {"If-None-Match": "*"}
 STEP = 10.0
-
-
-async def eventually(predicate: Callable[[], Any], what: str, timeout: float = STEP) -> Any:
-    """Poll without blocking the event loop (the relay runs on it)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 class ReplicaIndex(FakeIndex):
@@ -125,7 +112,8 @@ async def client():
 
 async def announced(holder: Holder, *pairs: tuple[str, str]) -> None:
     await eventually(lambda: holder.moqt_publisher is not None
-                     and set(pairs) <= holder.moqt_publisher.announced, "the namespaces announced")
+                     and set(pairs) <= holder.moqt_publisher.announced,
+                     timeout=STEP, what="the namespaces announced")
 
 
 # --------------------------------------------------------------------------- records
@@ -139,7 +127,8 @@ async def test_a_holder_with_a_relay_publishes_both_records(relay, fake_index, h
     assert not answered.is_moqt and answered.holder == holder.url  # the PUT answers with the HTTP one
 
     key = block.bid.block_key
-    records = await eventually(lambda: len(r := records_of(index, key)) == 2 and r, "both records")
+    records = await eventually(lambda: len(r := records_of(index, key)) == 2 and r, timeout=STEP,
+                               what="both records")
     http, moqt = records["http"], records["moqt"]
     assert http.holder == holder.url and http.moqt_namespace is None and http.http_holder is None
     assert moqt.holder == relay.url and moqt.http_holder == holder.url
@@ -173,13 +162,13 @@ async def test_both_records_are_refreshed_and_withdrawn_together(relay, fake_ind
     await put(client, holder, a)
     await put(client, holder, b)
     # Refreshed in one batch every 0.3 s: two blocks, two records each.
-    await eventually(lambda: 4 in index.batches, "a refresh of four records")
+    await eventually(lambda: 4 in index.batches, timeout=STEP, what="a refresh of four records")
     await put(client, holder, c)  # evicts a, the least recently used
     assert index.deleted() == [a.bid.block_key, a.bid.block_key]  # DELETE of both, before the data went
     assert records_of(index, a.bid.block_key) == {}
     await eventually(lambda: all(len(records_of(index, x.bid.block_key)) == 2 for x in (b, c)),
-                     "the records of b and c")
-    await eventually(lambda: index.batches[-1] == 4, "a refresh without a")
+                     timeout=STEP, what="the records of b and c")
+    await eventually(lambda: index.batches[-1] == 4, timeout=STEP, what="a refresh without a")
 
 
 async def test_every_compat_and_scope_held_is_announced(relay, holders, client):
@@ -188,7 +177,8 @@ async def test_every_compat_and_scope_held_is_announced(relay, holders, client):
     await put(client, holder, make_block(2, scope=OTHER_SCOPE))
     await announced(holder, (COMPAT, SCOPE), (COMPAT, OTHER_SCOPE))
     namespaces = [BlockTrack.for_holder(COMPAT, s, "00" * 32, holder.url).announce_prefix for s in (SCOPE, OTHER_SCOPE)]
-    await eventually(lambda: all(relay.routes.lookup(ns) for ns in namespaces), "routes at the relay")
+    await eventually(lambda: all(relay.routes.lookup(ns) for ns in namespaces), timeout=STEP,
+                     what="routes at the relay")
 
 
 # --------------------------------------------------------------------------- data
@@ -199,7 +189,8 @@ async def test_layers_through_the_relay_equal_an_http_get(relay, fake_index, hol
     holder = holders(index_url=index_url, relay=relay.url, relay_ca=cert_file)
     block = make_block(7, layers=8, section=40_000)
     await put(client, holder, block)
-    moqt = (await eventually(lambda: records_of(index, block.bid.block_key).get("moqt"), "the MOQT record"))
+    moqt = (await eventually(lambda: records_of(index, block.bid.block_key).get("moqt"), timeout=STEP,
+                             what="the MOQT record"))
     await announced(holder, (COMPAT, SCOPE))
 
     r = await client.get(holder.url + block.path)
@@ -245,7 +236,7 @@ async def test_without_a_relay_there_is_no_moqt_side(fake_index, holders, client
     holder = holders(index_url=index_url)
     block = make_block(1)
     await put(client, holder, block)
-    await eventually(lambda: records_of(index, block.bid.block_key), "the HTTP record")
+    await eventually(lambda: records_of(index, block.bid.block_key), timeout=STEP, what="the HTTP record")
     assert holder.moqt_publisher is None
     assert list(records_of(index, block.bid.block_key)) == ["http"]
 

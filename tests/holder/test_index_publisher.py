@@ -6,7 +6,8 @@ import httpx
 
 from kvsp_moq.protocol.records import ReplicaRecord
 from kvsp_moq.web import BackgroundServer
-from tests.holder.conftest import FakeClock, FakeIndex, make_block, wait_until
+from tests.holder.conftest import FakeClock, FakeIndex, make_block
+from tests.polling import wait_until
 
 PUT = {"If-None-Match": "*"}
 
@@ -22,7 +23,7 @@ def test_records_are_put_with_the_replicas_metadata(start_holder, fake_index) ->
     holder = start_holder(index_url=index_url, record_ttl_ms=30_000)
     block = make_block(1, layers=5)
     put(holder, block)
-    record = wait_until(lambda: index.record(block.bid.block_key), what="the record")
+    record = wait_until(lambda: index.record(block.bid.block_key), timeout=5.0, what="the record")
     parsed = ReplicaRecord.from_json(record)
     assert parsed.holder == holder.url and holder.url.endswith("/")
     assert parsed.compat_id == block.bid.compat_id and parsed.scope_id == block.bid.scope_id
@@ -42,7 +43,7 @@ def test_records_are_refreshed_in_batches(start_holder, fake_index) -> None:
     blocks = [make_block(i) for i in range(3)]
     for b in blocks:
         put(holder, b)
-    wait_until(lambda: any(n == 3 for n in index.batches), what="a batch of all three")
+    wait_until(lambda: any(n == 3 for n in index.batches), timeout=5.0, what="a batch of all three")
     assert index.keys() == {b.bid.block_key for b in blocks}
 
 
@@ -57,12 +58,12 @@ def test_eviction_deletes_the_record_before_dropping_the_data(start_holder, fake
         key, holder.store.holds_data(bids[key]))
     put(holder, a)
     put(holder, b)
-    wait_until(lambda: len(index.keys()) == 2, what="two records")
+    wait_until(lambda: len(index.keys()) == 2, timeout=5.0, what="two records")
     put(holder, c)  # evicts a, the least recently used
     assert index.deleted() == [a.bid.block_key]
     assert present_at_delete == {a.bid.block_key: True}
     assert httpx.get(holder.url + a.path, trust_env=False).status_code == 404
-    wait_until(lambda: index.keys() == {b.bid.block_key, c.bid.block_key}, what="records")
+    wait_until(lambda: index.keys() == {b.bid.block_key, c.bid.block_key}, timeout=5.0, what="records")
 
 
 def test_a_leased_replica_is_not_evicted_until_its_lease_expires(start_holder,
@@ -107,7 +108,7 @@ def test_demotion_to_disk_republishes_the_residency(start_holder, fake_index, tm
     put(holder, a)
     put(holder, b)  # a moves to disk; its replica stays
     wait_until(lambda: (index.record(a.bid.block_key) or {}).get("residency", [{}])[0]
-               .get("tier") == "disk", what="a disk residency")
+               .get("tier") == "disk", timeout=5.0, what="a disk residency")
     assert index.deleted() == []
     assert httpx.get(holder.url + a.path, trust_env=False).content == a.data
 
@@ -128,7 +129,7 @@ def test_restart_on_the_same_data_serves_and_republishes(start_holder, fake_inde
     with BackgroundServer(fresh.app()) as server:
         second = start_holder(index_url=server.url, data_dir=tmp_path)
         wait_until(lambda: fresh.keys() == {b.bid.block_key for b in blocks},
-                   what="records re-published")
+                   timeout=5.0, what="records re-published")
         assert all(r["holder"] == second.url for r in fresh.records.values())
         for b in blocks:
             r = httpx.get(second.url + b.path, trust_env=False)
@@ -143,7 +144,7 @@ def test_an_unreachable_index_is_retried_and_refilled_when_back(start_holder) ->
     holder = start_holder(index_url=server.url, record_ttl_ms=1_500)
     a = make_block(1)
     put(holder, a)
-    wait_until(lambda: holder.publisher.failures >= 1, what="a failed publish")
+    wait_until(lambda: holder.publisher.failures >= 1, timeout=5.0, what="a failed publish")
     server.stop()  # the index goes away entirely
     b = make_block(2)
     put(holder, b)

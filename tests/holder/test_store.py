@@ -14,7 +14,7 @@ from kvsp_moq.holder.leases import LeaseLimits, LeaseTable
 from kvsp_moq.holder.store import BlockStore, StoreFull, write_block_file
 from kvsp_moq.protocol.compat import CompatDescriptor
 from kvsp_moq.protocol.container import Container
-from tests.core.fixtures import DESCRIPTOR
+from tests.fixtures import DESCRIPTOR
 from tests.holder.conftest import FakeClock, make_block
 
 SIZE = len(make_block(0).data)

@@ -11,7 +11,17 @@ from index.store import ReplicaSummary
 from kvsp_moq.protocol import cost
 from kvsp_moq.protocol.records import InstanceStatus, ReplicaRecord
 from tests.index.conftest import (
-    COMPAT, H1, H2, OTHER, SCOPE, assert_problem, auth, key, lookup_body, path, record,
+    COMPAT,
+    H1,
+    H2,
+    OTHER,
+    SCOPE,
+    assert_problem,
+    auth,
+    key,
+    lookup_body,
+    path,
+    record,
 )
 
 II = "http://ii.test/kvsp/"

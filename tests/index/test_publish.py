@@ -10,7 +10,18 @@ from index.store import record_json
 from kvsp_moq.index_client import IndexClient
 from kvsp_moq.protocol.records import ReplicaRecord, replica_id
 from tests.index.conftest import (
-    COMPAT, H1, H2, OTHER, RELAY, SCOPE, assert_problem, auth, key, lookup_body, path, record,
+    COMPAT,
+    H1,
+    H2,
+    OTHER,
+    RELAY,
+    SCOPE,
+    assert_problem,
+    auth,
+    key,
+    lookup_body,
+    path,
+    record,
 )
 
 

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from index import service
-from tests.core.fixtures import DESCRIPTOR
+from tests.fixtures import DESCRIPTOR
 
 
 def parse(*argv: str) -> argparse.Namespace:

@@ -6,7 +6,8 @@ import gc
 import json
 import tracemalloc
 
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from index.store import KeyIndex, MemoryReplicaStore, ReplicaSummary, block_json, record_json
 from kvsp_moq.protocol.records import ReplicaRecord, replica_id

@@ -15,6 +15,7 @@ from index.store import ReplicaSummary, record_json
 from kvsp_moq.protocol.records import ReplicaRecord, replica_id
 from tests.index.conftest import COMPAT, H1, H2, OTHER, RELAY, SCOPE, key, record
 from tests.index_redis.redis_server import free_port
+from tests.polling import eventually
 
 
 def rec(i: int, holder: str = H1, ttl_ms: int = 60_000, scope: str = SCOPE,
@@ -25,15 +26,6 @@ def rec(i: int, holder: str = H1, ttl_ms: int = 60_000, scope: str = SCOPE,
 
 def replicas(hits) -> list[list[dict]]:
     return [json.loads(b)["replicas"] for b in hits.blocks]
-
-
-async def eventually(check, timeout: float = 3.0, step: float = 0.02) -> float:
-    """Seconds until the awaitable `check()` is true; fails after `timeout`."""
-    start = time.monotonic()
-    while not await check():
-        assert time.monotonic() - start < timeout, "condition not met in time"
-        await asyncio.sleep(step)
-    return time.monotonic() - start
 
 
 async def matched(store, keys, scope: str = SCOPE) -> int:
@@ -184,7 +176,7 @@ async def test_a_record_expires_after_its_ttl(store):
     start = time.monotonic()
     await store.put(rec(0, ttl_ms=200), 0.0)
     assert await matched(store, [key(0)]) == 1
-    await eventually(lambda: _is(matched(store, [key(0)]), 0))
+    await eventually(lambda: _is(matched(store, [key(0)]), 0), timeout=3.0, what="the record expired")
     assert time.monotonic() - start >= 0.19
     assert await store.get(COMPAT, SCOPE, key(0), replica_id(H1), 0.0) is None
     assert await store.delete(COMPAT, SCOPE, key(0), replica_id(H1), 0.0) is False
@@ -194,7 +186,7 @@ async def test_a_record_expires_after_its_ttl(store):
 async def test_a_refresh_may_shorten_the_ttl(store):
     await store.put(rec(0, ttl_ms=60_000), 0.0)
     await store.put(rec(0, ttl_ms=200), 0.0)
-    await eventually(lambda: _is(matched(store, [key(0)]), 0))
+    await eventually(lambda: _is(matched(store, [key(0)]), 0), timeout=3.0, what="the record expired")
 
 
 async def test_one_expired_replica_leaves_the_others(store):
@@ -206,7 +198,7 @@ async def test_one_expired_replica_leaves_the_others(store):
         hits = await store.lookup(COMPAT, SCOPE, [key(0), key(1)], 0.0, summaries=True)
         return [r["holder"] for r in replicas(hits)[0]] == [H2]
 
-    await eventually(only_h2)
+    await eventually(only_h2, timeout=3.0, what="only H2's replicas")
     hits = await store.lookup(COMPAT, SCOPE, [key(0), key(1)], 0.0, summaries=True)
     assert hits.matched == 2 and [x.holder for x in hits.summaries[0]] == [H2]
     # A new replica of the key drops the dead entry from the key's index.
@@ -219,7 +211,8 @@ async def test_a_key_whose_replicas_all_expired_ends_the_match(store):
     await store.put_many([rec(0), rec(1, ttl_ms=200), rec(2)], 0.0)
     await store.put(rec(1, holder=H2, ttl_ms=400), 0.0)
     assert await matched(store, [key(0), key(1), key(2)]) == 3
-    await eventually(lambda: _is(matched(store, [key(0), key(1), key(2)]), 1))
+    await eventually(lambda: _is(matched(store, [key(0), key(1), key(2)]), 1), timeout=3.0,
+                     what="one block matched")
 
 
 async def test_the_gauge_counts_writes_and_expiry(store, redis_url):
@@ -230,7 +223,7 @@ async def test_the_gauge_counts_writes_and_expiry(store, redis_url):
     try:
         assert other.records == 0 and await other.sweep(0.0) == 0 and other.records == 11
         # Expired records leave the count once their expiry second has passed.
-        await eventually(lambda: _is(other.count(), 1), timeout=3.0)
+        await eventually(lambda: _is(other.count(), 1), timeout=3.0, what="one record in the other store")
         assert other.records == 1
         await store.delete(COMPAT, SCOPE, key(10), replica_id(H1), 0.0)
         assert await other.count() == 0

@@ -21,7 +21,7 @@ from kvsp_moq.index_client import IndexClient
 from kvsp_moq.protocol.records import ReplicaRecord
 from tests.index.conftest import H1, H2, assert_problem, auth, key, lookup_body, path, record
 from tests.index_redis.redis_server import RedisServer, free_port
-from tests.index_redis.test_redis_store import eventually
+from tests.polling import eventually
 
 
 async def lookup(http, base: str, keys: list[str], token: str = "t-pc") -> dict:
@@ -45,7 +45,7 @@ async def test_ttl_is_capped_and_the_record_expires(serve, http):
     assert r.status_code == 201 and r.json()["ttl_ms"] == 300
     doc = await lookup(http, ix.url, [key(0)])
     assert doc["blocks"][0]["replicas"][0]["ttl_ms"] == 300
-    await eventually(lambda: _is(count(http, ix.url, [key(0)]), 0))
+    await eventually(lambda: _is(count(http, ix.url, [key(0)]), 0), timeout=3.0, what="the record expired")
     assert time.monotonic() - start >= 0.29
     assert "kvsp_index_ttl_capped_total 1" in (await http.get(ix.url + "metrics")).text
 
@@ -55,7 +55,7 @@ async def test_ttl_below_the_cap_is_kept(serve, http):
     rec = record(key(0), ttl_ms=200)
     r = await http.put(ix.url + path(rec), json=rec, headers=auth("t-h1"))
     assert r.json()["ttl_ms"] == 200
-    await eventually(lambda: _is(count(http, ix.url, [key(0)]), 0))
+    await eventually(lambda: _is(count(http, ix.url, [key(0)]), 0), timeout=3.0, what="the record expired")
 
 
 async def test_refresh_extends_expiry_and_a_lapsed_record_is_created_anew(serve, http):
@@ -67,7 +67,7 @@ async def test_refresh_extends_expiry_and_a_lapsed_record_is_created_anew(serve,
     assert (await http.put(ix.url + path(rec), json=rec, headers=auth("t-h1"))).status_code == 200
     await asyncio.sleep(max(0.0, 1.2 - (time.monotonic() - start)))
     assert await count(http, ix.url, [key(0)]) == 1  # past the first expiry, not the second
-    await eventually(lambda: _is(count(http, ix.url, [key(0)]), 0))
+    await eventually(lambda: _is(count(http, ix.url, [key(0)]), 0), timeout=3.0, what="the record expired")
     assert (await http.put(ix.url + path(rec), json=rec, headers=auth("t-h1"))).status_code == 201
 
 
@@ -85,16 +85,17 @@ async def test_a_key_whose_replicas_all_expired_ends_the_match(serve, http):
         doc = await lookup(http, ix.url, [key(0), key(1), key(2)])
         return [r["holder"] for r in doc["blocks"][1]["replicas"]] == [H2]
 
-    await eventually(only_h2)
+    await eventually(only_h2, timeout=3.0, what="only H2's replicas")
     assert await count(http, ix.url, [key(0), key(1), key(2)]) == 3
-    await eventually(lambda: _is(count(http, ix.url, [key(0), key(1), key(2)]), 1))
+    await eventually(lambda: _is(count(http, ix.url, [key(0), key(1), key(2)]), 1), timeout=3.0,
+                     what="one block matched")
 
 
 async def test_delete_of_an_expired_record_is_not_found(serve, http):
     ix = serve()
     rec = record(key(0), ttl_ms=150)
     await http.put(ix.url + path(rec), json=rec, headers=auth("t-h1"))
-    await eventually(lambda: _is(count(http, ix.url, [key(0)]), 0))
+    await eventually(lambda: _is(count(http, ix.url, [key(0)]), 0), timeout=3.0, what="the record expired")
     assert_problem(await http.delete(ix.url + path(rec), headers=auth("t-h1")), 404,
                    "kvsp-not-found")
 
@@ -110,7 +111,7 @@ async def test_the_background_sweeper_keeps_the_gauge(serve, http, redis_url):
     async def gauge_zero() -> bool:
         return "kvsp_index_replica_records 0" in (await http.get(ix.url + "metrics")).text
 
-    await eventually(gauge_zero, timeout=4.0, step=0.05)
+    await eventually(gauge_zero, timeout=4.0, what="the gauge at zero", step=0.05)
 
 
 async def test_an_unreachable_store_answers_503(serve, http):
@@ -275,12 +276,13 @@ async def test_without_persistence_refreshes_rebuild_the_index_within_one_interv
 
     task = asyncio.create_task(refresh_forever())
     try:
-        await eventually(lambda: _is(count(http, b.url, keys), 400), timeout=5.0)
+        await eventually(lambda: _is(count(http, b.url, keys), 400), timeout=5.0, what="all 400 blocks matched")
         server.restart()  # everything is gone
         ready = time.monotonic()
-        rebuilt = await eventually(lambda: _is(_matched_or_none(http, b.url, keys), 400),
-                                   timeout=interval + 3.0)
-        assert time.monotonic() - ready <= interval + 1.0, rebuilt
+        await eventually(lambda: _is(_matched_or_none(http, b.url, keys), 400), timeout=interval + 3.0,
+                         what="all 400 blocks matched after the restart")
+        rebuilt = time.monotonic() - ready
+        assert rebuilt <= interval + 1.0, rebuilt
     finally:
         task.cancel()
         with pytest.raises(asyncio.CancelledError):

@@ -21,7 +21,7 @@ from kvsp_moq.moqt.d18.data import (
     encode_padding_stream,
     is_subgroup_stream_type,
 )
-from kvsp_moq.moqt.errors import ObjectTooLarge, ProtocolViolation, SESSION_ENDING
+from kvsp_moq.moqt.errors import SESSION_ENDING, ObjectTooLarge, ProtocolViolation
 from kvsp_moq.moqt.varint import encode_vi64
 from kvsp_moq.moqt.wire import GroupOrder, Location, ObjectStatus
 
@@ -295,7 +295,8 @@ def test_arbitrary_bytes_to_the_stream_parser_yield_items_or_a_session_error(dat
     try:
         for i in range(0, len(data), piece):
             for item in parser.feed(data[i : i + piece]):
-                assert isinstance(item, (SubgroupHeader, SubgroupObject, FetchHeader, FetchObject, FetchEndOfRange, PaddingHeader))
+                assert isinstance(item, (SubgroupHeader, SubgroupObject, FetchHeader, FetchObject,
+                                         FetchEndOfRange, PaddingHeader))
         parser.feed(b"", end_stream=True)
     except SESSION_ENDING:
         pass

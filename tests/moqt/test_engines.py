@@ -86,8 +86,9 @@ def test_the_command_line_refuses_an_unknown_engine_on_one_line(argv: list[str],
 
 
 def test_qh3_datagrams_built_before_a_capacity_refusal_are_still_sent() -> None:
-    from kvsp_moq.moqt.quic.qh3_engine import Qh3Engine
     from qh3.quic.connection import QuicConnectionError
+
+    from kvsp_moq.moqt.quic.qh3_engine import Qh3Engine
 
     class Core:  # qh3's native core, refusing its third packet as it does without allowance
         def __init__(self, outcomes: list) -> None:

@@ -5,10 +5,10 @@ from hypothesis import strategies as st
 from kvsp_moq.moqt import wire
 from kvsp_moq.moqt.d18 import messages as m
 from kvsp_moq.moqt.errors import (
+    SESSION_ENDING,
     KeyValueFormattingError,
     MalformedPath,
     ProtocolViolation,
-    SESSION_ENDING,
 )
 from kvsp_moq.moqt.varint import encode_vi64
 

@@ -34,7 +34,8 @@ async def start(handlers=None, *, settings=None, on_connection=None, **kwargs):
 
 
 async def dial(server, *, settings=None, **kwargs) -> MoqtConnection:
-    return await asyncio.wait_for(connect(server.url + "/kv", cadata=CERT.certificate_pem, settings=settings, **kwargs), STEP)
+    return await asyncio.wait_for(
+        connect(server.url + "/kv", cadata=CERT.certificate_pem, settings=settings, **kwargs), STEP)
 
 
 async def collect(iterator, limit: int = 10_000):
@@ -181,7 +182,8 @@ async def test_fetch_of_a_range():
         assert [o.object_id for o in objects] == list(range(5, 13))
         assert all(o.payload == layers[o.object_id] and o.group_id == 0 for o in objects)
         assert fetched.end_location == Location(0, 13)
-        assert requests[0].last == Location(0, 12) and requests[0].includes((0, 12)) and not requests[0].includes((0, 13))
+        assert (requests[0].last == Location(0, 12) and requests[0].includes((0, 12))
+                and not requests[0].includes((0, 13)))
     finally:
         await client.aclose()
         await server.aclose()
@@ -343,7 +345,8 @@ async def test_unsubscribe_stops_the_publisher():
 async def test_slow_subscriber_bounds_publisher_buffering():
     object_size = 256 * KIB
     count = 48
-    publisher_settings = QuicSettings(stream_send_buffer=512 * KIB, connection_send_buffer=1 * MIB, write_chunk_size=64 * KIB)
+    publisher_settings = QuicSettings(stream_send_buffer=512 * KIB, connection_send_buffer=1 * MIB,
+                                      write_chunk_size=64 * KIB)
     subscriber_settings = QuicSettings(max_stream_data=1 * MIB, max_data=4 * MIB)
     progress = {"sent": 0, "max_buffered": 0, "ahead": 0}
     consumed = 0
@@ -507,3 +510,19 @@ async def test_a_ping_abandoned_by_its_caller_leaves_no_unretrieved_error_when_t
         logging.getLogger("asyncio").removeHandler(handler)
     assert not [r for r in records if "never retrieved" in r.getMessage()], \
         [r.getMessage() for r in records]
+
+
+async def test_a_ping_on_a_closing_or_closed_connection_is_a_connection_error():
+    """The relay's probe treats ConnectionError as a dead peer; an engine's own exception for
+    a connection that is closing (qh3 raises where aioquic ignores) must not escape it."""
+    server = await start()
+    try:
+        client = await dial(server)
+        client.close()
+        with pytest.raises(ConnectionError):  # closing: fails when the connection ends
+            await asyncio.wait_for(client.ping(), STEP)
+        await asyncio.wait_for(client.wait_closed(), STEP)
+        with pytest.raises(ConnectionError):  # closed: at once
+            await asyncio.wait_for(client.ping(), STEP)
+    finally:
+        server.close()

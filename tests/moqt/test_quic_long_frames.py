@@ -11,10 +11,10 @@ import pytest
 from aioquic.quic.packet import QuicErrorCode
 
 from kvsp_moq.errors import SettingError
-from kvsp_moq.moqt.quic import aioquic_engine as moqt_quic
 from kvsp_moq.moqt.certs import generate_self_signed
 from kvsp_moq.moqt.errors import SessionClosed
 from kvsp_moq.moqt.quic import LOOPBACK_DATAGRAM_SIZE, QuicSettings, connect, serve
+from kvsp_moq.moqt.quic import aioquic_engine as moqt_quic
 from kvsp_moq.moqt.quic.aioquic_engine import LONG_FRAME_DATAGRAM_SIZE
 
 CERT = generate_self_signed()

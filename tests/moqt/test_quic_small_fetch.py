@@ -214,7 +214,8 @@ async def test_close_of_an_unfinished_fetch_cancels_it_without_awaiting():
 
 async def test_a_served_fetch_leaves_nothing_behind():
     """A session that answers FETCHes for days must not keep one sender per FETCH."""
-    from .test_quic import NS, dial as dial_server, start
+    from .test_quic import NS, start
+    from .test_quic import dial as dial_server
 
     served = []
 

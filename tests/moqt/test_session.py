@@ -120,7 +120,8 @@ def test_request_error_closes_the_request(pair):
 
 
 def test_standalone_fetch(pair):
-    rid = pair.client.fetch(NS, b"1", wire.Location(0, 2), wire.Location(0, 5), m.Parameters(group_order=wire.GroupOrder.DESCENDING))
+    rid = pair.client.fetch(NS, b"1", wire.Location(0, 2), wire.Location(0, 5),
+                            m.Parameters(group_order=wire.GroupOrder.DESCENDING))
     pair.exchange()
     request = one(pair.take("server"), ev.FetchReceived)
     assert (request.start, request.end, request.parameters.group_order) == (
@@ -136,7 +137,8 @@ def test_standalone_fetch(pair):
     pair.exchange()
     events = pair.take("client")
     assert one(events, ev.FetchAccepted).end_location == wire.Location(0, 5)
-    assert [(o.object_id, o.payload) for o in of(events, ev.FetchObjectReceived)] == [(2, b"o2"), (3, b"o3"), (4, b"o4")]
+    assert [(o.object_id, o.payload) for o in of(events, ev.FetchObjectReceived)] == [
+        (2, b"o2"), (3, b"o3"), (4, b"o4")]
     assert one(events, ev.DataStreamEnded).fetch
     assert pair.client._requests == {} and pair.server._requests == {}
 
@@ -370,7 +372,8 @@ def test_fin_inside_an_object_closes_the_session(pair):
     alias = pair.server.subscribe_ok(rid)
     sid = pair.server._quic.get_next_available_stream_id(is_unidirectional=True)
     writer = SubgroupWriter(SubgroupHeader(alias, 0))
-    pair.server._quic.send_stream_data(sid, writer.header_bytes() + writer.object_header(0, 10) + b"short", end_stream=True)
+    pair.server._quic.send_stream_data(sid, writer.header_bytes() + writer.object_header(0, 10) + b"short",
+                                       end_stream=True)
     pair.exchange()
     closed_with(pair.take("client"), SessionCloseCode.PROTOCOL_VIOLATION)
 

@@ -325,7 +325,8 @@ def test_standalone_fetch(pair):
     rid = pair.client.fetch(NS, b"t", wire.Location(1, 0), wire.Location(2, 0))
     pair.exchange()
     received = one(pair.take("server"), ev.FetchReceived)
-    assert (received.start, received.end, received.joining_request_id) == (wire.Location(1, 0), wire.Location(2, 0), None)
+    assert (received.start, received.end, received.joining_request_id) == (
+        wire.Location(1, 0), wire.Location(2, 0), None)
     pair.server.fetch_ok(rid, wire.Location(1, 3))
     sid = pair.server.open_fetch_stream(rid)
     for object_id in range(3):

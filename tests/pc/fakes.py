@@ -19,9 +19,8 @@ from starlette.routing import Route
 from kvsp_moq.protocol.instances import instance_id
 from kvsp_moq.protocol.records import ReplicaRecord
 from kvsp_moq.web import BackgroundServer
-
-from pc.lifecycle import LifecycleSettings
 from pc.app import PCSettings, create_pc_app
+from pc.lifecycle import LifecycleSettings
 from pc.placement import MemoryIndex, PlacementSettings, ScopeKeys
 
 COMPAT = "c0" * 32
@@ -168,17 +167,3 @@ def new_session() -> str:
 
 def ndjson(index: int, epoch: int, token: int) -> bytes:
     return (json.dumps({"index": index, "epoch": epoch, "token": token}) + "\n").encode()
-
-
-async def eventually(check: Callable[[], Any], timeout: float = 5.0, step: float = 0.02) -> Any:
-    """Poll until `check` returns a truthy value; bounded."""
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if asyncio.iscoroutine(result):
-            result = await result
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(step)

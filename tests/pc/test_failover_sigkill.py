@@ -41,14 +41,17 @@ import pytest
 
 from agent.model import ModelAdapter, TokenSampler
 from agent.service import OPEN_SCOPE, OPEN_SCOPE_KEY, Agent, AgentSettings
-from index.app import IndexSettings, create_app as create_index_app
-from pc.lifecycle import LifecycleSettings
-from pc.app import PCSettings, create_pc_app
-from pc.placement import ScopeKeys
+from index.app import IndexSettings
+from index.app import create_app as create_index_app
 from kvsp_moq.frontend import FrontEnd, Token
 from kvsp_moq.holder.service import Holder, HolderSettings
 from kvsp_moq.web import BackgroundServer
-from tests.agent.conftest import model_dir, tokens  # noqa: F401 (model_dir: a fixture)
+from pc.app import PCSettings, create_pc_app
+from pc.lifecycle import LifecycleSettings
+from pc.placement import ScopeKeys
+from tests.agent.conftest import model_dir as model_dir  # a fixture, re-exported for pytest
+from tests.agent.conftest import tokens
+from tests.polling import wait_until
 
 B = 16
 PROMPT = 72  # 4 complete blocks and a tail of 8
@@ -124,16 +127,6 @@ def agent_processes(model_dir: Path, tmp_path: Path) -> Iterator[Callable[..., A
         p.stop()
 
 
-def wait_until(check: Any, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        result = check()
-        if result:
-            return result
-        time.sleep(0.05)
-    raise AssertionError(f"{what}: not within {timeout} s")
-
-
 @pytest.mark.parametrize("method", list(SAMPLERS))
 async def test_session_survives_sigkill_without_changing_a_delivered_token(
         method: str, model_dir: Path, agent_processes: Callable[..., AgentProcess],
@@ -179,7 +172,7 @@ async def _run(pc_url: str, a: AgentProcess, b_url: str, prompt: list[int], samp
         listed = httpx.get(pc_url + "instances", timeout=5).json()["instances"]
         return {i["instance"] for i in listed if i["state"] == "active"} >= {a_url, b_url}
 
-    wait_until(both_active, 30, "both agents active at the PC")
+    wait_until(both_active, timeout=30, what="both agents active at the PC", step=0.05)
 
     session = str(uuid.uuid4())
     async with httpx.AsyncClient(timeout=30) as client:

@@ -5,9 +5,7 @@ import pytest
 from kvsp_moq.errors import BadRecord, StaleEpoch
 from kvsp_moq.protocol.instances import instance_id
 from kvsp_moq.protocol.records import InstanceStatus
-
-from pc.lifecycle import (InstanceFailed, InstanceRegistry, LifecycleSettings, StateChanged,
-                          id_matches)
+from pc.lifecycle import InstanceFailed, InstanceRegistry, LifecycleSettings, StateChanged, id_matches
 
 URL = "http://127.0.0.1:9001/"
 

@@ -1,17 +1,15 @@
 """Ranking as a pure function, the in-process lookup adapter, and who may call the PC."""
 
 import httpx
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvsp_moq.index_client import LookupBlock, LookupResult
 from kvsp_moq.protocol.cost import estimate, fetch_us, mean_service_us
 from kvsp_moq.protocol.keys import scope_id
 from kvsp_moq.protocol.records import InstanceStatus, Link, LookupRequest, ReplicaRecord, Residency
-
-from pc.placement import (Grouping, PlacementSettings, RouteRequest, directive_for, holds,
-                          rank, replica_store_lookup)
-from tests.pc.fakes import (COMPAT, SCOPE_KEY, checkpoint, fake_agents, new_session, pc_server,
-                            status, status_path)
+from pc.placement import Grouping, PlacementSettings, RouteRequest, directive_for, holds, rank, replica_store_lookup
+from tests.pc.fakes import COMPAT, SCOPE_KEY, checkpoint, fake_agents, new_session, pc_server, status, status_path
 
 SCOPE = scope_id(SCOPE_KEY).hex()
 HOLDERS = ["http://10.1.0.1/", "http://10.1.0.2/", "http://10.1.0.3/"]

@@ -2,11 +2,11 @@
 
 import httpx
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvsp_moq.errors import BadRecord
 from kvsp_moq.protocol.records import ShardMap, parse_reshard
-
 from pc.reshard import intersect, merge, plan_reshard, subtract
 from tests.pc.fakes import fake_agents, pc_server
 

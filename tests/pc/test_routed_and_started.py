@@ -9,11 +9,10 @@ import pytest
 from kvsp_moq.errors import StaleEpoch
 from kvsp_moq.protocol.keys import block_keys, scope_id
 from kvsp_moq.protocol.records import InstanceStatus
-
 from pc.lifecycle import InstanceFailed, InstanceRegistry, LifecycleSettings, StateChanged
 from pc.placement import PlacementSettings
-from tests.pc.fakes import (COMPAT, SCOPE_KEY, eventually, fake_agents, pc_server, replica,
-                            status, status_path)
+from tests.pc.fakes import COMPAT, SCOPE_KEY, fake_agents, pc_server, replica, status, status_path
+from tests.polling import eventually
 
 SCOPE = scope_id(SCOPE_KEY).hex()
 B = 16
@@ -275,7 +274,7 @@ async def test_started_instance_that_never_reports_fails(tmp_path, http):
             async def failed():
                 return (await instances(http, pc))[fresh.url]["state"] == "failed"
 
-            await eventually(failed, timeout=3)
+            await eventually(failed, timeout=3, what="the fresh instance failed")
             # A restart with any epoch above the provisional one brings it back.
             r = await http.put(pc.url + status_path(fresh.url), json=status(fresh.url, epoch=5))
             assert r.json() == {"state": "active"}

@@ -7,11 +7,10 @@ import pytest
 
 from kvsp_moq.protocol.instances import instance_id
 from kvsp_moq.protocol.keys import block_keys, scope_id
-
 from pc.lifecycle import LifecycleSettings
 from pc.placement import PlacementSettings
-from tests.pc.fakes import (COMPAT, SCOPE_KEY, eventually, fake_agents, pc_server, replica,
-                            status, status_path)
+from tests.pc.fakes import COMPAT, SCOPE_KEY, fake_agents, pc_server, replica, status, status_path
+from tests.polling import eventually
 
 SCOPE = scope_id(SCOPE_KEY).hex()
 B = 16
@@ -66,7 +65,7 @@ async def test_expiry_marks_failed_and_never_routes_there(tmp_path, http):
             listed = (await http.get(pc.url + "instances")).json()["instances"]
             return listed[0]["state"] == "failed"
 
-        await eventually(failed, timeout=3)
+        await eventually(failed, timeout=3, what="the instance failed")
         r = await http.post(pc.url + "route", json={"tokens": list(range(40)), "scope": "tenant",
                                                     "compat_id": COMPAT})
         assert r.status_code == 503 and r.json()["type"].endswith("kvsp-no-instance")

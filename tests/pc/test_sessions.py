@@ -5,10 +5,9 @@ import pytest
 
 from kvsp_moq.errors import BadRecord, StaleEpoch
 from kvsp_moq.protocol.records import SessionCheckpoint
-
 from pc.sessions import SessionStore, accept_checkpoint, move_session, resume_body
-from tests.pc.fakes import (checkpoint, eventually, fake_agents, new_session, pc_server, status,
-                            status_path)
+from tests.pc.fakes import checkpoint, fake_agents, new_session, pc_server, status, status_path
+from tests.polling import eventually
 
 II = "http://127.0.0.1:9001/"
 
@@ -120,7 +119,7 @@ async def test_failover_resumes_on_another_active_instance(tmp_path, http):
         body = checkpoint(s, epoch=1, offset=3, instance=a.url)
         await http.put(f"{pc.url}sessions/{s}/checkpoint", json=body)
         # A stops reporting; its record expires and B (the cheaper) gets the session.
-        (resume,) = await eventually(lambda: b.received("resume"), timeout=5)
+        (resume,) = await eventually(lambda: b.received("resume"), timeout=5, what="a resume at B")
         del body["instance"]
         assert resume == {"session": s, "checkpoint": body, "epoch": 2}
         st = (await http.get(f"{pc.url}sessions/{s}")).json()
@@ -141,7 +140,7 @@ async def test_failover_moves_on_when_an_instance_refuses(tmp_path, http):
         await http.put(pc.url + status_path(c.url), json=status(c.url, queued=5))
         await http.put(f"{pc.url}sessions/{s}/checkpoint",
                        json=checkpoint(s, offset=2, instance=a.url))
-        (resume,) = await eventually(lambda: c.received("resume"), timeout=5)
+        (resume,) = await eventually(lambda: c.received("resume"), timeout=5, what="a resume at C")
         assert len(b.received("resume")) == 3          # attempts_per_target
         assert {r["epoch"] for r in b.received("resume")} == {2}
         assert resume["epoch"] == 3                     # a new instance, a new epoch
@@ -160,7 +159,7 @@ async def test_restarted_pc_fails_over_sessions_of_silent_instances(tmp_path, ht
         # A dies while the PC is down; the new PC never hears from it.
         with pc_server(db, startup_grace_ms=300) as pc:
             await http.put(pc.url + status_path(b.url), json=status(b.url))
-            (resume,) = await eventually(lambda: b.received("resume"), timeout=5)
+            (resume,) = await eventually(lambda: b.received("resume"), timeout=5, what="a resume at B")
             assert resume["epoch"] == 2 and resume["checkpoint"]["output_offset"] == 4
             st = (await http.get(f"{pc.url}sessions/{s}")).json()
             assert (st["instance"], st["epoch"]) == (b.url, 2)
@@ -174,5 +173,5 @@ async def test_restarted_instance_gets_its_sessions_back_under_a_new_epoch(tmp_p
                        json=checkpoint(s, offset=2, instance=a.url))
         r = await http.put(pc.url + status_path(a.url), json=status(a.url, epoch=200))
         assert r.json() == {"state": "active"}
-        (resume,) = await eventually(lambda: a.received("resume"), timeout=5)
+        (resume,) = await eventually(lambda: a.received("resume"), timeout=5, what="a resume at A")
         assert resume["epoch"] == 2

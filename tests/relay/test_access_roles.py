@@ -9,7 +9,8 @@ import asyncio
 
 import pytest
 
-from kvsp_moq.auth import PERMISSIONS, Action as Doing, Authenticator
+from kvsp_moq.auth import PERMISSIONS, Authenticator
+from kvsp_moq.auth import Action as Doing
 from kvsp_moq.moqt.errors import RequestErrorCode, Unauthorized
 from kvsp_moq.naming import publisher_id
 from relay.access import AccessPolicy, Action

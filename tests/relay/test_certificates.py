@@ -18,8 +18,7 @@ import pytest
 from cryptography import x509
 
 from kvsp_moq.errors import SettingError
-from kvsp_moq.moqt.certs import (CertificateRejected, ClientTls, client_tls, generate_self_signed,
-                                 untrusted_certificate)
+from kvsp_moq.moqt.certs import CertificateRejected, ClientTls, client_tls, generate_self_signed, untrusted_certificate
 from kvsp_moq.moqt.errors import MoqtError, SessionClosed
 from kvsp_moq.moqt.quic import connect
 
@@ -176,8 +175,8 @@ async def test_the_fetcher_fails_with_the_line(tmp_path):
 
 
 async def test_a_publisher_says_it_once_and_keeps_retrying(tmp_path, caplog):
-    from kvsp_moq.holder.store import BlockStore
     from kvsp_moq.holder.moqt_publisher import BlockPublisher
+    from kvsp_moq.holder.store import BlockStore
 
     async with running_relay() as relay:
         publisher = BlockPublisher(BlockStore(host_bytes=1 << 20), relay.url, "http://127.0.0.1:1/",

@@ -415,7 +415,8 @@ async def test_without_principals_the_relay_is_open():
         async with publishing(relay.url, kv_ns(SCOPE_B), TrackPublisher(objects)):
             client = await dial(relay.url)
             try:
-                got = await collect(await client.fetch(kv_ns(SCOPE_B) + (b"k" * 32,), NAME, (0, 0), (0, 1), timeout=STEP))
+                got = await collect(await client.fetch(kv_ns(SCOPE_B) + (b"k" * 32,), NAME, (0, 0), (0, 1),
+                                                       timeout=STEP))
                 assert triples(got) == objects
             finally:
                 await client.aclose()

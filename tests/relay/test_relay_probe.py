@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 
 from kvsp_moq.errors import SettingError
-
 from kvsp_moq.moqt.errors import DoesNotExist, PublishDoneCode, PublishDoneError
 from kvsp_moq.moqt.quic import MoqtConnection, connect
+from tests.polling import eventually
 
 from .conftest import STEP, TrackPublisher, collect, dial, make_objects, publishing, running_relay
 
@@ -35,13 +34,6 @@ def go_silent(connection: MoqtConnection) -> None:
     """From now on the connection sends nothing and hears nothing, without closing."""
     connection._transport = _Void()  # type: ignore[assignment]
     connection.datagram_received = lambda *args: None  # type: ignore[method-assign]
-
-
-async def wait_for(predicate, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.05)
 
 
 async def test_a_silent_publisher_is_closed_and_its_namespace_withdrawn():
@@ -69,7 +61,8 @@ async def test_a_silent_publisher_is_closed_and_its_namespace_withdrawn():
                 assert e.value.error_code == PublishDoneCode.INTERNAL_ERROR
                 assert relay.stats.peers_unresponsive == 1
                 assert relay.stats.publishers_lost == 1
-                await wait_for(lambda: relay.snapshot()["sessions"] == 2, STEP)
+                await eventually(lambda: relay.snapshot()["sessions"] == 2, timeout=STEP,
+                                 what="two sessions at the relay", step=0.05)
                 # A's namespace is withdrawn; B, idle all along, still serves.
                 with pytest.raises(DoesNotExist):
                     await asyncio.wait_for(client.subscribe(track_a, NAME), STEP)
@@ -105,10 +98,9 @@ def relay_args(*argv: str):
 
 
 async def test_cli_sets_probing_and_can_refuse_draft14_clients(tmp_path):
+    from kvsp_moq.moqt.errors import SessionClosed
     from relay.relay import Relay
     from relay.service import settings_from_args
-
-    from kvsp_moq.moqt.errors import SessionClosed
 
     settings, _ = settings_from_args(relay_args("--cert-dir", str(tmp_path), "--probe-interval", "0.5",
                                                 "--probe-timeout", "1.5", "--no-draft14"))

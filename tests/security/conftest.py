@@ -12,7 +12,8 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from index.app import IndexSettings, create_app as create_index_app
+from index.app import IndexSettings
+from index.app import create_app as create_index_app
 from kvsp_moq.auth import Authenticator
 from kvsp_moq.holder.service import Holder, HolderSettings
 from kvsp_moq.protocol.container import encode
@@ -133,8 +134,8 @@ def fuzz_authenticator() -> Authenticator:
 @pytest.fixture(scope="module")
 def fuzz_index_pc_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """The Index Service and the PC in one app with its own store (fuzzing writes freely)."""
-    from pc.app import PCSettings
     from index.service import create_combined_app
+    from pc.app import PCSettings
 
     db = tmp_path_factory.mktemp("fuzz-pc") / "pc.sqlite3"
     app = create_combined_app(IndexSettings(auth=fuzz_authenticator(), sweep_interval_s=None),

@@ -23,8 +23,20 @@ from kvsp_moq.protocol.records import ReplicaRecord, replica_id
 from tests.relay.conftest import STEP, TrackPublisher, collect, dial, make_objects, running_relay
 
 from .conftest import (
-    COMPAT, HOLDER_A, HOLDER_B, KEY_A, KEY_B, SCOPE_A, SCOPE_B, TOKEN_A, TOKEN_AGENT, TOKEN_B,
-    auth, authenticator, bkey, container, replica,
+    COMPAT,
+    HOLDER_A,
+    HOLDER_B,
+    KEY_A,
+    KEY_B,
+    SCOPE_A,
+    SCOPE_B,
+    TOKEN_A,
+    TOKEN_B,
+    auth,
+    authenticator,
+    bkey,
+    container,
+    replica,
 )
 
 PROBLEM = "application/problem+json"

@@ -19,17 +19,25 @@ from typing import Any, Callable, Iterator
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from pc.app import PCSettings, create_pc_app
 from kvsp_moq.holder.service import Holder
 from kvsp_moq.openapi import COMPONENTS, PATHS, SCHEMAS, document
-from kvsp_moq.web import BackgroundServer
-
 from kvsp_moq.protocol.records import replica_id
+from kvsp_moq.web import BackgroundServer
+from pc.app import PCSettings, create_pc_app
 
 from .conftest import (
-    COMPAT, HOLDER_A, HOLDER_B, SCOPE_A, SCOPE_B, TOKEN_A, TOKEN_B, bkey, container,
+    COMPAT,
+    HOLDER_A,
+    HOLDER_B,
+    SCOPE_A,
+    SCOPE_B,
+    TOKEN_A,
+    TOKEN_B,
+    bkey,
+    container,
 )
 
 METHODS = {"get", "put", "post", "delete", "head", "patch", "options"}

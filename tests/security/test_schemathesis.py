@@ -23,7 +23,9 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (
-    content_type_conformance, negative_data_rejection, response_schema_conformance,
+    content_type_conformance,
+    negative_data_rejection,
+    response_schema_conformance,
     status_code_conformance,
 )
 

@@ -22,7 +22,7 @@ from kvsp_moq.protocol.keys import block_keys, scope_id
 from kvsp_moq.web import BackgroundServer
 from relay.relay import RelaySettings
 from relay.service import BackgroundRelay
-from tests.core.fixtures import DESCRIPTOR
+from tests.fixtures import DESCRIPTOR
 
 ROOT = Path(__file__).resolve().parents[2]
 SCOPE_KEY = bytes(range(32))

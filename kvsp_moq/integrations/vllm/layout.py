@@ -61,6 +61,7 @@ def layer_order(names: Sequence[str]) -> dict[str, int]:
 
 
 def _octets(tensor: torch.Tensor) -> memoryview:
+    # numpy arrays export the buffer protocol, which their stubs do not declare
     return memoryview(tensor.contiguous().view(torch.uint8).reshape(-1).numpy())  # type: ignore[arg-type]
 
 

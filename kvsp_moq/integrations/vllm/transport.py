@@ -5,12 +5,11 @@ relay first when one is configured, then HTTP), a lease at each source's holder 
 first octet is read (§6.6) and renewed while the load lasts, verified layers in ascending order
 (§6.7: every layer against its replica's record), fallback to the next replica at the first
 missing layer, requests in layer-group-major order, and a layer marked ready only once every
-block holds it. That is `PrefixLoader` with its layer sources today (`agent/loader.py`); this
-module is the one place the connector touches it, so that moving it into `kvsp_moq.fetch`
-changes this file only.
+block holds it. That is `kvsp_moq.fetch.prefix.PrefixLoader` over the sources of
+`kvsp_moq.fetch.sources`, the agent's load path too.
 
 The loader writes into `layout.PagedBlocks` (the request's paged blocks, with the slab layout of
-the engine's backend) exactly as the agent's loader writes into its `KVPool`.
+the engine's backend) exactly as it writes into the agent's `KVPool`: both are `LayerPool`s.
 """
 
 from __future__ import annotations
@@ -23,11 +22,11 @@ from typing import Any, Sequence
 
 import httpx
 
-from agent.loader import PrefixLoader, Timeline
-from kvsp_moq.fetch.leases import LeaseClient
-from kvsp_moq.fetch.sources import HttpLayerSource, MoqtLayerSource, order_candidates
 from kvsp_moq.errors import KvspError
 from kvsp_moq.fetch.http import HttpFetcher
+from kvsp_moq.fetch.leases import LeaseClient
+from kvsp_moq.fetch.prefix import PrefixLoader, Timeline
+from kvsp_moq.fetch.sources import HttpLayerSource, MoqtLayerSource, order_candidates
 from kvsp_moq.integrations.vllm.config import ConnectorConfig
 from kvsp_moq.integrations.vllm.layout import PagedBlocks
 from kvsp_moq.integrations.vllm.loop import LoopThread
@@ -136,8 +135,8 @@ class BlockTransport:
         self._fetcher = HttpFetcher(token=c.token, timeout=10.0)
         self.leases = LeaseClient(self._client, token=c.token)
         if c.relay:
-            from kvsp_moq.moqt.certs import client_tls
             from kvsp_moq.fetch.moqt import MoqtBlockFetcher
+            from kvsp_moq.moqt.certs import client_tls
 
             tls = client_tls(c.relay, cafile=c.relay_ca, insecure=c.relay_insecure,
                              ca_option="relay_ca", insecure_option="relay_insecure")
@@ -161,8 +160,7 @@ class BlockTransport:
             plans.append(order_candidates(parsed, self._sources))
         assert self.leases is not None
         started = time.perf_counter()
-        # The loader writes through the KVPool interface (place, layer_complete, wait_layer).
-        loader = PrefixLoader(target, plans,  # type: ignore[arg-type]
+        loader = PrefixLoader(target, plans,
                               leases=self.leases, lease_ms=self.config.lease_ms,
                               concurrency=self.config.load_concurrency,
                               layers_per_request=self.config.layers_per_request,

@@ -43,7 +43,12 @@ class SubgroupWriter14:
         return self._writer.header_bytes()
 
     def object_header(
-        self, object_id: int, payload_length: int, *, properties: Properties = (), status: ObjectStatus = ObjectStatus.NORMAL
+        self,
+        object_id: int,
+        payload_length: int,
+        *,
+        properties: Properties = (),
+        status: ObjectStatus = ObjectStatus.NORMAL,
     ) -> bytes:
         return self._writer.object_header(
             object_id, payload_length, extensions=_extensions(properties), status=d14.ObjectStatus(int(status))

@@ -18,8 +18,7 @@ from ..errors import (
     StreamResetCode,
 )
 from ..fetches import fetch_end_before_start
-from ..session_base import SessionBase
-from ..wire import FetchType, SubscriptionFilter, TrackPropertyType
+from ..wire import SubscriptionFilter, TrackPropertyType
 from . import messages as d14
 from .request_state import (
     ANNOUNCED,
@@ -31,11 +30,12 @@ from .request_state import (
     TRACK_STATUS,
     Request14,
 )
+from .session_state import SessionState14
 
 __all__ = ["ControlMessageHandling"]
 
 
-class ControlMessageHandling(SessionBase):
+class ControlMessageHandling(SessionState14):
     """Part of `MoqtSession14`: the control messages received, each turned into events
     and the state of its request."""
 
@@ -225,7 +225,7 @@ class ControlMessageHandling(SessionBase):
         request.answered = True
         return request
 
-    def _on_request_error(self, message: d14.Message, out: list[ev.MoqtEvent]) -> None:
+    def _on_request_error(self, message: d14._RequestError, out: list[ev.MoqtEvent]) -> None:
         kinds = {
             d14.SubscribeError: (SUBSCRIBE,),
             d14.FetchError: (FETCH,),
@@ -234,14 +234,14 @@ class ControlMessageHandling(SessionBase):
             d14.PublishNamespaceError: (PUBLISH_NAMESPACE, ANNOUNCED),
             d14.SubscribeNamespaceError: (SUBSCRIBE_NAMESPACE,),
         }[type(message)]
-        request = self._first_answer(message.request_id, kinds, message.NAME)  # type: ignore[attr-defined]
+        request = self._first_answer(message.request_id, kinds, message.NAME)
         if request is None:
             return
         self._close_request(request)
         if request.kind == ANNOUNCED:
             self._drop_announced(request)
             return
-        e18 = message.to_draft18()  # type: ignore[attr-defined]
+        e18 = message.to_draft18()
         out.append(ev.RequestRejected(request.request_id, e18.error_code, e18.reason, 0, None))
 
     def _on_subscribe_ok(self, message: d14.SubscribeOk, out: list[ev.MoqtEvent]) -> None:
@@ -265,11 +265,13 @@ class ControlMessageHandling(SessionBase):
             return
         fetch = request.fetch
         assert fetch is not None
-        if fetch.fetch_type == FetchType.STANDALONE and fetch_end_before_start(message.end_location, fetch.start):  # type: ignore[arg-type]
+        if fetch.start is not None and fetch_end_before_start(message.end_location, fetch.start):  # a standalone FETCH
             raise ProtocolViolation("FETCH_OK End Location before the FETCH start")
         ok = message.to_draft18()
         request.accepted = True
-        out.append(ev.FetchAccepted(request.request_id, ok.end_of_track, ok.end_location, ok.parameters, ok.track_properties))
+        out.append(
+            ev.FetchAccepted(request.request_id, ok.end_of_track, ok.end_location, ok.parameters, ok.track_properties)
+        )
         self._maybe_finish_fetch(request)
 
     def _on_track_status_ok(self, message: d14.TrackStatusOk, out: list[ev.MoqtEvent]) -> None:
@@ -296,12 +298,14 @@ class ControlMessageHandling(SessionBase):
         request.parameters = request.parameters.merged(parameters)
         out.append(ev.RequestAccepted(request.request_id, parameters, ()))
 
-    def _on_namespace_ok(self, message: d14.Message, out: list[ev.MoqtEvent]) -> None:
+    def _on_namespace_ok(
+        self, message: d14.PublishNamespaceOk | d14.SubscribeNamespaceOk, out: list[ev.MoqtEvent]
+    ) -> None:
         if isinstance(message, d14.PublishNamespaceOk):
             kinds: tuple[type, ...] = (PUBLISH_NAMESPACE, ANNOUNCED)
         else:
             kinds = (SUBSCRIBE_NAMESPACE,)
-        request = self._first_answer(message.request_id, kinds, message.NAME)  # type: ignore[attr-defined]
+        request = self._first_answer(message.request_id, kinds, message.NAME)
         if request is None:
             return
         request.accepted = True

@@ -5,16 +5,19 @@ MAX_REQUEST_ID arrives, and REQUESTS_BLOCKED is sent once per grant."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from .. import events as ev
+from ..d18.messages import Message
 from ..errors import InvalidRequestId, ProtocolViolation, SessionError
-from ..session_base import SessionBase
 from . import messages as d14
 from .request_state import Request14
+from .session_state import SessionState14
 
 __all__ = ["RequestCredit"]
 
 
-class RequestCredit(SessionBase):
+class RequestCredit(SessionState14):
     """Part of `MoqtSession14`: the peer's Request IDs and ours, and the queue of requests
     waiting for credit."""
 
@@ -37,7 +40,7 @@ class RequestCredit(SessionBase):
             )
         self._peer_next_id += 2
 
-    def _new_peer_request(self, request_id: int, kind: type, **fields) -> Request14:
+    def _new_peer_request(self, request_id: int, kind: type[Message], **fields: Any) -> Request14:
         self._accept_peer_id(request_id)
         request = Request14(request_id, kind, False, **fields)
         self._requests[request_id] = request

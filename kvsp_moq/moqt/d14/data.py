@@ -70,7 +70,8 @@ class SubgroupHeader:
     end_of_group: bool = False
     subgroup_id_mode: SubgroupIdMode | None = None
 
-    resolved_mode = data18.SubgroupHeader.resolved_mode
+    def resolved_mode(self) -> SubgroupIdMode:
+        return data18.resolve_subgroup_mode(self.subgroup_id_mode, self.subgroup_id)
 
     def stream_type(self) -> int:
         value = 0x10 | (self.resolved_mode() << 1)
@@ -92,8 +93,8 @@ class SubgroupHeader:
             encode_quic_varint(self.track_alias),
             encode_quic_varint(self.group_id),
         ]
-        if mode == SubgroupIdMode.EXPLICIT:
-            parts.append(encode_quic_varint(self.subgroup_id))  # type: ignore[arg-type]
+        if mode == SubgroupIdMode.EXPLICIT and self.subgroup_id is not None:  # EXPLICIT has one: checked above
+            parts.append(encode_quic_varint(self.subgroup_id))
         parts.append(bytes((self.publisher_priority,)))
         return b"".join(parts)
 

@@ -166,18 +166,7 @@ __all__ = [
     "MESSAGE_TYPES",
     "decode_message",
     "ControlStreamParser",
-    "SubgroupHeader",
-    "SubgroupObject",
-    "FetchHeader",
-    "FetchObject",
-    "ObjectDatagram",
-    "DataItem",
-    "SubgroupWriter",
-    "encode_fetch_object",
     "encode_extensions",
-    "decode_datagram",
-    "is_subgroup_stream_type",
-    "DataStreamParser",
 ]
 
 DRAFT = 14
@@ -628,7 +617,7 @@ class SetupParameters:
         values: dict[str, Any] = {}
         tokens: list[AuthToken] = []
         unknown: list[KeyValuePair] = []
-        names = {
+        names: dict[int, str] = {
             SetupParameterType.PATH: "path",
             SetupParameterType.MAX_REQUEST_ID: "max_request_id",
             SetupParameterType.MAX_AUTH_TOKEN_CACHE_SIZE: "max_auth_token_cache_size",
@@ -638,15 +627,15 @@ class SetupParameters:
         for _ in range(count):
             ktype, value = _pull_kvp(buf)
             if ktype == SetupParameterType.AUTHORIZATION_TOKEN:
-                tokens.append(_decode_token(value))  # type: ignore[arg-type]
+                tokens.append(_decode_token(value))  # type: ignore[arg-type]  # an odd key type carries bytes
                 continue
-            name = names.get(ktype)  # type: ignore[call-overload]
+            name = names.get(ktype)
             if name is None:
                 unknown.append((ktype, value))
                 continue
             if name in values:
                 raise ProtocolViolation(f"setup parameter 0x{ktype:x} repeated")
-            values[name] = m18._setup_value(name, value)  # type: ignore[arg-type]
+            values[name] = m18._setup_value(name, value)
         return cls(authorization_tokens=tuple(tokens), unknown=tuple(unknown), **values)
 
 
@@ -702,7 +691,7 @@ class Parameters:
             if ktype not in scope:
                 unknown.append((ktype, value))
             elif ktype == _P.AUTHORIZATION_TOKEN:
-                tokens.append(_decode_token(value))  # type: ignore[arg-type]
+                tokens.append(_decode_token(value))  # type: ignore[arg-type]  # an odd key type carries bytes
             else:
                 name = "delivery_timeout" if ktype == _P.DELIVERY_TIMEOUT else "max_cache_duration"
                 if name in values:
@@ -723,7 +712,7 @@ _NO_SETUP_PARAMETERS = SetupParameters()
 
 # A field codec: (put, pull) of one field, or of adjacent fields read together.
 # Both get the message class, whose SCOPE and NAME a Parameters field needs.
-_Codec = tuple[Callable[[wire.Writer, Any, type], None], Callable[[Buffer, type], Any]]
+_Codec = tuple[Callable[[wire.Writer, Any, "type[Message]"], None], Callable[[Buffer, "type[Message]"], Any]]
 
 
 def _put_priority(w: wire.Writer, value: int, cls: type) -> None:
@@ -1202,7 +1191,7 @@ class PublishError(_RequestError):
 
 
 @dataclass(frozen=True, slots=True)
-class Fetch(Message):
+class Fetch(wire.FetchFields, Message):
     """FETCH (0x16). Standalone: namespace, track_name, start, end (end is the wire
     End Location: the last Object plus one, Object 0 meaning the whole group).
     Joining: joining_request_id and joining_start. `group_order` None is 0."""
@@ -1221,7 +1210,6 @@ class Fetch(Message):
     group_order: GroupOrder | None = None
     parameters: Parameters = _NO_PARAMETERS
 
-    __post_init__ = m18.Fetch.__post_init__  # the same standalone / joining fields as draft-18
 
     def _encode(self, w: wire.Writer) -> None:
         _check_uint8(self.subscriber_priority, "subscriber priority")
@@ -1230,12 +1218,14 @@ class Fetch(Message):
         _put_group_order(w, self.group_order, allow_default=True)
         w.varint(self.fetch_type)
         if self.fetch_type == FetchType.STANDALONE:
-            _put_full_track_name(w, self.namespace, self.track_name)  # type: ignore[arg-type]
-            w.location(self.start)  # type: ignore[arg-type]
-            w.location(self.end)  # type: ignore[arg-type]
+            namespace, track_name, start, end = self.track_and_range()
+            _put_full_track_name(w, namespace, track_name)
+            w.location(start)
+            w.location(end)
         else:
-            w.varint(self.joining_request_id)  # type: ignore[arg-type]
-            w.varint(self.joining_start)  # type: ignore[arg-type]
+            joining_request_id, joining_start = self.joining()
+            w.varint(joining_request_id)
+            w.varint(joining_start)
         self.parameters.encode(w, self.SCOPE, self.NAME)
 
     @classmethod
@@ -1346,6 +1336,8 @@ class TrackStatus(Subscribe):
 
     TYPE: ClassVar[int] = MessageType.TRACK_STATUS
 
+    # SUBSCRIBE's format, but a different draft-18 message: to_draft18() and
+    # from_draft18() convert to and from TRACK_STATUS, not SUBSCRIBE.
     def to_draft18(self) -> m18.TrackStatus:  # type: ignore[override]
         """The draft-18 TRACK_STATUS, which carries only the track and its tokens."""
         return m18.TrackStatus(
@@ -1354,7 +1346,7 @@ class TrackStatus(Subscribe):
         )
 
     @classmethod
-    def from_draft18(cls, message: m18.TrackStatus) -> "TrackStatus":  # type: ignore[override]
+    def from_draft18(cls, message: m18.TrackStatus) -> "TrackStatus":  # type: ignore[override]  # see to_draft18
         """The subscription fields get their defaults: a publisher ignores them."""
         return cls(
             message.request_id, message.namespace, message.track_name,
@@ -1368,13 +1360,17 @@ class TrackStatusOk(SubscribeOk):
 
     TYPE: ClassVar[int] = MessageType.TRACK_STATUS_OK
 
+    # SUBSCRIBE_OK's format, but draft-18 answers TRACK_STATUS with REQUEST_OK: to_draft18()
+    # and from_draft18() convert to and from REQUEST_OK, not SUBSCRIBE_OK.
     def to_draft18(self) -> m18.RequestOk:  # type: ignore[override]
         """The draft-18 REQUEST_OK answering TRACK_STATUS; expires has no place there."""
         ok = SubscribeOk.to_draft18(self)
         return m18.RequestOk(m18.Parameters(largest_object=self.largest_location), ok.track_properties)
 
     @classmethod
-    def from_draft18(cls, message: m18.RequestOk, request_id: int) -> "TrackStatusOk":  # type: ignore[override]
+    def from_draft18(  # type: ignore[override]  # see to_draft18
+        cls, message: m18.RequestOk, request_id: int
+    ) -> "TrackStatusOk":
         """This TRACK_STATUS_OK (Track Alias 0) for a draft-18 REQUEST_OK answering `request_id`."""
         order, cache = _ok_properties(message.track_properties)
         return cls(request_id, 0, 0, order, message.parameters.largest_object, Parameters(max_cache_duration=cache))
@@ -1536,46 +1532,3 @@ class ControlStreamParser(wire.FramedMessageParser):
 
     def _decode(self, mtype: int, payload: Buffer) -> Message:
         return _decode_payload(mtype, payload)
-
-
-# ---------------------------------------------------------------------------
-# Data streams and datagrams (section 10)
-# ---------------------------------------------------------------------------
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-

@@ -9,7 +9,6 @@ from __future__ import annotations
 from .. import events as ev
 from ..d18.messages import Parameters
 from ..errors import StreamResetCode
-from ..session_base import SessionBase
 from ..wire import TrackNamespace
 from . import messages as d14
 from .request_state import (
@@ -20,11 +19,12 @@ from .request_state import (
     TRACKS_ID_BASE,
     Request14,
 )
+from .session_state import SessionState14
 
 __all__ = ["NamespaceMapping"]
 
 
-class NamespaceMapping(SessionBase):
+class NamespaceMapping(SessionState14):
     """Part of `MoqtSession14`: PUBLISH_NAMESPACE and SUBSCRIBE_NAMESPACE, received and
     sent, for the draft-18 requests and messages they stand for."""
 
@@ -124,7 +124,10 @@ class NamespaceMapping(SessionBase):
 
     def _find_namespace(self, namespace: TrackNamespace, *, local: bool, kinds: tuple[type, ...]) -> Request14 | None:
         for request in self._requests.values():
-            if request.local == local and request.kind in kinds and request.namespace == namespace and not request.closed:
+            if (
+                request.local == local and request.kind in kinds and request.namespace == namespace
+                and not request.closed
+            ):
                 return request
         return None
 

@@ -48,7 +48,7 @@ class Request14(RequestState):
     track_name: bytes = b""
     fetch: m18.Fetch | None = None
     sent: bool = True  # False while queued behind the peer's Maximum Request ID
-    announced: dict = field(default_factory=dict)  # SUBSCRIBE_NAMESPACE: suffix -> ANNOUNCED request
-    parent: "Request14 | None" = None  # ANNOUNCED, TRACKS: its SUBSCRIBE_NAMESPACE
-    tracks: "Request14 | None" = None  # peer SUBSCRIBE_NAMESPACE: its TRACKS half
+    announced: dict[TrackNamespace, Request14] = field(default_factory=dict)  # SUBSCRIBE_NAMESPACE: suffix -> ANNOUNCED
+    parent: Request14 | None = None  # ANNOUNCED, TRACKS: its SUBSCRIBE_NAMESPACE
+    tracks: Request14 | None = None  # peer SUBSCRIBE_NAMESPACE: its TRACKS half
     credit_returned: bool = False

@@ -6,18 +6,15 @@ renumbered, PUBLISH_DONE)."""
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Callable
+from typing import Any, Callable
 
 from .. import events as ev
 from ..d18 import messages as m18
 from ..d18.messages import Parameters, Redirect
 from ..errors import NotSupported, PublishDoneCode, RequestErrorCode, StreamClosed, StreamResetCode
-from ..session_base import SessionBase
-from ..state import RequestState
 from ..wire import (
     DEFAULT_PUBLISHER_PRIORITY,
     FetchType,
-    FilterType,
     GroupOrder,
     Location,
     Properties,
@@ -39,11 +36,12 @@ from .request_state import (
     TRACKS,
     Request14,
 )
+from .session_state import SessionState14
 
 __all__ = ["MessageSending"]
 
 
-_ERROR_MESSAGES: dict[type, type] = {
+_ERROR_MESSAGES: dict[type[m18.Message], type[d14._RequestError]] = {
     SUBSCRIBE: d14.SubscribeError,
     FETCH: d14.FetchError,
     TRACK_STATUS: d14.TrackStatusError,
@@ -53,14 +51,14 @@ _ERROR_MESSAGES: dict[type, type] = {
 }
 
 
-class MessageSending(SessionBase):
+class MessageSending(SessionState14):
     """Part of `MoqtSession14`: the requests, updates, cancellations and answers it sends."""
 
     # ------------------------------------------------------------------
     # Sending: requests
     # ------------------------------------------------------------------
 
-    def _open_request(self, kind: type, build: Callable[[int], d14.Message], **fields) -> int:
+    def _open_request(self, kind: type[m18.Message], build: Callable[[int], d14.Message], **fields: Any) -> int:
         self._check_open()
         request_id = self._next_request_id
         # Encoded first: a value draft-14 cannot carry is refused before the ID is spent.
@@ -95,7 +93,12 @@ class MessageSending(SessionBase):
         return self._fetch(f18)
 
     def joining_fetch(
-        self, subscribe_request_id: int, joining_start: int, *, relative: bool = True, parameters: Parameters = Parameters()
+        self,
+        subscribe_request_id: int,
+        joining_start: int,
+        *,
+        relative: bool = True,
+        parameters: Parameters = Parameters(),
     ) -> int:
         """Send a joining FETCH for one of our subscriptions."""
         fetch_type = FetchType.RELATIVE_JOINING if relative else FetchType.ABSOLUTE_JOINING
@@ -196,9 +199,10 @@ class MessageSending(SessionBase):
                 raise NotSupported(f"{name} cannot be updated in draft-14")
         merged = request.parameters.merged(parameters)
         flt = merged.subscription_filter
-        start, end_group = Location(0, 0), None
-        if flt is not None and flt.filter_type in (FilterType.ABSOLUTE_START, FilterType.ABSOLUTE_RANGE):
-            start, end_group = flt.start, flt.end_group  # type: ignore[assignment]
+        start = Location(0, 0)
+        end_group: int | None = None
+        if flt is not None and flt.start is not None:  # AbsoluteStart, AbsoluteRange: the filters with a start
+            start, end_group = flt.start, flt.end_group
         elif request.largest_at_ok is not None:
             start = request.largest_at_ok
         update_id = self._next_request_id
@@ -285,13 +289,15 @@ class MessageSending(SessionBase):
     # Sending: answers
     # ------------------------------------------------------------------
 
-    def _send_answer(self, request: RequestState, message: m18.SubscribeOk | m18.FetchOk) -> None:
+    def _send_answer(self, request: Request14, message: m18.SubscribeOk | m18.FetchOk) -> None:
         if isinstance(message, m18.SubscribeOk):
             self._send(d14.SubscribeOk.from_draft18(message, request.request_id))
         else:
             self._send(d14.FetchOk.from_draft18(message, request.request_id, request.fetch_group_order))
 
-    def request_ok(self, request_id: int, parameters: Parameters = Parameters(), track_properties: Properties = ()) -> None:
+    def request_ok(
+        self, request_id: int, parameters: Parameters = Parameters(), track_properties: Properties = ()
+    ) -> None:
         """Send PUBLISH_OK, TRACK_STATUS_OK, PUBLISH_NAMESPACE_OK or
         SUBSCRIBE_NAMESPACE_OK; for a peer SUBSCRIBE_UPDATE, or the SUBSCRIBE_TRACKS
         half of a SUBSCRIBE_NAMESPACE, nothing is sent."""
@@ -359,9 +365,9 @@ class MessageSending(SessionBase):
         if request.held_fetches:
             self._refuse_held_fetches(request, "subscription refused")
 
-    def _send_publish_done(self, request: RequestState, status_code: int, reason: str) -> None:
+    def _send_publish_done(self, request: Request14, status_code: int, reason: str) -> None:
         done = m18.PublishDone(status_code, request.data_streams_opened, reason)
-        self._send_about(request, d14.PublishDone.from_draft18(done, request.request_id))  # type: ignore[arg-type]
+        self._send_about(request, d14.PublishDone.from_draft18(done, request.request_id))
         self._close_request(request)
 
     def publish_blocked(self, request_id: int, namespace_suffix: TrackNamespace, track_name: bytes) -> None:

@@ -8,9 +8,10 @@ cache, track aliases, joining FETCHes, data streams and datagrams, writing
 objects); data stream items and answers are converted to and from their
 draft-18 forms at the edges (`adapters`). `MoqtSession14` is made of parts: the
 control messages received (`control`), what it sends (`sending`), namespaces
-(`namespaces`) and Request ID credit (`credit`); this module keeps the session's
-state, its streams and teardown. The wire is draft-14's (codec in `messages` and
-`data`):
+(`namespaces`) and Request ID credit (`credit`), each deriving from
+`session_state.SessionState14`, which declares with their types what they share; this
+module keeps the session's state, its streams and teardown. The wire is draft-14's
+(codec in `messages` and `data`):
 
 * the client opens one bidirectional control stream and sends CLIENT_SETUP with
   the versions it offers; the server answers SERVER_SETUP with the one it chose,
@@ -87,7 +88,7 @@ What has no draft-14 form, and what happens instead:
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable, Iterable
+from typing import Iterable
 
 from .. import events as ev
 from ..d18 import data as data18
@@ -102,7 +103,7 @@ from ..engine import (
 )
 from ..errors import NotSupported, ProtocolViolation, StreamResetCode
 from ..session_base import SessionBase
-from ..state import UNKNOWN_STREAM_COUNT, IncomingDataStream, RequestState
+from ..state import UNKNOWN_STREAM_COUNT, IncomingDataStream
 from ..wire import DEFAULT_MAX_OBJECT_SIZE, TrackNamespace
 from . import data as d14data
 from . import messages as d14
@@ -126,8 +127,6 @@ class MoqtSession14(ControlMessageHandling, NamespaceMapping, MessageSending, Re
     accepted (server). `max_requests` bounds the peer's concurrent requests through
     MAX_REQUEST_ID. The client writes CLIENT_SETUP when the session is created.
     """
-
-    _requests: dict[int, Request14]  # type: ignore[assignment]
 
     def __init__(
         self,
@@ -162,7 +161,7 @@ class MoqtSession14(ControlMessageHandling, NamespaceMapping, MessageSending, Re
         self.versions = tuple(versions)
         if not self.versions:
             raise ValueError("no version to offer")
-        self.version: int | None = None
+        self.version = None
         self._goaway_sent = False
 
         # Request IDs and their credit (section 9.1 / MAX_REQUEST_ID).
@@ -171,11 +170,11 @@ class MoqtSession14(ControlMessageHandling, NamespaceMapping, MessageSending, Re
         self._peer_active = 0
         self._granted = self._peer_next_id + 2 * max_requests  # peer IDs below this are allowed
         self._peer_grant = 0  # our IDs below this may be sent
-        self._blocked_reported: int | None = None
-        self._queue: deque[list] = deque()  # [request_id, bytearray] not yet sent
-        self._updates: dict[int, Request14] = {}  # peer SUBSCRIBE_UPDATE id -> subscription
+        self._blocked_reported = None
+        self._queue = deque()  # [request_id, bytearray] not yet sent
+        self._updates = {}  # peer SUBSCRIBE_UPDATE id -> subscription
 
-        self._control_stream_id: int | None = None
+        self._control_stream_id = None
         self._control_parser = d14.ControlStreamParser()
         if is_client:
             self._control_stream_id = quic.get_next_available_stream_id(is_unidirectional=False)
@@ -235,7 +234,7 @@ class MoqtSession14(ControlMessageHandling, NamespaceMapping, MessageSending, Re
         assert self._control_stream_id is not None
         self._quic.send_stream_data(self._control_stream_id, message.encode())
 
-    _HANDLERS: dict[type, Callable[["MoqtSession14", d14.Message, list[ev.MoqtEvent]], None]] = {}
+    _HANDLERS = {}
 
     # ------------------------------------------------------------------
     # Data streams and datagrams
@@ -245,7 +244,9 @@ class MoqtSession14(ControlMessageHandling, NamespaceMapping, MessageSending, Re
         """Whether a Request ID is one this endpoint used (its request may be forgotten)."""
         return request_id & 1 == self._next_request_id & 1 and request_id < self._next_request_id
 
-    def _on_data_header(self, sid: int, stream: IncomingDataStream, item: object, out: list[ev.MoqtEvent]) -> bool:
+    def _on_data_header(
+        self, sid: int, stream: IncomingDataStream[Request14], item: object, out: list[ev.MoqtEvent]
+    ) -> bool:
         if isinstance(item, data18.FetchHeader):
             stream.fetch = True
             request = self._requests.get(item.request_id)
@@ -262,12 +263,12 @@ class MoqtSession14(ControlMessageHandling, NamespaceMapping, MessageSending, Re
         assert isinstance(item, data18.SubgroupHeader)
         return self._on_subgroup_header(sid, stream, item, out)
 
-    def _stop_incoming(self, sid: int, stream: IncomingDataStream, code: int) -> None:
+    def _stop_incoming(self, sid: int, stream: IncomingDataStream[Request14], code: int) -> None:
         request = stream.request
         attached = request is not None and not stream.discard and sid in request.open_data_streams
         super()._stop_incoming(sid, stream, code)
-        if attached:
-            self._forget_if_done(request)  # type: ignore[arg-type]
+        if attached and request is not None:
+            self._forget_if_done(request)
 
     def _end_data_streams(self, request: Request14, error_code: int) -> None:
         """Reset the data streams we send for a request and stop those we receive."""
@@ -282,7 +283,7 @@ class MoqtSession14(ControlMessageHandling, NamespaceMapping, MessageSending, Re
     def _decode_datagram(self, data: bytes) -> data18.ObjectDatagram | None:
         return d14data.decode_datagram(data).to_draft18()
 
-    def _encode_datagram(self, request: RequestState, datagram: data18.ObjectDatagram) -> bytes:
+    def _encode_datagram(self, request: Request14, datagram: data18.ObjectDatagram) -> bytes:
         """Draft-14 datagrams always carry a priority: an inherited one is the track's default."""
         return d14data.ObjectDatagram.from_draft18(datagram, request.default_priority).encode()
 
@@ -292,7 +293,7 @@ class MoqtSession14(ControlMessageHandling, NamespaceMapping, MessageSending, Re
 
     _FETCH_WRITER = FetchWriter14
 
-    def _subgroup_writer(self, request: RequestState, header: data18.SubgroupHeader) -> SubgroupWriter14:
+    def _subgroup_writer(self, request: Request14, header: data18.SubgroupHeader) -> SubgroupWriter14:
         """Draft-14 headers always carry a priority (None: the track's default) and have
         no FIRST_OBJECT bit."""
         return SubgroupWriter14(d14data.SubgroupHeader.from_draft18(header, request.default_priority))
@@ -312,33 +313,33 @@ class MoqtSession14(ControlMessageHandling, NamespaceMapping, MessageSending, Re
     # Teardown
     # ------------------------------------------------------------------
 
-    def _track_of(self, request: RequestState) -> tuple[TrackNamespace, bytes]:
-        return request.namespace, request.track_name  # type: ignore[attr-defined]
+    def _track_of(self, request: Request14) -> tuple[TrackNamespace, bytes]:
+        return request.namespace, request.track_name
 
-    def _fetch_stream_reset(self, request: RequestState) -> None:
+    def _fetch_stream_reset(self, request: Request14) -> None:
         """The publisher has dropped the fetch already, so no FETCH_CANCEL follows."""
         self._close_request(request)
 
-    def _data_stream_reset(self, request: RequestState) -> None:
+    def _data_stream_reset(self, request: Request14) -> None:
         self._forget_if_done(request)
 
-    def _maybe_finish_fetch(self, request: RequestState) -> None:
+    def _maybe_finish_fetch(self, request: Request14) -> None:
         """A fetch ends once it was accepted and its data stream is done."""
         if not request.accepted or request.closed:
             return
         if request.fetch_stream_closed and not request.open_data_streams:
             self._close_request(request)
 
-    def _close_request(self, request: RequestState) -> None:
+    def _close_request(self, request: Request14) -> None:
         """Mark a request over; a peer request gives its Request ID credit back."""
         request.closed = True
-        if not request.local and not request.credit_returned:  # type: ignore[attr-defined]
-            request.credit_returned = True  # type: ignore[attr-defined]
+        if not request.local and not request.credit_returned:
+            request.credit_returned = True
             self._peer_active -= 1
             self._grant()
         self._forget_if_done(request)
 
-    def _forget_if_done(self, request: RequestState) -> None:
+    def _forget_if_done(self, request: Request14) -> None:
         """Drop a closed request once no data stream refers to it."""
         if request.closed and not request.open_data_streams:
             if self._requests.get(request.request_id) is request:
@@ -376,4 +377,4 @@ MoqtSession14._HANDLERS = {
     d14.SubscribeNamespaceOk: MoqtSession14._on_namespace_ok,
     d14.SubscribeNamespaceError: MoqtSession14._on_request_error,
     d14.UnsubscribeNamespace: MoqtSession14._on_unsubscribe_namespace,
-}  # type: ignore[assignment]
+}

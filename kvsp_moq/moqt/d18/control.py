@@ -13,7 +13,6 @@ from ..errors import (
     StreamResetCode,
 )
 from ..fetches import fetch_end_before_start
-from ..session_base import SessionBase
 from ..wire import (
     DEFAULT_PUBLISHER_PRIORITY,
     FetchType,
@@ -30,7 +29,6 @@ from .messages import (
     Message,
     Namespace,
     NamespaceDone,
-    Parameters,
     Publish,
     PublishBlocked,
     PublishDone,
@@ -47,6 +45,7 @@ from .messages import (
     TrackStatus,
 )
 from .request_state import REQUEST_TYPES, UPDATE_SCOPE, RequestStream
+from .session_state import SessionState
 
 __all__ = ["ControlMessageHandling"]
 
@@ -57,7 +56,7 @@ _RESERVED_FIRST_FIELDS = (b".", b".session")
 _NO_RANGE_FILTERS = "range filters are not accepted (MAX_FILTER_RANGES 0)"
 
 
-class ControlMessageHandling(SessionBase):
+class ControlMessageHandling(SessionState):
     """Part of `MoqtSession`: the control messages received, each turned into events and
     the state of its request."""
 
@@ -102,9 +101,9 @@ class ControlMessageHandling(SessionBase):
     def _on_new_request(self, sid: int, message: Message, out: list[ev.MoqtEvent]) -> None:
         if not isinstance(message, REQUEST_TYPES):
             raise ProtocolViolation(f"request stream begins with {message.NAME}")
-        request_id: int = message.request_id  # type: ignore[attr-defined]
+        request_id = message.request_id
         self._check_peer_request_id(request_id)
-        parameters: Parameters = message.parameters  # type: ignore[attr-defined]
+        parameters = message.parameters
         request = RequestStream(request_id, type(message), False, parameters, stream_id=sid, message=message)
         self._requests[request_id] = request
         self._stream_requests[sid] = request
@@ -213,14 +212,16 @@ class ControlMessageHandling(SessionBase):
                 raise ProtocolViolation("PUBLISH_DONE from the subscriber")
             if request.done_stream_count is not None:
                 raise ProtocolViolation("second PUBLISH_DONE")
-            out.append(ev.PublishDoneReceived(request.request_id, message.status_code, message.stream_count, message.reason))
+            out.append(
+                ev.PublishDoneReceived(request.request_id, message.status_code, message.stream_count, message.reason)
+            )
             # Late data streams are still accepted until Stream Count of them ended.
             request.done_stream_count = message.stream_count
             self._finish_stream(request)
             self._maybe_end_subscription(request)
             return
         if isinstance(message, (Namespace, NamespaceDone)) and request.local and request.kind is SubscribeNamespace:
-            prefix = request.message.namespace_prefix  # type: ignore[attr-defined]
+            prefix = request.message_as(SubscribeNamespace).namespace_prefix
             suffix = message.namespace_suffix
             if isinstance(message, Namespace):
                 request.namespaces.add(suffix)
@@ -232,8 +233,10 @@ class ControlMessageHandling(SessionBase):
                 out.append(ev.NamespaceDoneReceived(request.request_id, suffix, prefix + suffix))
             return
         if isinstance(message, PublishBlocked) and request.local and request.kind is SubscribeTracks:
-            prefix = request.message.namespace_prefix  # type: ignore[attr-defined]
-            out.append(ev.PublishBlockedReceived(request.request_id, prefix + message.namespace_suffix, message.track_name))
+            prefix = request.message_as(SubscribeTracks).namespace_prefix
+            out.append(
+                ev.PublishBlockedReceived(request.request_id, prefix + message.namespace_suffix, message.track_name)
+            )
             return
         raise ProtocolViolation(f"{message.NAME} not expected on a {request.kind.NAME} stream")
 
@@ -243,7 +246,9 @@ class ControlMessageHandling(SessionBase):
         rid = request.request_id
         if isinstance(message, RequestErrorMessage):
             request.closed = True
-            out.append(ev.RequestRejected(rid, message.error_code, message.reason, message.retry_interval, message.redirect))
+            out.append(
+                ev.RequestRejected(rid, message.error_code, message.reason, message.retry_interval, message.redirect)
+            )
             self._finish_stream(request)
             return
         if kind is Subscribe and isinstance(message, SubscribeOk):
@@ -268,9 +273,11 @@ class ControlMessageHandling(SessionBase):
             self._flush_held_for_alias(message.track_alias, out)
             return
         if kind is Fetch and isinstance(message, FetchOk):
-            fetch: Fetch = request.message  # type: ignore[assignment]
-            if fetch.fetch_type == FetchType.STANDALONE and fetch_end_before_start(message.end_location, fetch.start):  # type: ignore[arg-type]
-                raise ProtocolViolation("FETCH_OK End Location before the FETCH start")
+            fetch = request.message_as(Fetch)
+            if fetch.fetch_type == FetchType.STANDALONE:
+                _, _, start, _ = fetch.track_and_range()
+                if fetch_end_before_start(message.end_location, start):
+                    raise ProtocolViolation("FETCH_OK End Location before the FETCH start")
             if mandatory_properties(message.track_properties):
                 self._cancel(request, StreamResetCode.CANCELLED)
                 out.append(
@@ -281,7 +288,9 @@ class ControlMessageHandling(SessionBase):
                 return
             request.accepted = True
             out.append(
-                ev.FetchAccepted(rid, message.end_of_track, message.end_location, message.parameters, message.track_properties)
+                ev.FetchAccepted(
+                    rid, message.end_of_track, message.end_location, message.parameters, message.track_properties
+                )
             )
             self._maybe_finish_fetch(request)
             return
@@ -359,7 +368,7 @@ class ControlMessageHandling(SessionBase):
             self._finish_stream(request)
         elif request.local and kind is SubscribeNamespace:
             # Treated as though each active namespace received NAMESPACE_DONE.
-            prefix = request.message.namespace_prefix  # type: ignore[attr-defined]
+            prefix = request.message_as(SubscribeNamespace).namespace_prefix
             for suffix in sorted(request.namespaces):
                 out.append(ev.NamespaceDoneReceived(request.request_id, suffix, prefix + suffix))
             request.namespaces.clear()

@@ -94,6 +94,14 @@ class SubgroupIdMode(IntEnum):
     EXPLICIT = 2
 
 
+def resolve_subgroup_mode(mode: SubgroupIdMode | None, subgroup_id: int | None) -> SubgroupIdMode:
+    """The Subgroup ID mode a header is written with when none was chosen: ZERO for subgroup
+    0, EXPLICIT otherwise (both drafts' rule)."""
+    if mode is not None:
+        return mode
+    return SubgroupIdMode.ZERO if subgroup_id == 0 else SubgroupIdMode.EXPLICIT
+
+
 def is_subgroup_stream_type(stream_type: int) -> bool:
     """True for a valid SUBGROUP_HEADER type (0b0XX1XXXX, mode not 0b11)."""
     return stream_type < 0x80 and stream_type & 0x10 != 0 and stream_type & 0x06 != 0x06
@@ -127,9 +135,7 @@ class SubgroupHeader:
     subgroup_id_mode: SubgroupIdMode | None = None
 
     def resolved_mode(self) -> SubgroupIdMode:
-        if self.subgroup_id_mode is not None:
-            return self.subgroup_id_mode
-        return SubgroupIdMode.ZERO if self.subgroup_id == 0 else SubgroupIdMode.EXPLICIT
+        return resolve_subgroup_mode(self.subgroup_id_mode, self.subgroup_id)
 
     def stream_type(self) -> int:
         mode = self.resolved_mode()
@@ -151,8 +157,8 @@ class SubgroupHeader:
         if mode == SubgroupIdMode.EXPLICIT and self.subgroup_id is None:
             raise ValueError("EXPLICIT subgroup mode needs a subgroup ID")
         parts = [encode_vi64(self.stream_type()), encode_vi64(self.track_alias), encode_vi64(self.group_id)]
-        if mode == SubgroupIdMode.EXPLICIT:
-            parts.append(encode_vi64(self.subgroup_id))  # type: ignore[arg-type]
+        if mode == SubgroupIdMode.EXPLICIT and self.subgroup_id is not None:  # EXPLICIT has one: checked above
+            parts.append(encode_vi64(self.subgroup_id))
         if self.publisher_priority is not None:
             if not 0 <= self.publisher_priority <= 255:
                 raise ValueError("publisher priority outside 0-255")
@@ -324,16 +330,17 @@ class FetchStreamWriter:
             raise ValueError("publisher priority outside 0-255")
         flags = 0
         fields: list[bytes] = []
-        if self._group is None:
+        prior_object = self._object  # set with self._group
+        if self._group is None or prior_object is None:
             flags |= _FLAG_GROUP_ID | _FLAG_OBJECT_ID
             fields += [encode_vi64(group_id), encode_vi64(object_id)]
         elif group_id != self._group:
             flags |= _FLAG_GROUP_ID | _FLAG_OBJECT_ID
             fields += [encode_vi64(self._group_delta(group_id)), encode_vi64(object_id)]
-        elif object_id != self._object + 1:  # type: ignore[operator]
-            delta = object_id - self._object  # type: ignore[operator]
+        elif object_id != prior_object + 1:
+            delta = object_id - prior_object
             if delta <= 0:
-                raise ValueError(f"object {object_id} after {self._object} in group {group_id}")
+                raise ValueError(f"object {object_id} after {prior_object} in group {group_id}")
             flags |= _FLAG_OBJECT_ID
             fields.append(encode_vi64(delta))
         subgroup_field = b""
@@ -646,12 +653,12 @@ class DataStreamParser:
     def _parse_stream_header(self, buf: Buffer, items: list[DataItem]) -> None:
         stream_type = buf.pull_varint()
         if stream_type == STREAM_TYPE_FETCH_HEADER:
-            header = FetchHeader(buf.pull_varint())
-            self._header = header
+            fetch_header = FetchHeader(buf.pull_varint())
+            self._header = fetch_header
             if self._fetch_group_order is not None:
-                self._descending = self._fetch_group_order(header.request_id) == GroupOrder.DESCENDING
+                self._descending = self._fetch_group_order(fetch_header.request_id) == GroupOrder.DESCENDING
             self._state = _S_FETCH_OBJECT
-            items.append(header)
+            items.append(fetch_header)
         elif stream_type == STREAM_TYPE_PADDING:
             self._state = _S_DISCARD
             items.append(PaddingHeader())
@@ -727,7 +734,7 @@ class DataStreamParser:
 
     def _parse_fetch_object(self, buf: Buffer, items: list[DataItem]) -> None:
         flags = buf.pull_varint()
-        prior_group = self._prior_group
+        prior_group, prior_object = self._prior_group, self._prior_object  # set together
         if flags in self._end_markers:
             group = buf.pull_varint()
             obj = buf.pull_varint()
@@ -751,7 +758,8 @@ class DataStreamParser:
                 if group > U64_MAX:
                     raise ProtocolViolation("fetch group ID over 2^64-1")
         else:
-            group = prior_group  # type: ignore[assignment]
+            assert prior_group is not None  # checked above: the first object names its group
+            group = prior_group
         subgroup: int | None
         if flags & _FLAG_DATAGRAM:
             subgroup = None
@@ -767,12 +775,13 @@ class DataStreamParser:
                 subgroup = self._prior_subgroup + (mode - 1)
         if flags & _FLAG_OBJECT_ID:
             object_field = buf.pull_varint()
-            if prior_group is None or flags & _FLAG_GROUP_ID:
+            if prior_object is None or flags & _FLAG_GROUP_ID:
                 obj = object_field
             else:
-                obj = self._prior_object + object_field  # type: ignore[operator]
+                obj = prior_object + object_field
         else:
-            obj = self._prior_object + 1  # type: ignore[operator]
+            assert prior_object is not None  # checked above: the first object names its object
+            obj = prior_object + 1
         if obj > U64_MAX:
             raise ProtocolViolation("fetch object ID over 2^64-1")
         if flags & _FLAG_PRIORITY:
@@ -806,4 +815,6 @@ class DataStreamParser:
             return FetchObject(group, subgroup, obj, priority, payload, properties)
         self._state = _S_SUBGROUP_OBJECT
         object_id, properties = current
-        return SubgroupObject(object_id, self._subgroup_id, ObjectStatus.NORMAL, payload, properties)  # type: ignore[arg-type]
+        subgroup_id = self._subgroup_id
+        assert subgroup_id is not None  # known once an object header was read
+        return SubgroupObject(object_id, subgroup_id, ObjectStatus.NORMAL, payload, properties)

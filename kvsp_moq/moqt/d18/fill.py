@@ -6,12 +6,9 @@ subscriptions arrives on such a stream, and its objects are that subscription's.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from .. import events as ev
-from ..session_base import SessionBase
-from ..state import RequestState
-from ..wire import FetchType, Location, SubscriptionFilter
+from ..state import FetchObjectWriter, SubgroupObjectWriter
+from ..wire import AuthToken, FetchType, Location, SubscriptionFilter
 from .messages import (
     OPEN_END,
     Fetch,
@@ -22,22 +19,10 @@ from .messages import (
     inclusive_end_to_exclusive,
     location_filter_to_range,
 )
+from .request_state import FillState, Request18, RequestStream
+from .session_state import SessionState
 
-__all__ = ["FillServing", "FillState"]
-
-
-@dataclass(eq=False)
-class FillState(RequestState):
-    """A draft-20+ fill: FILL_PARAMETERS on a peer's SUBSCRIBE (or REQUEST_UPDATE),
-    served as the joining FETCH it replaces. It has no stream of its own and no answer
-    (no FETCH_OK; a refusal sends nothing, or resets the fetch stream); its fetch stream
-    carries the Request ID of the message that asked for it (`wire_id`)."""
-
-    wire_id: int = field(kw_only=True)
-    joined: RequestState = field(kw_only=True)  # the subscription it fills
-    #: The range, when the fill names one: evaluated as a FETCH's (draft-18 form: end
-    #: exclusive, Object 0 the whole group), clamped to the Largest Object.
-    bounds: tuple[Location, Location] | None = None
+__all__ = ["FillServing", "FillState"]  # FillState lives in `request_state`
 
 
 #: Fills are kept under IDs no peer request can have.
@@ -62,9 +47,13 @@ def _fill_as_joining(
         return FetchType.ABSOLUTE_JOINING, 0, None
     if subscription.start is None:  # Next Group Start, Largest Object: nothing before them
         return None
-    end = OPEN_END if subscription.end_group is None else Location(subscription.end_group, 0)
-    if subscription.end_object is not None:
-        end = inclusive_end_to_exclusive(Location(subscription.end_group, subscription.end_object))  # type: ignore[arg-type]
+    end_group, end_object = subscription.end_group, subscription.end_object
+    if end_group is None:  # and so no end object either
+        end = OPEN_END
+    elif end_object is None:
+        end = Location(end_group, 0)
+    else:
+        end = inclusive_end_to_exclusive(Location(end_group, end_object))
     return FetchType.ABSOLUTE_JOINING, subscription.start.group, (subscription.start, end)
 
 
@@ -75,12 +64,12 @@ def _covers_more(end: Location, other: Location) -> bool:
     return key(end) > key(other)
 
 
-class FillServing(SessionBase):
+class FillServing(SessionState):
     """Part of `MoqtSession`: serving the peer's fills (kept in `_fills` by the Request ID
     of the subscription they fill) and recognising the fills of our subscriptions."""
 
     def _open_fill(
-        self, joined: RequestState, fill: Fill, wire_id: int, tokens: tuple, out: list[ev.MoqtEvent]
+        self, joined: RequestStream, fill: Fill, wire_id: int, tokens: tuple[AuthToken, ...], out: list[ev.MoqtEvent]
     ) -> None:
         """Serve a fill as the joining FETCH it replaces (held until the SUBSCRIBE is
         answered, like one); the layer above sees a FetchReceived."""
@@ -96,12 +85,17 @@ class FillServing(SessionBase):
         message = Fetch(internal, fetch_type, joining_request_id=joined.request_id, joining_start=joining_start,
                         parameters=parameters)
         request = FillState(internal, Fetch, False, parameters, wire_id=wire_id, joined=joined, bounds=bounds)
-        self._requests[internal] = request  # type: ignore[assignment]
+        self._requests[internal] = request
         self._fills.setdefault(joined.request_id, []).append(request)
         self._on_fetch_request(request, message, tokens, out)
 
     def _resolve_joining(
-        self, request: RequestState, message: Fetch, tokens: tuple, joined: RequestState, out: list[ev.MoqtEvent]
+        self,
+        request: Request18,
+        message: Fetch,
+        tokens: tuple[AuthToken, ...],
+        joined: Request18,
+        out: list[ev.MoqtEvent],
     ) -> None:
         """A fill that names its range is that range clamped to the Largest Object (a
         FETCH's evaluation); nothing is sent when it starts after the Largest Object."""
@@ -128,7 +122,7 @@ class FillServing(SessionBase):
             self._end_fill(stream.request)  # the subscriber wants no more of this fill
         return True
 
-    def _filled_subscription(self, request_id: int) -> RequestState | None:
+    def _filled_subscription(self, request_id: int) -> Request18 | None:
         """Our subscription whose fill a FETCH_HEADER with this Request ID carries: the
         SUBSCRIBE's own ID, or one of its REQUEST_UPDATEs' (draft-20+)."""
         if not self.profile.location_filter:
@@ -140,10 +134,10 @@ class FillServing(SessionBase):
             return None
         return request
 
-    def _wire_id(self, request: RequestState) -> int:
+    def _wire_id(self, request: Request18) -> int:
         return request.wire_id if isinstance(request, FillState) else request.request_id
 
-    def _open_data_stream(self, request: RequestState, writer: object) -> int:
+    def _open_data_stream(self, request: Request18, writer: SubgroupObjectWriter | FetchObjectWriter) -> int:
         sid = super()._open_data_stream(request, writer)
         if isinstance(request, FillState):
             request.joined.data_streams_opened += 1  # draft-20: PUBLISH_DONE counts fill streams

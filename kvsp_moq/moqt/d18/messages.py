@@ -38,6 +38,7 @@ from ..varint import U64_MAX, VI64, Buffer
 from ..wire import (
     MAX_GOAWAY_URI,
     AuthToken,
+    FetchFields,
     FetchType,
     FilterType,
     FramedMessageParser,
@@ -65,12 +66,7 @@ from .profiles import D18, Profile, profile
 __all__ = [
     "DRAFT",
     "SUPPORTED_DRAFTS",
-    "MAX_MESSAGE_LENGTH",
-    "MAX_NAMESPACE_FIELDS",
-    "MAX_FULL_TRACK_NAME",
-    "MAX_REASON_PHRASE",
     "MAX_GOAWAY_URI",
-    "MAX_KVP_VALUE",
     "TrackNamespace",
     "Property",
     "Properties",
@@ -81,7 +77,6 @@ __all__ = [
     "ParameterType",
     "SetupOption",
     "TrackPropertyType",
-    "AliasType",
     "AuthToken",
     "SubscriptionFilter",
     "Parameters",
@@ -110,11 +105,8 @@ __all__ = [
     "Writer",
     "encode_properties",
     "decode_properties",
-    "property_value",
-    "mandatory_properties",
     "decode_message",
     "ControlStreamParser",
-    "namespace_of",
 ]
 
 DRAFT = 18
@@ -208,7 +200,7 @@ class SetupOption(IntEnum):
 
 
 
-_TRACK_PROPERTY_RANGES = {
+_TRACK_PROPERTY_RANGES: dict[int, tuple[int, int]] = {
     TrackPropertyType.DEFAULT_PUBLISHER_PRIORITY: (0, 255),
     TrackPropertyType.DEFAULT_PUBLISHER_GROUP_ORDER: (1, 2),
     TrackPropertyType.DYNAMIC_GROUPS: (0, 1),
@@ -217,9 +209,9 @@ _TRACK_PROPERTY_RANGES = {
 
 def _check_track_properties(properties: Properties) -> None:
     for ptype, value in properties:
-        bounds = _TRACK_PROPERTY_RANGES.get(ptype)  # type: ignore[call-overload]
-        if bounds is not None and not bounds[0] <= value <= bounds[1]:  # type: ignore[operator]
-            raise ProtocolViolation(f"track property 0x{ptype:x} value {value} out of range")
+        bounds = _TRACK_PROPERTY_RANGES.get(ptype)
+        if bounds is not None and not (isinstance(value, int) and bounds[0] <= value <= bounds[1]):
+            raise ProtocolViolation(f"track property 0x{ptype:x} value {value!r} out of range")
 
 
 # ---------------------------------------------------------------------------
@@ -335,7 +327,9 @@ def subscription_to_location_filter(flt: SubscriptionFilter) -> LocationFilter:
     assert start is not None
     if kind == FilterType.ABSOLUTE_START:
         return LocationFilterType.ABSOLUTE_START, (start.group, start.object)
-    delta = flt.end_group - start.group  # type: ignore[operator]
+    end_group = flt.end_group
+    assert end_group is not None  # an AbsoluteRange, the one filter left
+    delta = end_group - start.group
     if flt.end_object is not None:
         return LocationFilterType.ABSOLUTE_RANGE, (start.group, start.object, delta, flt.end_object)
     return LocationFilterType.ABSOLUTE_GROUP_END, (start.group, start.object, delta)
@@ -702,12 +696,10 @@ SCOPE_PUBLISH_OK = _scope(
 )
 SCOPE_REQUEST_UPDATE_OK = _scope(P.EXPIRES, P.LARGEST_OBJECT)
 SCOPE_TRACK_STATUS_OK = _scope(P.LARGEST_OBJECT)
-del P
 
 
 # What draft-20 allows beyond draft-18, by message (PUBLISH_OK, a REQUEST_OK, carries
 # only EXPIRES there: the session sends the rest in a REQUEST_UPDATE).
-P = ParameterType
 _SUBSCRIBE_20 = _scope(P.FILL_PARAMETERS, P.INCLUDE_PROPERTIES) | frozenset(range(0x25, 0x29))
 _SCOPE_ADDED_20: dict[str, frozenset[int]] = {
     "SUBSCRIBE": _SUBSCRIBE_20,
@@ -768,15 +760,25 @@ def _text_option(value: bytes, error: type[Exception], what: str) -> str:
         raise error(f"{what} is not UTF-8") from None
 
 
+#: The Setup field of each known Setup Option.
+_SETUP_OPTION_NAMES: dict[int, str] = {
+    SetupOption.PATH: "path",
+    SetupOption.MAX_AUTH_TOKEN_CACHE_SIZE: "max_auth_token_cache_size",
+    SetupOption.AUTHORITY: "authority",
+    SetupOption.MOQT_IMPLEMENTATION: "implementation",
+}
+
+
 def _setup_value(name: str, value: int | bytes) -> Any:
     """A setup option's value as a Setup field (the text ones decoded); the same
     options exist in every draft."""
-    if name == "path":
-        return _text_option(value, MalformedPath, "PATH")  # type: ignore[arg-type]
-    if name == "authority":
-        return _text_option(value, MalformedAuthority, "AUTHORITY")  # type: ignore[arg-type]
-    if name == "implementation":
-        return bytes(value).decode("utf-8", errors="replace")  # type: ignore[arg-type]
+    if isinstance(value, bytes):  # PATH, AUTHORITY and MOQT_IMPLEMENTATION: odd types
+        if name == "path":
+            return _text_option(value, MalformedPath, "PATH")
+        if name == "authority":
+            return _text_option(value, MalformedAuthority, "AUTHORITY")
+        if name == "implementation":
+            return value.decode("utf-8", errors="replace")
     return value
 
 
@@ -830,14 +832,10 @@ class Setup(Message):
         unknown = []
         for otype, value in options:
             if otype == SetupOption.AUTHORIZATION_TOKEN:
-                tokens.append(AuthToken.decode(value))  # type: ignore[arg-type]
+                assert isinstance(value, bytes)  # an odd option type, read as bytes
+                tokens.append(AuthToken.decode(value))
                 continue
-            name = {
-                SetupOption.PATH: "path",
-                SetupOption.MAX_AUTH_TOKEN_CACHE_SIZE: "max_auth_token_cache_size",
-                SetupOption.AUTHORITY: "authority",
-                SetupOption.MOQT_IMPLEMENTATION: "implementation",
-            }.get(otype)  # type: ignore[call-overload]
+            name = _SETUP_OPTION_NAMES.get(otype)
             if name is None:
                 unknown.append((otype, value))
                 continue
@@ -974,7 +972,7 @@ class PublishDone(Message):
 
 
 @dataclass(frozen=True, slots=True)
-class Fetch(Message):
+class Fetch(FetchFields, Message):
     """FETCH (0x16). Standalone: namespace, track_name, start, end (end is the wire
     End Location: the last Object plus one, Object 0 meaning the whole group).
     Joining: joining_request_id and joining_start."""
@@ -990,14 +988,6 @@ class Fetch(Message):
     joining_start: int | None = None
     parameters: Parameters = _NO_PARAMETERS
 
-    def __post_init__(self) -> None:
-        standalone = self.fetch_type == FetchType.STANDALONE
-        parts = (self.namespace, self.track_name, self.start, self.end)
-        joining = (self.joining_request_id, self.joining_start)
-        if standalone and (any(p is None for p in parts) or any(j is not None for j in joining)):
-            raise ValueError("a standalone FETCH has a track and a range, and no joining fields")
-        if not standalone and (any(j is None for j in joining) or any(p is not None for p in parts)):
-            raise ValueError("a joining FETCH has joining fields only")
 
     def _encode18(self, w: Writer, p: Profile) -> None:
         _check_parameters(self.parameters, _SCOPE_FETCH, self.NAME, p)
@@ -1006,23 +996,26 @@ class Fetch(Message):
             # Draft-20: standalone only, its range in LOCATION_FILTER, inclusive.
             if self.fetch_type != FetchType.STANDALONE:
                 raise ValueError(f"draft-{p.draft} has no joining FETCH (FILL_PARAMETERS replaces it)")
-            check_full_track_name(self.namespace, self.track_name)  # type: ignore[arg-type]
-            w.namespace(self.namespace)  # type: ignore[arg-type]
-            w.track_name(self.track_name)  # type: ignore[arg-type]
+            namespace, track_name, start, end = self.track_and_range()
+            check_full_track_name(namespace, track_name)
+            w.namespace(namespace)
+            w.track_name(track_name)
             lf = Writer()
-            put_location_filter(lf, range_to_location_filter(self.start, self.end), p)  # type: ignore[arg-type]
+            put_location_filter(lf, range_to_location_filter(start, end), p)
             self.parameters.encode(w, p, {int(ParameterType.SUBSCRIPTION_FILTER): bytes(lf.data)})
             return
         w.varint(self.fetch_type)
         if self.fetch_type == FetchType.STANDALONE:
-            check_full_track_name(self.namespace, self.track_name)  # type: ignore[arg-type]
-            w.namespace(self.namespace)  # type: ignore[arg-type]
-            w.track_name(self.track_name)  # type: ignore[arg-type]
-            w.location(self.start)  # type: ignore[arg-type]
-            w.location(self.end)  # type: ignore[arg-type]
+            namespace, track_name, start, end = self.track_and_range()
+            check_full_track_name(namespace, track_name)
+            w.namespace(namespace)
+            w.track_name(track_name)
+            w.location(start)
+            w.location(end)
         else:
-            w.varint(self.joining_request_id)  # type: ignore[arg-type]
-            w.varint(self.joining_start)  # type: ignore[arg-type]
+            joining_request_id, joining_start = self.joining()
+            w.varint(joining_request_id)
+            w.varint(joining_start)
         self.parameters.encode(w, p)
 
     @classmethod
@@ -1339,7 +1332,9 @@ class PublishStateNotify(Message):
         return cls(Parameters.decode(buf, _SCOPE_PUBLISH_STATE_NOTIFY, cls.NAME, p))
 
 
-_SCOPE_PUBLISH_STATE_NOTIFY = _scope(ParameterType.LARGEST_OBJECT, ParameterType.FORWARD, ParameterType.SUBSCRIPTION_FILTER)
+_SCOPE_PUBLISH_STATE_NOTIFY = _scope(
+    ParameterType.LARGEST_OBJECT, ParameterType.FORWARD, ParameterType.SUBSCRIPTION_FILTER
+)
 
 MESSAGE_TYPES: dict[int, dict[int, type[Message]]] = {
     18: {

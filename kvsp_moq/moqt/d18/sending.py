@@ -5,11 +5,10 @@ peer's requests (REQUEST_OK, REQUEST_ERROR, NAMESPACE, NAMESPACE_DONE, PUBLISH_B
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Callable
 
 from ..errors import NotSupported, PublishDoneCode, RequestErrorCode, StreamClosed, StreamResetCode
-from ..session_base import SessionBase
 from ..wire import FetchType, Location, Properties, TrackNamespace
-from .fill import FillState
 from .messages import (
     SCOPE_PUBLISH_OK,
     SCOPE_REQUEST_UPDATE_OK,
@@ -33,19 +32,21 @@ from .messages import (
     SubscribeTracks,
     TrackStatus,
 )
-from .request_state import REQUEST_TYPES, UPDATE_SCOPE, RequestStream
+from .request_state import REQUEST_TYPES, UPDATE_SCOPE, FillState, Request18, RequestMessage, RequestStream
+from .session_state import SessionState
 
 __all__ = ["MessageSending"]
 
 
-class MessageSending(SessionBase):
+class MessageSending(SessionState):
     """Part of `MoqtSession`: the requests, updates and answers it sends."""
 
     # ------------------------------------------------------------------
     # Sending: requests
     # ------------------------------------------------------------------
 
-    def _open_request(self, build) -> int:
+    def _open_request(self, build: Callable[[int], RequestMessage]) -> int:
+        """Send the request `build` makes with the next Request ID, on a new stream."""
         self._check_open()
         request_id = self._next_request_id
         message = build(request_id)
@@ -76,11 +77,24 @@ class MessageSending(SessionBase):
         """Send a standalone FETCH. `end` is the wire End Location (last Object + 1,
         or Object 0 for the whole group)."""
         return self._open_request(
-            lambda rid: Fetch(rid, FetchType.STANDALONE, namespace, track_name, Location(*start), Location(*end), parameters=parameters)
+            lambda rid: Fetch(
+                rid,
+                FetchType.STANDALONE,
+                namespace,
+                track_name,
+                Location(*start),
+                Location(*end),
+                parameters=parameters,
+            )
         )
 
     def joining_fetch(
-        self, subscribe_request_id: int, joining_start: int, *, relative: bool = True, parameters: Parameters = Parameters()
+        self,
+        subscribe_request_id: int,
+        joining_start: int,
+        *,
+        relative: bool = True,
+        parameters: Parameters = Parameters(),
     ) -> int:
         """Send a joining FETCH for one of our subscriptions (draft-18 only: from
         draft-20 on, FILL_PARAMETERS in the SUBSCRIBE asks for the same objects)."""
@@ -89,7 +103,11 @@ class MessageSending(SessionBase):
         fetch_type = FetchType.RELATIVE_JOINING if relative else FetchType.ABSOLUTE_JOINING
         return self._open_request(
             lambda rid: Fetch(
-                rid, fetch_type, joining_request_id=subscribe_request_id, joining_start=joining_start, parameters=parameters
+                rid,
+                fetch_type,
+                joining_request_id=subscribe_request_id,
+                joining_start=joining_start,
+                parameters=parameters,
             )
         )
 
@@ -131,6 +149,7 @@ class MessageSending(SessionBase):
         returns the update's own Request ID, which its answer will carry."""
         self._check_open()
         request = self._request(request_id)
+        assert isinstance(request, RequestStream)  # a fill's ID (2^64 and up) is no request of ours
         if request.closed or request.fin_sent:
             raise StreamClosed(f"request {request_id} is closed")
         if not request.local and request.kind is not Publish:
@@ -156,6 +175,7 @@ class MessageSending(SessionBase):
         request = self._requests.get(request_id)
         if request is None or self._closed:
             return
+        assert isinstance(request, RequestStream)  # a fill's ID (2^64 and up) is no request of ours
         request.closed = True
         self._abort_stream(request, error_code)
         for sid in list(request.open_data_streams):
@@ -172,12 +192,14 @@ class MessageSending(SessionBase):
         highest = self._peer_ids.highest
         last = (0 if not self._is_client else 1) if highest is None else highest + 2
         self._goaway_sent_request_id = last
-        self._quic.send_stream_data(self._control_stream_id, Goaway(new_session_uri, timeout_ms, last).encode(self.draft))
+        message = Goaway(new_session_uri, timeout_ms, last)
+        self._quic.send_stream_data(self._control_stream_id, message.encode(self.draft))
 
     def request_goaway(self, request_id: int, new_session_uri: str = "", timeout_ms: int = 0) -> None:
         """Send GOAWAY on one request stream: re-issue this request elsewhere."""
         self._check_open()
         request = self._request(request_id)
+        assert isinstance(request, RequestStream)  # a fill has no stream of its own
         self._send_on_request(request, Goaway(new_session_uri, timeout_ms, None))
 
     # ------------------------------------------------------------------
@@ -197,7 +219,9 @@ class MessageSending(SessionBase):
             request.fin_sent = True
             self._forget_if_done(request)
 
-    def request_ok(self, request_id: int, parameters: Parameters = Parameters(), track_properties: Properties = ()) -> None:
+    def request_ok(
+        self, request_id: int, parameters: Parameters = Parameters(), track_properties: Properties = ()
+    ) -> None:
         """Send REQUEST_OK: PUBLISH_OK, TRACK_STATUS_OK, PUBLISH_NAMESPACE_OK,
         SUBSCRIBE_NAMESPACE_OK, SUBSCRIBE_TRACKS_OK, or the answer to a peer's
         REQUEST_UPDATE (pass the update's Request ID)."""
@@ -214,6 +238,7 @@ class MessageSending(SessionBase):
         request = self._peer_request(
             request_id, (Publish, TrackStatus, PublishNamespace, SubscribeNamespace, SubscribeTracks)
         )
+        assert isinstance(request, RequestStream)  # not a FETCH, so not a fill
         follow_up = None
         if request.kind is Publish:
             _check_scope(parameters, SCOPE_PUBLISH_OK, "PUBLISH_OK")
@@ -286,7 +311,12 @@ class MessageSending(SessionBase):
         self._reject(request, error_code, reason, retry_interval, redirect)
 
     def _reject(
-        self, request: RequestStream, error_code: int, reason: str, retry_interval: int = 0, redirect: Redirect | None = None
+        self,
+        request: Request18,
+        error_code: int,
+        reason: str,
+        retry_interval: int = 0,
+        redirect: Redirect | None = None,
     ) -> None:
         if isinstance(request, FillState):
             self._end_fill(request, StreamResetCode.INTERNAL_ERROR)
@@ -307,11 +337,13 @@ class MessageSending(SessionBase):
     def namespace(self, request_id: int, namespace_suffix: TrackNamespace) -> None:
         """Send NAMESPACE on a peer's SUBSCRIBE_NAMESPACE stream (after REQUEST_OK)."""
         request = self._answered_peer_request(request_id, SubscribeNamespace)
+        assert isinstance(request, RequestStream)  # not a FETCH, so not a fill
         request.namespaces.add(tuple(namespace_suffix))
         self._send_on_request(request, Namespace(tuple(namespace_suffix)))
 
     def namespace_done(self, request_id: int, namespace_suffix: TrackNamespace) -> None:
         request = self._answered_peer_request(request_id, SubscribeNamespace)
+        assert isinstance(request, RequestStream)  # not a FETCH, so not a fill
         suffix = tuple(namespace_suffix)
         if suffix not in request.namespaces:
             raise ValueError("NAMESPACE_DONE for a suffix never announced")
@@ -320,6 +352,7 @@ class MessageSending(SessionBase):
 
     def publish_blocked(self, request_id: int, namespace_suffix: TrackNamespace, track_name: bytes) -> None:
         request = self._answered_peer_request(request_id, SubscribeTracks)
+        assert isinstance(request, RequestStream)  # not a FETCH, so not a fill
         self._send_on_request(request, PublishBlocked(tuple(namespace_suffix), track_name))
 
 

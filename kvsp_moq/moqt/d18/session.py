@@ -52,11 +52,11 @@ from typing import Iterable
 
 from ..engine import QuicEngine
 from ..errors import StreamResetCode
-from ..session_base import SessionBase
-from ..state import RequestIdTracker, RequestState
+from ..state import RequestIdTracker
 from ..wire import DEFAULT_MAX_OBJECT_SIZE, TrackNamespace
 from .control import ControlMessageHandling
 from .data import (
+    FetchStreamWriter,
     ObjectDatagram,
     PaddingDatagram,
     SubgroupHeader,
@@ -64,7 +64,7 @@ from .data import (
     decode_datagram,
     encode_padding_stream,
 )
-from .fill import FillServing, FillState
+from .fill import FillServing
 from .messages import (
     ControlStreamParser,
     FetchOk,
@@ -75,14 +75,14 @@ from .messages import (
     SubscribeOk,
 )
 from .profiles import profile
-from .request_state import RequestStream
+from .request_state import FillState, Request18, RequestStream
 from .sending import MessageSending
 from .streams import StreamRouting
 
 __all__ = ["MoqtSession"]
 
 
-class MoqtSession(FillServing, StreamRouting, ControlMessageHandling, MessageSending, SessionBase):
+class MoqtSession(FillServing, StreamRouting, ControlMessageHandling, MessageSending):
     """The MOQT state of one QUIC connection.
 
     `setup` holds the Setup Options to send; a client should set `path` and
@@ -122,7 +122,6 @@ class MoqtSession(FillServing, StreamRouting, ControlMessageHandling, MessageSen
         )
         self._goaway_sent_request_id: int | None = None
         self._peer_ids = RequestIdTracker(1 if is_client else 0)
-        self._requests: dict[int, RequestStream] = {}  # type: ignore[assignment]
         self._stream_requests: dict[int, RequestStream] = {}
         self._request_parsers: dict[int, ControlStreamParser] = {}
         self._update_parent: dict[int, RequestStream] = {}
@@ -142,8 +141,9 @@ class MoqtSession(FillServing, StreamRouting, ControlMessageHandling, MessageSen
     # ------------------------------------------------------------------
 
     def request_stream_id(self, request_id: int) -> int | None:
+        """The stream of a request; None for an unknown one or a fill, which has none."""
         request = self._requests.get(request_id)
-        return None if request is None else request.stream_id
+        return request.stream_id if isinstance(request, RequestStream) else None
 
     # ------------------------------------------------------------------
     # Sending: objects
@@ -153,7 +153,9 @@ class MoqtSession(FillServing, StreamRouting, ControlMessageHandling, MessageSen
         self, stream_id: int, group_id: int, object_id: int, *, unknown: bool = False, end_stream: bool = False
     ) -> None:
         stream = self._new_object(stream_id, fetch=True)
-        marker = stream.writer.end_of_range(group_id, object_id, unknown=unknown)  # type: ignore[union-attr]
+        writer = stream.writer
+        assert isinstance(writer, FetchStreamWriter)  # _new_object() checked it is the fetch writer
+        marker = writer.end_of_range(group_id, object_id, unknown=unknown)
         self._send_data(stream, stream_id, marker, end_stream)
 
     def send_padding_stream(self, size: int) -> None:
@@ -170,45 +172,47 @@ class MoqtSession(FillServing, StreamRouting, ControlMessageHandling, MessageSen
         datagram = decode_datagram(data)
         return None if isinstance(datagram, PaddingDatagram) else datagram
 
-    def _encode_datagram(self, request: RequestState, datagram: ObjectDatagram) -> bytes:
+    def _encode_datagram(self, request: Request18, datagram: ObjectDatagram) -> bytes:
         return datagram.encode()
 
-    def _subgroup_writer(self, request: RequestState, header: SubgroupHeader) -> SubgroupWriter:
+    def _subgroup_writer(self, request: Request18, header: SubgroupHeader) -> SubgroupWriter:
         return SubgroupWriter(header)
 
-    def _track_of(self, request: RequestState) -> tuple[TrackNamespace, bytes]:
-        subscribe: Subscribe = request.message  # type: ignore[attr-defined]
+    def _track_of(self, request: Request18) -> tuple[TrackNamespace, bytes]:
+        assert isinstance(request, RequestStream)  # a subscription, not a fill
+        subscribe = request.message_as(Subscribe)
         return subscribe.namespace, subscribe.track_name
 
-    def _send_answer(self, request: RequestState, message: SubscribeOk | FetchOk) -> None:
+    def _send_answer(self, request: Request18, message: SubscribeOk | FetchOk) -> None:
         if isinstance(request, FillState):
             return  # a fill has no FETCH_OK
-        self._send_on_request(request, message)  # type: ignore[arg-type]
+        self._send_on_request(request, message)
 
-    def _send_publish_done(self, request: RequestState, status_code: int, reason: str) -> None:
+    def _send_publish_done(self, request: Request18, status_code: int, reason: str) -> None:
         """PUBLISH_DONE ends the request stream too."""
+        assert isinstance(request, RequestStream)  # a subscription, not a fill
         request.closed = True
         done = PublishDone(status_code, request.data_streams_opened, reason)
-        self._send_on_request(request, done, end_stream=True)  # type: ignore[arg-type]
+        self._send_on_request(request, done, end_stream=True)
 
-    def _fetch_stream_reset(self, request: RequestState) -> None:
+    def _fetch_stream_reset(self, request: Request18) -> None:
         if isinstance(request, FillState):
             self._end_fill(request, StreamResetCode.CANCELLED)
             return
-        self._cancel(request, StreamResetCode.CANCELLED)  # type: ignore[arg-type]
+        self._cancel(request, StreamResetCode.CANCELLED)
 
-    def _close_request(self, request: RequestState) -> None:
+    def _close_request(self, request: Request18) -> None:
         if isinstance(request, FillState):
             self._end_fill(request)
             return
         request.closed = True
-        self._forget_if_done(request)  # type: ignore[arg-type]
+        self._forget_if_done(request)
 
     # ------------------------------------------------------------------
     # Request stream teardown
     # ------------------------------------------------------------------
 
-    def _maybe_finish_fetch(self, request: RequestStream) -> None:
+    def _maybe_finish_fetch(self, request: Request18) -> None:
         """A fetch ends once it was accepted and its data stream is done."""
         if not request.accepted or request.closed:
             return
@@ -255,7 +259,7 @@ class MoqtSession(FillServing, StreamRouting, ControlMessageHandling, MessageSen
                 pass
             request.fin_received = True
 
-    def _cancel(self, request: RequestStream, error_code: int) -> None:
+    def _cancel(self, request: Request18, error_code: int) -> None:
         if isinstance(request, FillState):
             self._end_fill(request, error_code)
             return
@@ -263,12 +267,12 @@ class MoqtSession(FillServing, StreamRouting, ControlMessageHandling, MessageSen
         self._abort_stream(request, error_code)
         self._forget_if_done(request)
 
-    def _forget_if_done(self, request: RequestStream) -> None:
+    def _forget_if_done(self, request: Request18) -> None:
+        """Drop per-stream state; the request entry stays while data may still refer to it."""
         if isinstance(request, FillState):
             if request.closed and not request.open_data_streams:
                 self._requests.pop(request.request_id, None)
             return
-        """Drop per-stream state; the request entry stays while data may still refer to it."""
         if request.fin_sent and request.fin_received and request.closed:
             self._stream_requests.pop(request.stream_id, None)
             self._request_parsers.pop(request.stream_id, None)

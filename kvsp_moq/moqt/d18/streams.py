@@ -13,17 +13,18 @@ from ..engine import (
     stream_is_unidirectional,
 )
 from ..errors import ProtocolViolation, StreamResetCode
-from ..session_base import SessionBase
 from ..state import IncomingDataStream
 from ..varint import decode_vi64
 from ..wire import GroupOrder
 from .data import STREAM_TYPE_SETUP, DataStreamParser, FetchHeader, PaddingHeader, SubgroupHeader
 from .messages import ControlStreamParser, Fetch, SubscribeNamespace
+from .request_state import Request18
+from .session_state import SessionState
 
 __all__ = ["StreamRouting"]
 
 
-class StreamRouting(SessionBase):
+class StreamRouting(SessionState):
     """Part of `MoqtSession`: QUIC stream events, by the stream they concern."""
 
     def _is_control_event(self, event: QuicEvent) -> bool:
@@ -85,7 +86,7 @@ class StreamRouting(SessionBase):
             fetch_group_order=self._fetch_order_of,
             timed_out_range=self.profile.timed_out_range,
         )
-        data_stream = IncomingDataStream(parser)
+        data_stream: IncomingDataStream[Request18] = IncomingDataStream(parser)
         self._incoming_data[sid] = data_stream
         if self.peer_setup is None:
             self._hold_before_setup(StreamDataReceived(data=bytes(prefix), end_stream=event.end_stream, stream_id=sid))
@@ -135,7 +136,7 @@ class StreamRouting(SessionBase):
             if not self._forget_held(request):
                 out.append(ev.RequestCancelled(request.request_id, event.error_code, request.local))
             if request.local and request.kind is SubscribeNamespace:
-                prefix = request.message.namespace_prefix  # type: ignore[attr-defined]
+                prefix = request.message_as(SubscribeNamespace).namespace_prefix
                 for suffix in sorted(request.namespaces):
                     out.append(ev.NamespaceDoneReceived(request.request_id, suffix, prefix + suffix))
                 request.namespaces.clear()

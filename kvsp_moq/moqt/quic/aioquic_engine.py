@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import socket
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import aioquic
 from aioquic import tls
@@ -128,7 +128,9 @@ class _ChunkedStreamSender(QuicStreamSender):
         except IndexError:
             if self._pending_eof:
                 self._pending_eof = False
-                return QuicStreamFrame(fin=True, offset=self._buffer_fin)
+                fin = self._buffer_fin
+                assert fin is not None  # a pending FIN has its offset
+                return QuicStreamFrame(fin=True, offset=fin)
             self.buffer_is_empty = True
             return None
         start = r.start
@@ -175,7 +177,8 @@ class _ChunkedStreamSender(QuicStreamSender):
         chunks, starts, head = self._chunks, self._starts, self._head
         acknowledged = self._buffer_start
         count = len(chunks)
-        while head < count and starts[head] + len(chunks[head]) <= acknowledged:  # type: ignore[arg-type]
+        # chunks[head:] are all present: only acknowledged ones (before head) are None
+        while head < count and starts[head] + len(chunks[head]) <= acknowledged:  # type: ignore[arg-type]  # see above
             chunks[head] = None
             head += 1
         if head >= 64 and head * 2 >= count:
@@ -196,7 +199,7 @@ def _chunked(stream: QuicStream) -> QuicStream:
         and not sender._buffer
     ):
         sender.__class__ = _ChunkedStreamSender
-        sender._init_chunks()  # type: ignore[attr-defined]
+        cast(_ChunkedStreamSender, sender)._init_chunks()
     return stream
 
 
@@ -255,7 +258,7 @@ class _ConsumptionWindowConnection(QuicConnection):
         super().send_datagram_frame(data)
         self.output_pending = True
 
-    def _write_application(self, builder, network_path, now: float) -> None:  # type: ignore[no-untyped-def]
+    def _write_application(self, builder, network_path, now: float) -> None:
         if self.output_pending:
             self.output_pending = False
             space = self._spaces.get(tls.Epoch.ONE_RTT)
@@ -316,7 +319,7 @@ class _ConsumptionWindowConnection(QuicConnection):
         recovery._cc.bytes_in_flight = in_flight
         recovery._pacer = QuicPacketPacer(max_datagram_size=size)
 
-    def _write_connection_limits(self, builder, space) -> None:  # type: ignore[no-untyped-def]
+    def _write_connection_limits(self, builder, space) -> None:
         max_data = self._local_max_data
         wanted = max_data.used - self.held_total + self.connection_window
         if wanted > max_data.value + self.connection_window // 8:
@@ -334,7 +337,7 @@ class _ConsumptionWindowConnection(QuicConnection):
                 buf.push_uint_var(limit.value)
                 limit.sent = limit.value
 
-    def _write_stream_limits(self, builder, space, stream) -> None:  # type: ignore[no-untyped-def]
+    def _write_stream_limits(self, builder, space, stream) -> None:
         if stream.max_stream_data_local:
             wanted = (
                 stream.receiver.starting_offset()
@@ -418,7 +421,7 @@ class _LongFrameConnection(_ConsumptionWindowConnection):
     Both methods are aioquic 1.7.2's, changed only where said.
     """
 
-    def _write_stream_frame(self, builder, space, stream, max_offset: int) -> int:  # type: ignore[no-untyped-def]
+    def _write_stream_frame(self, builder, space, stream, max_offset: int) -> int:
         sender = stream.sender
         # 1 byte of frame type and up to 4 of Length (a datagram is below 2**30 bytes);
         # aioquic reserves 2 for the Length.
@@ -451,7 +454,7 @@ class _LongFrameConnection(_ConsumptionWindowConnection):
             builder.quic_logger_frames.append(self._quic_logger.encode_stream_frame(frame, stream_id=stream.stream_id))
         return sender.highest_offset - previous_send_highest
 
-    def _write_crypto_frame(self, builder, space, stream) -> bool:  # type: ignore[no-untyped-def]
+    def _write_crypto_frame(self, builder, space, stream) -> bool:
         frame_overhead = 3 + size_uint_var(stream.sender.next_offset)
         room = min(builder.remaining_flight_space, _CRYPTO_FRAME_LIMIT)  # aioquic: no min()
         frame = stream.sender.get_frame(room - frame_overhead)
@@ -536,6 +539,8 @@ def load_certificate(configuration: QuicConfiguration, certificate: SelfSignedCe
         configuration.certificate = certificate.certificate
         configuration.private_key = certificate.private_key
     else:
+        if certfile is None:
+            raise ValueError("a server needs a certificate")
         configuration.load_cert_chain(certfile, keyfile)
 
 
@@ -556,25 +561,24 @@ def wrap(quic: QuicConnection, settings: QuicSettings) -> "AioquicEngine":
 
 
 def _translate(event: aq.QuicEvent) -> qe.QuicEvent | None:
-    kind = type(event)
-    if kind is aq.StreamReset:
-        return qe.StreamReset(event.error_code, event.stream_id)  # type: ignore[attr-defined]
-    if kind is aq.StopSendingReceived:
-        return qe.StopSendingReceived(event.error_code, event.stream_id)  # type: ignore[attr-defined]
-    if kind is aq.DatagramFrameReceived:
-        return qe.DatagramFrameReceived(event.data)  # type: ignore[attr-defined]
-    if kind is aq.ProtocolNegotiated:
-        return qe.ProtocolNegotiated(event.alpn_protocol)  # type: ignore[attr-defined]
-    if kind is aq.HandshakeCompleted:
-        return qe.HandshakeCompleted(event.alpn_protocol)  # type: ignore[attr-defined]
-    if kind is aq.PingAcknowledged:
-        return qe.PingAcknowledged(event.uid)  # type: ignore[attr-defined]
-    if kind is aq.ConnectionTerminated:
-        return qe.ConnectionTerminated(event.error_code, event.frame_type, event.reason_phrase)  # type: ignore[attr-defined]
-    if kind is aq.ConnectionIdIssued:
-        return qe.ConnectionIdIssued(event.connection_id)  # type: ignore[attr-defined]
-    if kind is aq.ConnectionIdRetired:
-        return qe.ConnectionIdRetired(event.connection_id)  # type: ignore[attr-defined]
+    if type(event) is aq.StreamReset:
+        return qe.StreamReset(event.error_code, event.stream_id)
+    if type(event) is aq.StopSendingReceived:
+        return qe.StopSendingReceived(event.error_code, event.stream_id)
+    if type(event) is aq.DatagramFrameReceived:
+        return qe.DatagramFrameReceived(event.data)
+    if type(event) is aq.ProtocolNegotiated:
+        return qe.ProtocolNegotiated(event.alpn_protocol)
+    if type(event) is aq.HandshakeCompleted:
+        return qe.HandshakeCompleted(event.alpn_protocol)
+    if type(event) is aq.PingAcknowledged:
+        return qe.PingAcknowledged(event.uid)
+    if type(event) is aq.ConnectionTerminated:
+        return qe.ConnectionTerminated(event.error_code, event.frame_type, event.reason_phrase)
+    if type(event) is aq.ConnectionIdIssued:
+        return qe.ConnectionIdIssued(event.connection_id)
+    if type(event) is aq.ConnectionIdRetired:
+        return qe.ConnectionIdRetired(event.connection_id)
     return None
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-from typing import Any, Awaitable, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable, Mapping
 
 from .. import events as ev
 from ..d14.session import MoqtSession14
@@ -29,7 +29,6 @@ from ..engine import (
 from ..errors import (
     InternalRequestError,
     KvspError,
-    as_request_error,
     NotSupported,
     PublishDoneError,
     RequestError,
@@ -37,6 +36,7 @@ from ..errors import (
     SessionCloseCode,
     SessionClosed,
     StreamClosed,
+    as_request_error,
     request_error_for,
 )
 from ..wire import (
@@ -75,6 +75,9 @@ from .subscriber import (
     TrackSubscriptions,
 )
 
+if TYPE_CHECKING:
+    from ..session_base import SessionBase
+
 __all__ = ["Handler", "MoqtConnection"]
 
 logger = logging.getLogger("kvsp_moq.moqt.quic")
@@ -99,7 +102,7 @@ class MoqtConnection(ConnectionCore):
         *,
         settings: QuicSettings | None = None,
         setup: Setup | None = None,
-        handlers: dict[str, Handler] | None = None,
+        handlers: Mapping[str, Handler] | None = None,
         accept_path: Iterable[str] | None = None,
         max_auth_token_cache_size: int = 0,
         on_session: Callable[["MoqtConnection"], None] | None = None,
@@ -127,7 +130,7 @@ class MoqtConnection(ConnectionCore):
     @property
     def engine(self) -> str:
         """The QUIC engine's name ("aioquic", "qh3")."""
-        return self._quic.name
+        return self._quic.name  # type: ignore[attr-defined]  # both adapters set it; EngineConnection omits it
 
     # -- handlers -----------------------------------------------------------
 
@@ -206,7 +209,9 @@ class MoqtConnection(ConnectionCore):
             )
             return None
         self.draft = draft
-        return session_class(draft)(
+        # The base class's constructor takes no defaults; each draft's session gives them.
+        factory: Callable[..., SessionBase] = session_class(draft)
+        session = factory(
             self._quic,
             is_client=self.is_client,
             draft=draft,
@@ -215,8 +220,10 @@ class MoqtConnection(ConnectionCore):
             max_auth_token_cache_size=self._max_auth_token_cache_size,
             accept_path=self._accept_path,
         )
+        assert isinstance(session, (MoqtSession, MoqtSession14))
+        return session
 
-    def datagram_received(self, data: bytes | str, addr: Any) -> None:
+    def datagram_received(self, data: bytes, addr: Any) -> None:
         super().datagram_received(data, addr)
         if self._drain_waiters:
             self.wake_writers()
@@ -233,57 +240,58 @@ class MoqtConnection(ConnectionCore):
 
     def on_moqt_event(self, event: ev.MoqtEvent) -> None:
         kind = type(event)
-        if kind is ev.ObjectReceived:
-            subscription = self.subscriptions.get(event.request_id)  # type: ignore[attr-defined]
+        # `type(event) is X` (not isinstance): events have no subclasses, and this narrows too.
+        if type(event) is ev.ObjectReceived:
+            subscription = self.subscriptions.get(event.request_id)
             if subscription is not None:
-                subscription._object(event)  # type: ignore[arg-type]
-        elif kind is ev.FetchObjectReceived:
-            fetch = self.fetches.get(event.request_id)  # type: ignore[attr-defined]
+                subscription._object(event)
+        elif type(event) is ev.FetchObjectReceived:
+            fetch = self.fetches.get(event.request_id)
             if fetch is not None:
-                fetch._object(event)  # type: ignore[arg-type]
-        elif kind is ev.SubgroupStreamOpened:
-            subscription = self.subscriptions.get(event.request_id)  # type: ignore[attr-defined]
+                fetch._object(event)
+        elif type(event) is ev.SubgroupStreamOpened:
+            subscription = self.subscriptions.get(event.request_id)
             if subscription is not None:
-                subscription._stream_opened(event.stream_id)  # type: ignore[attr-defined]
-        elif kind is ev.DataStreamEnded:
-            self._on_stream_ended(event)  # type: ignore[arg-type]
+                subscription._stream_opened(event.stream_id)
+        elif type(event) is ev.DataStreamEnded:
+            self._on_stream_ended(event)
         elif kind in INCOMING:
             self._dispatch_request(event)
-        elif kind is ev.SetupCompleted:
+        elif type(event) is ev.SetupCompleted:
             if not self._ready.done():
-                self._ready.set_result(event.setup)  # type: ignore[attr-defined]
-        elif kind is ev.SessionTerminated:
-            self.fail_all(SessionClosed(event.reason or "session closed", error_code=event.error_code))  # type: ignore[attr-defined]
+                self._ready.set_result(event.setup)
+        elif type(event) is ev.SessionTerminated:
+            self.fail_all(SessionClosed(event.reason or "session closed", error_code=event.error_code))
         elif kind in (ev.SubscribeAccepted, ev.FetchAccepted, ev.RequestAccepted, ev.RequestRejected):
             self._on_answer(event)
-        elif kind is ev.PublishDoneReceived:
-            subscription = self.subscriptions.get(event.request_id)  # type: ignore[attr-defined]
+        elif type(event) is ev.PublishDoneReceived:
+            subscription = self.subscriptions.get(event.request_id)
             if subscription is not None:
-                subscription._publish_done(event)  # type: ignore[arg-type]
-        elif kind is ev.RequestCancelled:
-            self._on_cancelled(event)  # type: ignore[arg-type]
-        elif kind is ev.PublishBlockedReceived:
-            subscription = self.namespace_subscriptions.get(event.request_id)  # type: ignore[attr-defined]
-            if subscription is not None:
-                subscription._items.put_nowait(BlockedTrack(event.namespace, event.track_name))  # type: ignore[attr-defined]
-        elif kind in (ev.NamespaceReceived, ev.NamespaceDoneReceived):
-            subscription = self.namespace_subscriptions.get(event.request_id)  # type: ignore[attr-defined]
-            if subscription is not None:
-                subscription._items.put_nowait(NamespaceUpdate(event.namespace, kind is ev.NamespaceReceived))  # type: ignore[attr-defined]
-        elif kind is ev.FetchRangeReceived:
-            fetch = self.fetches.get(event.request_id)  # type: ignore[attr-defined]
+                subscription._publish_done(event)
+        elif type(event) is ev.RequestCancelled:
+            self._on_cancelled(event)
+        elif type(event) is ev.PublishBlockedReceived:
+            namespaces = self.namespace_subscriptions.get(event.request_id)
+            if namespaces is not None:
+                namespaces._items.put_nowait(BlockedTrack(event.namespace, event.track_name))
+        elif type(event) is ev.NamespaceReceived or type(event) is ev.NamespaceDoneReceived:
+            namespaces = self.namespace_subscriptions.get(event.request_id)
+            if namespaces is not None:
+                namespaces._items.put_nowait(NamespaceUpdate(event.namespace, kind is ev.NamespaceReceived))
+        elif type(event) is ev.FetchRangeReceived:
+            fetch = self.fetches.get(event.request_id)
             if fetch is not None:
-                fetch.ranges.append(event)  # type: ignore[arg-type]
-        elif kind is ev.RequestUpdateReceived:
-            self._on_update(event)  # type: ignore[arg-type]
-        elif kind is ev.DataStreamStopped:
-            self.writing.discard(event.stream_id)  # type: ignore[attr-defined]
+                fetch.ranges.append(event)
+        elif type(event) is ev.RequestUpdateReceived:
+            self._on_update(event)
+        elif type(event) is ev.DataStreamStopped:
+            self.writing.discard(event.stream_id)
             self.wake_writers()
-        elif kind is ev.GoawayReceived:
-            if event.request_id is None:  # type: ignore[attr-defined]
-                self.goaway = event  # type: ignore[assignment]
+        elif type(event) is ev.GoawayReceived:
+            if event.request_id is None:
+                self.goaway = event
             if self.on_goaway is not None:
-                self.on_goaway(event)  # type: ignore[arg-type]
+                self.on_goaway(event)
 
     def _on_stream_ended(self, event: ev.DataStreamEnded) -> None:
         if event.request_id is None:
@@ -330,7 +338,9 @@ class MoqtConnection(ConnectionCore):
                 future.set_exception(request_error_for(RequestErrorCode.INTERNAL_ERROR, "cancelled by the peer"))
             subscription = self.subscriptions.get(rid)
             if subscription is not None:
-                subscription._finish(PublishDoneError("subscription cancelled by the publisher", error_code=event.error_code))
+                subscription._finish(
+                    PublishDoneError("subscription cancelled by the publisher", error_code=event.error_code)
+                )
             fetch = self.fetches.get(rid)
             if fetch is not None:
                 fetch._finish(error)
@@ -360,7 +370,7 @@ class MoqtConnection(ConnectionCore):
 
     def _update_target(self, request_id: int) -> Any:
         for table in (self.outgoing, self.subscriptions, self.fetch_senders, self.registrations):
-            target = table.get(request_id)  # type: ignore[attr-defined]
+            target = table.get(request_id)
             if target is not None:
                 return target
         return None
@@ -586,7 +596,9 @@ class MoqtConnection(ConnectionCore):
         parameters = Parameters(authorization_tokens=token_parameters(authorization))
         request_id = session.track_status(namespace_of(namespace), name, parameters)
         accepted = await self.await_answer(request_id, self.begin_request(request_id), timeout)
-        return TrackStatusInfo(accepted.parameters.largest_object, accepted.track_properties, accepted.parameters.expires)
+        return TrackStatusInfo(
+            accepted.parameters.largest_object, accepted.track_properties, accepted.parameters.expires
+        )
 
     async def subscribe_namespace(
         self, prefix: TrackNamespace | Iterable[bytes | str], *, authorization: Any = None, timeout: float | None = None
@@ -621,7 +633,11 @@ class MoqtConnection(ConnectionCore):
     # -- publisher API --------------------------------------------------------
 
     async def publish_namespace(
-        self, namespace: TrackNamespace | Iterable[bytes | str], *, authorization: Any = None, timeout: float | None = None
+        self,
+        namespace: TrackNamespace | Iterable[bytes | str],
+        *,
+        authorization: Any = None,
+        timeout: float | None = None,
     ) -> PublishedNamespace:
         """PUBLISH_NAMESPACE and wait for REQUEST_OK; raises RequestError on refusal."""
         session = self.live_session()
@@ -656,8 +672,12 @@ class MoqtConnection(ConnectionCore):
             largest_object=None if largest is None else Location(*largest),
             forward=forward,
         )
-        request_id = session.publish(namespace_of(namespace), name, parameters=parameters, track_properties=track_properties)
-        outgoing = OutgoingSubscription(self, request_id, session.track_alias_of(request_id))  # type: ignore[arg-type]
+        request_id = session.publish(
+            namespace_of(namespace), name, parameters=parameters, track_properties=track_properties
+        )
+        alias = session.track_alias_of(request_id)
+        assert alias is not None  # publish() gave the request its alias
+        outgoing = OutgoingSubscription(self, request_id, alias)
         outgoing.track_properties = track_properties
         outgoing.largest = parameters.largest_object
         self.outgoing[request_id] = outgoing

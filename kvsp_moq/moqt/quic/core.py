@@ -282,6 +282,5 @@ def token_parameters(authorization: bytes | str | AuthToken | Iterable[Any] | No
     token values (bytes or str), AuthTokens, or an iterable of either."""
     if authorization is None:
         return ()
-    if isinstance(authorization, (bytes, str, AuthToken)):
-        authorization = [authorization]
-    return tuple(t if isinstance(t, AuthToken) else AuthToken.use_value(t) for t in authorization)
+    tokens: Iterable[Any] = [authorization] if isinstance(authorization, (bytes, str, AuthToken)) else authorization
+    return tuple(t if isinstance(t, AuthToken) else AuthToken.use_value(t) for t in tokens)

@@ -14,7 +14,7 @@ import asyncio
 import ipaddress
 import socket
 import ssl
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 from urllib.parse import urlsplit
 
 from ..certs import SelfSignedCertificate
@@ -71,7 +71,7 @@ async def connect(
     cafile: str | None = None,
     server_name: str | None = None,
     authorization: Any = None,
-    handlers: dict[str, Handler] | None = None,
+    handlers: Mapping[str, Handler] | None = None,
     implementation: str | None = None,
     timeout: float | None = None,
     drafts: Iterable[int] | None = None,
@@ -110,12 +110,13 @@ async def connect(
     loop = asyncio.get_running_loop()
     infos = await loop.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
     family, _, _, _, address = infos[0]
+    remote_host = str(address[0])  # an IPv4 or IPv6 address: the family is AF_INET or AF_INET6
     configuration = settings.quic_configuration(
-        is_client=True, drafts=offered, host=address[0], server_name=server_name or host,
+        is_client=True, drafts=offered, host=remote_host, server_name=server_name or host,
         **_ssl_verify_settings(verify, cadata, cafile),
     )
     quic = engine.client_connection(configuration, settings)
-    sock = _udp_socket(family, _local_bind_address(family, address[0]), settings)
+    sock = _udp_socket(family, _local_bind_address(family, remote_host), settings)
     try:
         _, protocol = await engine.create_endpoint(
             loop,
@@ -126,7 +127,7 @@ async def connect(
     except BaseException:
         sock.close()
         raise
-    connection: MoqtConnection = protocol  # type: ignore[assignment]
+    connection: MoqtConnection = protocol
     connection.connect(address)
     try:
         limit = settings.handshake_timeout if timeout is None else timeout
@@ -194,7 +195,7 @@ async def serve(
     certfile: str | None = None,
     keyfile: str | None = None,
     settings: QuicSettings | None = None,
-    handlers: dict[str, Handler] | None = None,
+    handlers: Mapping[str, Handler] | None = None,
     on_connection: Callable[[MoqtConnection], None] | None = None,
     accept_path: Iterable[str] | None = None,
     max_auth_token_cache_size: int = 0,
@@ -243,7 +244,7 @@ async def serve(
         sock.close()
         raise
     bound = sock.getsockname()
-    server = MoqtServer(protocol, transport, bound[0], bound[1])  # type: ignore[arg-type]
+    server = MoqtServer(protocol, transport, bound[0], bound[1])
     server_ref.append(server)
     return server
 

@@ -10,7 +10,7 @@ several (`datagrams_received`, GRO or recvmmsg) hands them over together.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 from ..engine import (
     ConnectionIdIssued,
@@ -68,6 +68,8 @@ class QuicProtocol(asyncio.DatagramProtocol):
         A waiter its caller gave up on (a probe's timeout) has its failure retrieved when
         the connection ends, instead of asyncio reporting "Future exception was never
         retrieved" for every vanished peer."""
+        if self._closed.is_set():
+            raise ConnectionError("connection closed")
         waiter = self._loop.create_future()
         waiter.add_done_callback(_retrieve)
         uid = id(waiter)
@@ -130,13 +132,13 @@ class QuicProtocol(asyncio.DatagramProtocol):
     # -- asyncio.DatagramProtocol ------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = transport  # type: ignore[assignment]
+        self._transport = cast(asyncio.DatagramTransport, transport)  # a datagram endpoint's
         self._sendto_many = getattr(transport, "sendto_many", None)
 
-    def datagram_received(self, data: bytes | str, addr: Any) -> None:
+    def datagram_received(self, data: bytes, addr: Any) -> None:
         # Transmit once at the end of the loop iteration: one batch (and one ACK) for a
         # burst of datagrams.
-        self._quic.receive_datagram(data, addr, now=self._loop.time())  # type: ignore[arg-type]
+        self._quic.receive_datagram(data, addr, now=self._loop.time())
         self._process_events()
         self.transmit_soon()
 
@@ -163,15 +165,15 @@ class QuicProtocol(asyncio.DatagramProtocol):
         handle = self.quic_event_received
         event = quic.next_event()
         while event is not None:
-            kind = type(event)
+            kind = type(event)  # compared, not isinstance'd: this runs for every event
             if kind is PingAcknowledged:
-                waiter = self._ping_waiters.pop(event.uid, None)  # type: ignore[union-attr]
+                waiter = self._ping_waiters.pop(cast(PingAcknowledged, event).uid, None)
                 if waiter is not None and not waiter.done():
                     waiter.set_result(None)
             elif kind is ConnectionIdIssued:
-                self._connection_id_issued_handler(event.connection_id)  # type: ignore[union-attr]
+                self._connection_id_issued_handler(cast(ConnectionIdIssued, event).connection_id)
             elif kind is ConnectionIdRetired:
-                self._connection_id_retired_handler(event.connection_id)  # type: ignore[union-attr]
+                self._connection_id_retired_handler(cast(ConnectionIdRetired, event).connection_id)
             elif kind is ConnectionTerminated:
                 self._connection_terminated_handler()
                 for waiter in self._ping_waiters.values():

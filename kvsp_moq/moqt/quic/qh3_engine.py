@@ -41,7 +41,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import qh3.asyncio.server as _server_module
 import qh3.quic.connection as _connection_module
@@ -131,12 +131,13 @@ class _Connection(QuicConnection):
     def _create_tls(self, remote_source_cid: bytes | None) -> QuicTlsBridge:
         bridge = super()._create_tls(remote_source_cid)
         bridge.__class__ = _TlsBridge  # made by qh3 and not started yet: only the method differs
-        bridge.max_streams = self.max_streams  # type: ignore[attr-defined]
+        ours = cast(_TlsBridge, bridge)
+        ours.max_streams = self.max_streams
         # The parameters were encoded as the bridge was made: encode them again, ours.
-        bridge.tls.handshake_extensions = [
-            (tls.ExtensionType.QUIC_TRANSPORT_PARAMETERS, bridge.serialize_transport_parameters())
+        ours.tls.handshake_extensions = [
+            (tls.ExtensionType.QUIC_TRANSPORT_PARAMETERS, ours.serialize_transport_parameters())
         ]
-        return bridge
+        return ours
 
     def _create_core(self, *args: Any, **kwargs: Any) -> None:
         if not self.max_streams:
@@ -150,11 +151,11 @@ class _Connection(QuicConnection):
             return native(*values_list)
 
         # qh3 builds its core with fixed positional arguments: swap the name for this call.
-        _connection_module.QuicConnectionCore = core  # type: ignore[assignment]
+        _connection_module.QuicConnectionCore = core  # type: ignore[misc, assignment]  # deliberate swap
         try:
             return super()._create_core(*args, **kwargs)
         finally:
-            _connection_module.QuicConnectionCore = native
+            _connection_module.QuicConnectionCore = native  # type: ignore[misc]  # and back
 
 
 def _not_a_normal_close(record: logging.LogRecord) -> bool:
@@ -197,7 +198,9 @@ def load_certificate(configuration: QuicConfiguration, certificate: SelfSignedCe
     if certificate is not None:
         configuration.load_cert_chain(certificate.certificate_pem, certificate.private_key_pem)
     else:
-        configuration.load_cert_chain(certfile, keyfile)  # type: ignore[arg-type]
+        if certfile is None:
+            raise ValueError("a server needs a certificate")
+        configuration.load_cert_chain(certfile, keyfile)
 
 
 def client_connection(configuration: QuicConfiguration, settings: QuicSettings) -> "Qh3Engine":
@@ -237,11 +240,11 @@ class QuicServer(_Qh3Server):
 
     def datagram_received(self, data: bytes | str, addr: Any) -> None:
         # qh3's server makes a new connection by its module's name: ours, for this call.
-        _server_module.QuicConnection = _Connection  # type: ignore[misc]
+        _server_module.QuicConnection = _Connection  # type: ignore[misc]  # deliberate swap of a class
         try:
             super().datagram_received(data, addr)
         finally:
-            _server_module.QuicConnection = QuicConnection  # type: ignore[misc]
+            _server_module.QuicConnection = QuicConnection  # type: ignore[misc]  # and back
 
     def datagrams_received(self, datagrams: list[bytes], addr: Any) -> None:
         protocols = self._protocols
@@ -309,7 +312,11 @@ class Qh3Engine:
         self.receive_datagrams = quic.receive_many_datagrams
         self.get_timer = quic.get_timer
         self.handle_timer = quic.handle_timer
-        self.send_ping = quic.send_ping
+
+    def send_ping(self, uid: int) -> None:
+        # A ping on a closing connection is never acknowledged: its waiter fails when the
+        # connection ends, as on aioquic, instead of the call raising.
+        _unless_closed(self.quic.send_ping, uid)
 
     def close(self, error_code: int = 0, reason_phrase: str = "") -> None:
         if isinstance(self.quic, _Connection):
@@ -395,10 +402,9 @@ class Qh3Engine:
             event = next_event()
             if event is None:
                 return None
-            kind = type(event)
-            if kind is q3.StreamDataReceived:
+            if type(event) is q3.StreamDataReceived:
                 return qe.StreamDataReceived(event.data, event.end_stream, event.stream_id)
-            convert = _EVENTS.get(kind)
+            convert = _EVENTS.get(type(event))
             if convert is not None:
                 return convert(event)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, AsyncIterator, TypeVar
+from typing import TYPE_CHECKING, Any, AsyncIterator, TypeVar, cast
 
 from .. import events as ev
 from ..d18.messages import Parameters
@@ -70,9 +70,11 @@ class _ObjectQueue:
         self._ended = False
 
     def push(self, obj: MoqtObject, stream_id: int | None) -> None:
-        held = len(obj.payload) if stream_id is not None else 0
-        if held:
-            self._connection.hold(stream_id, held)  # type: ignore[attr-defined]
+        held = 0
+        if stream_id is not None:
+            held = len(obj.payload)
+            if held:
+                self._connection.hold(stream_id, held)
         self._items.append((obj, stream_id, held))
         self._wake()
 
@@ -124,16 +126,16 @@ class _ObjectQueue:
         if not self._items:
             return None
         obj, stream_id, held = self._items.popleft()
-        if held:
-            self._connection.consumed(stream_id, held)  # type: ignore[arg-type]
+        if held and stream_id is not None:  # only stream objects hold bytes
+            self._connection.consumed(stream_id, held)
         return obj
 
     def discard(self) -> None:
         """Drop queued objects, returning their flow-control credit."""
         while self._items:
             _, stream_id, held = self._items.popleft()
-            if held:
-                self._connection.consumed(stream_id, held)  # type: ignore[arg-type]
+            if held and stream_id is not None:
+                self._connection.consumed(stream_id, held)
 
 
 class Subscription:
@@ -280,7 +282,8 @@ class Subscription:
             self._streams_ended += 1
         subgroup = self._subgroups.pop(event.stream_id, None)
         if subgroup is not None and not event.reset and not self._finished:
-            self._queue.push(SubgroupEnd(*subgroup), None)  # type: ignore[arg-type]
+            # It rides the object queue; __anext__ yields it only when `subgroup_ends` is set.
+            self._queue.push(SubgroupEnd(*subgroup), None)  # type: ignore[arg-type]  # not a MoqtObject
         if event.reset and event.error_code == StreamResetCode.DELIVERY_TIMEOUT:
             # Objects that outlived a delivery timeout are dropped, the
             # subscription goes on.
@@ -317,7 +320,9 @@ class Subscription:
     def _grace_expired(self) -> None:
         if not self._finished:
             self._complete()
-            self.connection.session.release(self.request_id)  # type: ignore[union-attr]
+            session = self.connection.session
+            if session is not None:  # always set once a subscription exists
+                session.release(self.request_id)
 
     def _complete(self) -> None:
         done = self.done
@@ -516,11 +521,12 @@ class TrackSubscriptions(NamespaceSubscription):
     BlockedTrack notices. The PUBLISHes it covers come here, not to the "publish" handler;
     `cancel()` refuses those still queued."""
 
-    def __aiter__(self) -> AsyncIterator["IncomingPublish | BlockedTrack"]:  # type: ignore[override]
+    # Its items are the peer's PUBLISHes and BlockedTrack notices, not NamespaceUpdates.
+    def __aiter__(self) -> AsyncIterator["IncomingPublish | BlockedTrack"]:  # type: ignore[override]  # items differ
         return self
 
-    async def __anext__(self) -> "IncomingPublish | BlockedTrack":  # type: ignore[override]
-        return await super().__anext__()  # type: ignore[return-value]
+    async def __anext__(self) -> "IncomingPublish | BlockedTrack":  # type: ignore[override]  # items differ
+        return cast("IncomingPublish | BlockedTrack", await super().__anext__())
 
     def covers(self, namespace: TrackNamespace) -> bool:
         return tuple(namespace[:len(self.prefix)]) == tuple(self.prefix)

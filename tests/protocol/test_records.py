@@ -2,12 +2,23 @@ import hashlib
 import uuid
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvsp_moq.errors import BadRecord
 from kvsp_moq.protocol.records import (
-    InstanceStatus, LeaseGrant, LeaseRequest, LookupRequest, PrefetchDirective, ReplicaRecord,
-    ReshardDecision, ReshardPlan, SessionCheckpoint, ShardMap, parse_reshard, replica_id,
+    InstanceStatus,
+    LeaseGrant,
+    LeaseRequest,
+    LookupRequest,
+    PrefetchDirective,
+    ReplicaRecord,
+    ReshardDecision,
+    ReshardPlan,
+    SessionCheckpoint,
+    ShardMap,
+    parse_reshard,
+    replica_id,
 )
 
 LD = [hashlib.sha256(bytes([i])).hexdigest() for i in range(4)]

@@ -15,7 +15,7 @@ from kvsp_moq.cli import main
 from kvsp_moq.protocol.compat import CompatDescriptor
 from kvsp_moq.protocol.keys import block_keys, scope_id
 from kvsp_moq.web import BackgroundServer
-from tests.core.fixtures import DESCRIPTOR
+from tests.fixtures import DESCRIPTOR
 
 KEY_A = bytes([0x11]) * 32
 KEY_B = bytes(range(40))

@@ -10,9 +10,8 @@ import random
 from kvsp_moq.moqt.quic import connect
 from kvsp_moq.moqt.wire import GroupOrder, Location
 from kvsp_moq.naming import BlockTrack
+from tests.block_tracks import CERT, SCOPE, STEP, stored, system
 from tests.random_requests import outcome, random_filter, read_some, watching_logs
-
-from .test_moqt_blocks import CERT, SCOPE, STEP, stored, system
 
 REQUESTS = 120
 READ = 0.15

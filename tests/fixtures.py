@@ -1,4 +1,5 @@
-"""Shared test inputs for the core."""
+"""Shared test inputs: a Compatibility Descriptor that the protocol, CLI, holder, tool and
+Index Service tests all use."""
 
 DESCRIPTOR = {
     "model": "llama-tiny",

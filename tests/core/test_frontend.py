@@ -8,9 +8,7 @@ import pytest
 
 from kvsp_moq.errors import TransportError
 from kvsp_moq.frontend import FrontEnd, StreamCursor, Token
-
-from tests.pc.fakes import (checkpoint, fake_agents, ndjson, new_session, pc_server,
-                            status, status_path)
+from tests.pc.fakes import checkpoint, fake_agents, ndjson, new_session, pc_server, status, status_path
 
 
 def test_cursor_rules():

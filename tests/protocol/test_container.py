@@ -3,7 +3,8 @@ import struct
 
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvsp_moq.errors import BadContainer, DigestMismatch, LayersUnavailable
 from kvsp_moq.protocol.container import Container, encode, iter_encoded, replica_digest
@@ -116,14 +117,14 @@ def test_any_bytes_give_a_container_or_a_clean_error(data):
         return
     assert c.layer_digests() is not None
     assert len(encode(c.first_layer, c.token_count,
-                      [(bytes(l.k), bytes(l.v)) for l in c.layers()], codec=c.codec)) == len(data)
+                      [(bytes(layer.k), bytes(layer.v)) for layer in c.layers()], codec=c.codec)) == len(data)
 
 
 @given(st.lists(st.tuples(st.binary(max_size=40), st.binary(max_size=40)), max_size=6),
        st.integers(0, 2**32 - 7), st.integers(0, 2**32 - 1), st.integers(0, 0xFFFF))
 def test_round_trip(layers, first, tokens, codec):
     c = Container(encode(first, tokens, layers, codec=codec))
-    assert [(bytes(l.k), bytes(l.v)) for l in c.layers()] == layers
+    assert [(bytes(layer.k), bytes(layer.v)) for layer in c.layers()] == layers
     assert (c.first_layer, c.token_count, c.codec) == (first, tokens, codec)
 
 

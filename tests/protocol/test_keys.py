@@ -4,11 +4,16 @@ import struct
 
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvsp_moq.errors import BadRecord
 from kvsp_moq.protocol.keys import (
-    BlockKeyChain, block_keys, parse_scope_key_hex, scope_id, tokens_to_bytes,
+    BlockKeyChain,
+    block_keys,
+    parse_scope_key_hex,
+    scope_id,
+    tokens_to_bytes,
 )
 
 KEY = bytes(range(32))

@@ -5,9 +5,13 @@ import pytest
 
 from kvsp_moq.errors import BadDescriptor
 from kvsp_moq.protocol.compat import (
-    CompatDescriptor, canonical_number, content_digest, format_positional, model_digest,
+    CompatDescriptor,
+    canonical_number,
+    content_digest,
+    format_positional,
+    model_digest,
 )
-from tests.core.fixtures import DESCRIPTOR
+from tests.fixtures import DESCRIPTOR
 
 
 def plain_jcs(d: dict) -> bytes:
@@ -97,6 +101,7 @@ def test_model_digest_streams_files_in_name_byte_order(tmp_path):
     # the caller reads the files; compat only hashes what it is given, chunk by chunk
     assert model_digest((p.name, iter([p.read_bytes()[:3], p.read_bytes()[3:]]))
                         for p in files) == expected
-    assert content_digest([(tmp_path / "a.safetensors").read_bytes()]) == "sha-256:" + hashlib.sha256(b"second").hexdigest()
+    assert content_digest([(tmp_path / "a.safetensors").read_bytes()]) == (
+        "sha-256:" + hashlib.sha256(b"second").hexdigest())
     with pytest.raises(BadDescriptor):
         model_digest([])

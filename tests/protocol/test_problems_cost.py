@@ -4,7 +4,7 @@ from kvsp_moq import errors
 from kvsp_moq.protocol.cost import DEFAULT_MBIT_PER_S, DEFAULT_RTT_US, assumed_link, estimate, fetch_us, recompute_us
 from kvsp_moq.protocol.problems import Problem
 from kvsp_moq.protocol.records import InstanceStatus, ReplicaRecord
-from tests.core.test_records import STATUS, replica
+from tests.protocol.test_records import STATUS, replica
 
 
 @pytest.mark.parametrize("cls", [errors.LeaseQuota, errors.LayersUnavailable, errors.StaleEpoch,
@@ -71,3 +71,39 @@ def test_estimate_prefers_cache_unless_queue_is_long():
     resident = estimate(status, matched_tokens=2048, total_tokens=2100, plan=[rec],
                         resident={rec.block_key: True})
     assert resident.fetch_us == 0.0
+
+
+def test_a_replica_resides_at_an_instance_only_at_its_exact_base_url():
+    """One rule for the PC, the IS and the agent: the holder (or a MOQT replica's HTTP holder)
+    is the instance's base URL; a URL that merely starts like it is another server."""
+    from types import SimpleNamespace
+
+    from kvsp_moq.protocol.cost import resides_at
+
+    here = "http://10.0.0.1:80"
+    assert resides_at(here, SimpleNamespace(holder="http://10.0.0.1:80/", http_holder=None))
+    assert resides_at(here + "/", SimpleNamespace(holder="http://10.0.0.1:80", http_holder=None))
+    moqt = SimpleNamespace(holder="moqt://relay:4443", http_holder="http://10.0.0.1:80/")
+    assert resides_at(here, moqt)
+    for other in ("http://10.0.0.1:8000/", "http://10.0.0.10:80/", "http://10.0.0.1:80/x/"):
+        assert not resides_at(here, SimpleNamespace(holder=other, http_holder=None)), other
+        assert not resides_at(here, SimpleNamespace(holder="moqt://relay:4443", http_holder=other))
+
+
+def test_the_link_to_a_replica_is_its_holders_then_its_http_holders():
+    from types import SimpleNamespace
+
+    from kvsp_moq.protocol.cost import link_table, replica_link, source_rate
+    from kvsp_moq.protocol.records import Link
+
+    links = [Link(holder="http://h:8801/", mbit_per_s=100, rtt_us=50),
+             Link(holder="moqt://relay:4443", mbit_per_s=900, rtt_us=20),
+             Link(holder="http://h:8801/", mbit_per_s=1, rtt_us=1)]  # a later report: ignored
+    table = link_table(links)
+    moqt = SimpleNamespace(holder="moqt://relay:4443", http_holder="http://h:8801/")
+    assert replica_link(table, moqt) == (900, 20)  # the relay's link, though the HTTP one is first
+    assert replica_link(table, SimpleNamespace(holder="moqt://other:1", http_holder="http://h:8801/")) == (100, 50)
+    assert replica_link(table, SimpleNamespace(holder="http://x:1/", http_holder=None)) is None
+    status = InstanceStatus.from_json({**STATUS, "links": [link.to_json() for link in links]})
+    rec = ReplicaRecord.from_json(replica(holder="http://h:8801/", residency=[]))
+    assert source_rate(status, rec) == (100, 50)

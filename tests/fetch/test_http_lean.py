@@ -21,8 +21,8 @@ from kvsp_moq.protocol.container import Container
 from kvsp_moq.protocol.container_parser import ContainerParser
 from kvsp_moq.protocol.records import ReplicaRecord
 from kvsp_moq.web import BackgroundServer
+from tests.fetch.test_http import corrupting_proxy, stored
 from tests.holder.conftest import make_block
-from tests.holder.test_fetch import corrupting_proxy, stored
 
 #: (connection number, request number on it, request head) -> (response octets, keep open)
 Respond = Callable[[int, int, bytes], tuple[bytes, bool]]
