@@ -53,8 +53,9 @@ NOTE = (
     "loss: one client, the fan-out's links, loss_percent of the frames dropped at random each way "
     "on its link (nftables; frames_dropped counts them); moqt is the agent's order (MOQT, then "
     "HTTP from the layer where MOQT failed: layers_with_loss says which delivered what); "
-    "slowdown = seconds with loss / seconds without. There is no delay on any link (no netem here): round trips are "
-    "the machine's. The machine's CPUs are shared with other work: figures vary from run to run.")
+    "slowdown = seconds with loss / seconds without. There is no delay on any link (no netem "
+    "here): round trips are the machine's. The machine's CPUs are shared with other work: "
+    "figures vary from run to run.")
 
 
 def _median(values: list[float]) -> float:
@@ -86,7 +87,7 @@ def _cpu(fleet: Fleet) -> dict[str, int]:
     return out
 
 
-def _load_all(fleet: Fleet, keys: list[str], transport: str, digests: list[str] | None = None) -> dict[str, Any]:
+def load_all(fleet: Fleet, keys: list[str], transport: str, digests: list[str] | None = None) -> dict[str, Any]:
     """Every client loads `keys` at the same instant; the run's figures."""
     clients = list(fleet.clients.values())
     holder = fleet.topology.of_role("holder")[0].name
@@ -128,7 +129,7 @@ def _sum_layers(answers: list[dict[str, Any]]) -> dict[str, int]:
     return out
 
 
-def _prepare(fleet: Fleet, seed: str, blocks: int, block_bytes: int) -> tuple[list[str], list[str]]:
+def prepare(fleet: Fleet, seed: str, blocks: int, block_bytes: int) -> tuple[list[str], list[str]]:
     """Store `blocks` blocks at the holder (from its own namespace: no link carries them) and
     let every client look them up: (keys, payload digests)."""
     seeder = fleet.seeder()
@@ -146,7 +147,8 @@ def _prepare(fleet: Fleet, seed: str, blocks: int, block_bytes: int) -> tuple[li
     return seeded["keys"], seeded["digests"]
 
 
-def _connect(fleet: Fleet) -> None:
+def connect(fleet: Fleet) -> None:
+    """Every client opens its MOQT session to the relay, as an agent keeps one open."""
     for client in fleet.clients.values():
         client.send("connect")
     for client in fleet.clients.values():
@@ -166,15 +168,15 @@ def fanout(*, clients: int = 4, blocks: int = 4, block_bytes: int = 16 * MiB, ro
     runs: dict[str, list[dict[str, Any]]] = {"moqt": [], "http": []}
     with Fleet(topology, engine=engine) as fleet:
         # a fresh prefix for each load, so that the relay's cache is cold for every MOQT one
-        keys, digests = _prepare(fleet, os.urandom(4).hex(), 2 * rounds * blocks, block_bytes)
+        keys, digests = prepare(fleet, os.urandom(4).hex(), 2 * rounds * blocks, block_bytes)
         prefixes = {}
         for i, (r, t) in enumerate((r, t) for r in range(rounds) for t in ("moqt", "http")):
             prefixes[(r, t)] = (keys[i * blocks:(i + 1) * blocks], digests[i * blocks:(i + 1) * blocks])
-        _connect(fleet)
+        connect(fleet)
         for r in range(rounds):
             for transport in ("moqt", "http") if r % 2 == 0 else ("http", "moqt"):
                 keys, digests = prefixes[(r, transport)]
-                runs[transport].append(_load_all(fleet, keys, transport, digests if verify_digests else None))
+                runs[transport].append(load_all(fleet, keys, transport, digests if verify_digests else None))
         datagram = fleet.datagram_size(topology.of_role("relay")[0].name)
 
     def summary(transport: str) -> dict[str, Any]:
@@ -212,11 +214,11 @@ def mtu_rates(mtu: int, *, blocks: int = 3, block_bytes: int = 16 * MiB, engine:
     times: dict[str, list[float]] = {"moqt": [], "http": []}
     with Fleet(topology, engine=engine) as fleet:
         # a warm-up block of each kind, then `blocks` fresh blocks per transport
-        keys, digests = _prepare(fleet, os.urandom(4).hex(), 2 * blocks + 2, block_bytes)
-        _connect(fleet)
+        keys, digests = prepare(fleet, os.urandom(4).hex(), 2 * blocks + 2, block_bytes)
+        connect(fleet)
         for i, key in enumerate(keys):
             transport = "moqt" if i % 2 == 0 else "http"
-            run = _load_all(fleet, [key], transport, [digests[i]])
+            run = load_all(fleet, [key], transport, [digests[i]])
             if i >= 2:
                 times[transport].append(run["seconds_all"])
         datagram = fleet.datagram_size(topology.of_role("relay")[0].name)
@@ -237,14 +239,14 @@ def loss(*, percent: float = 5.0, blocks: int = 2, block_bytes: int = 8 * MiB, r
     dropped = 0
     with Fleet(topology, engine=engine) as fleet:
         cases = [(p, t) for _ in range(rounds) for p in (0.0, percent) for t in ("moqt", "http")]
-        keys, digests = _prepare(fleet, os.urandom(4).hex(), len(cases) * blocks, block_bytes)
-        _connect(fleet)
+        keys, digests = prepare(fleet, os.urandom(4).hex(), len(cases) * blocks, block_bytes)
+        connect(fleet)
         for i, (p, transport) in enumerate(cases):
             if fleet.net.links["client1"].loss_percent != p:
                 dropped += fleet.net.dropped("client1")
                 fleet.net.set_loss("client1", p)
             part = slice(i * blocks, (i + 1) * blocks)
-            run = _load_all(fleet, keys[part], "any" if transport == "moqt" else "http", digests[part])
+            run = load_all(fleet, keys[part], "any" if transport == "moqt" else "http", digests[part])
             runs.setdefault((p, transport), []).append(run)
         dropped += fleet.net.dropped("client1")
     prefix = blocks * block_bytes

@@ -10,7 +10,7 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from kvsp_moq.fleet.bench import _connect, _prepare
+from kvsp_moq.fleet.bench import connect, prepare
 from kvsp_moq.fleet.services import ClientProcess, Fleet
 from kvsp_moq.fleet.topology import fleet_topology
 
@@ -59,8 +59,8 @@ def cut_fleet() -> Iterator[Fleet]:
 
 def test_a_cut_between_holder_and_relay_mid_fetch_is_finished_over_http(cut_fleet: Fleet) -> None:
     fleet = cut_fleet
-    keys, digests = _prepare(fleet, os.urandom(4).hex(), 1, 16 * MiB)
-    _connect(fleet)
+    keys, digests = prepare(fleet, os.urandom(4).hex(), 1, 16 * MiB)
+    connect(fleet)
     client = fleet.clients["client1"]
     before = fleet.net.counters("holder").tx_bytes
     client.send("load", keys=keys, transport="any", digest=True)
@@ -86,8 +86,8 @@ def heal_fleet() -> Iterator[Fleet]:
 
 def test_a_holder_cut_off_and_restored_is_served_again_and_its_leases_kept_or_expired(heal_fleet: Fleet) -> None:
     fleet = heal_fleet
-    keys, digests = _prepare(fleet, os.urandom(4).hex(), 2, 2 * MiB)
-    _connect(fleet)
+    keys, digests = prepare(fleet, os.urandom(4).hex(), 2, 2 * MiB)
+    connect(fleet)
     client = fleet.clients["client1"]
     holder = fleet.holder_url()
     assert verified(load(client, keys[:1], "moqt"), keys[:1], digests[:1])
@@ -123,8 +123,8 @@ def lossy_fleet() -> Iterator[Fleet]:
 
 def test_loads_over_a_lossy_link_complete_verified(lossy_fleet: Fleet) -> None:
     fleet = lossy_fleet
-    keys, digests = _prepare(fleet, os.urandom(4).hex(), 4, 4 * MiB)
-    _connect(fleet)
+    keys, digests = prepare(fleet, os.urandom(4).hex(), 4, 4 * MiB)
+    connect(fleet)
     client = fleet.clients["client1"]
     fleet.net.set_loss("client1", 5)
     before = fleet.net.counters("client1")

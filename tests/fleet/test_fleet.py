@@ -16,7 +16,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from kvsp_moq.fleet.bench import _connect, _load_all, _prepare
+from kvsp_moq.fleet.bench import connect, load_all, prepare
 from kvsp_moq.fleet.services import Fleet
 from kvsp_moq.fleet.topology import fleet_topology
 
@@ -40,8 +40,8 @@ def fleet() -> Iterator[Fleet]:
 
 @pytest.fixture(scope="module")
 def prefixes(fleet: Fleet) -> dict[str, tuple[list[str], list[str]]]:
-    keys, digests = _prepare(fleet, os.urandom(4).hex(), 3 * BLOCKS, BLOCK)
-    _connect(fleet)
+    keys, digests = prepare(fleet, os.urandom(4).hex(), 3 * BLOCKS, BLOCK)
+    connect(fleet)
     return {t: (keys[i * BLOCKS:(i + 1) * BLOCKS], digests[i * BLOCKS:(i + 1) * BLOCKS])
             for i, t in enumerate(("moqt", "http", "any"))}
 
@@ -49,7 +49,7 @@ def prefixes(fleet: Fleet) -> dict[str, tuple[list[str], list[str]]]:
 def test_clients_load_one_prefix_through_the_relay_which_asks_the_holder_once(
         fleet: Fleet, prefixes: dict[str, Any]) -> None:
     keys, digests = prefixes["moqt"]
-    run = _load_all(fleet, keys, "moqt", digests)  # raises unless every client got these bytes
+    run = load_all(fleet, keys, "moqt", digests)  # raises unless every client got these bytes
     assert run["layers"] == {"moqt": 2 * BLOCKS * 32} and run["fallbacks"] == 0, run
     assert run["holder_egress_bytes"] < 1.3 * PREFIX, run  # one copy (and headers)
     assert run["relay_egress_bytes"] > 2 * PREFIX, run  # one to each client
@@ -57,7 +57,7 @@ def test_clients_load_one_prefix_through_the_relay_which_asks_the_holder_once(
 
 def test_over_http_the_holder_sends_each_client_its_copy(fleet: Fleet, prefixes: dict[str, Any]) -> None:
     keys, digests = prefixes["http"]
-    run = _load_all(fleet, keys, "http", digests)
+    run = load_all(fleet, keys, "http", digests)
     assert run["layers"] == {"http": 2 * BLOCKS * 32}, run
     assert run["holder_egress_bytes"] > 2 * PREFIX, run
     assert run["relay_egress_bytes"] < 64 * 1024, run  # the relay is not on the path
@@ -65,7 +65,7 @@ def test_over_http_the_holder_sends_each_client_its_copy(fleet: Fleet, prefixes:
 
 def test_an_agent_s_order_tries_moqt_first(fleet: Fleet, prefixes: dict[str, Any]) -> None:
     keys, digests = prefixes["any"]
-    run = _load_all(fleet, keys, "any", digests)
+    run = load_all(fleet, keys, "any", digests)
     assert run["layers"] == {"moqt": 2 * BLOCKS * 32}, run
 
 
