@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 VLLM_VENV ?= .venv-vllm
 VBIN := $(VLLM_VENV)/bin
 
-.PHONY: demo test test-unit test-aioquic test-interop test-vllm check bench clean
+.PHONY: demo test test-unit test-aioquic test-interop test-vllm test-fleet check bench clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -64,6 +64,13 @@ test-interop: $(BIN)/.installed interop/.venv-aiomoqt/.installed interop/.venv-m
 # process, with an Index Service, holders and a relay on 127.0.0.1.
 test-vllm: $(VBIN)/.installed-kvsp
 	PYTHONPATH=$(CURDIR) $(VBIN)/python -m pytest -q -p no:cacheprovider tests_vllm
+
+# A fleet on one machine (tests/fleet, a few minutes): index, relay, holder and clients in network
+# namespaces on shaped links, with cuts, partitions and loss. Needs root and nftables (installed by
+# scripts/system-deps.sh). test-unit runs these too, as part of tests/.
+test-fleet: $(BIN)/.installed
+	bash scripts/system-deps.sh
+	$(BIN)/python -m pytest -q tests/fleet
 
 # Lint, import order and types; settings in pyproject.toml ([tool.ruff], [tool.mypy]: the
 # packages are type-checked, the tests only linted).

@@ -140,6 +140,8 @@ SERVICES: dict[str, tuple[str, str]] = {
     "keys": ("kvsp_moq.tools.keys", "make bearer tokens, principals entries and scope keys"),
     "descriptor": ("kvsp_moq.tools.descriptor",
                    "print the Compatibility Descriptor an agent uses for a model"),
+    "fleet": ("kvsp_moq.fleet.command",
+              "build a fleet on one machine: network namespaces, shaped links, servers (root)"),
 }
 
 #: Commands that speak MOQT, and so take --quic-engine.
@@ -166,7 +168,7 @@ def _apply_engine_option(args: argparse.Namespace) -> None:
 
 
 #: Benchmarks: name -> module under kvsp_moq.bench.
-BENCHMARKS = ("core", "http", "moqt", "ttft", "route", "load", "vllm")
+BENCHMARKS = ("core", "http", "moqt", "ttft", "route", "load", "vllm", "fleet")
 
 
 def _add_services(sub: argparse._SubParsersAction, argv: Sequence[str]) -> None:

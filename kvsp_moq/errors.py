@@ -33,6 +33,8 @@ reports an error therefore needs no table of its own, on either transport.
     ├── SettingError                     kvsp-bad-setting (also a ValueError): exit status 2
     │   └── UsageError                   command-line arguments that cannot be acted on
     ├── Failed                           an operation a command tried: exit status 1
+    ├── NamespaceError                   (also a RuntimeError) network namespaces, links or
+    │                                    addresses could not be made (`kvsp_moq.netns`): exit status 2
     ├── TransportError                   kvsp-transport 502: a peer unreachable, a connection broken
     │   ├── StoreUnavailable             503: the replica store cannot be reached
     │   └── Http1Error                   the block client's HTTP/1.1: ConnectError, ConnectTimeout,
@@ -379,6 +381,14 @@ class Failed(KvspError):
     """An operation a command tried that did not succeed: one line and exit status 1."""
 
     title = "Failed"
+
+
+class NamespaceError(KvspError, RuntimeError):
+    """Network namespaces, links or addresses could not be made (the `ip`, `tc` or `nft`
+    command's answer, or why they cannot run here): commands that build a fleet on one machine
+    report it on one line and exit with status 2."""
+
+    title = "Network namespaces unavailable"
 
 
 class TransportError(KvspError):

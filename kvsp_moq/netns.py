@@ -22,12 +22,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from kvsp_moq.errors import NamespaceError
+
+__all__ = ["BENCHMARK_NET", "Host", "NamespaceError", "Network", "unavailable"]
+
 #: The benchmarking range (RFC 2544): the default subnet is its first /24.
 BENCHMARK_NET = ipaddress.IPv4Network("198.18.0.0/15")
-
-
-class NamespaceError(RuntimeError):
-    """Namespaces, links or addresses could not be made (the `ip` command's answer)."""
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -137,10 +137,13 @@ class Network:
         host = self.hosts[name] = Host(name, netns, address, mtu)
         return host
 
+    def port(self, name: str) -> str:
+        """The bridge's end of a host's link (an interface in the switch namespace)."""
+        return f"p{list(self.hosts).index(name)}"
+
     def set_link(self, name: str, up: bool) -> None:
         """Cut (or restore) a host's link to the bridge: a partition, not a closed socket."""
-        index = list(self.hosts).index(name)
-        _ip("-n", self.switch, "link", "set", f"p{index}", "up" if up else "down")
+        _ip("-n", self.switch, "link", "set", self.port(name), "up" if up else "down")
 
     def close(self) -> None:
         for host in self.hosts.values():
