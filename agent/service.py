@@ -35,6 +35,7 @@ from kvsp_moq.arguments import parse_listen, parse_size, positive_int
 from kvsp_moq.auth import Authenticator, add_token_options, token_from_args
 from kvsp_moq.errors import BadRecord, KvspError, SettingError
 from kvsp_moq.fetch.sources import LayerSource
+from kvsp_moq.model_descriptor import DEFAULT_BLOCK_TOKENS, DTYPES
 from kvsp_moq.moqt.certs import add_relay_tls_options
 from kvsp_moq.scope_keys import OPEN_SCOPE, OPEN_SCOPE_KEY, read_scope_keys
 from kvsp_moq.serving import INSECURE_OPEN_HELP, check_advertised, check_exposure, normalize_public_url
@@ -44,7 +45,6 @@ log = logging.getLogger("kvsp.agent")
 T = TypeVar("T")
 DEFAULT_PORT = 8900
 
-DTYPES = ("float32", "float16", "bfloat16")
 
 
 @dataclass
@@ -80,7 +80,7 @@ class AgentSettings:
     auth: Authenticator | None = None
     #: bearer token presented to the IS, the PC, holders and other instances
     token: str | None = None
-    block_tokens: int = 16
+    block_tokens: int = DEFAULT_BLOCK_TOKENS
     host_bytes: int = 1 << 30
     disk_bytes: int = 16 << 30
     max_block_bytes: int = 1 << 30

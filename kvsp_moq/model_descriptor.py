@@ -32,6 +32,10 @@ KV_LAYOUT = "kvsp-layout-1"
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
 DEFAULT_ROPE_THETA = 10000.0
 TOKENIZER_FILE = "tokenizer.json"
+#: The KV dtypes an agent computes in, by torch name.
+DTYPES = ("float32", "float16", "bfloat16")
+#: Tokens per block when nothing else is configured: the agent's and the PC's default.
+DEFAULT_BLOCK_TOKENS = 16
 _CHUNK = 1 << 20
 
 

@@ -49,6 +49,7 @@ from typing import Any, Awaitable, Callable, Iterable, Mapping, Sequence
 
 from kvsp_moq.errors import BadRecord, KvspError, NoActiveInstance
 from kvsp_moq.index_client import IndexClient, LookupBlock, LookupResult
+from kvsp_moq.model_descriptor import DEFAULT_BLOCK_TOKENS
 from kvsp_moq.protocol import validate as v
 from kvsp_moq.protocol.cost import (
     Estimate,
@@ -87,7 +88,7 @@ StartHook = Callable[["RouteRequest"], Awaitable["str | InstanceStatus | None"]]
 
 @dataclass(frozen=True)
 class PlacementSettings:
-    block_tokens: int = 16
+    block_tokens: int = DEFAULT_BLOCK_TOKENS
     """Block size B for compat IDs not listed in `block_tokens_by_compat`."""
     block_tokens_by_compat: Mapping[str, int] = field(default_factory=dict)
     max_cost_us: float | None = None

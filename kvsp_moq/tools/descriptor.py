@@ -14,13 +14,10 @@ import argparse
 import json
 from pathlib import Path
 
-from agent.service import DTYPES, AgentSettings, model_directory
 from kvsp_moq.arguments import positive_int
 from kvsp_moq.errors import KvspError
+from kvsp_moq.model_descriptor import DEFAULT_BLOCK_TOKENS, DTYPES, model_descriptor
 from kvsp_moq.tools import EXIT_USAGE, UsageError, say
-
-#: The agent's default (its --block-tokens); the PC's too.
-DEFAULT_BLOCK_TOKENS: int = AgentSettings.block_tokens
 
 
 def configure_parser(p: argparse.ArgumentParser) -> None:
@@ -54,7 +51,7 @@ def agent_descriptor(model: str, *, block_tokens: int = DEFAULT_BLOCK_TOKENS,
                      dtype: str = "float32", data_dir: str | None = None) -> dict:
     """The descriptor an agent with these settings computes (its ModelAdapter calls the same
     `model_descriptor`); the weights are hashed, not loaded."""
-    from kvsp_moq.model_descriptor import model_descriptor
+    from agent.service import AgentSettings, model_directory  # the agent's own model lookup
 
     settings = AgentSettings(model=model, dtype=dtype, data_dir=data_dir, block_tokens=block_tokens)
     return model_descriptor(model_directory(settings), dtype=dtype, block_tokens=block_tokens)
