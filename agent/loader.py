@@ -25,8 +25,9 @@ import httpx
 from kvsp_moq.errors import KvspError, PreconditionFailed
 from kvsp_moq.fetch.http import HttpFetcher
 from kvsp_moq.fetch.leases import LeaseClient, LeaseKeeper
-from kvsp_moq.fetch.prefix import LoadReport, PrefixLoader, Timeline, TransferObserver
+from kvsp_moq.fetch.prefix import LoadReport, PrefixLoader, Timeline
 from kvsp_moq.fetch.sources import MoqtLayerSource
+from kvsp_moq.fetch.transfers import TransferObserver, TransferTally
 from kvsp_moq.holder.store import BlockId, BlockStore
 from kvsp_moq.index_client import IndexClient
 from kvsp_moq.protocol.records import PrefetchBlock, PrefetchDirective, ReplicaRecord
@@ -194,7 +195,7 @@ class Prefetcher:
                     found = (await asyncio.shield(records)).get(key, [])
                 except (KvspError, httpx.HTTPError):
                     found = []  # no digests to verify against: nothing is loaded
-                kind = await self._load_one(d, key, sources, found, batch)
+                kind = await self._load_one(d, key, sources, found, batch, tally)
             if state.finished is None:  # (an adopted load may end after the deadline)
                 if kind is not None:
                     state.loaded.append(key)
@@ -210,24 +211,27 @@ class Prefetcher:
             if bid not in wanted and bid not in self._loading:  # listed twice, or loading
                 wanted[bid] = b                                 # for another directive
         batch, keeper = self._batch_leases(d, list(wanted.values()))
+        # One observation of each source's link for the whole directive (`TransferTally`).
+        tally = TransferTally()
         loads: dict[BlockId, asyncio.Task[str | None]] = {}
         for bid, b in wanted.items():
             task = asyncio.ensure_future(one(b.block_key, b.sources))
             task.add_done_callback(functools.partial(self._loaded, bid))
             loads[bid] = self._loading[bid] = task
-        if batch:
-            left = len(loads)
+        left = len(loads)
 
-            def done(_: object) -> None:
-                nonlocal left
-                left -= 1
-                if left == 0:  # (adopted loads may outlast the directive)
+        def done(_: object) -> None:
+            nonlocal left
+            left -= 1
+            if left == 0:  # (adopted loads may outlast the directive)
+                tally.report(self.on_transfer)
+                if batch:
                     release = asyncio.ensure_future(self._release_batch(batch, keeper))
                     self._releases.add(release)
                     release.add_done_callback(self._releases.discard)
 
-            for task in loads.values():
-                task.add_done_callback(done)
+        for task in loads.values():
+            task.add_done_callback(done)
         return loads
 
     def _batch_leases(self, d: PrefetchDirective, blocks: Sequence[PrefetchBlock]
@@ -290,9 +294,11 @@ class Prefetcher:
 
     async def _load_one(self, d: PrefetchDirective, key: str, sources: Sequence[str],
                         records: Sequence[ReplicaRecord],
-                        batch: Mapping[str, "asyncio.Future[str | None]"]) -> str | None:
+                        batch: Mapping[str, "asyncio.Future[str | None]"],
+                        tally: TransferTally) -> str | None:
         """The transport the block was loaded over ("held" when it already was), or None;
-        a lease of `batch` covers the block at its source when there is one."""
+        a lease of `batch` covers the block at its source when there is one; what moved is
+        added to `tally`."""
         bid = BlockId(d.compat_id, d.scope_id, key)
         if bid in self.store:
             return "held"
@@ -329,8 +335,8 @@ class Prefetcher:
                         log.info("prefetch %s: %s over %s from %s failed: %s", d.directive, key[:12],
                                  kind, record.holder, getattr(e, "detail", None) or repr(e))
                         continue
-                    if self.on_transfer is not None:
-                        self.on_transfer(base_url(source), result.bytes_received, result.seconds)
+                    ended = time.perf_counter()
+                    tally.add(base_url(source), result.bytes_received, ended - result.seconds, ended)
                     if bid in self.store:
                         return "held"
                     try:

@@ -31,21 +31,34 @@ __all__ = ["Ewma", "Meters", "StatusReporter"]
 
 @dataclass
 class Ewma:
-    """An exponentially weighted moving average; None until the first sample."""
+    """An exponentially weighted moving average; None until the first sample.
+
+    With `restart_factor`, a sample that far from the average (above or below) replaces it:
+    a link whose rate changed (a cut-down path, a congested one) is believed at once, where an
+    average would take several slow loads to follow it, each one placed as if it were fast.
+    """
 
     alpha: float = 0.3
     value: float | None = None
+    restart_factor: float | None = None
 
     def add(self, sample: float) -> None:
-        if self.value is None:
+        value, factor = self.value, self.restart_factor
+        if value is None or (factor is not None and value > 0
+                             and not value / factor <= sample <= value * factor):
             self.value = sample
         else:
-            self.value = (1 - self.alpha) * self.value + self.alpha * sample
+            self.value = (1 - self.alpha) * value + self.alpha * sample
+
+
+#: A link rate more than this factor from its average restarts it (one load is one sample:
+#: all its octets over its span, `kvsp_moq.fetch.transfers`, so a single sample is not noise).
+LINK_RESTART_FACTOR = 2.0
 
 
 @dataclass
 class _LinkStats:
-    mbit_per_s: Ewma = field(default_factory=Ewma)
+    mbit_per_s: Ewma = field(default_factory=lambda: Ewma(restart_factor=LINK_RESTART_FACTOR))
     rtt_us: Ewma = field(default_factory=Ewma)
 
 

@@ -24,7 +24,8 @@ Answer:
                     "cost_us", "resident_blocks", "uses_cache"}, ...]   (best first)
      "reason": "lowest-cost" | "started" | "over-threshold"}
 
-"directive" is null when no block matched (nothing to load). "reason" is "started" when the
+"directive" is null (and "prefetch" "none") when no block matched, or when the chosen
+instance's estimate says recomputing the prefix beats loading it (nothing worth loading). "reason" is "started" when the
 start hook supplied a new instance (no active one, or none under `max_cost_us`), and
 "over-threshold" when the best active instance was chosen although its cost exceeds the
 threshold because no instance could be started.
@@ -491,8 +492,14 @@ class Router:
         # No await between the ranking and this: concurrent routes each see the ones before.
         self.registry.note_routed(target)
         status = self.registry.get(target)
-        directive = directive_for(result, request, status, self.settings, request_ref=ref,
-                                  grouping=grouping)
+        chosen = next((c for c in ranked if c.instance == target), None)
+        directive = None
+        # Nothing to prefetch where §6.4 says recomputing beats loading: the instance would
+        # recompute the prefix anyway, and a directive would make it load over the slow link.
+        # (A started instance has measured nothing yet: it gets the directive.)
+        if reason == "started" or chosen is None or chosen.estimate.uses_cache:
+            directive = directive_for(result, request, status, self.settings, request_ref=ref,
+                                      grouping=grouping)
         prefetch = "none"
         if directive is not None:
             try:

@@ -37,7 +37,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 from kvsp_moq.errors import LayersUnavailable
 from kvsp_moq.fetch.fallback import (
@@ -48,12 +48,10 @@ from kvsp_moq.fetch.fallback import (
 )
 from kvsp_moq.fetch.leases import LeaseClient, LeaseKeeper
 from kvsp_moq.fetch.sources import SourceCandidate
+from kvsp_moq.fetch.transfers import TransferObserver, TransferTally
 from kvsp_moq.protocol.container import Buffer
 
 __all__ = ["LayerPool", "LayerReadiness", "LoadReport", "PrefixLoader", "Timeline", "TransferObserver"]
-
-#: Called with (holder URL, octets, seconds) after each completed transfer: link rates.
-TransferObserver = Callable[[str, int, float], None]
 
 
 class LayerPool(Protocol):
@@ -249,7 +247,7 @@ class PrefixLoader:
         self._abort_from = len(self._blocks)
         self._failures: list[dict[str, str]] = []
         self._octets = 0
-        self._by_holder: dict[str, list[float]] = {}  # holder -> [octets, first start, last end]
+        self._tally = TransferTally()
         self.done = False  #: nothing more will be loaded (set before run() returns)
         if not self._blocks:
             self.readiness.mark_all_ready()
@@ -294,11 +292,7 @@ class PrefixLoader:
                 self.readiness.fail(e)
                 raise
         self.done = True
-        if self.on_transfer is not None:
-            # One observation per holder over the whole load: the rate its parallel streams
-            # reached together, which is what a placement estimate for a prefix needs.
-            for holder, (octets, first, last) in self._by_holder.items():
-                self.on_transfer(holder, int(octets), last - first)
+        self._tally.report(self.on_transfer)
         loaded = 0
         for blk in self._blocks:
             if not blk.complete:
@@ -364,10 +358,7 @@ class PrefixLoader:
             self._octets += sum(attempt.octets for attempt in attempts)
         done = stream.attempts[-1]
         if done.candidate.source.kind != "local":
-            seen = self._by_holder.setdefault(done.candidate.lease_holder, [0, done.started, done.started])
-            seen[0] += done.octets
-            seen[1] = min(seen[1], done.started)
-            seen[2] = max(seen[2], time.perf_counter())
+            self._tally.add(done.candidate.lease_holder, done.octets, done.started)
 
     def _deliver(self, blk: _Block, layer: SourcedLayer) -> None:
         """Copy a verified layer into the pool (an error here fails the source, as a bad layer

@@ -31,7 +31,7 @@ from kvsp_moq.fleet.topology import Topology
 from kvsp_moq.netns import Host
 from kvsp_moq.protocol.keys import scope_id
 
-__all__ = ["ClientProcess", "Fleet", "terminate_as_interrupt"]
+__all__ = ["ClientProcess", "Fleet", "process_environment", "terminate_as_interrupt"]
 
 ROOT = Path(__file__).resolve().parents[2]
 INDEX_PORT, RELAY_PORT, HOLDER_PORT, AGENT_PORT = 8700, 4443, 8801, 8900
@@ -60,7 +60,7 @@ def terminate_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _environment(extra: dict[str, str]) -> dict[str, str]:
+def process_environment(extra: dict[str, str]) -> dict[str, str]:
     path = os.environ.get("PYTHONPATH")
     return {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{path}" if path else str(ROOT),
             "NO_COLOR": "1", **extra}
@@ -115,7 +115,8 @@ class Fleet:
                  subnet: str = "198.18.0.0/24", engine: str | None = None, datagram_size: int | None = None,
                  relay_args: tuple[str, ...] = (), holder_args: tuple[str, ...] = (),
                  agent_args: tuple[str, ...] = (), agent_token_interval_s: float = 0.0,
-                 client_config: dict[str, Any] | None = None, keep: bool = False) -> None:
+                 unplaced_agents: tuple[str, ...] = (), client_config: dict[str, Any] | None = None,
+                 keep: bool = False) -> None:
         self.topology = topology
         self.net = FleetNetwork(subnet=subnet, prefix=prefix)
         self._own_workdir = workdir is None
@@ -126,6 +127,8 @@ class Fleet:
         self.holder_args = holder_args
         self.agent_args = agent_args
         self.agent_token_interval_s = agent_token_interval_s
+        #: agents that report to no PC: they compute and serve blocks, but nothing is placed there
+        self.unplaced_agents = unplaced_agents
         self.client_config = client_config or {}
         self.keep = keep
         self.scope_key = secrets.token_bytes(32)
@@ -200,13 +203,14 @@ class Fleet:
                                       "--host-bytes", "2G", *self.holder_args])
         agents = [n.name for n in self.topology.of_role("agent")]
         for name in agents:
+            placed = ["--pc", self.index_url] if name not in self.unplaced_agents else []
             self._start_server(name, ["--token-interval-s", str(self.agent_token_interval_s),
                                       "--listen", f"{self.address(name)}:{AGENT_PORT}",
                                       "--public-url", self.agent_url(name), "--model", "tiny",
                                       "--data", f"data-{name}", "--principals", "principals.toml",
                                       "--scope-keys", "keys.toml", "--scope", SCOPE,
                                       "--token-file", f"{name}.token", "--index", self.index_url,
-                                      "--pc", self.index_url, "--relay", self.relay_url,
+                                      *placed, "--relay", self.relay_url,
                                       "--relay-ca", str(self.relay_ca), *self.agent_args],
                                module="kvsp_moq.fleet.agent")
         for node in self.topology.of_role("client"):
@@ -270,7 +274,7 @@ class Fleet:
         extra = {"KVSP_MOQT_DATAGRAM_SIZE": str(self.datagram_size(name))}
         if self.engine:
             extra["KVSP_QUIC_ENGINE"] = self.engine
-        return _environment(extra)
+        return process_environment(extra)
 
     def _open_log(self, label: str) -> tuple[Path, IO[bytes]]:
         path = self.workdir / f"{label}.log"

@@ -155,6 +155,34 @@ def test_prefetch_takes_one_lease_per_source_for_all_its_blocks(agents: tuple[Ag
         raise AssertionError("the batch lease was not released")
 
 
+def test_prefetch_measures_each_source_s_link_once_over_the_whole_directive(
+        agents: tuple[Agent, Agent]) -> None:
+    """A link's rate is what the directive's parallel requests reached together: one
+    observation per source, all its octets over the span of all its requests. One per block
+    would measure a round trip each (a block's request lasts about one, whatever the link)."""
+    a, b = agents
+    keys = computed_keys(a, tokens(PROMPT, 31))
+    prefetcher = b.context.prefetcher
+    seen: list[tuple[str, int, float]] = []
+    observe = prefetcher.on_transfer
+    prefetcher.on_transfer = lambda holder, octets, seconds: seen.append((holder, octets, seconds))
+    try:
+        r = httpx.post(b.url + "prefetch", json=directive(b, keys, [a.url]))
+        assert wait_done(r.headers["location"])["state"] == "complete"
+        for _ in range(100):  # reported when the last block's task has ended
+            if seen:
+                break
+            time.sleep(0.02)
+    finally:
+        prefetcher.on_transfer = observe
+    sizes = [len(bytes(e.host.buffer)) for e in a.context.store.blocks() if e.id.block_key in keys]
+    assert len(sizes) == len(keys)
+    assert len(seen) == 1, seen
+    holder, octets, seconds = seen[0]
+    assert holder == a.url
+    assert octets >= sum(sizes) and seconds > 0
+
+
 def test_prefetch_refused_when_not_active(agents: tuple[Agent, Agent]) -> None:
     a, b = agents
     epoch = b.context.epoch

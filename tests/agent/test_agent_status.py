@@ -133,3 +133,17 @@ async def test_an_answer_to_an_older_record_does_not_undo_a_state_change() -> No
 
     reporter.client = Refusing()
     assert await reporter.report() == "active" and state["now"] == "active"
+
+
+def test_a_link_whose_rate_changes_is_believed_at_once_and_noise_is_averaged() -> None:
+    meters = Meters()
+    holder = "http://198.18.0.3:8900/"
+    mb = 1 << 20
+    meters.transfer(holder, 8 * mb, 8 * mb * 8 / 250e6)  # 250 Mbit/s
+    meters.transfer(holder, 8 * mb, 8 * mb * 8 / 200e6)  # within a factor of two: averaged
+    (link,) = meters.links()
+    assert link.mbit_per_s == round(0.7 * 250 + 0.3 * 200, 1)
+    meters.transfer(holder, 8 * mb, 8 * mb * 8 / 50e6)  # the path dropped to 50 Mbit/s
+    assert meters.links()[0].mbit_per_s == 50.0
+    meters.transfer(holder, 8 * mb, 8 * mb * 8 / 400e6)  # and came back faster
+    assert meters.links()[0].mbit_per_s == 400.0

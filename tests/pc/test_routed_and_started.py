@@ -250,7 +250,10 @@ async def test_started_instance_is_registered_and_gets_the_next_requests(tmp_pat
             # It reports before the grace period ends: now an ordinary active instance, cheap
             # enough (no queue any more) to take the next request without the hook.
             await asyncio.sleep(0.15)
-            r = await http.put(pc.url + status_path(fresh.url), json=status(fresh.url, epoch=42))
+            # (a prefill slow enough that loading the 8 MiB prefix beats recomputing it, so
+            # that the PC sends a directive: §6.4)
+            r = await http.put(pc.url + status_path(fresh.url),
+                               json=status(fresh.url, epoch=42, prefill_tokens_per_s=1000))
             assert r.json() == {"state": "active"}
             item = (await instances(http, pc))[fresh.url]
             assert not item["provisional"] and item["epoch"] == 42 and item["routed"] == 0

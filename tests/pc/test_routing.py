@@ -117,13 +117,38 @@ async def test_sleep_policy_and_state_changes(tmp_path, http):
 # --------------------------------------------------------------------------- routing
 
 
+async def test_no_prefetch_where_recomputing_beats_loading(tmp_path, http):
+    """An instance whose measured link to the holder is slow recomputes the prefix (§6.4):
+    the PC sends it no directive, which would make it load over that link anyway."""
+    with fake_agents(2) as (a, holder), pc_server(str(tmp_path / "pc.db")) as pc:
+        tokens, keys = prompt(n_blocks=16)
+        for k in keys:
+            pc.index.add(replica(k, holder.url, scope_id=SCOPE))
+        slow = [{"holder": holder.url, "mbit_per_s": 1.0, "rtt_us": 1000.0}]
+        await put_status(http, pc, status(a.url, links=slow))
+        d = (await http.post(pc.url + "route", json={"tokens": tokens, "scope": "tenant",
+                                                     "compat_id": COMPAT})).json()
+        (est,) = d["estimates"]
+        assert d["instance"] == a.url and est["uses_cache"] is False
+        assert d["matched"] == 16 and d["directive"] is None and d["prefetch"] == "none"
+        assert a.received("prefetch") == []
+        # The same instance on a fast link loads: the directive goes out.
+        fast = [{"holder": holder.url, "mbit_per_s": 10_000.0, "rtt_us": 100.0}]
+        await put_status(http, pc, status(a.url, links=fast))
+        d = (await http.post(pc.url + "route", json={"tokens": tokens, "scope": "tenant",
+                                                     "compat_id": COMPAT})).json()
+        assert d["estimates"][0]["uses_cache"] is True and d["prefetch"] == "accepted"
+        assert len(a.received("prefetch")) == 1
+
+
 async def test_routes_to_prefix_holder_unless_its_queue_costs_more(tmp_path, http):
     with fake_agents(2) as (a, b), pc_server(str(tmp_path / "pc.db")) as pc:
         tokens, keys = prompt(n_blocks=64)
         for k in keys:
             pc.index.add(replica(k, a.url, scope_id=SCOPE))   # A holds the prefix itself
         await put_status(http, pc, status(a.url))
-        await put_status(http, pc, status(b.url))
+        # (B prefills slowly enough that loading the 64 MiB prefix beats recomputing it)
+        await put_status(http, pc, status(b.url, prefill_tokens_per_s=1000))
         body = {"tokens": tokens, "scope": "tenant", "compat_id": COMPAT, "request_ref": "r-1"}
         d = (await http.post(pc.url + "route", json=body)).json()
         assert d["instance"] == a.url and d["reason"] == "lowest-cost"
