@@ -153,7 +153,8 @@ class AgentContext:
             client=self.client, index=self.index, leases=self.lease_client, sources=sources,
             local=self.local, scope_keys=settings.scope_keys, default_scope=settings.scope,
             self_url=lambda: self.url, pc_url=settings.pc_url, token=settings.token,
-            options=options, meters=self.meters, prefetching=self.prefetcher.adopt)
+            options=options, meters=self.meters, prefetching=self.prefetcher.adopt,
+            measure_link=self.prefetcher.measure)
         self.shards = ShardKeeper(adapter, self.engine.run_model, self.client, token=settings.token)
         self.reporter: StatusReporter | None = None
         if settings.pc_url:

@@ -8,7 +8,9 @@ loaded link it does not (a tiny model recomputes 512 tokens faster than two host
 its 2 MB). The same estimate functions as the PC's (`kvsp_moq.protocol.cost`) decide here.
 
 A link the instance stopped using would never be measured again, so after `probe_every`
-recomputes in a row the next prefix is loaded anyway and its rate refreshes the estimate.
+recomputes in a row it is measured again: the agent loads about 4 MiB of the blocks in the
+background while that request still recomputes (`Engine.measure_link`); with `probe=True`
+(an engine without that) the request itself loads them.
 """
 
 from __future__ import annotations

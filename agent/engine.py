@@ -67,11 +67,16 @@ class Engine:
                  scope_keys: Mapping[str, bytes], default_scope: str | None,
                  self_url: Callable[[], str], pc_url: str | None = None, token: str | None = None,
                  options: EngineOptions | None = None, meters: "Meters | None" = None,
-                 prefetching: Callable[[BlockId], "asyncio.Future[Any] | None"] | None = None) -> None:
+                 prefetching: Callable[[BlockId], "asyncio.Future[Any] | None"] | None = None,
+                 measure_link: Callable[[str, Sequence[ReplicaRecord]], object] | None = None) -> None:
         self.adapter = adapter
         #: a prefetch's load of a block in flight (`Prefetcher.adopt`): a request waits for it
         #: rather than loading the same block a second time beside it
         self.prefetching = prefetching
+        #: loads (scope ID, these blocks) in the background to measure the links again, while
+        #: the request that found the measurement due recomputes (`Prefetcher.measure`); without
+        #: it that request loads them itself
+        self.measure_link = measure_link
         self._recomputed_in_a_row = 0
         self.options = options or EngineOptions()
         self.block_tokens = self.options.block_tokens
@@ -318,15 +323,23 @@ class Engine:
         resident = next((i for i, c in enumerate(plan) if c[0].source.kind != "local"), len(plan))
         remote = [c[0].record for c in plan if c[0].source.kind != "local"]
         meters = self.meters
+        due = self._recomputed_in_a_row + 1 >= self.options.probe_every
         choice = choose(instance=self.self_url(),
                         prefill_tokens_per_s=meters.prefill.value if meters else None,
                         links=meters.links() if meters else (), matched_blocks=len(plan),
                         resident_blocks=resident, remote=remote, block_tokens=self.block_tokens,
                         total_tokens=session.sequence.length,
-                        probe=self._recomputed_in_a_row + 1 >= self.options.probe_every)
+                        probe=due and self.measure_link is None)
         session.load_choice = choice
         if remote:
-            self._recomputed_in_a_row = 0 if choice.load else self._recomputed_in_a_row + 1
+            if choice.load:
+                self._recomputed_in_a_row = 0
+            elif due and self.measure_link is not None:
+                # The links are measured again beside this request, which need not pay for it.
+                self.measure_link(session.scope_id, remote)
+                self._recomputed_in_a_row = 0
+            else:
+                self._recomputed_in_a_row += 1
         if choice.load:
             return plan
         log.info("session %s: %s", session.id, choice.reason)

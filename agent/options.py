@@ -36,7 +36,7 @@ class EngineOptions:
     #: choose between loading a cached prefix and recomputing it by the §6.4 estimates with
     #: this instance's measured rates (`agent.choice`); False always loads what it can
     choose_by_cost: bool = True
-    #: after this many recomputes in a row, load anyway so that the link is measured again
+    #: after this many recomputes in a row the link is measured again (in the background)
     probe_every: int = 8
 
 

@@ -57,6 +57,11 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     add_token_options(p, what="PC: bearer token presented to instances and to a remote IS")
     p.add_argument("--max-cost-us", type=float, metavar="US",
                    help="PC: cost above which a new instance is wanted")
+    p.add_argument("--prefetch", choices=("queued", "always"), default="queued",
+                   help="PC: when a routed request's instance gets a prefetch directive (§6.5): "
+                        "only when requests are queued ahead of it there (default), or always. "
+                        "A request that starts at once loads its prefix layer by layer while it "
+                        "computes; a directive just before it makes it wait for whole blocks")
     p.add_argument("--start-command", metavar="CMD",
                    help="PC: shell command that starts an instance when none has acceptable "
                         "cost and prints its base URL (see pc.app.command_start_hook)")
@@ -110,7 +115,8 @@ def pc_settings_from_args(args: argparse.Namespace) -> "PCSettings":
 
     token = token_from_args(args)
     placement = PlacementSettings(block_tokens=args.block_tokens or 16,
-                                  max_cost_us=args.max_cost_us)
+                                  max_cost_us=args.max_cost_us,
+                                  prefetch=args.prefetch)
     public_url = normalize_public_url(getattr(args, "public_url", None))
     index_url = args.index if args.role == "pc" else public_url
     start_env = {}

@@ -24,11 +24,14 @@ Answer:
                     "cost_us", "resident_blocks", "uses_cache"}, ...]   (best first)
      "reason": "lowest-cost" | "started" | "over-threshold"}
 
-"directive" is null (and "prefetch" "none") when no block matched, or when the chosen
-instance's estimate says recomputing the prefix beats loading it (nothing worth loading). "reason" is "started" when the
-start hook supplied a new instance (no active one, or none under `max_cost_us`), and
-"over-threshold" when the best active instance was chosen although its cost exceeds the
-threshold because no instance could be started.
+"directive" is null (and "prefetch" "none") when no block matched, when the chosen instance's
+estimate says recomputing the prefix beats loading it (nothing worth loading), and, by the
+default policy (`PlacementSettings.prefetch`, `kvsp index --prefetch`), when no request is queued
+ahead of this one there: a request that starts at once loads the prefix layer by layer while
+it computes, which a directive sent just before it would turn into whole blocks to wait for.
+"reason" is "started" when the start hook supplied a new instance (no active one, or none
+under `max_cost_us`), and "over-threshold" when the best active instance was chosen although
+its cost exceeds the threshold because no instance could be started.
 
 A started instance is registered with the lifecycle registry before its directive goes out
 (it is active from then on, provisionally until its first status record), and every chosen
@@ -87,6 +90,9 @@ StartHook = Callable[["RouteRequest"], Awaitable["str | InstanceStatus | None"]]
 # --------------------------------------------------------------------------- settings, keys
 
 
+PREFETCH_POLICIES = ("queued", "always")
+
+
 @dataclass(frozen=True)
 class PlacementSettings:
     block_tokens: int = DEFAULT_BLOCK_TOKENS
@@ -94,10 +100,19 @@ class PlacementSettings:
     block_tokens_by_compat: Mapping[str, int] = field(default_factory=dict)
     max_cost_us: float | None = None
     """A cost above this is not acceptable: the start hook is asked for a new instance."""
+    prefetch: str = "queued"
+    """When the chosen instance gets a prefetch directive: "queued", only when requests are
+    queued ahead of this one there (the directive loads while it waits); "always". A request
+    that starts at once loads its own prefix layer by layer while it computes, which a
+    directive sent just before it would replace by whole blocks it must wait for."""
     prefetch_deadline_ms: int = 50
     lease_ms: int = 2000
     mean_service_tokens: float = 512.0
     """Tokens per request assumed for wait_us = queued * mean service time (§6.4)."""
+
+    def __post_init__(self) -> None:
+        if self.prefetch not in PREFETCH_POLICIES:
+            raise ValueError(f"prefetch must be one of {', '.join(PREFETCH_POLICIES)}, not {self.prefetch!r}")
 
 
 @dataclass(frozen=True)
@@ -492,12 +507,8 @@ class Router:
         # No await between the ranking and this: concurrent routes each see the ones before.
         self.registry.note_routed(target)
         status = self.registry.get(target)
-        chosen = next((c for c in ranked if c.instance == target), None)
         directive = None
-        # Nothing to prefetch where §6.4 says recomputing beats loading: the instance would
-        # recompute the prefix anyway, and a directive would make it load over the slow link.
-        # (A started instance has measured nothing yet: it gets the directive.)
-        if reason == "started" or chosen is None or chosen.estimate.uses_cache:
+        if self._prefetches(reason, next((c for c in ranked if c.instance == target), None)):
             directive = directive_for(result, request, status, self.settings, request_ref=ref,
                                       grouping=grouping)
         prefetch = "none"
@@ -510,6 +521,17 @@ class Router:
                 prefetch = "failed"
         return RouteDecision(target, ref, directive, result.matched, matched_tokens, request,
                              tuple(ranked), reason, prefetch)
+
+    def _prefetches(self, reason: str, chosen: Candidate | None) -> bool:
+        """Whether the chosen instance gets a directive. A started instance has measured
+        nothing and waits to come up: it does. Otherwise not where §6.4 says recomputing
+        beats loading (the directive would make it load over the slow link it would not use),
+        and, by the "queued" policy, not where the request starts at once."""
+        if reason == "started" or chosen is None:
+            return True
+        if not chosen.estimate.uses_cache:
+            return False
+        return self.settings.prefetch == "always" or chosen.estimate.wait_us > 0
 
     async def _start(self, request: RouteRequest) -> str | None:
         """Ask the start hook for an instance and register it, so that it is active for its

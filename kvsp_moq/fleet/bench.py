@@ -63,8 +63,9 @@ NOTE = (
     "slowdown = seconds with loss / seconds without. placement: regret = TTFT of the PC's choice "
     "/ the best candidate's TTFT, both measured directly for the same request (a fresh prefix "
     "of the same length each); pc_chose_best counts regrets within 1.15 (a tie within noise); "
-    "routed.ttft_ms is what the front end saw through the PC (route, prefetch directive, "
-    "generation); reported_mbit is what each instance measured and reported to the PC. "
+    "routed.ttft_ms is what the front end saw through the PC (route, then generation), and "
+    "regret_routed = routed.ttft_ms / the best candidate's TTFT; reported_mbit is what each "
+    "instance measured and reported to the PC. "
     "There is no delay on any link (no netem here): round trips are the machine's. "
     "The machine's CPUs are shared with other work: "
     "figures vary from run to run.")

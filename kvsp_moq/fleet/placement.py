@@ -15,9 +15,11 @@ fastest instance's link dropped (to 50 Mbit/s) while the fleet runs. The second 
 following a change it can only know from the instances' reports.
 
 Per request: the PC's choice, its estimates, the front end's TTFT through the PC (route and
-generation), every candidate's TTFT, and `regret` = the TTFT of the PC's choice (measured
-directly, as the others) / the best candidate's. A choice counts as the best when its TTFT is
-within `TIE` of the best one's, since two candidates that both recompute tie within noise.
+generation), every candidate's TTFT, `regret` = the TTFT of the PC's choice (measured directly,
+as the others) / the best candidate's, and `regret_routed` = the TTFT through the PC / the best
+candidate's (what the user got against the best there was). A choice counts as the best when
+its TTFT is within `TIE` of the best one's, since two candidates that both recompute tie within
+noise.
 """
 
 from __future__ import annotations
@@ -224,6 +226,7 @@ def _trial(fe: FrontEnd, agents: list[str], order: list[str]) -> dict[str, Any]:
         "candidates": measured,
         "best": best,
         "regret": regret,
+        "regret_routed": round(pc_ttft / measured[best]["ttft_ms"], 3),
         "pc_chose_best": regret is not None and regret <= TIE,
     }
 
@@ -263,6 +266,7 @@ def placement(*, trials: int = 4, rates: dict[str, float] | None = None,
                 "trials": runs,
                 "pc_chose_best": sum(r["pc_chose_best"] for r in runs),
                 "regret_median": _median([r["regret"] for r in runs if r["regret"] is not None]),
+                "regret_routed_median": _median([r["regret_routed"] for r in runs]),
             })
     regrets = [r["regret"] for p in phases for r in p["trials"] if r["regret"] is not None]
     total = sum(len(p["trials"]) for p in phases)
@@ -276,6 +280,7 @@ def placement(*, trials: int = 4, rates: dict[str, float] | None = None,
         "requests": total,
         "regret_median": _median(regrets),
         "regret_max": max(regrets) if regrets else None,
+        "regret_routed_median": _median([r["regret_routed"] for p in phases for r in p["trials"]]),
     }
 
 

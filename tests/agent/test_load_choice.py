@@ -3,6 +3,7 @@ with the rates it has measured, and say which and why."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -104,3 +105,32 @@ def test_an_agent_recomputes_over_a_slow_link_and_loads_over_a_fast_one(
             assert out["cached_tokens"] == 0 and out["sources"]["recompute"] == PROMPT // B
             assert a.app.state.metrics.requests[gets] == before  # nothing was fetched
         assert out["tokens"] == reference.generate_greedy(prompt + [5], 2)
+
+
+def test_a_due_link_measurement_runs_beside_the_request_which_recomputes(
+        agents: tuple[Agent, Agent]) -> None:
+    """After `probe_every` recomputes in a row the link is measured again, in the background:
+    the request that found it due still recomputes (it does not pay for a slow link), and a
+    load of the blocks from their holder refreshes the link's rate."""
+    a, b = agents
+    prompt = tokens(PROMPT, 63)
+    assert httpx.post(a.url + "generate", json={"tokens": prompt, "max_new_tokens": 1},
+                      timeout=60).status_code == 200
+    measured(b, a.url, 0.5, 5_000.0)
+    engine = b.context.engine
+    engine._recomputed_in_a_row = engine.options.probe_every - 1
+    out = httpx.post(b.url + "generate", json={"tokens": prompt + [5], "max_new_tokens": 1},
+                     timeout=60).json()
+    assert out["load_choice"]["chose"] == "recompute" and out["cached_tokens"] == 0
+    assert engine._recomputed_in_a_row == 0
+    measuring = [d for d in b.context.prefetcher.directives.values()
+                 if d.directive.request_ref == "link measurement"]
+    assert len(measuring) == 1 and len(measuring[0].directive.blocks) == PROMPT // B
+    for _ in range(200):  # loopback is far faster than the 0.5 Mbit/s measured before
+        rates = {link.holder: link.mbit_per_s for link in b.context.meters.links()}
+        if rates.get(a.url, 0.0) > 10:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError(f"the link was not measured again: {rates}")
+    assert measuring[0].state == "complete"

@@ -230,7 +230,7 @@ async def test_started_instance_is_registered_and_gets_the_next_requests(tmp_pat
             return fresh.url.rstrip("/")
 
         tokens, keys = prompt(8)
-        place = PlacementSettings(max_cost_us=100_000.0)
+        place = PlacementSettings(max_cost_us=100_000.0, prefetch="always")
         life = LifecycleSettings(start_grace_ms=400)
         with pc_server(str(tmp_path / "pc.db"), start_hook=start, placement=place,
                        lifecycle=life) as pc:

@@ -76,7 +76,9 @@ async def test_expiry_marks_failed_and_never_routes_there(tmp_path, http):
 
 async def test_sleep_policy_and_state_changes(tmp_path, http):
     life = LifecycleSettings(sleep_load_threshold=0.2, sleep_after_ms=200)
-    with fake_agents(2) as (a, b), pc_server(str(tmp_path / "pc.db"), lifecycle=life) as pc:
+    always = PlacementSettings(prefetch="always")
+    with fake_agents(2) as (a, b), pc_server(str(tmp_path / "pc.db"), lifecycle=life,
+                                             placement=always) as pc:
         await put_status(http, pc, status(b.url))
         await put_status(http, pc, status(a.url))
         r = await put_status(http, pc, status(a.url, requested_state="sleeping"))
@@ -132,17 +134,43 @@ async def test_no_prefetch_where_recomputing_beats_loading(tmp_path, http):
         assert d["instance"] == a.url and est["uses_cache"] is False
         assert d["matched"] == 16 and d["directive"] is None and d["prefetch"] == "none"
         assert a.received("prefetch") == []
-        # The same instance on a fast link loads: the directive goes out.
+        # The same instance on a fast link, with a request queued there, loads: the directive
+        # goes out (it loads while the request waits).
         fast = [{"holder": holder.url, "mbit_per_s": 10_000.0, "rtt_us": 100.0}]
-        await put_status(http, pc, status(a.url, links=fast))
+        await put_status(http, pc, status(a.url, links=fast, queued=1))
         d = (await http.post(pc.url + "route", json={"tokens": tokens, "scope": "tenant",
                                                      "compat_id": COMPAT})).json()
         assert d["estimates"][0]["uses_cache"] is True and d["prefetch"] == "accepted"
         assert len(a.received("prefetch")) == 1
 
 
+async def test_by_default_a_directive_only_where_the_request_would_wait(tmp_path, http):
+    """A request that starts at once loads its prefix layer by layer while it computes; a
+    directive just before it would make it wait for whole blocks instead (PlacementSettings.
+    prefetch "queued", the default). Queued behind another request, it is worth sending."""
+    with fake_agents(2) as (a, holder), pc_server(str(tmp_path / "pc.db")) as pc:
+        tokens, keys = prompt(n_blocks=16)
+        for k in keys:
+            pc.index.add(replica(k, holder.url, scope_id=SCOPE))
+        fast = [{"holder": holder.url, "mbit_per_s": 10_000.0, "rtt_us": 100.0}]
+        await put_status(http, pc, status(a.url, links=fast, prefill_tokens_per_s=100))
+        body = {"tokens": tokens, "scope": "tenant", "compat_id": COMPAT}
+        d = (await http.post(pc.url + "route", json=body)).json()
+        (est,) = d["estimates"]
+        assert d["instance"] == a.url and est["uses_cache"] is True and est["wait_us"] == 0
+        assert d["directive"] is None and d["prefetch"] == "none" and a.received("prefetch") == []
+        # The next request is queued behind the one just routed there (not yet reported).
+        d = (await http.post(pc.url + "route", json=body)).json()
+        assert d["estimates"][0]["wait_us"] > 0 and d["prefetch"] == "accepted"
+        (got,) = a.received("prefetch")
+        assert got["directive"] == d["directive"] and len(got["blocks"]) == 16
+    with pytest.raises(ValueError):
+        PlacementSettings(prefetch="sometimes")
+
+
 async def test_routes_to_prefix_holder_unless_its_queue_costs_more(tmp_path, http):
-    with fake_agents(2) as (a, b), pc_server(str(tmp_path / "pc.db")) as pc:
+    with fake_agents(2) as (a, b), pc_server(str(tmp_path / "pc.db"),
+                                             placement=PlacementSettings(prefetch="always")) as pc:
         tokens, keys = prompt(n_blocks=64)
         for k in keys:
             pc.index.add(replica(k, a.url, scope_id=SCOPE))   # A holds the prefix itself
