@@ -225,7 +225,7 @@ class Engine:
         chain = BlockKeyChain(key, self.descriptor.compat_id, b)
         chain.extend(list(req.tokens))
         full = len(req.tokens) // b
-        session = Session(sid, epoch=1, tracked=req.session is not None and self.pc_url is not None,
+        session = Session(sid, epoch=req.epoch, tracked=req.session is not None and self.pc_url is not None,
                           scope_key=key, compat_id=self.compat_id,
                           sequence=TokenSequence(chain, 0, list(req.tokens)),
                           prompt_blocks=[k.hex() for k in chain.keys[:full]],

@@ -61,6 +61,10 @@ class GenerateRequest:
     stream: bool = False
     scope: str | None = None
     timeline: bool = False
+    #: the session's epoch (§6.8): a front end that starts a session again from its prompt,
+    #: because its instance was lost before the PC acknowledged a checkpoint, starts it above
+    #: the epoch it has seen, so that the lost instance's tokens and checkpoints are stale
+    epoch: int = 1
 
     @classmethod
     def from_json(cls, data: Any, *, max_tokens: int) -> "GenerateRequest":
@@ -75,9 +79,10 @@ class GenerateRequest:
         scope = data.get("scope")
         if scope is not None:
             scope = v.string(scope, "scope", max_len=256)
+        epoch = v.integer(data.get("epoch", 1), "epoch", low=1, high=(1 << 53) - 1)
         return cls(tuple(tokens), n, SamplerSpec.from_json(data.get("sampler", {})), session,
                    v.boolean(data.get("stream", False), "stream"), scope,
-                   v.boolean(data.get("timeline", False), "timeline"))
+                   v.boolean(data.get("timeline", False), "timeline"), epoch)
 
 
 __all__ = ["METHODS", "GenerateRequest", "SamplerSpec"]

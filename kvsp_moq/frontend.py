@@ -9,6 +9,13 @@ the session runs now and under which epoch, and reconnects there from its next u
 index. A resumed deterministic instance regenerates tokens it already sent; they are dropped
 by index.
 
+A session the PC holds no checkpoint of (its instance was lost before the first one was
+acknowledged, e.g. during the prefill) is not the PC's to resume. Given the requests that
+started it (`Restart`), the front end starts it again from its prompt on another instance, at an
+epoch above any it has seen, so that the lost instance's tokens and checkpoints are stale; a
+deterministic sampler regenerates the tokens already delivered (dropped by index), and a
+non-deterministic one has released none (KVSP §6.8).
+
 A stream ends the session when the instance closes it cleanly and the PC still places the
 session there, or when it sends a line with `"done": true` (our convention), or after
 `max_tokens` tokens.
@@ -23,7 +30,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 
 import httpx
 
@@ -51,6 +58,15 @@ class Placement:
     instance: str
     epoch: int
     output_offset: int = 0
+
+
+@dataclass(frozen=True)
+class Restart:
+    """How the session was started: the body of `POST {pc}route` that placed it (tokens or
+    block keys, scope, compat_id) and the body of `POST {ii}generate` that started it."""
+
+    route: Mapping[str, Any]
+    generate: Mapping[str, Any]
 
 
 class _Broken(Exception):
@@ -96,8 +112,11 @@ class FrontEnd:
     def __init__(self, pc_url: str, *, token: str | None = None,
                  client: httpx.AsyncClient | None = None, retries: int = 8,
                  backoff_s: float = 0.05, max_backoff_s: float = 1.0, timeout_s: float = 60.0,
-                 read_timeout_s: float = 10.0) -> None:
+                 read_timeout_s: float = 10.0, restart_after: int = 2) -> None:
         self.pc_url = base_url(pc_url)
+        #: failed attempts at an instance, with no checkpoint at the PC, before a session with
+        #: a `Restart` is started again elsewhere
+        self.restart_after = restart_after
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._own = client is None
         self._client = client
@@ -138,11 +157,14 @@ class FrontEnd:
         return Placement(data["instance"], int(data["epoch"]), int(data.get("output_offset", 0)))
 
     async def stream(self, session: str, *, instance: str | None = None, start: int = 0,
-                     max_tokens: int | None = None) -> AsyncIterator[Token]:
+                     max_tokens: int | None = None,
+                     restart: Restart | None = None) -> AsyncIterator[Token]:
         """Yield every output token of the session from index `start`, once, in order.
 
         `instance` is where to start (e.g. the route decision); without it the PC is asked.
-        Raises TransportError when retries or the overall timeout run out.
+        With `restart`, a session lost before the PC held a checkpoint of it is started again
+        from its prompt elsewhere. Raises TransportError when retries or the overall timeout
+        run out.
         """
         deadline = time.monotonic() + self.timeout_s
         cursor = StreamCursor(start)
@@ -172,7 +194,12 @@ class FrontEnd:
                     except NotFound:
                         if last is None:
                             raise
-                        where = last  # no checkpoint yet: nothing can have moved it
+                        if restart is not None and failures >= self.restart_after:
+                            epoch = max(cursor.max_epoch, streamed_epoch or 0, 1) + 1
+                            where = await self._restart(session, restart, last, epoch, remaining)
+                            streamed_epoch = epoch
+                        else:
+                            where = last  # no checkpoint yet: nothing can have moved it
                 last = where
                 async with contextlib.aclosing(
                         self._one_stream(session, where, cursor, remaining)) as tokens:
@@ -209,6 +236,27 @@ class FrontEnd:
             pause = min(pause * 2, self.max_backoff_s)
             where = None  # ask the PC where the session is now
 
+    async def _restart(self, session: str, restart: Restart, lost: str, epoch: int,
+                       remaining: Callable[[], float]) -> str:
+        """Start the session again from its prompt on an instance the PC chooses, not `lost`;
+        its base URL."""
+        timeout = min(self.read_timeout_s, remaining())
+        route = {**restart.route, "exclude": [*restart.route.get("exclude", []), base_url(lost)]}
+        r = await self.client.post(f"{self.pc_url}route", json=route, headers=self.headers,
+                                   timeout=timeout)
+        raise_for_problem(r)
+        instance = base_url(r.json()["instance"])
+        body = {**restart.generate, "session": session, "epoch": epoch, "stream": True}
+        # Started once the instance answers; its tokens are read from the session's stream.
+        async with self.client.stream("POST", f"{instance}generate", json=body,
+                                      headers=self.headers, timeout=timeout) as g:
+            if g.status_code >= 400:
+                await g.aread()
+                raise_for_problem(g)
+        log.warning("session %s: %s was lost before the PC held a checkpoint; started again "
+                    "from the prompt on %s at epoch %d", session, lost, instance, epoch)
+        return instance
+
     async def _one_stream(self, session: str, instance: str, cursor: StreamCursor,
                           remaining: Callable[[], float]) -> AsyncGenerator[Token, None]:
         url = f"{base_url(instance)}sessions/{session}/stream"
@@ -230,11 +278,11 @@ class FrontEnd:
 
     async def deliver(self, session: str, sink: Callable[[Token], Awaitable[None] | None], *,
                       instance: str | None = None, start: int = 0,
-                      max_tokens: int | None = None) -> int:
+                      max_tokens: int | None = None, restart: Restart | None = None) -> int:
         """Hand each token to `sink` exactly once, in order; returns how many were delivered."""
         n = 0
         async for tok in self.stream(session, instance=instance, start=start,
-                                     max_tokens=max_tokens):
+                                     max_tokens=max_tokens, restart=restart):
             result = sink(tok)
             if inspect.isawaitable(result):
                 await result

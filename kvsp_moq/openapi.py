@@ -240,7 +240,8 @@ SCHEMAS: dict[str, dict[str, Any]] = {
                        "max_new_tokens": {"type": "integer", "minimum": 0},
                        "sampler": _ref("Sampler"), "session": {"type": "string"},
                        "stream": {"type": "boolean"}, "scope": {"type": "string"},
-                       "timeline": {"type": "boolean"}},
+                       "timeline": {"type": "boolean"},
+                       "epoch": {"type": "integer", "minimum": 1}},
     },
     "GenerateResponse": {
         "type": "object", "required": ["session", "epoch", "tokens", "cached_tokens"],

@@ -43,7 +43,7 @@ from agent.model import ModelAdapter, TokenSampler
 from agent.service import OPEN_SCOPE, OPEN_SCOPE_KEY, Agent, AgentSettings
 from index.app import IndexSettings
 from index.app import create_app as create_index_app
-from kvsp_moq.frontend import FrontEnd, Token
+from kvsp_moq.frontend import FrontEnd, Restart, Token
 from kvsp_moq.holder.service import Holder, HolderSettings
 from kvsp_moq.web import BackgroundServer
 from pc.app import PCSettings, create_pc_app
@@ -231,3 +231,67 @@ async def _run(pc_url: str, a: AgentProcess, b_url: str, prompt: list[int], samp
 
     # The session ended at the PC when B finished it.
     assert httpx.get(f"{pc_url}sessions/{session}", timeout=5).status_code == 404
+
+
+@pytest.mark.parametrize("method", list(SAMPLERS))
+async def test_a_session_lost_before_its_first_checkpoint_starts_again_from_its_prompt(
+        method: str, model_dir: Path, agent_processes: Callable[..., AgentProcess],
+        tmp_path: Path) -> None:
+    """The PC resumes only what it holds a checkpoint of; an agent killed while it computes
+    the prompt leaves none. The front end, which knows how it started the session, starts it
+    again from its prompt on another instance at epoch 2: every index once, and (greedy) the
+    uninterrupted run's output."""
+    sampler, model_sampler = SAMPLERS[method]
+    prompt = tokens(PROMPT, 22)
+    with BackgroundServer(create_index_app(IndexSettings())) as index:
+        settings = PCSettings(database=str(tmp_path / "pc.sqlite3"), index_url=index.url,
+                              sweep_interval_s=0.05, lifecycle=LifecycleSettings())
+        pc_app = create_pc_app(settings, keys=ScopeKeys({OPEN_SCOPE: OPEN_SCOPE_KEY}))
+        with BackgroundServer(pc_app) as pc:
+            resumes: list[str] = []
+            send_resume = pc_app.state.pc.failover.send_resume
+
+            async def recording_resume(instance: str, session: str, body: dict) -> None:
+                resumes.append(instance)
+                await send_resume(instance, session, body)
+
+            pc_app.state.pc.failover.send_resume = recording_resume
+            common: dict[str, Any] = dict(index_url=index.url, pc_url=pc.url, status_ttl_ms=600)
+            a = agent_processes("a", token_interval_s=0.03, **common)
+            reference = ModelAdapter.load(model_dir).generate(prompt, NEW,
+                                                              sampler=model_sampler).tokens
+            b = Agent(AgentSettings(listen="127.0.0.1:0", model=str(model_dir), block_tokens=B,
+                                    warmup_tokens=8, **common)).start()
+            try:
+                a_url = a.wait_url(120)
+
+                def both_active() -> bool:
+                    listed = httpx.get(pc.url + "instances", timeout=5).json()["instances"]
+                    return {i["instance"] for i in listed if i["state"] == "active"} >= {a_url, b.url}
+
+                wait_until(both_active, timeout=30, what="both agents active at the PC", step=0.05)
+                session = str(uuid.uuid4())
+                generate = {"tokens": prompt, "max_new_tokens": NEW, "sampler": sampler}
+                async with httpx.AsyncClient(timeout=30) as client:
+                    async with client.stream("POST", a_url + "generate", json={
+                            **generate, "session": session, "stream": True}) as r:
+                        assert r.status_code == 200
+                a.kill()  # while it computes the prompt: no checkpoint can exist
+                assert httpx.get(f"{pc.url}sessions/{session}", timeout=5).status_code == 404
+                restart = Restart(route={"tokens": prompt, "scope": OPEN_SCOPE,
+                                         "compat_id": b.context.compat_id}, generate=generate)
+                async with FrontEnd(pc.url, timeout_s=60, backoff_s=0.1) as fe:
+                    got = [tok async for tok in fe.stream(session, instance=a_url, restart=restart)]
+                # B holds the same tokens, at epoch 2.
+                with httpx.stream("GET", f"{b.url}sessions/{session}/stream", params={"from": 0},
+                                  timeout=30) as s:
+                    lines = [json.loads(x) for x in s.iter_lines() if x.strip()]
+            finally:
+                b.stop()
+    assert [t.index for t in got] == list(range(NEW))
+    assert {t.epoch for t in got} == {2} and resumes == []
+    assert lines[-1] == {"done": True}
+    assert [(x["index"], x["epoch"], x["token"]) for x in lines[:-1]] == \
+        [(t.index, t.epoch, t.token) for t in got]
+    if sampler["method"] == "greedy":
+        assert [t.token for t in got] == reference
