@@ -26,7 +26,8 @@ itself, by the token of its SETUP there (`upstream_token`, a principal with the 
 A publisher that goes away ends its subscriptions downstream with PUBLISH_DONE
 (INTERNAL_ERROR, "publisher went away") after what was already received; its FETCH
 responses in progress are reset. Other tracks are not affected. A session that leaves a
-PING unanswered is closed (`probe_interval`, `probe_timeout`).
+PING unanswered is closed (`probe_interval`, `probe_timeout`), unless datagrams from it still
+arrive meanwhile (a lossy path: its PING or the ACK of it was lost).
 """
 
 from __future__ import annotations
@@ -241,10 +242,18 @@ class Relay:
 
     async def _probe(self, peer: Peer, probing: set[Peer]) -> None:
         timeout = self.settings.probe_timeout
+        sent = asyncio.get_running_loop().time()
         try:
             await asyncio.wait_for(peer.connection.ping(), timeout)
         except asyncio.TimeoutError:
-            if peer.alive:
+            heard = peer.connection.last_received
+            if heard is not None and heard > sent:
+                # Its PING (or the ACK of it) was lost, but the peer is sending (ACKs, data):
+                # a lossy path, not a lost machine. Closing it would fail its transfers.
+                self.stats.pings_unanswered_kept += 1
+                log.info("%s left a PING unanswered for %.1fs but is still sending; kept",
+                         peer, timeout)
+            elif peer.alive:
                 self.stats.peers_unresponsive += 1
                 log.info("%s left a PING unanswered for %.1fs; closing its session", peer, timeout)
                 peer.connection.close(SessionCloseCode.NO_ERROR, "no answer to a PING")

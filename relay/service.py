@@ -81,7 +81,8 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                    help="longest RENDEZVOUS_TIMEOUT honoured (default %(default)s)")
     p.add_argument("--probe-interval", type=float, default=2.0, metavar="SECONDS",
                    help="PING every session this often and close one that leaves a PING unanswered "
-                        "for --probe-timeout, withdrawing its announcements (0: never; default "
+                        "for --probe-timeout while sending nothing (a peer still sending is on a "
+                        "lossy path, and kept), withdrawing its announcements (0: never; default "
                         "%(default)s); without it a vanished peer lingers until QUIC's idle timeout (30 s)")
     p.add_argument("--probe-timeout", type=float, default=6.0, metavar="SECONDS",
                    help="how long a PING may go unanswered (default %(default)s)")

@@ -59,8 +59,9 @@ class RelaySettings:
     upstream_retry_max: float = 5.0
     #: seconds between PINGs to every session (0: none). A peer that vanished without closing
     #: (killed, its machine lost) would otherwise keep its announcements and subscriptions
-    #: until QUIC's idle timeout; one that leaves a PING unanswered for `probe_timeout` is
-    #: closed, which withdraws its namespaces and ends its tracks' subscriptions.
+    #: until QUIC's idle timeout; one that leaves a PING unanswered for `probe_timeout`, and
+    #: sends nothing meanwhile, is closed, which withdraws its namespaces and ends its tracks'
+    #: subscriptions.
     probe_interval: float = 2.0
     probe_timeout: float = 6.0
 
@@ -109,6 +110,8 @@ class RelayStats:
     sessions_accepted: int = 0
     #: sessions closed because a PING went unanswered
     peers_unresponsive: int = 0
+    #: PINGs unanswered by peers that were still sending meanwhile (kept: a lossy path)
+    pings_unanswered_kept: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)

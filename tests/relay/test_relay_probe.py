@@ -74,6 +74,40 @@ async def test_a_silent_publisher_is_closed_and_its_namespace_withdrawn():
                 await conn_a.aclose(timeout=0.1)
 
 
+async def test_a_peer_still_sending_is_kept_when_its_pings_go_unanswered():
+    """On a lossy path a PING or its ACK can be lost while the peer is plainly alive: what it
+    sends (here: a publisher's objects) keeps its session. Once it falls silent it is closed."""
+    ns_a = NS + (b"a" * 16,)
+    track_a = ns_a + (b"k" * 32,)
+    pub_a = TrackPublisher(make_objects(1, 400, 500), pace=0.01, end=False)
+    async with running_relay(probe_interval=0.2, probe_timeout=0.6) as relay:
+        conn_a = await dial(relay.url)
+        pub_a.attach(conn_a)
+        await asyncio.wait_for(conn_a.publish_namespace(ns_a), STEP)
+        client = await dial(relay.url)
+        try:
+            sub_a = await asyncio.wait_for(client.subscribe(track_a, NAME), STEP)
+            await asyncio.wait_for(sub_a.__anext__(), STEP)
+            peer_a = relay.route(track_a, None)
+            assert peer_a is not None
+
+            async def unanswered() -> None:  # every PING to A, or its ACK, is lost
+                await asyncio.Event().wait()
+
+            peer_a.connection.ping = unanswered  # type: ignore[method-assign]
+            await eventually(lambda: relay.stats.pings_unanswered_kept >= 2, timeout=STEP,
+                             what="two unanswered PINGs to a sending peer", step=0.05)
+            assert relay.stats.peers_unresponsive == 0 and peer_a.alive
+            await asyncio.wait_for(sub_a.__anext__(), STEP)  # its objects still flow
+            go_silent(conn_a)
+            await eventually(lambda: relay.stats.peers_unresponsive == 1, timeout=STEP,
+                             what="the silent peer closed", step=0.05)
+            assert not peer_a.alive
+        finally:
+            await client.aclose()
+            await conn_a.aclose(timeout=0.1)
+
+
 async def test_probing_off_keeps_a_silent_peer():
     async with running_relay(probe_interval=0) as relay:
         conn = await dial(relay.url)

@@ -41,6 +41,8 @@ class QuicProtocol(asyncio.DatagramProtocol):
         self._closed = asyncio.Event()
         self._connected = False
         self._ping_waiters: dict[int, asyncio.Future[None]] = {}
+        #: the event loop's time when the last datagram from the peer arrived (None: none yet)
+        self.last_received: float | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
         self._transmit_task: asyncio.Handle | None = None
@@ -138,12 +140,14 @@ class QuicProtocol(asyncio.DatagramProtocol):
     def datagram_received(self, data: bytes, addr: Any) -> None:
         # Transmit once at the end of the loop iteration: one batch (and one ACK) for a
         # burst of datagrams.
-        self._quic.receive_datagram(data, addr, now=self._loop.time())
+        self.last_received = now = self._loop.time()
+        self._quic.receive_datagram(data, addr, now=now)
         self._process_events()
         self.transmit_soon()
 
     def datagrams_received(self, datagrams: list[bytes], addr: Any) -> None:
-        self._quic.receive_datagrams(datagrams, addr, now=self._loop.time())
+        self.last_received = now = self._loop.time()
+        self._quic.receive_datagrams(datagrams, addr, now=now)
         self._process_events()
         self.transmit_soon()
 
