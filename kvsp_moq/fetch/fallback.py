@@ -31,6 +31,7 @@ from kvsp_moq.errors import CandidatesExhausted, KvspError, LayersUnavailable
 from kvsp_moq.fetch.leases import LeaseKeeper, lease_unavailable
 from kvsp_moq.fetch.sources import SourceCandidate
 from kvsp_moq.protocol.container import Buffer
+from kvsp_moq.protocol.urls import base_url
 
 __all__ = [
     "Attempt", "BlockCandidates", "CandidatesExhausted", "FailureObserver", "FallbackStream",
@@ -133,10 +134,14 @@ class BlockCandidates:
                 keeper = self.keeper
                 if keeper is None or not cand.source.needs_lease or holder in self.leases:
                     return cand
+                if base_url(holder) in keeper.unavailable:
+                    self.leases[holder] = None  # its lease endpoint failed once this load
+                    return cand
                 try:
                     lease = await keeper.client.acquire(holder, [self.block_key], keeper.ttl_ms)
                 except KvspError as e:
                     if lease_unavailable(e):
+                        keeper.unavailable.add(base_url(holder))
                         # No lease to be had there, yet the replica may well be readable (its
                         # relay is up, or a static server holds it): read it unprotected.
                         self.leases[holder] = None

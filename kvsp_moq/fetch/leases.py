@@ -100,16 +100,26 @@ class LeaseKeeper:
         self.ttl_ms = ttl_ms
         self.period_s = max(0.005, ttl_ms / 1000 * fraction)
         self.leases: list[tuple[str, str]] = []  # (holder, lease id), in the order taken
+        #: holders whose lease endpoint could not be used during this load (unreachable,
+        #: overloaded, none): their blocks are read without a lease rather than each one
+        #: waiting out its own lease request (a relay's cache may still serve them)
+        self.unavailable: set[str] = set()
         self.renewals = 0
         self._task: asyncio.Task | None = None
 
     async def take(self, holder: str, keys: list[str], what: str = "") -> str | None:
         """One lease at `holder` for all of `keys`, kept from now on; None when the holder
-        refuses it (then each block leases its own)."""
+        refuses it (then each block leases its own) or cannot lease (`unavailable`)."""
         try:
             lease = await self.client.acquire(holder, keys, self.ttl_ms)
         except KvspError as e:
-            log.info("%sbatch lease at %s refused (%s); leasing block by block", what, holder, e.detail)
+            if lease_unavailable(e):
+                self.unavailable.add(base_url(holder))
+                log.info("%sno lease at %s (%s); reading its blocks without one", what, holder,
+                         e.detail)
+            else:
+                log.info("%sbatch lease at %s refused (%s); leasing block by block", what, holder,
+                         e.detail)
             return None
         self.add(holder, lease)
         return lease

@@ -149,3 +149,38 @@ async def test_ranges_of_one_block_share_its_candidates_and_batch_leases() -> No
     assert bad.asked == [(0, 3)] and good.asked == [(1, 3), (4, 7)] and len(got) == 4
     assert client.acquired[-1] == ("http://b/", ["aa" * 32])
     await keeper.release()
+
+
+async def test_a_holder_whose_leases_are_unreachable_is_asked_once_per_load() -> None:
+    """An unreachable lease endpoint costs a load one timeout, not one per block: its blocks
+    are read without a lease (a relay's cache may still serve them while the holder is away)."""
+
+    class Counting(Leases):
+        calls = 0
+
+        async def acquire(self, holder: str, keys: list[str], ttl_ms: int) -> str:
+            self.calls += 1
+            return await super().acquire(holder, keys, ttl_ms)
+
+    client = Counting(refuse={"http://a/": TransportError("timed out")})
+    keeper = LeaseKeeper(client, 10_000)  # type: ignore[arg-type]
+    source = Fake("http")
+    blocks = [BlockCandidates(key, [SourceCandidate(source, record("http://a/", key))], keeper=keeper)
+              for key in ("aa" * 32, "dd" * 32, "ee" * 32)]
+    await lease_first_candidates(blocks, keeper)
+    assert client.calls == 1 and keeper.unavailable == {"http://a/"}
+    for block in blocks:
+        assert len(await collect(block.layers(0, 3))) == 4
+        assert block.leases == {"http://a/": None}
+    assert client.calls == 1  # no block asked again
+    # A refusal that is an answer (a quota) still leaves each block to lease its own.
+    client = Counting(refuse={"http://a/": LeaseQuota("too many")})
+    keeper = LeaseKeeper(client, 10_000)  # type: ignore[arg-type]
+    blocks = [BlockCandidates(key, [SourceCandidate(Fake("http"), record("http://a/", key))],
+                              keeper=keeper) for key in ("aa" * 32, "dd" * 32)]
+    await lease_first_candidates(blocks, keeper)
+    assert keeper.unavailable == set()
+    with pytest.raises(CandidatesExhausted):
+        await collect(blocks[0].layers(0, 3))
+    assert client.calls == 2
+    await keeper.release()
