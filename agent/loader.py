@@ -27,7 +27,7 @@ from kvsp_moq.errors import KvspError, PreconditionFailed
 from kvsp_moq.fetch.http import HttpFetcher
 from kvsp_moq.fetch.leases import LeaseClient, LeaseKeeper
 from kvsp_moq.fetch.prefix import LoadReport, PrefixLoader, Timeline
-from kvsp_moq.fetch.sources import MoqtLayerSource
+from kvsp_moq.fetch.sources import MoqtLayerSource, lease_holder
 from kvsp_moq.fetch.transfers import TransferObserver, TransferTally
 from kvsp_moq.holder.store import BlockId, BlockStore
 from kvsp_moq.index_client import IndexClient
@@ -142,7 +142,7 @@ class Prefetcher:
         for r in records:
             if total >= octets:
                 break
-            blocks.append(PrefetchBlock(r.block_key, (base_url(r.http_holder or r.holder),)))
+            blocks.append(PrefetchBlock(r.block_key, (lease_holder(r),)))
             total += r.size
         if not blocks:
             return None

@@ -57,7 +57,9 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     add_token_options(p, what="PC: bearer token presented to instances and to a remote IS")
     p.add_argument("--max-cost-us", type=float, metavar="US",
                    help="PC: cost above which a new instance is wanted")
-    p.add_argument("--prefetch", choices=("queued", "always"), default="queued",
+    from pc.placement import PREFETCH_POLICIES
+
+    p.add_argument("--prefetch", choices=PREFETCH_POLICIES, default=PREFETCH_POLICIES[0],
                    help="PC: when a routed request's instance gets a prefetch directive (§6.5): "
                         "only when requests are queued ahead of it there (default), or always. "
                         "A request that starts at once loads its prefix layer by layer while it "

@@ -30,7 +30,7 @@ if TYPE_CHECKING:  # the MOQT binding is imported only by callers that read over
 
 __all__ = [
     "HttpLayerSource", "LayerSource", "LayerTuple", "LocalLayerSource", "MoqtLayerSource",
-    "SourceCandidate", "order_candidates",
+    "SourceCandidate", "lease_holder", "order_candidates",
 ]
 
 log = logging.getLogger("kvsp.fetch.sources")
@@ -215,8 +215,13 @@ class SourceCandidate:
 
     @property
     def lease_holder(self) -> str:
-        """Where leases are taken: a MOQT replica's HTTP holder, else the holder itself."""
-        return base_url(self.record.http_holder or self.record.holder)
+        return lease_holder(self.record)
+
+
+def lease_holder(record: ReplicaRecord) -> str:
+    """Where a replica's leases are taken and its blocks are served over HTTP: a MOQT
+    replica's HTTP holder, else the holder itself."""
+    return base_url(record.http_holder or record.holder)
 
 
 def order_candidates(records: Sequence[ReplicaRecord],
