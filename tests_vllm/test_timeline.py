@@ -8,9 +8,11 @@ requested before layer l+1 of any), so the early layers are in long before the l
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
+from kvsp_moq.integrations.vllm.cpus import reserved_cpus
 from tests_vllm.conftest import BLOCK, Engine, free_port, prompt
 
 TOKENS = prompt(990, seed=11)  # 30 blocks before the last token
@@ -28,6 +30,10 @@ def test_layers_are_computed_while_later_layers_load(model_dir: Path, index_url:
     with Engine(model_dir, config) as warm:
         [(out, cached)] = warm.generate([TOKENS])
         stats = warm.worker_stats()
+        loop_thread = warm.worker_connector._worker.loop.thread
+        # On the CPU backend the loader runs on the core vLLM keeps for a KV connector.
+        assert stats["cpus"] == sorted(reserved_cpus())
+        assert os.sched_getaffinity(loop_thread.native_id) == set(stats["cpus"])
     assert out == expected and cached == 30 * BLOCK
     assert stats["loaded_blocks"] == 30 and stats["load_errors"] == 0, stats
     [timeline] = stats["timelines"]

@@ -16,19 +16,29 @@ each run asks for one token of the cached prefix plus a fresh suffix:
 
 Targets: pipelined / recompute <= 0.5, pipelined / max(load, compute) <= 1.15. Every figure is
 the median over the rounds (3 with --quick, 7 without); variants alternate within a round where
-the engines allow. Engines run in this process (vLLM's one-process mode), so on a CPU the loads'
-network and hashing work shares the cores with the model, as it would in a real vLLM worker.
+the engines allow. Engines run in this process (vLLM's one-process mode), twice:
+
+    shared          (the top-level figures) the model's threads on every core, and the loader's
+                    threads (network, hashing, copies), the holder and the relay beside them
+    reserved_core   the placement of `vllm serve` on a CPU with a KV connector: the model's
+                    threads on every core but the last, which vLLM keeps for the connector; the
+                    loader ("cpus": "auto"), holder and relay there
+
+On shared cores the loader's work is taken from the model's (the pipelined TTFT is bounded by
+the CPU work of both over the cores), so the overlap shows only where the two have cores of
+their own, as in `reserved_core` or on a GPU.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 #: Grouped-query attention 4:1, as in `kvsp bench ttft`: 32 KiB of float32 KV per token.
 MODEL = {"layers": 16, "hidden": 1024, "heads": 16, "kv_heads": 4, "intermediate": 2048}
@@ -141,52 +151,63 @@ def run(*, quick: bool = False, layers_per_request: int | None = None,
             _close(producer)
             _wait_published(index.url, compat.compat_hex, scope_id(OPEN_SCOPE_KEY).hex(), keys)
 
-            results: dict[str, list[float]] = {k: [] for k in (
-                "recompute", "pipelined", "load_then_compute", "pipelined_moqt")}
-            loads: dict[str, list[float]] = {k: [] for k in ("pipelined", "load_then_compute",
-                                                             "pipelined_moqt")}
-            hits: dict[str, list[int]] = {k: [] for k in loads}
-
-            def measure(llm: Any, variant: str) -> None:
-                suffix = fresh(PROMPT - len(prefix))
-                if variant == "recompute":
-                    ms, _ = _ttft(llm, fresh(PROMPT))
-                else:
-                    before = len(_worker_stats()["timelines"])
-                    ms, cached = _ttft(llm, prefix + suffix)
-                    timelines = _worker_stats()["timelines"]
-                    hits[variant].append(cached)
-                    if len(timelines) > before:
-                        loads[variant].append(_load_ms(timelines[-1]))
-                results[variant].append(ms)
-
-            http = _engine(model, base)
-            _ttft(http, fresh(64))  # warm up the engine's kernels
-            for _ in range(rounds):
-                measure(http, "recompute")
-                measure(http, "pipelined")
-            _close(http)
-            ltc = _engine(model, {**base, "pipelined": False})
-            _ttft(ltc, fresh(64))
-            for _ in range(rounds):
-                measure(ltc, "load_then_compute")
-            _close(ltc)
-            moqt = _engine(model, {**base, "relay": relay_url})
-            _ttft(moqt, fresh(64))
-            for _ in range(rounds):
-                measure(moqt, "pipelined_moqt")
-            _close(moqt)
+            layouts = {"shared": _measure(model, base, relay_url, prefix, fresh, rounds, "none")}
+            with _reserved_core([holder_proc.pid, relay_proc.pid]) as placement:
+                layouts["reserved"] = {**placement,
+                                       **_measure(model, base, relay_url, prefix, fresh, rounds,
+                                                   "auto")}
         finally:
             _stop(holder_proc)
             _stop(relay_proc)
+
+    shared = layouts["shared"]
+    return {
+        "model": {**MODEL, "dtype": "float32", "block_tokens": BLOCK},
+        "prompt_tokens": PROMPT, "cached_tokens": len(prefix), "rounds": rounds,
+        **shared,
+        "reserved_core": layouts["reserved"],
+        "targets": {"pipelined_over_recompute": 0.5, "pipelined_over_max_load_compute": 1.15},
+    }
+
+
+def _measure(model: Path, base: dict[str, Any], relay_url: str, prefix: list[int],
+             fresh: Callable[[int], list[int]], rounds: int, cpus: str) -> dict[str, Any]:
+    """Every variant in engines of their own; the connector's threads placed by `cpus`."""
+    base = {**base, "cpus": cpus}
+    results: dict[str, list[float]] = {k: [] for k in (
+        "recompute", "pipelined", "load_then_compute", "pipelined_moqt")}
+    loads: dict[str, list[float]] = {k: [] for k in ("pipelined", "load_then_compute",
+                                                     "pipelined_moqt")}
+    hits: dict[str, list[int]] = {k: [] for k in loads}
+
+    def measure(llm: Any, variant: str) -> None:
+        suffix = fresh(PROMPT - len(prefix))
+        if variant == "recompute":
+            ms, _ = _ttft(llm, fresh(PROMPT))
+        else:
+            before = len(_worker_stats()["timelines"])
+            ms, cached = _ttft(llm, prefix + suffix)
+            timelines = _worker_stats()["timelines"]
+            hits[variant].append(cached)
+            if len(timelines) > before:
+                loads[variant].append(_load_ms(timelines[-1]))
+        results[variant].append(ms)
+
+    for variant, extra in (("pipelined", {}), ("load_then_compute", {"pipelined": False}),
+                           ("pipelined_moqt", {"relay": relay_url})):
+        llm = _engine(model, {**base, **extra})
+        _ttft(llm, fresh(64))  # warm up the engine's kernels
+        for _ in range(rounds):
+            if variant == "pipelined":
+                measure(llm, "recompute")  # alternating with the variant it is compared with
+            measure(llm, variant)
+        _close(llm)
 
     med = {k: statistics.median(v) for k, v in results.items()}
     load_ms = statistics.median(loads["load_then_compute"]) if loads["load_then_compute"] else 0.0
     compute_ms = med["load_then_compute"] - load_ms
     bound = max(load_ms, compute_ms)
     return {
-        "model": {**MODEL, "dtype": "float32", "block_tokens": BLOCK},
-        "prompt_tokens": PROMPT, "cached_tokens": len(prefix), "rounds": rounds,
         "cached_tokens_reported": {k: sorted(set(v)) for k, v in hits.items()},
         "recompute_ms": round(med["recompute"], 1),
         "pipelined_ms": round(med["pipelined"], 1),
@@ -202,5 +223,43 @@ def run(*, quick: bool = False, layers_per_request: int | None = None,
         "pipelined_over_max_load_compute": round(med["pipelined"] / bound, 3) if bound > 0 else None,
         "pipelined_moqt_over_max_load_compute": (round(med["pipelined_moqt"] / bound, 3)
                                                  if bound > 0 else None),
-        "targets": {"pipelined_over_recompute": 0.5, "pipelined_over_max_load_compute": 1.15},
     }
+
+
+def _place_process(pid: int, cpus: frozenset[int]) -> None:
+    """Every thread of process `pid` onto `cpus`."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            os.sched_setaffinity(int(task.name), cpus)
+        except (OSError, ValueError):  # a thread that just ended
+            pass
+
+
+@contextlib.contextmanager
+def _reserved_core(others: list[int]) -> Iterator[dict[str, Any]]:
+    """The CPU placement of `vllm serve` on this machine, in this process: the model's threads on
+    every usable core but the ones vLLM keeps for a KV connector, the connector's threads (its
+    "cpus": "auto") and the holder and relay processes (`others`, which stand for machines
+    elsewhere) on those. Restored on the way out."""
+    import torch
+
+    from kvsp_moq.integrations.vllm.cpus import reserved_cpus, usable_cpus
+
+    usable = usable_cpus() & frozenset(os.sched_getaffinity(0))
+    kept = reserved_cpus(usable)
+    model = usable - kept or usable
+    threads = torch.get_num_threads()
+    # vLLM's CPU worker replaces torch.set_num_threads once it has bound its threads; this
+    # stands in for that binding, so it calls the function underneath.
+    set_threads = torch._C.set_num_threads
+    set_threads(len(model))
+    os.sched_setaffinity(0, model)
+    for pid in others:
+        _place_process(pid, kept)
+    try:
+        yield {"model_cpus": sorted(model), "connector_cpus": sorted(kept)}
+    finally:
+        set_threads(threads)
+        os.sched_setaffinity(0, usable)
+        for pid in others:
+            _place_process(pid, usable)

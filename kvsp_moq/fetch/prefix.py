@@ -8,13 +8,13 @@ octet is read from it and delivers the layers verified and in ascending order; t
 into the pool, and layer ``l`` is marked ready once every block holds it, so the forward pass
 waiting on layer ``l`` can go on. Loading layer ``l + 1`` thus overlaps computing layer ``l``.
 
-Requests go out layer-group-major: group 0 (the first layers) of every block, then group 1 of
+Requests go out layer-range-major: range 0 (the first layers) of every block, then range 1 of
 every block, and so on, from a bounded set of workers. A holder streams a whole response at
 once, so one request per whole block would deliver block after block and make layer 0 wait for
-the last block; layer groups make the early layers of the whole prefix arrive first. Groups are
-sized to about 1 MiB per request, since each request has a fixed cost that small requests would
-pay too often, and a prefix of 8 MiB or more is split into at least two groups; a smaller one
-loads whole blocks, in less time than the extra requests would cost.
+the last block; layer ranges make the early layers of the whole prefix arrive first. A prefix
+of 8 MiB or more starts with layer 0 alone and doubles the range from there, up to about 1 MiB
+per request (`layer_ranges`); a smaller one loads whole blocks, in less time than the extra
+requests would cost.
 
 Failures: when a source fails mid-block (404, cut body, digest mismatch, dead holder), the
 fallback continues the block from the next candidate at its first missing layer; layers already
@@ -51,7 +51,8 @@ from kvsp_moq.fetch.sources import SourceCandidate
 from kvsp_moq.fetch.transfers import TransferObserver, TransferTally
 from kvsp_moq.protocol.container import Buffer
 
-__all__ = ["LayerPool", "LayerReadiness", "LoadReport", "PrefixLoader", "Timeline", "TransferObserver"]
+__all__ = ["LayerPool", "LayerReadiness", "LoadReport", "PrefixLoader", "Timeline", "TransferObserver",
+           "layer_ranges"]
 
 
 class LayerPool(Protocol):
@@ -170,6 +171,34 @@ class Timeline:
 # --------------------------------------------------------------------------- prefix loading
 
 
+def layer_ranges(layers: int, blocks: int, layer_bytes: int, layers_per_request: int | None,
+                 request_bytes: int, split_bytes: int) -> list[tuple[int, int]]:
+    """The layer ranges requested of every block, in the order they are requested.
+
+    With `layers_per_request` given, ranges of that many layers. Otherwise requests of about
+    `request_bytes` (`layer_bytes` is one layer of one block): smaller ones would pay the
+    per-request cost (HTTP or MOQT) too often. A prefix smaller than `split_bytes` loads whole
+    blocks, in less time than more requests would cost. A larger one starts with layer 0 alone
+    and doubles the range from there (0, 1, 2-3, 4-7, ...): the forward pass waits only for
+    the first layer of every block, and each later range has the computation of the layers
+    before it to arrive in.
+    """
+    if layers_per_request is not None:
+        step = max(1, layers_per_request)
+        return [(a, min(a + step, layers) - 1) for a in range(0, layers, step)]
+    largest = max(1, min(layers, -(-request_bytes // max(1, layer_bytes))))
+    if blocks * layers * layer_bytes < split_bytes:
+        return [(a, min(a + largest, layers) - 1) for a in range(0, layers, largest)]
+    out: list[tuple[int, int]] = []
+    a, size = 0, 1
+    while a < layers:
+        out.append((a, min(a + size, layers) - 1))
+        a += size
+        if a > 1:
+            size = min(2 * size, largest)
+    return out
+
+
 @dataclass
 class LoadReport:
     """What a prefix load achieved."""
@@ -225,16 +254,8 @@ class PrefixLoader:
         self.lease_ms = lease_ms
         self.concurrency = max(1, concurrency)
         layers = pool.num_layers
-        if layers_per_request is None:
-            # Requests of about `request_bytes`: smaller ones would pay the per-request cost
-            # (HTTP or MOQT) too often. A prefix of `split_bytes` or more is requested in at
-            # least two layer groups, or layer 0 would wait for whole blocks; a smaller one
-            # loads in less time than the extra requests would cost, so whole blocks it is.
-            per_layer = max(1, 2 * pool.section_bytes)
-            layers_per_request = min(layers, -(-request_bytes // per_layer))
-            if len(blocks) * layers * per_layer >= split_bytes:
-                layers_per_request = min(layers_per_request, -(-layers // 2))
-        self.group = max(1, layers_per_request)
+        self.ranges = layer_ranges(layers, len(blocks), 2 * pool.section_bytes,
+                                   layers_per_request, request_bytes, split_bytes)
         self.readiness = LayerReadiness(layers, timeout=readiness_timeout)
         self.on_transfer = on_transfer
         self.timeline = timeline or Timeline(layers)
@@ -279,8 +300,7 @@ class PrefixLoader:
         started = time.perf_counter()
         if self._blocks:
             await self._batch_leases()
-            layers = self.pool.num_layers
-            queue = deque((a, blk) for a in range(0, layers, self.group) for blk in self._blocks)
+            queue = deque((a, b, blk) for a, b in self.ranges for blk in self._blocks)
             count = min(self.concurrency, len(queue))
             workers = [asyncio.create_task(self._worker(queue)) for _ in range(count)]
             try:
@@ -321,12 +341,12 @@ class PrefixLoader:
         """One lease per holder for the blocks that start there: one round trip, not one per block."""
         await lease_first_candidates([blk.candidates for blk in self._blocks], self._keeper)
 
-    async def _worker(self, queue: deque[tuple[int, _Block]]) -> None:
+    async def _worker(self, queue: deque[tuple[int, int, _Block]]) -> None:
         while queue:
-            first, blk = queue.popleft()
+            first, last, blk = queue.popleft()
             if blk.failed or blk.slot >= self._abort_from:
                 continue
-            await self._load_range(blk, first, min(first + self.group, self.pool.num_layers) - 1)
+            await self._load_range(blk, first, last)
 
     def _note_failure(self, key: str, cand: SourceCandidate, reason: str) -> None:
         self._failures.append({"block_key": key, "source": cand.record.holder,

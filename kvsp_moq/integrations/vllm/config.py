@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 
 from kvsp_moq.arguments import parse_listen
 from kvsp_moq.errors import KvspError, SettingError
+from kvsp_moq.integrations.vllm.cpus import parse_cpu_list
 from kvsp_moq.scope_keys import OPEN_SCOPE, OPEN_SCOPE_KEY, choose_scope, read_scope_keys
 
 __all__ = ["ConnectorConfig", "parse_extra_config"]
@@ -75,6 +76,9 @@ class ConnectorConfig:
     #: the interpreter's switch interval the worker sets, in microseconds (0: left alone); see
     #: `worker.WorkerSide`
     switch_interval_us: int = 200
+    #: where the worker's loader threads run on a CPU backend: "auto" (the cores vLLM keeps
+    #: for a KV connector), "none" (left alone) or a CPU list; see `cpus`
+    cpus: str = "auto"
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     @property
@@ -138,6 +142,7 @@ _KEYS = frozenset({
     "disk_bytes", "relay", "relay_ca", "relay_insecure", "relay_timeout_s", "token", "token_file",
     "principals", "lease_ms", "lookup_timeout_ms", "load_timeout_s", "record_ttl_ms",
     "layers_per_request", "load_concurrency", "timeline", "pipelined", "switch_interval_us",
+    "cpus",
 })
 
 
@@ -199,6 +204,13 @@ def parse_extra_config(data: Mapping[str, Any] | None) -> ConnectorConfig:
         if not token:
             raise _fail("token_file", f"{token_file} is empty")
 
+    cpus = _text(data, "cpus", "auto")
+    assert cpus is not None
+    if cpus not in ("auto", "none"):
+        try:
+            parse_cpu_list(cpus)
+        except ValueError as e:
+            raise _fail("cpus", f"must be auto, none or a CPU list such as 6,7 or 6-7 ({e})")
     layers_per_request = data.get("layers_per_request")
     if layers_per_request is not None:
         layers_per_request = _number(data, "layers_per_request", 1)
@@ -217,4 +229,5 @@ def parse_extra_config(data: Mapping[str, Any] | None) -> ConnectorConfig:
         layers_per_request=layers_per_request,
         load_concurrency=_number(data, "load_concurrency", 8),
         timeline=_flag(data, "timeline"), pipelined=_flag(data, "pipelined", True),
-        switch_interval_us=_number(data, "switch_interval_us", 200, low=0), extra=data)
+        switch_interval_us=_number(data, "switch_interval_us", 200, low=0), cpus=cpus,
+        extra=data)

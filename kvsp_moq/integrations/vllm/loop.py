@@ -27,6 +27,10 @@ class LoopThread:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
+    @property
+    def thread(self) -> threading.Thread:
+        return self._thread
+
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)
         self.loop.run_forever()

@@ -20,6 +20,10 @@ verifying. So a worker that loads sets the process's switch interval to
 `switch_interval_us` (200 µs by default, as `kvsp agent` does; 0 leaves it alone): measured with
 `kvsp bench vllm`, a pipelined 90% prefix took 1.08 s with the default and 0.66 s with 200 µs.
 
+On a CPU backend those threads run on the cores vLLM keeps free of the model's OpenMP threads
+for a KV connector (`cpus`): sharing a core with an OpenMP thread stalls every parallel region
+of the forward pass for as long as the loader holds that core.
+
 Saves copy each complete prompt block's layer out of the paged cache as the layer is computed
 (`save_kv_layer`: one gather per layer), so vLLM may free the blocks as soon as the request
 ends; `wait_for_save` makes KVB1 containers of them and hands them to the sink, without
@@ -37,8 +41,10 @@ from typing import Any
 
 import torch
 
+from kvsp_moq.hashing import place_workers
 from kvsp_moq.holder.store import BlockId
 from kvsp_moq.integrations.vllm.config import ConnectorConfig
+from kvsp_moq.integrations.vllm.cpus import connector_cpus, place_thread
 from kvsp_moq.integrations.vllm.descriptor import EngineFacts
 from kvsp_moq.integrations.vllm.layout import Layout, PagedBlocks, layer_order, layout_for
 from kvsp_moq.integrations.vllm.loop import LoopThread
@@ -117,6 +123,17 @@ class WorkerSide:
                                  head_dim=self.facts.head_dim, block_size=self.facts.block_size,
                                  cache_dtype=self.facts.cache_dtype)
         log.info("KVSP connector: %d layers, paged layout %s", len(self._layers), self.layout.isa)
+        self._place_threads(next(iter(kv_caches.values())).device.type)
+
+    def _place_threads(self, device_type: str) -> None:
+        """The loop and hash workers go to the CPUs kept for the connector (see `cpus`)."""
+        cpus = connector_cpus(self.config.cpus, device_type)
+        if cpus is None:
+            return
+        moved = [place_thread(t, cpus) for t in [self.loop.thread, *place_workers(cpus)]]
+        self.stats["cpus"] = sorted(cpus)
+        log.info("KVSP connector threads on CPUs %s (%d of %d moved)", sorted(cpus), sum(moved),
+                 len(moved))
 
     # ---------------------------------------------------------------- steps
 
