@@ -242,18 +242,13 @@ class Relay:
 
     async def _probe(self, peer: Peer, probing: set[Peer]) -> None:
         timeout = self.settings.probe_timeout
-        sent = asyncio.get_running_loop().time()
         try:
-            await asyncio.wait_for(peer.connection.ping(), timeout)
-        except asyncio.TimeoutError:
-            heard = peer.connection.last_received
-            if heard is not None and heard > sent:
-                # Its PING (or the ACK of it) was lost, but the peer is sending (ACKs, data):
-                # a lossy path, not a lost machine. Closing it would fail its transfers.
+            found = await peer.connection.liveness(timeout)
+            if found == "sending":
                 self.stats.pings_unanswered_kept += 1
                 log.info("%s left a PING unanswered for %.1fs but is still sending; kept",
                          peer, timeout)
-            elif peer.alive:
+            elif found == "silent" and peer.alive:
                 self.stats.peers_unresponsive += 1
                 log.info("%s left a PING unanswered for %.1fs; closing its session", peer, timeout)
                 peer.connection.close(SessionCloseCode.NO_ERROR, "no answer to a PING")

@@ -258,9 +258,9 @@ class MoqtBlockFetcher:
             self._pool.connections.pop(url, None)
             return connection is not None
         try:
-            await asyncio.wait_for(connection.ping(), self.probe_timeout)
-            return False
-        except (asyncio.TimeoutError, MoqtError, OSError, ConnectionError):
+            if await connection.liveness(self.probe_timeout) != "silent":
+                return False
+        except (MoqtError, OSError, ConnectionError):
             pass
         if self._pool.connections.get(url) is connection:
             del self._pool.connections[url]

@@ -38,6 +38,7 @@ from kvsp_moq.moqt.quic import (
     IncomingFetch,
     IncomingSubscribe,
     IncomingTrackStatus,
+    Liveness,
     MoqtConnection,
     PublishedNamespace,
     QuicSettings,
@@ -337,7 +338,7 @@ class BlockPublisher:
             self._announced.clear()
             self._refused.clear()
             log.info("publishing to relay %s", self.relay_url)
-            probe: asyncio.Future[None] | None = None
+            probe: asyncio.Future[Liveness] | None = None
             try:
                 closed = asyncio.ensure_future(connection.wait_closed())
                 next_probe = time.monotonic() + self.probe_interval
@@ -345,10 +346,10 @@ class BlockPublisher:
                     await self._announce_pending(connection)
                     self._connected.set()
                     if probe is None and time.monotonic() >= next_probe:
-                        probe = asyncio.ensure_future(
-                            asyncio.wait_for(connection.ping(), self.probe_timeout))
+                        probe = asyncio.ensure_future(connection.liveness(self.probe_timeout))
                     elif probe is not None and probe.done():
-                        probe.result()  # TimeoutError: the relay is gone
+                        if probe.result() == "silent":
+                            raise asyncio.TimeoutError()  # the relay is gone
                         probe = None
                         next_probe = time.monotonic() + self.probe_interval
                     self._wake.clear()

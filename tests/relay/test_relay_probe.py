@@ -154,3 +154,32 @@ async def test_cli_sets_probing_and_can_refuse_draft14_clients(tmp_path):
     for bad in (["--probe-interval", "-1"], ["--probe-timeout", "0"]):
         with pytest.raises(SettingError):
             settings_from_args(relay_args("--cert-dir", str(tmp_path), *bad))
+
+
+async def test_liveness_as_every_prober_sees_it():
+    """`liveness`, the one rule of the relay's, the holder publisher's and the fetcher's probes:
+    a PING answered; unanswered while the peer keeps sending; unanswered and nothing heard."""
+    ns_a = NS + (b"a" * 16,)
+    track_a = ns_a + (b"k" * 32,)
+    pub_a = TrackPublisher(make_objects(1, 400, 500), pace=0.01, end=False)
+    async with running_relay(probe_interval=0) as relay:
+        conn_a = await dial(relay.url)
+        pub_a.attach(conn_a)
+        await asyncio.wait_for(conn_a.publish_namespace(ns_a), STEP)
+        client = await dial(relay.url)
+        try:
+            assert await client.liveness(STEP) == "answered"
+            sub_a = await asyncio.wait_for(client.subscribe(track_a, NAME), STEP)
+            await asyncio.wait_for(sub_a.__anext__(), STEP)
+
+            async def unanswered() -> None:
+                await asyncio.Event().wait()
+
+            client.ping = unanswered  # type: ignore[method-assign]
+            assert await client.liveness(0.3) == "sending"  # the relay forwards A's objects
+            client.datagram_received = lambda *args: None  # type: ignore[method-assign]
+            client.datagrams_received = lambda *args: None  # type: ignore[method-assign]
+            assert await client.liveness(0.3) == "silent"
+        finally:
+            await client.aclose(timeout=0.1)
+            await conn_a.aclose(timeout=0.1)

@@ -62,6 +62,7 @@ from .incoming import (
     IncomingTrackStatus,
     IncomingUpdate,
 )
+from .protocol import Liveness
 from .publisher import (
     FetchSender,
     NamespacePublisher,
@@ -105,6 +106,7 @@ __all__ = [
     "MoqtObject",
     "SubgroupEnd",
     "MoqtConnection",
+    "Liveness",
     "MoqtServer",
     "Handler",
     "HANDLER_KINDS",

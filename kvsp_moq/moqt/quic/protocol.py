@@ -10,7 +10,7 @@ several (`datagrams_received`, GRO or recvmmsg) hands them over together.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Callable, cast
+from typing import Any, Callable, Literal, cast
 
 from ..engine import (
     ConnectionIdIssued,
@@ -29,6 +29,10 @@ def _retrieve(future: asyncio.Future[Any]) -> None:
     """Mark a future's failure as seen (its caller may have stopped waiting for it)."""
     if not future.cancelled():
         future.exception()
+
+
+#: what a liveness probe found (`QuicProtocol.liveness`)
+Liveness = Literal["answered", "sending", "silent"]
 
 
 class QuicProtocol(asyncio.DatagramProtocol):
@@ -132,6 +136,20 @@ class QuicProtocol(asyncio.DatagramProtocol):
         await self._closed.wait()
 
     # -- asyncio.DatagramProtocol ------------------------------------------
+
+    async def liveness(self, timeout: float) -> Liveness:
+        """Whether the peer is still there: "answered" (it acknowledged a PING within
+        `timeout`), "sending" (it did not, but datagrams from it kept arriving) or "silent".
+        A PING or its ACK lost on a lossy path, or queued behind a transfer, is not a lost
+        machine: a liveness probe that closed a "sending" session would fail the transfers it
+        carries. ConnectionError when the connection ends."""
+        sent = self._loop.time()
+        try:
+            await asyncio.wait_for(self.ping(), timeout)
+            return "answered"
+        except asyncio.TimeoutError:
+            heard = self.last_received
+            return "sending" if heard is not None and heard > sent else "silent"
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.DatagramTransport, transport)  # a datagram endpoint's
