@@ -138,7 +138,7 @@ class BlockCandidates:
                     self.leases[holder] = None  # its lease endpoint failed once this load
                     return cand
                 try:
-                    lease = await keeper.client.acquire(holder, [self.block_key], keeper.ttl_ms)
+                    lease = await keeper.acquire(holder, [self.block_key])
                 except KvspError as e:
                     if lease_unavailable(e):
                         keeper.unavailable.add(base_url(holder))

@@ -9,6 +9,7 @@ load (a slow link, a long prefix, a prefetch with a distant deadline) can outlas
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from typing import Callable, Sequence
@@ -95,23 +96,50 @@ class LeaseKeeper:
     that cannot be reached is tried again at the next renewal.
     """
 
-    def __init__(self, client: LeaseClient, ttl_ms: int, *, fraction: float = 1 / 3) -> None:
+    def __init__(self, client: LeaseClient, ttl_ms: int, *, fraction: float = 1 / 3,
+                 patience_s: float = 1.0) -> None:
         self.client = client
         self.ttl_ms = ttl_ms
         self.period_s = max(0.005, ttl_ms / 1000 * fraction)
+        #: how long a load waits for a lease before it reads without one (`acquire`)
+        self.patience_s = patience_s
         self.leases: list[tuple[str, str]] = []  # (holder, lease id), in the order taken
         #: holders whose lease endpoint could not be used during this load (unreachable,
-        #: overloaded, none): their blocks are read without a lease rather than each one
-        #: waiting out its own lease request (a relay's cache may still serve them)
+        #: overloaded, none, or slower than `patience_s`): their blocks are read without a
+        #: lease rather than each one waiting out its own lease request (a relay's cache may
+        #: still serve them)
         self.unavailable: set[str] = set()
         self.renewals = 0
         self._task: asyncio.Task | None = None
+        self._late: set[asyncio.Future[str]] = set()
+
+    async def acquire(self, holder: str, keys: list[str]) -> str:
+        """A lease at `holder` for `keys`, waited for at most `patience_s`.
+
+        A holder that answers at all answers lease requests in milliseconds; one that has not
+        within the patience is unreachable or swamped, and waiting out the request's own
+        timeout (seconds) would hold up the whole load, whose layers are verified anyway. The
+        request then fails as unavailable (TransportError) and the load reads without the
+        lease; should the lease still be granted, it is kept (renewed, released) from then on.
+        """
+        request = asyncio.ensure_future(self.client.acquire(holder, keys, self.ttl_ms))
+        done, _ = await asyncio.wait({request}, timeout=self.patience_s)
+        if not done:
+            self._late.add(request)
+            request.add_done_callback(functools.partial(self._adopt, holder))
+            raise TransportError(f"lease at {holder}: no answer within {self.patience_s:g} s")
+        return request.result()
+
+    def _adopt(self, holder: str, request: "asyncio.Future[str]") -> None:
+        self._late.discard(request)
+        if not request.cancelled() and request.exception() is None:
+            self.add(holder, request.result())
 
     async def take(self, holder: str, keys: list[str], what: str = "") -> str | None:
         """One lease at `holder` for all of `keys`, kept from now on; None when the holder
         refuses it (then each block leases its own) or cannot lease (`unavailable`)."""
         try:
-            lease = await self.client.acquire(holder, keys, self.ttl_ms)
+            lease = await self.acquire(holder, keys)
         except KvspError as e:
             if lease_unavailable(e):
                 self.unavailable.add(base_url(holder))
@@ -152,7 +180,12 @@ class LeaseKeeper:
                     self.renewals += 1
 
     async def stop(self) -> None:
-        """Stop renewing (the leases then run out on their own unless released)."""
+        """Stop renewing (the leases then run out on their own unless released); lease
+        requests still unanswered are given up."""
+        late, self._late = list(self._late), set()
+        for request in late:
+            request.cancel()
+        await asyncio.gather(*late, return_exceptions=True)
         task, self._task = self._task, None
         if task is not None:
             task.cancel()

@@ -184,3 +184,44 @@ async def test_a_holder_whose_leases_are_unreachable_is_asked_once_per_load() ->
         await collect(blocks[0].layers(0, 3))
     assert client.calls == 2
     await keeper.release()
+
+
+async def test_a_lease_slower_than_the_patience_is_not_waited_for_but_kept() -> None:
+    """A lease endpoint that does not answer within the keeper's patience holds the load up
+    that long, not for the request's own timeout; a lease granted later is still kept and
+    released with the others, and one never granted is given up when the load stops."""
+
+    class Slow(Leases):
+        def __init__(self, delay: float) -> None:
+            super().__init__()
+            self.delay = delay
+            self.released: list[str] = []
+
+        async def acquire(self, holder: str, keys: list[str], ttl_ms: int) -> str:
+            await asyncio.sleep(self.delay)
+            return await super().acquire(holder, keys, ttl_ms)
+
+        async def release(self, holder: str, lease: str) -> None:
+            self.released.append(lease)
+
+    client = Slow(delay=0.4)
+    keeper = LeaseKeeper(client, 10_000, patience_s=0.1)  # type: ignore[arg-type]
+    blocks = [BlockCandidates(key, [SourceCandidate(Fake("http"), record("http://a/", key))],
+                              keeper=keeper) for key in ("aa" * 32, "dd" * 32)]
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    await lease_first_candidates(blocks, keeper)
+    for block in blocks:
+        assert len(await collect(block.layers(0, 3))) == 4
+    assert loop.time() - started < 0.35 and keeper.unavailable == {"http://a/"}
+    await asyncio.sleep(0.5)  # the lease arrives after the reads began
+    assert keeper.leases == [("http://a/", "lease-1")]
+    await keeper.release()
+    assert client.released == ["lease-1"]
+
+    never = Slow(delay=30)
+    keeper = LeaseKeeper(never, 10_000, patience_s=0.05)  # type: ignore[arg-type]
+    assert await keeper.take("http://b/", ["aa" * 32]) is None
+    [pending] = keeper._late
+    await keeper.release()
+    assert pending.cancelled() and keeper.leases == [] and not keeper._late
