@@ -12,6 +12,7 @@ from kvsp_moq.hashing import hash_pool, place_workers
 from kvsp_moq.integrations.vllm.config import parse_extra_config
 from kvsp_moq.integrations.vllm.cpus import (
     connector_cpus,
+    format_cpu_list,
     parse_cpu_list,
     place_thread,
     reserved_cpus,
@@ -21,6 +22,7 @@ from kvsp_moq.integrations.vllm.cpus import (
 
 def test_cpu_lists() -> None:
     assert parse_cpu_list("0-3,8,10-11\n") == {0, 1, 2, 3, 8, 10, 11}
+    assert format_cpu_list(frozenset({0, 1, 2, 3, 8, 10, 11})) == "0-3,8,10-11"
     assert parse_cpu_list("5") == {5}
     for bad in ("", "a", "3-1", "-1", "1-"):
         with pytest.raises(ValueError):
@@ -43,8 +45,8 @@ def test_settings() -> None:
     assert connector_cpus("auto", "cpu") == reserved_cpus()
     first = min(usable_cpus())
     assert connector_cpus(str(first), "cuda") == {first}
-    with pytest.raises(SettingError, match="cpus: CPU 100000 is not usable"):
-        connector_cpus("100000", "cpu")
+    with pytest.raises(SettingError, match="cpus: CPU 100000 is not usable here"):
+        parse_extra_config({"index": "http://127.0.0.1:1/", "cpus": "0,100000"})
     assert parse_extra_config({"index": "http://127.0.0.1:1/"}).cpus == "auto"
     assert parse_extra_config({"index": "http://127.0.0.1:1/", "cpus": "0-1"}).cpus == "0-1"
     for bad in ("some", "1-0", 3):

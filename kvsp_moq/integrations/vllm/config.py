@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 
 from kvsp_moq.arguments import parse_listen
 from kvsp_moq.errors import KvspError, SettingError
-from kvsp_moq.integrations.vllm.cpus import parse_cpu_list
+from kvsp_moq.integrations.vllm.cpus import format_cpu_list, parse_cpu_list, usable_cpus
 from kvsp_moq.scope_keys import OPEN_SCOPE, OPEN_SCOPE_KEY, choose_scope, read_scope_keys
 
 __all__ = ["ConnectorConfig", "parse_extra_config"]
@@ -208,9 +208,13 @@ def parse_extra_config(data: Mapping[str, Any] | None) -> ConnectorConfig:
     assert cpus is not None
     if cpus not in ("auto", "none"):
         try:
-            parse_cpu_list(cpus)
+            listed = parse_cpu_list(cpus)
         except ValueError as e:
             raise _fail("cpus", f"must be auto, none or a CPU list such as 6,7 or 6-7 ({e})")
+        missing = listed - usable_cpus()
+        if missing:
+            raise _fail("cpus", f"CPU {min(missing)} is not usable here (usable: "
+                                f"{format_cpu_list(usable_cpus())})")
     layers_per_request = data.get("layers_per_request")
     if layers_per_request is not None:
         layers_per_request = _number(data, "layers_per_request", 1)

@@ -20,11 +20,10 @@ import os
 import threading
 from pathlib import Path
 
-from kvsp_moq.errors import SettingError
-
 log = logging.getLogger("kvsp.vllm.cpus")
 
-__all__ = ["connector_cpus", "parse_cpu_list", "place_thread", "reserved_cpus"]
+__all__ = ["connector_cpus", "format_cpu_list", "parse_cpu_list", "place_thread", "reserved_cpus",
+           "usable_cpus"]
 
 _SYS_NODE = Path("/sys/devices/system/node")
 _SYS_CPU = Path("/sys/devices/system/cpu")
@@ -46,6 +45,17 @@ def parse_cpu_list(text: str) -> frozenset[int]:
     if not cpus:
         raise ValueError("no CPUs listed")
     return frozenset(cpus)
+
+
+def format_cpu_list(cpus: frozenset[int]) -> str:
+    """A set of CPUs as a Linux CPU list ("0-3,8")."""
+    runs: list[list[int]] = []
+    for cpu in sorted(cpus):
+        if runs and cpu == runs[-1][1] + 1:
+            runs[-1][1] = cpu
+        else:
+            runs.append([cpu, cpu])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def _read_list(path: Path) -> frozenset[int] | None:
@@ -89,15 +99,7 @@ def connector_cpus(setting: str, device_type: str) -> frozenset[int] | None:
         return None
     if setting == "auto":
         return reserved_cpus() if device_type == "cpu" else None
-    try:
-        cpus = parse_cpu_list(setting)
-    except ValueError as e:
-        raise SettingError(f"KVSPConnector extra config: cpus: {e} in {setting!r}", member="cpus")
-    missing = cpus - usable_cpus()
-    if missing:
-        raise SettingError(f"KVSPConnector extra config: cpus: CPU {min(missing)} is not usable "
-                           f"here", member="cpus")
-    return cpus
+    return parse_cpu_list(setting)  # checked when the settings were parsed
 
 
 def place_thread(thread: threading.Thread, cpus: frozenset[int]) -> bool:

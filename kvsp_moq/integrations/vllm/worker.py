@@ -44,7 +44,7 @@ import torch
 from kvsp_moq.hashing import place_workers
 from kvsp_moq.holder.store import BlockId
 from kvsp_moq.integrations.vllm.config import ConnectorConfig
-from kvsp_moq.integrations.vllm.cpus import connector_cpus, place_thread
+from kvsp_moq.integrations.vllm.cpus import connector_cpus, place_thread, usable_cpus
 from kvsp_moq.integrations.vllm.descriptor import EngineFacts
 from kvsp_moq.integrations.vllm.layout import Layout, PagedBlocks, layer_order, layout_for
 from kvsp_moq.integrations.vllm.loop import LoopThread
@@ -255,6 +255,10 @@ class WorkerSide:
                 self.timelines.append(outcome.timeline)
 
     def shutdown(self) -> None:
+        if "cpus" in self.stats:  # the hash workers serve the whole process: back everywhere
+            everywhere = usable_cpus()
+            for t in place_workers(everywhere):
+                place_thread(t, everywhere)
         if self._step is not None:
             self._finish(self._step)
             self._step = None
