@@ -296,6 +296,9 @@ def _params(*names: str, query: tuple[str, ...] = ()) -> list[dict[str, Any]]:
 def _op(summary: str, responses: dict[str, Any], *, body: str | None = None,
         params: list[dict[str, Any]] | None = None, auth: bool = True) -> dict[str, Any]:
     op: dict[str, Any] = {"summary": summary, "responses": dict(responses)}
+    # Any operation: a request the HTTP layer cannot parse (a bad Transfer-Encoding, say) is
+    # answered 400 before it reaches the operation (`kvsp_moq.web.ProblemHttpProtocol`).
+    op["responses"].update(_problems(400))
     if body is not None:
         op["requestBody"] = _body(body)
     if params:
