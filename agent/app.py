@@ -41,6 +41,7 @@ import hashlib
 import json
 import logging
 import re
+import threading
 from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable
 
 import httpx
@@ -49,6 +50,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from agent.cores import CoreSplit
 from agent.engine import Engine
 from agent.loader import Prefetcher
 from agent.model import ModelAdapter
@@ -170,6 +172,7 @@ class AgentContext:
         self.url = settings.public_url or ""
         self.closed = False
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.cores: CoreSplit | None = None
 
     @property
     def url(self) -> str:
@@ -220,6 +223,11 @@ class AgentContext:
             await self.moqt_publisher.start()
             log.info("publishing blocks over MOQT through %s", self.settings.relay)
         await self.publisher.start()
+        if self.settings.loader_cpus is not None:
+            self.cores = CoreSplit(self.settings.loader_cpus)
+            # (the model's thread exists from here on, so it is placed with the others)
+            await self.engine.run_model(self.cores.on_model_thread)
+            self.cores.apply([threading.current_thread()])
         if self.settings.warmup_tokens:
             await self.engine.warmup(self.settings.warmup_tokens)
         if self.moqt_source is not None:
@@ -244,6 +252,8 @@ class AgentContext:
             await self.moqt_fetcher.aclose()
         await self.fetcher.aclose()
         await self.client.aclose()
+        if self.cores is not None:
+            self.cores.restore()
 
 
 # --------------------------------------------------------------------------- handlers

@@ -1,16 +1,12 @@
-"""Which CPUs the connector's loader threads run on, beside vLLM's model on the CPU backend.
+"""CPU sets and thread placement: which cores a process's loader threads run on, apart from its
+model's.
 
-`vllm serve` on a CPU binds the model's OpenMP threads one per core (OMP_PLACES with
-OMP_PROC_BIND), and when a KV connector is configured it leaves the last core of each NUMA node
-out of that binding, for the connector (its NIXL connector moves its transfer threads there).
-The binding also narrows the worker's main thread to the first OpenMP core, and every thread
-started from it inherits that one core: left alone, the connector's event loop and hash workers
-would all run on the core of the model's busiest thread, each OpenMP region waiting for them,
-while the core kept for them stays idle.
-
-So on a CPU worker the connector moves its threads to those reserved cores ("cpus": "auto",
-the default), to CPUs the user names ("cpus": "6,7" or "6-7"), or leaves them alone ("none").
-On other devices the model does not run on the host's cores and "auto" changes nothing.
+A model computing on the CPU keeps every core it is given busy in parallel regions that wait
+for their slowest thread; a loader (network, hashing, copies) that shares one of those cores
+stalls every region for as long as it runs there. Both the vLLM connector
+(`kvsp_moq.integrations.vllm.connector_cpus`) and `kvsp agent --loader-cpus` therefore put the
+loader on cores of its own: by default the last usable core of each NUMA node, the one
+`vllm serve` keeps out of its OpenMP binding for a KV connector.
 """
 
 from __future__ import annotations
@@ -20,9 +16,9 @@ import os
 import threading
 from pathlib import Path
 
-log = logging.getLogger("kvsp.vllm.cpus")
+log = logging.getLogger("kvsp.cpus")
 
-__all__ = ["connector_cpus", "format_cpu_list", "parse_cpu_list", "place_thread", "reserved_cpus",
+__all__ = ["format_cpu_list", "parse_cpu_list", "place_process", "place_thread", "reserved_cpus",
            "usable_cpus"]
 
 _SYS_NODE = Path("/sys/devices/system/node")
@@ -37,6 +33,8 @@ def parse_cpu_list(text: str) -> frozenset[int]:
         if not part:
             continue
         first, dash, last = part.partition("-")
+        if not first.isdigit() or (dash and not last.isdigit()):
+            raise ValueError(f"{part!r} is not a CPU number or range")
         a = int(first)
         b = int(last) if dash else a
         if a < 0 or b < a:
@@ -92,16 +90,6 @@ def reserved_cpus(usable: frozenset[int] | None = None, nodes: list[frozenset[in
     return frozenset(picked) if picked else frozenset({max(usable)})
 
 
-def connector_cpus(setting: str, device_type: str) -> frozenset[int] | None:
-    """The CPUs for the connector's threads under `setting` ("auto", "none" or a CPU list) on a
-    worker whose cache lives on `device_type`; None leaves the threads where they are."""
-    if setting == "none":
-        return None
-    if setting == "auto":
-        return reserved_cpus() if device_type == "cpu" else None
-    return parse_cpu_list(setting)  # checked when the settings were parsed
-
-
 def place_thread(thread: threading.Thread, cpus: frozenset[int]) -> bool:
     """Move a running thread onto `cpus` (threads it starts later inherit them); False when
     the system refuses, which is logged and otherwise harmless."""
@@ -114,3 +102,12 @@ def place_thread(thread: threading.Thread, cpus: frozenset[int]) -> bool:
     except OSError as e:
         log.warning("could not move thread %s to CPUs %s: %s", thread.name, sorted(cpus), e)
         return False
+
+
+def place_process(pid: int, cpus: frozenset[int]) -> None:
+    """Every thread of process `pid` onto `cpus` (a thread that ends meanwhile is skipped)."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            os.sched_setaffinity(int(task.name), cpus)
+        except (OSError, ValueError):
+            pass

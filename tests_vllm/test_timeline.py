@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from kvsp_moq.integrations.vllm.cpus import reserved_cpus
+from kvsp_moq.cpus import reserved_cpus
 from tests_vllm.conftest import BLOCK, Engine, free_port, prompt
 
 TOKENS = prompt(990, seed=11)  # 30 blocks before the last token

@@ -251,15 +251,6 @@ def _cpu_ms(pids: list[int]) -> float:
     return total
 
 
-def _place_process(pid: int, cpus: frozenset[int]) -> None:
-    """Every thread of process `pid` onto `cpus`."""
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            os.sched_setaffinity(int(task.name), cpus)
-        except (OSError, ValueError):  # a thread that just ended
-            pass
-
-
 @contextlib.contextmanager
 def _reserved_core(others: list[int]) -> Iterator[dict[str, Any]]:
     """The CPU placement of `vllm serve` on this machine, in this process: the model's threads on
@@ -268,7 +259,7 @@ def _reserved_core(others: list[int]) -> Iterator[dict[str, Any]]:
     elsewhere) on those. Restored on the way out."""
     import torch
 
-    from kvsp_moq.integrations.vllm.cpus import reserved_cpus, usable_cpus
+    from kvsp_moq.cpus import place_process, reserved_cpus, usable_cpus
 
     usable = usable_cpus() & frozenset(os.sched_getaffinity(0))
     kept = reserved_cpus(usable)
@@ -280,11 +271,11 @@ def _reserved_core(others: list[int]) -> Iterator[dict[str, Any]]:
     set_threads(len(model))
     os.sched_setaffinity(0, model)
     for pid in others:
-        _place_process(pid, kept)
+        place_process(pid, kept)
     try:
         yield {"model_cpus": sorted(model), "connector_cpus": sorted(kept)}
     finally:
         set_threads(threads)
         os.sched_setaffinity(0, usable)
         for pid in others:
-            _place_process(pid, usable)
+            place_process(pid, usable)

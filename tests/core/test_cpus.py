@@ -1,4 +1,4 @@
-"""Where the vLLM connector's loader threads run (`integrations.vllm.cpus`), without vLLM."""
+"""CPU sets and thread placement (`kvsp_moq.cpus`), and the hash workers that follow it."""
 
 from __future__ import annotations
 
@@ -7,17 +7,14 @@ import threading
 
 import pytest
 
-from kvsp_moq.errors import SettingError
-from kvsp_moq.hashing import hash_pool, place_workers
-from kvsp_moq.integrations.vllm.config import parse_extra_config
-from kvsp_moq.integrations.vllm.cpus import (
-    connector_cpus,
+from kvsp_moq.cpus import (
     format_cpu_list,
     parse_cpu_list,
     place_thread,
     reserved_cpus,
     usable_cpus,
 )
+from kvsp_moq.hashing import hash_pool, place_workers
 
 
 def test_cpu_lists() -> None:
@@ -37,21 +34,6 @@ def test_the_last_usable_cpu_of_each_numa_node() -> None:
     assert reserved_cpus(frozenset({2, 9}), nodes) == {2, 9}
     assert reserved_cpus(frozenset({4}), []) == {4}  # no NUMA information
     assert reserved_cpus() <= usable_cpus()
-
-
-def test_settings() -> None:
-    assert connector_cpus("none", "cpu") is None
-    assert connector_cpus("auto", "cuda") is None  # the model is not on the host's cores
-    assert connector_cpus("auto", "cpu") == reserved_cpus()
-    first = min(usable_cpus())
-    assert connector_cpus(str(first), "cuda") == {first}
-    with pytest.raises(SettingError, match="cpus: CPU 100000 is not usable here"):
-        parse_extra_config({"index": "http://127.0.0.1:1/", "cpus": "0,100000"})
-    assert parse_extra_config({"index": "http://127.0.0.1:1/"}).cpus == "auto"
-    assert parse_extra_config({"index": "http://127.0.0.1:1/", "cpus": "0-1"}).cpus == "0-1"
-    for bad in ("some", "1-0", 3):
-        with pytest.raises(SettingError, match="kv_connector_extra_config: cpus:"):
-            parse_extra_config({"index": "http://127.0.0.1:1/", "cpus": bad})
 
 
 def test_threads_are_moved_and_keep_their_place() -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from kvsp_moq.cpus import reserved_cpus, usable_cpus
 from kvsp_moq.errors import SettingError
 from kvsp_moq.integrations.vllm.config import parse_extra_config
 from kvsp_moq.protocol.keys import scope_id
@@ -80,3 +81,21 @@ def test_parsing_does_not_import_vllm() -> None:
             "assert 'vllm' not in sys.modules, 'vllm imported'")
     root = Path(__file__).resolve().parents[2]
     subprocess.run([sys.executable, "-c", code], check=True, cwd=root)
+
+
+def test_where_the_loader_threads_go() -> None:
+    def cpus(setting: str, device: str) -> frozenset[int] | None:
+        return parse_extra_config({"index": INDEX, "cpus": setting}).loader_cpus(device)
+
+    assert cpus("none", "cpu") is None
+    assert cpus("auto", "cuda") is None  # the model is not on the host's cores
+    assert cpus("auto", "cpu") == reserved_cpus()
+    first = min(usable_cpus())
+    assert cpus(str(first), "cuda") == {first}
+    with pytest.raises(SettingError, match="cpus: CPU 100000 is not usable here"):
+        parse_extra_config({"index": "http://127.0.0.1:1/", "cpus": "0,100000"})
+    assert parse_extra_config({"index": "http://127.0.0.1:1/"}).cpus == "auto"
+    assert parse_extra_config({"index": "http://127.0.0.1:1/", "cpus": "0-1"}).cpus == "0-1"
+    for bad in ("some", "1-0", 3):
+        with pytest.raises(SettingError, match="kv_connector_extra_config: cpus:"):
+            parse_extra_config({"index": "http://127.0.0.1:1/", "cpus": bad})

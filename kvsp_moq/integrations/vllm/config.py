@@ -21,8 +21,8 @@ from typing import Any, Mapping
 from urllib.parse import urlsplit
 
 from kvsp_moq.arguments import parse_listen
+from kvsp_moq.cpus import format_cpu_list, parse_cpu_list, reserved_cpus, usable_cpus
 from kvsp_moq.errors import KvspError, SettingError
-from kvsp_moq.integrations.vllm.cpus import format_cpu_list, parse_cpu_list, usable_cpus
 from kvsp_moq.scope_keys import OPEN_SCOPE, OPEN_SCOPE_KEY, choose_scope, read_scope_keys
 
 __all__ = ["ConnectorConfig", "parse_extra_config"]
@@ -76,14 +76,25 @@ class ConnectorConfig:
     #: the interpreter's switch interval the worker sets, in microseconds (0: left alone); see
     #: `worker.WorkerSide`
     switch_interval_us: int = 200
-    #: where the worker's loader threads run on a CPU backend: "auto" (the cores vLLM keeps
-    #: for a KV connector), "none" (left alone) or a CPU list; see `cpus`
+    #: where the worker's loader threads run: "auto" (on a CPU backend, the cores vLLM keeps
+    #: for a KV connector), "none" (left alone) or a CPU list; see `loader_cpus`
     cpus: str = "auto"
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def embedded(self) -> bool:
         return self.holder == "embedded"
+
+    def loader_cpus(self, device_type: str) -> frozenset[int] | None:
+        """Where the worker's loader threads go on a worker whose cache lives on `device_type`
+        (`cpus`); None leaves them where they are. "auto" picks the core `vllm serve` keeps
+        out of its OpenMP binding for a KV connector, and only on a CPU backend: on a GPU the
+        model does not compute on the host's cores."""
+        if self.cpus == "none":
+            return None
+        if self.cpus == "auto":
+            return reserved_cpus() if device_type == "cpu" else None
+        return parse_cpu_list(self.cpus)  # checked when the settings were parsed
 
 
 def _fail(key: str, problem: str) -> SettingError:

@@ -21,8 +21,10 @@ verifying. So a worker that loads sets the process's switch interval to
 `kvsp bench vllm`, a pipelined 90% prefix took 1.08 s with the default and 0.66 s with 200 µs.
 
 On a CPU backend those threads run on the cores vLLM keeps free of the model's OpenMP threads
-for a KV connector (`cpus`): sharing a core with an OpenMP thread stalls every parallel region
-of the forward pass for as long as the loader holds that core.
+for a KV connector ("cpus"): `vllm serve` binds its OpenMP threads one per core and leaves the
+last core of each NUMA node to a connector, but its binding also ties the worker's main thread,
+and every thread started from it, to the model's first core. Left there, the loader would stall
+every parallel region of the forward pass while the core kept for it stays idle.
 
 Saves copy each complete prompt block's layer out of the paged cache as the layer is computed
 (`save_kv_layer`: one gather per layer), so vLLM may free the blocks as soon as the request
@@ -41,10 +43,10 @@ from typing import Any
 
 import torch
 
+from kvsp_moq.cpus import place_thread, usable_cpus
 from kvsp_moq.hashing import place_workers
 from kvsp_moq.holder.store import BlockId
 from kvsp_moq.integrations.vllm.config import ConnectorConfig
-from kvsp_moq.integrations.vllm.cpus import connector_cpus, place_thread, usable_cpus
 from kvsp_moq.integrations.vllm.descriptor import EngineFacts
 from kvsp_moq.integrations.vllm.layout import Layout, PagedBlocks, layer_order, layout_for
 from kvsp_moq.integrations.vllm.loop import LoopThread
@@ -127,7 +129,7 @@ class WorkerSide:
 
     def _place_threads(self, device_type: str) -> None:
         """The loop and hash workers go to the CPUs kept for the connector (see `cpus`)."""
-        cpus = connector_cpus(self.config.cpus, device_type)
+        cpus = self.config.loader_cpus(device_type)
         if cpus is None:
             return
         moved = [place_thread(t, cpus) for t in [self.loop.thread, *place_workers(cpus)]]
