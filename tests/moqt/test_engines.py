@@ -13,7 +13,7 @@ from kvsp_moq.errors import SettingError
 from kvsp_moq.moqt.certs import generate_self_signed
 from kvsp_moq.moqt.quic import ENGINE_ENV, QuicSettings, check_engine, connect, serve
 from kvsp_moq.moqt.quic import settings as quic_settings
-from kvsp_moq.moqt.quic.qh3_engine import with_max_udp_payload_size
+from kvsp_moq.moqt.quic.transport_parameters import with_max_udp_payload_size
 
 CERT = generate_self_signed()
 NS = ("kvsp", "engines")

@@ -42,6 +42,7 @@ from ...errors import SettingError
 from .. import engine as qe
 from ..certs import SelfSignedCertificate
 from .settings import QuicSettings
+from .transport_parameters import MAX_ACK_DELAY, with_transport_parameters
 
 __all__ = ["AioquicEngine", "LARGEST_DATAGRAM_SIZE", "LONG_FRAME_DATAGRAM_SIZE", "QuicServer", "check_datagram_size",
            "client_connection", "configuration", "load_certificate", "wrap"]
@@ -299,6 +300,15 @@ class _ConsumptionWindowConnection(QuicConnection):
     def _get_or_create_stream_for_send(self, stream_id: int) -> QuicStream:
         return _chunked(super()._get_or_create_stream_for_send(stream_id))
 
+    #: milliseconds advertised as max_ack_delay (aioquic's own: 25, though it acknowledges within 1 ms)
+    max_ack_delay_ms = 0
+
+    def _serialize_transport_parameters(self) -> bytes:
+        data = super()._serialize_transport_parameters()
+        if not self.max_ack_delay_ms:
+            return data
+        return with_transport_parameters(data, {MAX_ACK_DELAY: self.max_ack_delay_ms})
+
     def _parse_transport_parameters(self, data: bytes, from_session_ticket: bool = False) -> None:
         super()._parse_transport_parameters(data, from_session_ticket)
         try:
@@ -489,6 +499,7 @@ def _prepare_quic(quic: QuicConnection, settings: QuicSettings) -> _ConsumptionW
         quic.__class__ = cls
     assert isinstance(quic, _ConsumptionWindowConnection)
     quic._init_consumption_window(settings.max_stream_data, settings.max_data)
+    quic.max_ack_delay_ms = round(settings.max_ack_delay * 1000)
     for limit_name in ("_local_max_streams_bidi", "_local_max_streams_uni"):
         limit = getattr(quic, limit_name, None)
         # A server's connection has sent aioquic's 128 already (in its transport parameters):

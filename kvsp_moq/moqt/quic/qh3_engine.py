@@ -16,6 +16,8 @@ servers included. What it lacks, and what is done about it:
 * a client advertises a max_udp_payload_size of 1,472 bytes whatever its configuration,
   so a peer would never send it larger datagrams: the advertised value is raised to the
   configured datagram size here (`_TlsBridge`);
+* it advertises a max_ack_delay of 25 ms though its core acknowledges within 1 ms: the
+  advertised value (and the core's) is `QuicSettings.max_ack_delay` here;
 * whether a stream's bytes were acknowledged is not public: `delivered()` reads the
   connection's record of our open streams, which qh3 clears once a stream's bytes and
   FIN are acknowledged;
@@ -56,71 +58,56 @@ from qh3.quic.tls_bridge import QuicTlsBridge
 from ...errors import SettingError
 from .. import engine as qe
 from ..certs import SelfSignedCertificate
-from ..varint import decode_quic_varint, encode_quic_varint
 from .settings import LOOPBACK_DATAGRAM_SIZE, QuicSettings
+from .transport_parameters import (
+    INITIAL_MAX_STREAMS_BIDI,
+    INITIAL_MAX_STREAMS_UNI,
+    MAX_ACK_DELAY,
+    MAX_UDP_PAYLOAD_SIZE,
+    with_transport_parameters,
+)
 
 __all__ = ["Qh3Engine", "LARGEST_DATAGRAM_SIZE", "QuicServer", "check_datagram_size", "client_connection",
            "configuration", "create_endpoint", "load_certificate", "wrap"]
 
 #: The largest datagram sent: loopback's.
 LARGEST_DATAGRAM_SIZE = LOOPBACK_DATAGRAM_SIZE
-# RFC 9000 section 18.2: transport parameters changed here.
-_MAX_UDP_PAYLOAD_SIZE = 0x03
-_INITIAL_MAX_STREAMS_BIDI = 0x08
-_INITIAL_MAX_STREAMS_UNI = 0x09
 # Positions of local_max_streams_bidi / _uni among QuicConnectionCore's arguments.
 _CORE_MAX_STREAMS_BIDI = 21
 _CORE_MAX_STREAMS_UNI = 22
+_CORE_MAX_ACK_DELAY = 26
 _CAPACITY_EXHAUSTED = "packet builder capacity exhausted"
 _CLOSED = "connection is closed"
 # Receive buffer of the transport: the largest UDP payload, so no datagram is truncated.
 _RECEIVE_BUFFER = 65536
 
 
-def with_transport_parameters(parameters: bytes, values: dict[int, int]) -> bytes:
-    """Encoded transport parameters with the integer parameters of `values` set (added
-    when absent); every other parameter is kept octet for octet."""
-    out = bytearray()
-    offset = 0
-    while offset < len(parameters):
-        start = offset
-        identifier, offset = decode_quic_varint(parameters, offset)
-        length, offset = decode_quic_varint(parameters, offset)
-        offset += length
-        if identifier not in values:
-            out += parameters[start:offset]
-    for identifier, number in values.items():
-        value = encode_quic_varint(number)
-        out += encode_quic_varint(identifier) + encode_quic_varint(len(value)) + value
-    return bytes(out)
-
-
-def with_max_udp_payload_size(parameters: bytes, size: int) -> bytes:
-    """Encoded transport parameters with max_udp_payload_size set to `size`."""
-    return with_transport_parameters(parameters, {_MAX_UDP_PAYLOAD_SIZE: size})
-
-
 class _TlsBridge(QuicTlsBridge):
-    """qh3's TLS bridge, advertising the configured datagram size as a client too, and
-    the connection's stream limits."""
+    """qh3's TLS bridge, advertising the configured datagram size as a client too, the
+    connection's stream limits and its max_ack_delay."""
 
     max_streams: int = 0
+    max_ack_delay_ms: int = 0
 
     def serialize_transport_parameters(self) -> bytes:
         data = super().serialize_transport_parameters()
         values: dict[int, int] = {}
         if self.configuration.is_client and self.configuration.max_datagram_size > 1472:
-            values[_MAX_UDP_PAYLOAD_SIZE] = self.configuration.max_datagram_size
+            values[MAX_UDP_PAYLOAD_SIZE] = self.configuration.max_datagram_size
         if self.max_streams:
-            values[_INITIAL_MAX_STREAMS_BIDI] = values[_INITIAL_MAX_STREAMS_UNI] = self.max_streams
+            values[INITIAL_MAX_STREAMS_BIDI] = values[INITIAL_MAX_STREAMS_UNI] = self.max_streams
+        if self.max_ack_delay_ms:
+            values[MAX_ACK_DELAY] = self.max_ack_delay_ms
         return with_transport_parameters(data, values) if values else data
 
 
 class _Connection(QuicConnection):
     """qh3's connection with `max_streams` concurrent streams of each direction for the
-    peer (in its core and in what it advertises) and the client datagram size fix."""
+    peer (in its core and in what it advertises), its max_ack_delay, and the client
+    datagram size fix."""
 
     max_streams = 0  # 0: qh3's own limits
+    max_ack_delay = 0.0  # seconds; 0: qh3's own (25 ms)
     #: True while the application holds too much: events, and with them credit, stay in the core
     withholding = False
 
@@ -133,6 +120,7 @@ class _Connection(QuicConnection):
         bridge.__class__ = _TlsBridge  # made by qh3 and not started yet: only the method differs
         ours = cast(_TlsBridge, bridge)
         ours.max_streams = self.max_streams
+        ours.max_ack_delay_ms = round(self.max_ack_delay * 1000)
         # The parameters were encoded as the bridge was made: encode them again, ours.
         ours.tls.handshake_extensions = [
             (tls.ExtensionType.QUIC_TRANSPORT_PARAMETERS, ours.serialize_transport_parameters())
@@ -140,14 +128,17 @@ class _Connection(QuicConnection):
         return ours
 
     def _create_core(self, *args: Any, **kwargs: Any) -> None:
-        if not self.max_streams:
+        if not self.max_streams and not self.max_ack_delay:
             return super()._create_core(*args, **kwargs)
         native = _connection_module.QuicConnectionCore
-        limit = self.max_streams
+        limit, max_ack_delay = self.max_streams, self.max_ack_delay
 
         def core(*values: Any) -> Any:
             values_list = list(values)
-            values_list[_CORE_MAX_STREAMS_BIDI] = values_list[_CORE_MAX_STREAMS_UNI] = limit
+            if limit:
+                values_list[_CORE_MAX_STREAMS_BIDI] = values_list[_CORE_MAX_STREAMS_UNI] = limit
+            if max_ack_delay:
+                values_list[_CORE_MAX_ACK_DELAY] = max_ack_delay
             return native(*values_list)
 
         # qh3 builds its core with fixed positional arguments: swap the name for this call.
@@ -210,8 +201,9 @@ def client_connection(configuration: QuicConfiguration, settings: QuicSettings) 
 
 def wrap(quic: QuicConnection, settings: QuicSettings) -> "Qh3Engine":
     """The engine interface over a connection (made by `QuicServer` or `client_connection`)."""
-    if isinstance(quic, _Connection):
-        quic.max_streams = settings.max_streams  # before its core and TLS exist
+    if isinstance(quic, _Connection):  # before its core and TLS exist
+        quic.max_streams = settings.max_streams
+        quic.max_ack_delay = settings.max_ack_delay
     return Qh3Engine(quic, settings.max_data)
 
 
