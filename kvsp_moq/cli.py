@@ -168,7 +168,7 @@ def _apply_engine_option(args: argparse.Namespace) -> None:
 
 
 #: Benchmarks: name -> module under kvsp_moq.bench.
-BENCHMARKS = ("core", "http", "moqt", "ttft", "route", "load", "vllm", "fleet")
+BENCHMARKS = ("core", "http", "moqt", "loss", "ttft", "route", "load", "vllm", "fleet")
 
 
 def _add_services(sub: argparse._SubParsersAction, argv: Sequence[str]) -> None:

@@ -45,7 +45,7 @@ from .settings import QuicSettings
 from .transport_parameters import MAX_ACK_DELAY, with_transport_parameters
 
 __all__ = ["AioquicEngine", "LARGEST_DATAGRAM_SIZE", "LONG_FRAME_DATAGRAM_SIZE", "QuicServer", "check_datagram_size",
-           "client_connection", "configuration", "load_certificate", "wrap"]
+           "client_connection", "configuration", "load_certificate", "server_connection", "wrap"]
 
 
 #: The chunked sender replaces methods of aioquic 1.7's QuicStreamSender (read from 1.7.2).
@@ -558,6 +558,15 @@ def load_certificate(configuration: QuicConfiguration, certificate: SelfSignedCe
 def client_connection(configuration: QuicConfiguration, settings: QuicSettings) -> "AioquicEngine":
     """A client connection, not yet connected."""
     return AioquicEngine(_connection_class(configuration.max_datagram_size)(configuration=configuration), settings)
+
+
+def server_connection(configuration: QuicConfiguration, settings: QuicSettings,
+                      original_destination_connection_id: bytes) -> "AioquicEngine":
+    """A server connection for the client whose first Initial named that connection ID,
+    without a socket (a server endpoint makes its own: `QuicServer`)."""
+    quic = QuicConnection(configuration=configuration,
+                          original_destination_connection_id=original_destination_connection_id)
+    return AioquicEngine(quic, settings)
 
 
 async def create_endpoint(loop: asyncio.AbstractEventLoop, factory: Callable[[], asyncio.DatagramProtocol],

@@ -68,7 +68,7 @@ from .transport_parameters import (
 )
 
 __all__ = ["Qh3Engine", "LARGEST_DATAGRAM_SIZE", "QuicServer", "check_datagram_size", "client_connection",
-           "configuration", "create_endpoint", "load_certificate", "wrap"]
+           "configuration", "create_endpoint", "load_certificate", "server_connection", "wrap"]
 
 #: The largest datagram sent: loopback's.
 LARGEST_DATAGRAM_SIZE = LOOPBACK_DATAGRAM_SIZE
@@ -197,6 +197,14 @@ def load_certificate(configuration: QuicConfiguration, certificate: SelfSignedCe
 def client_connection(configuration: QuicConfiguration, settings: QuicSettings) -> "Qh3Engine":
     """A client connection, not yet connected."""
     return wrap(_Connection(configuration=configuration), settings)
+
+
+def server_connection(configuration: QuicConfiguration, settings: QuicSettings,
+                      original_destination_connection_id: bytes) -> "Qh3Engine":
+    """A server connection for the client whose first Initial named that connection ID,
+    without a socket (a server endpoint makes its own: `QuicServer`)."""
+    return wrap(_Connection(configuration=configuration,
+                            original_destination_connection_id=original_destination_connection_id), settings)
 
 
 def wrap(quic: QuicConnection, settings: QuicSettings) -> "Qh3Engine":
