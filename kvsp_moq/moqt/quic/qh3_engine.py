@@ -41,6 +41,7 @@ servers included. What it lacks, and what is done about it:
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import socket
 from typing import Any, Callable, cast
@@ -72,10 +73,21 @@ __all__ = ["Qh3Engine", "LARGEST_DATAGRAM_SIZE", "QuicServer", "check_datagram_s
 
 #: The largest datagram sent: loopback's.
 LARGEST_DATAGRAM_SIZE = LOOPBACK_DATAGRAM_SIZE
-# Positions of local_max_streams_bidi / _uni among QuicConnectionCore's arguments.
-_CORE_MAX_STREAMS_BIDI = 21
-_CORE_MAX_STREAMS_UNI = 22
-_CORE_MAX_ACK_DELAY = 26
+
+
+def _core_argument(name: str, position: int) -> int:
+    """Where QuicConnectionCore takes argument `name` (qh3 builds it with positional
+    arguments): read from its signature, `position` (qh3 2.1's) where it has none."""
+    try:
+        names = list(inspect.signature(_connection_module.QuicConnectionCore).parameters)
+    except (TypeError, ValueError):  # pragma: no cover - a build without text signatures
+        return position
+    return names.index(name)
+
+
+_CORE_MAX_STREAMS_BIDI = _core_argument("local_max_streams_bidi", 21)
+_CORE_MAX_STREAMS_UNI = _core_argument("local_max_streams_uni", 22)
+_CORE_MAX_ACK_DELAY = _core_argument("max_ack_delay", 26)
 _CAPACITY_EXHAUSTED = "packet builder capacity exhausted"
 _CLOSED = "connection is closed"
 # Receive buffer of the transport: the largest UDP payload, so no datagram is truncated.
