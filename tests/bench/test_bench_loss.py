@@ -26,11 +26,13 @@ def test_the_quick_run_prints_every_engine_with_and_without_loss_as_json() -> No
 
 
 @pytest.mark.parametrize("engine", ["qh3", "aioquic"])
-def test_a_transfer_is_the_same_for_the_same_seed(engine: str) -> None:
-    a = transfer(engine, size=256 * 1024, loss=0.02, delay=50e-6, seed=7)
-    b = transfer(engine, size=256 * 1024, loss=0.02, delay=50e-6, seed=7)
-    assert a == b
-    assert a["datagrams_dropped"] > 0
+def test_a_lossy_transfer_arrives_whole_and_later(engine: str) -> None:
+    # transfer() raises unless every octet arrived; TLS randomness moves the figures a little
+    # between runs, the dropped datagrams of a seed do not change the outcome.
+    lossy = transfer(engine, size=256 * 1024, loss=0.02, delay=50e-6, seed=7)
+    clean = transfer(engine, size=256 * 1024, loss=0.0, delay=50e-6, seed=7)
+    assert lossy["datagrams_dropped"] > 0 and clean["datagrams_dropped"] == 0
+    assert lossy["mb_per_s"] < clean["mb_per_s"]
 
 
 def test_the_link_queues_datagrams_at_its_rate_and_delays_them() -> None:
