@@ -58,8 +58,8 @@ from agent.options import EngineOptions
 from agent.requests import GenerateRequest
 from agent.shards import ShardKeeper
 from agent.status import Meters, StatusReporter
-from kvsp_moq.auth import Action, Authenticator
-from kvsp_moq.errors import BadRecord, KvspError, NotActive, NotFound, StaleEpoch
+from kvsp_moq.auth import ANY, Action, Authenticator
+from kvsp_moq.errors import BadRecord, ForbiddenScope, KvspError, NotActive, NotFound, StaleEpoch
 from kvsp_moq.fetch.http import HttpFetcher
 from kvsp_moq.fetch.leases import LeaseClient
 from kvsp_moq.fetch.moqt import MoqtBlockFetcher
@@ -157,7 +157,10 @@ class AgentContext:
             self_url=lambda: self.url, pc_url=settings.pc_url, token=settings.token,
             options=options, meters=self.meters, prefetching=self.prefetcher.adopt,
             measure_link=self.prefetcher.measure)
-        self.shards = ShardKeeper(adapter, self.engine.run_model, self.client, token=settings.token)
+        default_scope = self.engine.scope_keys.get(settings.scope or "") if settings.scope else None
+        self.shards = ShardKeeper(adapter, self.engine.run_model, self.client, token=settings.token,
+                                  default_scope_id=(scope_id_of(default_scope).hex()
+                                                    if default_scope is not None else None))
         self.reporter: StatusReporter | None = None
         if settings.pc_url:
             self.reporter = StatusReporter(
@@ -337,10 +340,11 @@ def _routes(ctx: AgentContext) -> list[Route]:
                              headers={"Location": f"{ctx.url}prefetch/{directive.directive}"})
 
     async def prefetch_status(request: Request) -> Response:
-        principal(request, Action.OBSERVE)
+        who = principal(request, Action.OBSERVE)
         state = ctx.prefetcher.get(request.path_params["directive"])
         if state is None:
             raise NotFound("no such directive here")
+        who.require_scope(state.directive.scope_id)
         return json_response(state.to_json())
 
     async def put_state(request: Request) -> Response:
@@ -358,7 +362,9 @@ def _routes(ctx: AgentContext) -> list[Route]:
         return json_response({"state": engine.state, "epoch": ctx.epoch})
 
     async def status(request: Request) -> Response:
-        principal(request, Action.OBSERVE)
+        who = principal(request, Action.OBSERVE)
+        if ANY not in who.scopes and who.scopes.isdisjoint(engine.scopes_by_id):
+            raise ForbiddenScope(f"principal {who.name!r} holds no scope this instance serves")
         if ctx.reporter is not None:
             return json_response(ctx.reporter.record().to_json())
         return json_response({"instance": ctx.url, "epoch": ctx.epoch, "state": engine.state,
@@ -370,8 +376,8 @@ def _routes(ctx: AgentContext) -> list[Route]:
         return json_response(body, code)
 
     async def reshard_status(request: Request) -> Response:
-        principal(request, Action.OBSERVE)
-        return json_response(ctx.shards.status(request.path_params["map"]))
+        who = principal(request, Action.OBSERVE)
+        return json_response(ctx.shards.status(request.path_params["map"], who))
 
     async def seed_shards(request: Request) -> Response:
         principal(request, Action.DIRECT)
@@ -379,14 +385,14 @@ def _routes(ctx: AgentContext) -> list[Route]:
         return json_response(await ctx.shards.seed(request.path_params["map"], body))
 
     async def kv_range(request: Request) -> Response:
-        principal(request, Action.TRANSFER_SHARDS)
+        who = principal(request, Action.TRANSFER_SHARDS)
         name = request.query_params.get("map")
         if not name:
             raise BadRecord("is required", member="map")
         m = _TOKENS.match(request.query_params.get("tokens", ""))
         if not m or int(m.group(1)) >= int(m.group(2)):
             raise BadRecord("must be a-b with a < b (half-open)", member="tokens")
-        body = ctx.shards.container(name, int(m.group(1)), int(m.group(2)))
+        body = ctx.shards.container(name, int(m.group(1)), int(m.group(2)), who)
         return Response(body, media_type=BLOCK_MEDIA_TYPE,
                         headers={"Repr-Digest": repr_digest(hashlib.sha256(body).digest()),
                                  "Cache-Control": "private, no-store"})

@@ -38,7 +38,14 @@ from agent.options import EngineOptions
 from agent.pool import KVPool
 from agent.requests import GenerateRequest
 from agent.sessions import Session, TokenSequence
-from kvsp_moq.errors import BadRecord, KvspError, NotActive, PrefixUnavailable, SessionConflict
+from kvsp_moq.errors import (
+    BadRecord,
+    ForbiddenScope,
+    KvspError,
+    NotActive,
+    PrefixUnavailable,
+    SessionConflict,
+)
 from kvsp_moq.fetch.leases import LeaseClient
 from kvsp_moq.fetch.prefix import LoadReport, PrefixLoader, Timeline
 from kvsp_moq.fetch.sources import LayerSource, LocalLayerSource, order_candidates
@@ -241,6 +248,8 @@ class Engine:
         """POST {ii}sessions/{id}/resume (§6.8): continue a session under a new epoch."""
         existing = self.sessions.get(sid)
         cp, epoch = read_resume(sid, body, current_epoch=existing.epoch if existing is not None else None)
+        if existing is not None and existing.scope_id != cp.scope_id.lower():
+            raise ForbiddenScope(f"session {sid} here belongs to another scope", member="scope_id")
         if self.state != "active":
             raise NotActive(f"this instance is {self.state}")
         point = resume_point(cp, epoch, descriptor=self.descriptor, scopes_by_id=self.scopes_by_id,

@@ -5,6 +5,10 @@ PC's Shard Map says. `ShardKeeper` holds this instance's ranges of each map (the
 layer for tokens [a, b)), seeds them by computing the context (`PUT {ii}shards/{map}`), serves
 them to other instances (`GET {ii}kv?map=M&tokens=a-b`), and moves them between map versions by
 the PC's reshard plan, commit and abort (`POST {ii}reshard`).
+
+A map belongs to one scope (the seed's "scope_id", else the agent's default scope; a plan's for
+a member new to the map): its ranges and status go only to principals of that scope, and a seed
+or plan of another scope under the same name is refused (docs/authorization.md).
 """
 
 from __future__ import annotations
@@ -20,7 +24,16 @@ import torch
 
 from agent.model import ModelAdapter
 from agent.pool import block_container, tensor_from_octets
-from kvsp_moq.errors import BadRecord, DigestMismatch, KvspError, NotFound, StaleEpoch, TransportError
+from kvsp_moq.auth import Principal
+from kvsp_moq.errors import (
+    BadRecord,
+    DigestMismatch,
+    ForbiddenScope,
+    KvspError,
+    NotFound,
+    StaleEpoch,
+    TransportError,
+)
 from kvsp_moq.fetch.http import parse_repr_digest
 from kvsp_moq.index_client import raise_for_problem
 from kvsp_moq.protocol import validate as v
@@ -39,6 +52,7 @@ class _Shards:
     pending_to: int | None = None
     plan: ReshardPlan | None = None
     last: dict[str, Any] = field(default_factory=dict)
+    scope_id: str | None = None
 
 
 class ShardKeeper:
@@ -52,15 +66,33 @@ class ShardKeeper:
     """
 
     def __init__(self, adapter: ModelAdapter, model: Callable[..., Any], client: httpx.AsyncClient,
-                 *, token: str | None = None) -> None:
+                 *, token: str | None = None, default_scope_id: str | None = None) -> None:
         self.adapter = adapter
         self.model = model
         self.client = client
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.default_scope_id = default_scope_id
         self.maps: dict[str, _Shards] = {}
+
+    def shards_for(self, name: str, who: Principal) -> _Shards:
+        """The map's shards here, once `who` is found to hold its scope."""
+        shards = self.maps.get(name)
+        if shards is None:
+            raise NotFound(f"no shards of map {name!r} here")
+        who.require_resource_scope(shards.scope_id)
+        return shards
+
+    def _claim(self, name: str, scope_id: str | None) -> None:
+        """Refuse a seed or plan that would put a map of another scope under this name."""
+        shards = self.maps.get(name)
+        if shards is not None and scope_id is not None and shards.scope_id not in (None, scope_id):
+            raise ForbiddenScope(f"map {name!r} here belongs to another scope", member="scope_id")
 
     async def seed(self, name: str, body: Any) -> dict[str, Any]:
         body = v.obj(body, "body")
+        scope = body.get("scope_id")
+        scope_id = v.hexn(scope, 16, "scope_id") if scope is not None else self.default_scope_id
+        self._claim(name, scope_id)
         version = v.integer(v.required(body, "version"), "version")
         tokens = v.tokens(v.required(body, "tokens"), "tokens")
         listed = v.array(v.required(body, "ranges"), "ranges", lambda x, m: x)
@@ -76,13 +108,11 @@ class ShardKeeper:
             return {(a, b): self.adapter.kv_for_range(result.state, a, b) for a, b in ranges}
 
         held = await self.model(compute)
-        self.maps[name] = _Shards(version, held)
+        self.maps[name] = _Shards(version, held, scope_id=scope_id)
         return self.status(name)
 
-    def container(self, name: str, a: int, b: int) -> bytes:
-        shards = self.maps.get(name)
-        if shards is None:
-            raise NotFound(f"no shards of map {name!r} here")
+    def container(self, name: str, a: int, b: int, who: Principal) -> bytes:
+        shards = self.shards_for(name, who)
         for (x, y), kv in shards.held.items():
             if x <= a and b <= y:
                 return block_container([(k[a - x:b - x], vv[a - x:b - x]) for k, vv in kv])
@@ -95,7 +125,8 @@ class ShardKeeper:
         return await self._plan(msg)
 
     async def _plan(self, plan: ReshardPlan) -> tuple[int, dict[str, Any]]:
-        shards = self.maps.setdefault(plan.map, _Shards(plan.from_version))
+        self._claim(plan.map, plan.scope_id)
+        shards = self.maps.setdefault(plan.map, _Shards(plan.from_version, scope_id=plan.scope_id))
         if shards.version != plan.from_version:
             raise StaleEpoch(f"map {plan.map!r} is at version {shards.version} here, "
                              f"not {plan.from_version}", member="from")
@@ -178,10 +209,14 @@ class ShardKeeper:
             kv.append((k, vv))
         return kv, len(body)
 
-    def status(self, name: str) -> dict[str, Any]:
+    def status(self, name: str, who: Principal | None = None) -> dict[str, Any]:
+        """GET {ii}reshard/{map}; `who` is checked against the map's scope (None: the agent's
+        own answer to a request already authorized)."""
         shards = self.maps.get(name)
         if shards is None:
             raise NotFound(f"no shards of map {name!r} here")
+        if who is not None:
+            who.require_resource_scope(shards.scope_id)
         return {"map": name, "version": shards.version,
                 "ranges": sorted([list(r) for r in shards.held]),
                 "pending": sorted([list(r) for r in shards.pending]),

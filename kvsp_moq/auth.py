@@ -130,6 +130,15 @@ class Principal:
         if not self.may_use_scope(scope_id):
             raise ForbiddenScope(f"principal {self.name!r} is not authorized for this scope")
 
+    def require_resource_scope(self, scope_id: str | None) -> None:
+        """Like `require_scope`; a resource that names no scope needs every scope ("*")."""
+        if scope_id is None:
+            if ANY not in self.scopes:
+                raise ForbiddenScope(f"principal {self.name!r} is not authorized for a "
+                                     f"resource of no scope")
+        else:
+            self.require_scope(scope_id)
+
     def may_publish_for(self, holder: str) -> bool:
         return (ANY in self.holders or "admin" in self.roles
                 or base_url(holder) in self.holders)

@@ -331,17 +331,17 @@ def _instance_for(pc: PlacementController, path_id: str) -> InstanceStatus:
 
 def create_pc_routes(pc: PlacementController) -> list[Route]:
     async def put_status(request: Request) -> Response:
-        principal(request, Action.REPORT)
+        who = principal(request, Action.REPORT)
         record = InstanceStatus.from_json(await read_json(request))
         if not id_matches(request.path_params["id"], record.instance):
             raise BadRecord("names another instance than the resource path", member="instance")
-        reply = pc.registry.report(record)
+        reply = pc.registry.report(record, who)
         pc.handle(reply.events)
         return json_response(reply.to_json())
 
     async def list_instances(request: Request) -> Response:
-        principal(request, Action.OBSERVE)
-        return json_response({"instances": pc.registry.describe()})
+        who = principal(request, Action.OBSERVE)
+        return json_response({"instances": pc.registry.describe(who)})
 
     async def put_state(request: Request) -> Response:
         principal(request, Action.DIRECT)
@@ -359,24 +359,24 @@ def create_pc_routes(pc: PlacementController) -> list[Route]:
         checkpoint = SessionCheckpoint.from_json(body)
         if checkpoint.session != session_id(request):
             raise BadRecord("differs from the session in the path", member="session")
-        who.require_scope(checkpoint.scope_id)
         instance = body.get("instance")
         if instance is not None:
             instance = v.url(instance, "instance", schemes=("http", "https"))
-        return json_response(pc.sessions.checkpoint(checkpoint, instance).to_json())
+        state = pc.sessions.checkpoint(checkpoint, instance, by=who,
+                                       is_live=pc.registry.is_alive)
+        return json_response(state.to_json())
 
     async def get_session(request: Request) -> Response:
         who = principal(request, Action.READ_SESSIONS)
         state = pc.sessions.get(session_id(request))
         if state is None:
             raise NotFound(f"no session {request.path_params['session']}")
-        if not who.has_role("pc") and state.checkpoint is not None:
-            who.require_scope(state.checkpoint["scope_id"])
+        state.require_access(who)
         return json_response(state.to_json())
 
     async def delete_session(request: Request) -> Response:
-        principal(request, Action.REPORT)
-        if not pc.sessions.delete(session_id(request)):
+        who = principal(request, Action.REPORT)
+        if not pc.sessions.delete(session_id(request), by=who):
             raise NotFound(f"no session {request.path_params['session']}")
         return Response(status_code=204)
 
@@ -404,10 +404,11 @@ def create_pc_routes(pc: PlacementController) -> list[Route]:
         return json_response(outcome.to_json())
 
     async def get_shardmap(request: Request) -> Response:
-        principal(request, Action.OBSERVE)
+        who = principal(request, Action.OBSERVE)
         m = pc.maps.get(request.path_params["map"])
         if m is None:
             raise NotFound(f"no shard map {request.path_params['map']}")
+        who.require_resource_scope(m.scope_id)
         return json_response(m.to_json())
 
     return [

@@ -30,6 +30,14 @@ Two things the PC knows before the instance says so:
   (`register_started`), active, so that it can take its prefetch directive while it starts
   (§6.4). Its first status record replaces the provisional one whatever its epoch (above the
   epoch of a failed incarnation at the same URL); without one within `start_grace_ms` it fails.
+
+Who may report (docs/authorization.md): a record is taken only from a principal that may
+publish for the instance's URL (its "holders"), and the instance then serves that principal's
+scopes and no other: the PC routes a scope only to instances that serve it. While an
+incarnation is alive (not failed, not expired) only the principal that registered it may report
+for it, so no other principal can push its epoch forward or mark it failed. Requests routed but
+not yet accounted for count per scope, each scope at most `routed_cap_per_scope`, so that one
+tenant's routes cannot make a shared instance look full to the others.
 """
 
 from __future__ import annotations
@@ -40,7 +48,8 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Literal
 from urllib.parse import quote
 
-from kvsp_moq.errors import BadRecord, NotFound, StaleEpoch
+from kvsp_moq.auth import ANY, OPEN, Principal
+from kvsp_moq.errors import BadRecord, ForbiddenScope, NotFound, StaleEpoch
 from kvsp_moq.protocol.instances import instance_id
 from kvsp_moq.protocol.records import InstanceStatus
 from kvsp_moq.protocol.urls import base_url
@@ -111,6 +120,8 @@ class LifecycleSettings:
     """A routed request no record has accounted for is forgotten after this long."""
     start_grace_ms: int = 120_000
     """How long a started instance may take to send its first status record."""
+    routed_cap_per_scope: int = 64
+    """At most this many unaccounted routed requests of one scope count in an instance's queue."""
 
 
 @dataclass
@@ -120,12 +131,24 @@ class _Entry:
     expires_at: float
     low_since: float | None
     reported_at: float
-    routed: list[float] = dataclasses.field(default_factory=list)
-    """Clock times of requests routed here that no status record has accounted for yet."""
+    routed: list[tuple[float, str]] = dataclasses.field(default_factory=list)
+    """(clock time, Scope ID) of requests routed here that no status record has accounted
+    for yet."""
     provisional: bool = False
     """Registered by the start hook; no record from the instance yet."""
     floor_epoch: int | None = None
     """For a provisional entry: the epoch of the failed incarnation it replaced."""
+    scopes: frozenset[str] = frozenset({ANY})
+    """The Scope IDs the instance serves: those of the principal that reports it ("*": all)."""
+    owner: str | None = None
+    """The name of that principal; None for a provisional entry."""
+
+    def serves(self, scope_id: str) -> bool:
+        return ANY in self.scopes or scope_id.lower() in self.scopes
+
+    def visible_to(self, viewer: Principal) -> bool:
+        return (ANY in viewer.scopes or ANY in self.scopes or viewer.has_role("pc")
+                or not viewer.scopes.isdisjoint(self.scopes))
 
 
 @dataclass(frozen=True)
@@ -154,13 +177,24 @@ class InstanceRegistry:
 
     # ------------------------------------------------------------------ reports
 
-    def report(self, record: InstanceStatus) -> Reply:
-        """Take one Instance Status Record; a lower epoch than seen is refused (StaleEpoch)."""
+    def report(self, record: InstanceStatus, by: Principal = OPEN) -> Reply:
+        """Take one Instance Status Record from principal `by`; a lower epoch than seen is
+        refused (StaleEpoch), a principal that may not speak for the instance too
+        (ForbiddenScope)."""
         now = self.clock()
         url = base_url(record.instance)
         if url != record.instance:
             record = dataclasses.replace(record, instance=url)
+        if not by.may_publish_for(url):
+            raise ForbiddenScope(f"principal {by.name!r} may not report for instance {url}",
+                                 member="instance")
         entry = self._entries.get(url)
+        if (entry is not None and entry.owner is not None and entry.owner != by.name
+                and not by.has_role("admin") and entry.state != "failed"
+                and now < entry.expires_at):
+            raise ForbiddenScope(f"instance {url} is reported by another principal until its "
+                                 f"record expires or it fails", member="instance")
+        scopes, owner = by.scopes, by.name
         expires = now + record.ttl_ms / 1000.0
         low = load_of(record) < self.settings.sleep_load_threshold
         events: list[Event] = []
@@ -172,7 +206,8 @@ class InstanceRegistry:
             # provisional one, and it keeps what was routed to it meanwhile.
             state = record.state
             routed = self._accounted(entry.routed, None, record, now)
-            self._entries[url] = _Entry(record, state, expires, now if low else None, now, routed)
+            self._entries[url] = _Entry(record, state, expires, now if low else None, now, routed,
+                                        scopes=scopes, owner=owner)
             events.append(StateChanged(url, record.epoch, entry.state, state))
             if state == "failed":
                 events.append(InstanceFailed(url, record.epoch, "reported"))
@@ -184,7 +219,8 @@ class InstanceRegistry:
             if entry is not None and entry.state != "failed":
                 events.append(InstanceFailed(url, entry.record.epoch, "restarted"))
             state = record.state
-            self._entries[url] = _Entry(record, state, expires, now if low else None, now)
+            self._entries[url] = _Entry(record, state, expires, now if low else None, now,
+                                        scopes=scopes, owner=owner)
             events.append(StateChanged(url, record.epoch, entry.state if entry else None, state))
             if state == "failed":
                 events.append(InstanceFailed(url, record.epoch, "reported"))
@@ -198,6 +234,7 @@ class InstanceRegistry:
         old = entry.state
         entry.routed = self._accounted(entry.routed, entry.record, record, now)
         entry.record = record
+        entry.scopes, entry.owner = scopes, owner
         entry.reported_at = now
         entry.low_since = (entry.low_since if entry.low_since is not None else now) if low else None
         if old == "failed":
@@ -217,8 +254,8 @@ class InstanceRegistry:
             events.insert(0, StateChanged(url, record.epoch, old, new))
         return Reply(new, tuple(events))
 
-    def _accounted(self, routed: list[float], before: InstanceStatus | None,
-                   record: InstanceStatus, now: float) -> list[float]:
+    def _accounted(self, routed: list[tuple[float, str]], before: InstanceStatus | None,
+                   record: InstanceStatus, now: float) -> list[tuple[float, str]]:
         """Routed requests the record arriving now does not count yet.
 
         A record with `admitted` (requests admitted this epoch) after one of the same epoch
@@ -229,7 +266,7 @@ class InstanceRegistry:
                 and before.epoch == record.epoch):
             return routed[max(0, record.admitted - before.admitted):]
         cutoff = now - self.settings.routed_settle_ms / 1000.0
-        return [t for t in routed if t > cutoff]
+        return [r for r in routed if r[0] > cutoff]
 
     def _quiet_long_enough(self, entry: _Entry, now: float) -> bool:
         return (entry.low_since is not None
@@ -262,12 +299,12 @@ class InstanceRegistry:
             entry.low_since = None
         return StateChanged(entry.record.instance, entry.record.epoch, old, state, by_pc=True)
 
-    def note_routed(self, instance: str) -> None:
-        """A request was just routed to the instance: count it in its queue until a status
-        record accounts for it (or `routed_hold_ms` passes)."""
+    def note_routed(self, instance: str, scope_id: str = ANY) -> None:
+        """A request of `scope_id` was just routed to the instance: count it in its queue until
+        a status record accounts for it (or `routed_hold_ms` passes)."""
         entry = self._entries.get(base_url(instance))
         if entry is not None:
-            entry.routed.append(self.clock())
+            entry.routed.append((self.clock(), scope_id.lower()))
 
     def pending(self, instance: str) -> int:
         """Routed requests not yet accounted for by a status record of the instance."""
@@ -277,16 +314,23 @@ class InstanceRegistry:
     def _pending(self, entry: _Entry, now: float) -> int:
         if entry.routed:
             oldest = now - self.settings.routed_hold_ms / 1000.0
-            if entry.routed[0] <= oldest:
-                entry.routed = [t for t in entry.routed if t > oldest]
-        return len(entry.routed)
+            if entry.routed[0][0] <= oldest:
+                entry.routed = [r for r in entry.routed if r[0] > oldest]
+        cap = self.settings.routed_cap_per_scope
+        if len(entry.routed) <= cap:
+            return len(entry.routed)
+        per_scope: dict[str, int] = {}
+        for _, scope in entry.routed:
+            per_scope[scope] = per_scope.get(scope, 0) + 1
+        return sum(min(n, cap) for n in per_scope.values())
 
-    def register_started(self, started: str | InstanceStatus) -> bool:
+    def register_started(self, started: str | InstanceStatus, scope_id: str = ANY) -> bool:
         """Make an instance the start hook launched known, active, before its first record.
 
         `started` is its base URL, or a record with what the hook knows of it (rates, links);
-        its state and ttl_ms are set here (active, `start_grace_ms`). An instance that already
-        reports is left as it is. Returns whether the instance may now get requests.
+        its state and ttl_ms are set here (active, `start_grace_ms`); until it reports, it
+        serves the scope it was started for. An instance that already reports is left as it
+        is. Returns whether the instance may now get requests (of `scope_id`).
         """
         now = self.clock()
         if isinstance(started, str):
@@ -302,13 +346,15 @@ class InstanceRegistry:
         if entry is not None and entry.state != "failed":
             if entry.provisional:  # started again before it spoke: wait for it longer
                 entry.expires_at = now + record.ttl_ms / 1000.0
-            return self.is_active(url)
+                entry.scopes = entry.scopes | {scope_id.lower()}
+            return self.is_active(url) and entry.serves(scope_id)
         floor = None if entry is None else (entry.floor_epoch if entry.provisional
                                             else entry.record.epoch)
         if floor is not None and record.epoch <= floor:
             record = dataclasses.replace(record, epoch=floor)
         self._entries[url] = _Entry(record, "active", now + record.ttl_ms / 1000.0, None, now,
-                                    provisional=True, floor_epoch=floor)
+                                    provisional=True, floor_epoch=floor,
+                                    scopes=frozenset({scope_id.lower()}))
         return True
 
     def known(self, instance_url: str) -> bool:
@@ -341,17 +387,28 @@ class InstanceRegistry:
         entry = self._entries.get(base_url(instance_url))
         return None if entry is None else self._view(entry, self.clock())
 
+    def is_alive(self, instance_url: str) -> bool:
+        """Known, unexpired and not failed (active, draining or sleeping)."""
+        return self.get(instance_url) is not None
+
     def is_active(self, instance_url: str) -> bool:
         status = self.get(instance_url)
         return status is not None and status.state == "active"
 
-    def active(self, exclude: Iterable[str] = ()) -> list[InstanceStatus]:
-        """Active, unexpired instances: the only ones that may get requests or prefetches."""
+    def serves(self, instance_url: str, scope_id: str) -> bool:
+        """Whether the instance serves the scope (its reporting principal holds it)."""
+        entry = self._entries.get(base_url(instance_url))
+        return entry is not None and entry.serves(scope_id)
+
+    def active(self, exclude: Iterable[str] = (), scope_id: str | None = None
+               ) -> list[InstanceStatus]:
+        """Active, unexpired instances (serving `scope_id`, when given): the only ones that may
+        get requests or prefetches."""
         now = self.clock()
         skip = {base_url(u) for u in exclude}
         out = []
         for url, entry in self._entries.items():
-            if url in skip:
+            if url in skip or (scope_id is not None and not entry.serves(scope_id)):
                 continue
             view = self._view(entry, now)
             if view.state == "active":
@@ -368,17 +425,22 @@ class InstanceRegistry:
                 return self.status_of(url)
         return None
 
-    def describe(self) -> list[dict]:
-        """GET {pc}instances: each record with the PC's state, its id and expiry."""
+    def describe(self, viewer: Principal = OPEN) -> list[dict]:
+        """GET {pc}instances: each record the viewer may see (an instance serving one of its
+        scopes) with the PC's state, its id and expiry."""
         now = self.clock()
         out = []
         for url, entry in sorted(self._entries.items()):
+            if not entry.visible_to(viewer):
+                continue
             view = self._view(entry, now, routed=False)
             item = view.to_json()
             item["id"] = instance_id(url)
             item["reported_state"] = None if entry.provisional else entry.record.state
             item["routed"] = self._pending(entry, now)
             item["provisional"] = entry.provisional
+            item["scopes"] = sorted(entry.scopes if ANY in viewer.scopes
+                                    else entry.scopes & (viewer.scopes | {ANY}))
             item["expires_in_ms"] = max(0, round((entry.expires_at - now) * 1000))
             out.append(item)
         return out

@@ -463,12 +463,12 @@ class Router:
 
     async def _ranked(self, request: RouteRequest, exclude: Iterable[str] = ()
                       ) -> tuple[LookupResult, Grouping, list[Candidate]]:
-        actives = self.registry.active(exclude=exclude)
+        actives = self.registry.active(exclude=exclude, scope_id=request.scope_id)
         targets = tuple(s.instance for s in actives) or None
         result = await self.lookup(LookupRequest(request.scope_id, request.compat_id,
                                                  request.block_keys, targets))
         # Statuses are read again after the await: an instance may have left "active".
-        actives = self.registry.active(exclude=exclude)
+        actives = self.registry.active(exclude=exclude, scope_id=request.scope_id)
         grouping = Grouping.of(result)
         ranked = rank(result, actives, token_count=request.token_count,
                       block_tokens=request.block_tokens,
@@ -493,19 +493,21 @@ class Router:
             if started is not None:
                 target, reason = started, "started"
             elif best is None:
-                raise NoActiveInstance("no active instance, and none could be started")
+                raise NoActiveInstance(f"no active instance serves scope {request.scope_id}, "
+                                       "and none could be started")
             else:
                 reason = "over-threshold"
         if target is None:
             # Never a prefetch to an instance that is not active: check again, right before.
             for cand in ranked:
-                if self.registry.is_active(cand.instance):
+                if (self.registry.is_active(cand.instance)
+                        and self.registry.serves(cand.instance, request.scope_id)):
                     target = cand.instance
                     break
             if target is None:
                 raise NoActiveInstance("every candidate left the active state")
         # No await between the ranking and this: concurrent routes each see the ones before.
-        self.registry.note_routed(target)
+        self.registry.note_routed(target, request.scope_id)
         status = self.registry.get(target)
         directive = None
         if self._prefetches(reason, next((c for c in ranked if c.instance == target), None)):
@@ -550,7 +552,7 @@ class Router:
             log.warning("start hook returned %r, not a URL or a status record", started)
             return None
         try:
-            usable = self.registry.register_started(started)
+            usable = self.registry.register_started(started, request.scope_id)
         except (KvspError, ValueError) as e:
             log.warning("start hook returned an unusable instance: %s", e)
             return None
@@ -577,5 +579,5 @@ class Router:
             if chosen is None and ranked:
                 chosen = ranked[0].instance
         if chosen is not None:
-            self.registry.note_routed(chosen)  # the resumed session is work it has not reported
+            self.registry.note_routed(chosen, scope_id)  # the resumed session: work not reported yet
         return chosen

@@ -13,6 +13,7 @@ Bodies of `POST {ii}reshard`: the plan of §6.9 (`{"map", "from", "to", "deadlin
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import sqlite3
@@ -92,6 +93,8 @@ def plan_reshard(current: ShardMap, target: ShardMap, deadline_ms: int) -> dict[
     """
     if target.map != current.map:
         raise BadRecord(f"reshards map {current.map!r}, not {target.map!r}", member="map")
+    if current.scope_id is not None and target.scope_id not in (None, current.scope_id):
+        raise BadRecord("a shard map keeps the scope it was installed with", member="scope_id")
     if target.version != current.version + 1:
         raise BadRecord(f"must be {current.version + 1} (the current version is "
                         f"{current.version})", member="version")
@@ -112,7 +115,8 @@ def plan_reshard(current: ShardMap, target: ShardMap, deadline_ms: int) -> dict[
                     fetch.append(RangeFetch(r, src))
         plans[inst] = ReshardPlan(current.map, current.version, target.version, deadline_ms,
                                   retain=tuple(intersect(old, new)), fetch=tuple(fetch),
-                                  release=tuple(subtract(old, new)))
+                                  release=tuple(subtract(old, new)),
+                                  scope_id=target.scope_id or current.scope_id)
     return plans
 
 
@@ -203,6 +207,8 @@ class Resharder:
             if current is None:
                 self.maps.put(target)
                 return None
+            if target.scope_id is None and current.scope_id is not None:
+                target = dataclasses.replace(target, scope_id=current.scope_id)
             deadline = deadline_ms or self.settings.deadline_ms
             plans = plan_reshard(current, target, deadline)
             acks = await self._propose(plans, deadline / 1000.0)

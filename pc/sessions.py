@@ -13,6 +13,13 @@ Wire formats (DESIGN §3, §6):
 - `GET {pc}sessions/{session}`: `{"session", "epoch", "instance", "output_offset"}`.
 - `POST {ii}sessions/{session}/resume`: `{"checkpoint": <latest Session Checkpoint, verbatim,
   with the epoch it was taken under>, "epoch": <new session epoch>}`. Any 2xx accepts.
+
+A session belongs to the scope of its first checkpoint (docs/authorization.md): a checkpoint of
+another scope is refused, and only a principal that may speak for the instance named (its
+"holders") may checkpoint for it. Within its scope, a higher epoch comes only from the instance
+the PC moved the session to, or from another one once the session's instance is no longer
+alive at the PC (a front end restarting a lost session from its prompt); otherwise any instance
+of the scope could take a live session over.
 """
 
 from __future__ import annotations
@@ -27,7 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Iterable
 
-from kvsp_moq.errors import BadRecord, KvspError, StaleEpoch
+from kvsp_moq.auth import OPEN, Principal
+from kvsp_moq.errors import BadRecord, ForbiddenScope, KvspError, StaleEpoch
 from kvsp_moq.protocol.records import SessionCheckpoint
 from kvsp_moq.protocol.urls import base_url
 
@@ -56,29 +64,58 @@ class SessionState:
     def checkpoint_epoch(self) -> int | None:
         return None if self.checkpoint is None else int(self.checkpoint["epoch"])
 
+    @property
+    def scope_id(self) -> str | None:
+        """The scope the session started in (that of its checkpoints)."""
+        return None if self.checkpoint is None else str(self.checkpoint["scope_id"]).lower()
+
+    def require_access(self, who: Principal) -> None:
+        """ForbiddenScope unless `who` holds the session's scope (the PC holds every scope)."""
+        if self.scope_id is not None and not who.has_role("pc"):
+            who.require_scope(self.scope_id)
+
+
+def _never_live(instance: str) -> bool:
+    return False
+
 
 # --------------------------------------------------------------------------- rules
 
 
 def accept_checkpoint(current: SessionState | None, checkpoint: SessionCheckpoint,
-                      instance: str | None) -> SessionState:
-    """The state after a checkpoint arrives (§6.8).
+                      instance: str | None, *, by: Principal = OPEN,
+                      is_live: Callable[[str], bool] = _never_live) -> SessionState:
+    """The state after a checkpoint from principal `by` arrives (§6.8).
 
     A lower epoch than the session's is refused; within the current epoch the checkpoint with
     the highest output_offset is kept; a higher epoch (the instance knows of a move the PC has
-    not made, e.g. after a PC restart with an older file) starts that epoch.
+    not made, e.g. after a PC restart with an older file) starts that epoch, unless it comes
+    from another instance while the session's own is alive (`is_live`). The checkpoint must be
+    in the session's scope, and `by` must hold it and speak for the instance.
     """
+    by.require_scope(checkpoint.scope_id)
     inst = base_url(instance) if instance else None
     if current is None:
         if inst is None:
             raise BadRecord("the first checkpoint of a session must name the instance serving "
                             "it", member="instance")
+        by.require_holder(inst)
         return SessionState(checkpoint.session, checkpoint.epoch, inst, checkpoint.output_offset,
                             checkpoint.to_json())
+    if current.scope_id is not None and checkpoint.scope_id.lower() != current.scope_id:
+        raise ForbiddenScope(f"session {current.session} belongs to another scope",
+                             member="scope_id")
+    serving = inst or current.instance
+    if serving is not None:
+        by.require_holder(serving)
     if checkpoint.epoch < current.epoch:
         raise StaleEpoch(f"session {current.session} is at epoch {current.epoch}; a checkpoint "
                          f"of epoch {checkpoint.epoch} is stale", member="epoch")
     if checkpoint.epoch > current.epoch:
+        if (inst is not None and current.instance is not None and inst != current.instance
+                and is_live(current.instance)):
+            raise StaleEpoch(f"session {current.session} runs on {current.instance}, which is "
+                             f"alive; only the PC moves it to another instance", member="epoch")
         return SessionState(current.session, checkpoint.epoch, inst or current.instance,
                             checkpoint.output_offset, checkpoint.to_json())
     if inst is not None and current.instance is not None and inst != current.instance:
@@ -172,13 +209,15 @@ class SessionStore:
         with self._lock:
             return self._get(session)
 
-    def checkpoint(self, checkpoint: SessionCheckpoint, instance: str | None) -> SessionState:
-        """Apply a checkpoint (StaleEpoch when it is refused) and persist the result."""
+    def checkpoint(self, checkpoint: SessionCheckpoint, instance: str | None, *,
+                   by: Principal = OPEN, is_live: Callable[[str], bool] = _never_live
+                   ) -> SessionState:
+        """Apply a checkpoint (`accept_checkpoint`; refusals raise) and persist the result."""
         with self._lock:
             self.db.execute("BEGIN IMMEDIATE")
             try:
                 current = self._get(checkpoint.session)
-                state = accept_checkpoint(current, checkpoint, instance)
+                state = accept_checkpoint(current, checkpoint, instance, by=by, is_live=is_live)
                 if state != current:
                     self._put(state)
                 self.db.execute("COMMIT")
@@ -204,8 +243,15 @@ class SessionStore:
                 raise
             return state
 
-    def delete(self, session: str) -> bool:
+    def delete(self, session: str, *, by: Principal = OPEN) -> bool:
+        """End a session: only a principal of its scope that speaks for its instance may."""
         with self._lock:
+            current = self._get(session)
+            if current is None:
+                return False
+            current.require_access(by)
+            if current.instance is not None:
+                by.require_holder(current.instance)
             return self.db.execute("DELETE FROM sessions WHERE session = ?",
                                    (session,)).rowcount > 0
 

@@ -368,6 +368,9 @@ class ShardMap:
     map: str
     version: int
     shards: tuple[Shard, ...]
+    #: Extension member: the scope whose context is split. Instances serve its ranges only to
+    #: principals of that scope; a map without one, only to principals of every scope ("*").
+    scope_id: str | None = None
 
     @classmethod
     def from_json(cls, data: Any) -> "ShardMap":
@@ -386,11 +389,16 @@ class ShardMap:
                 raise BadRecord("ranges must be contiguous, in ascending order",
                                 member=f"shards[{i}].tokens")
         return cls(v.string(v.required(data, "map"), "map", max_len=256),
-                   v.integer(v.required(data, "version"), "version"), tuple(shards))
+                   v.integer(v.required(data, "version"), "version"), tuple(shards),
+                   _optional_scope(data))
 
     def to_json(self) -> dict:
-        return {"map": self.map, "version": self.version,
-                "shards": [{"tokens": list(s.tokens), "instance": s.instance} for s in self.shards]}
+        out: dict[str, Any] = {
+            "map": self.map, "version": self.version,
+            "shards": [{"tokens": list(s.tokens), "instance": s.instance} for s in self.shards]}
+        if self.scope_id is not None:
+            out["scope_id"] = self.scope_id
+        return out
 
     def ranges_of(self, instance: str) -> list[tuple[int, int]]:
         return [s.tokens for s in self.shards if s.instance == instance]
@@ -414,15 +422,20 @@ class ReshardPlan:
     fetch: tuple[RangeFetch, ...] = ()
     release: tuple[tuple[int, int], ...] = ()
     kind: Literal["plan"] = "plan"
+    #: Extension member: the map's scope (ShardMap.scope_id), for a member new to the map.
+    scope_id: str | None = None
 
     def to_json(self) -> dict:
-        return {
+        out: dict[str, Any] = {
             "map": self.map, "from": self.from_version, "to": self.to_version,
             "deadline_ms": self.deadline_ms,
             "retain": [list(r) for r in self.retain],
             "fetch": [{"tokens": list(f.tokens), "from": f.source} for f in self.fetch],
             "release": [list(r) for r in self.release],
         }
+        if self.scope_id is not None:
+            out["scope_id"] = self.scope_id
+        return out
 
 
 @dataclass(frozen=True)
@@ -458,7 +471,12 @@ def parse_reshard(data: Any) -> ReshardPlan | ReshardDecision:
     check_disjoint(list(retain) + [f.tokens for f in fetch], "retain", half_open=True)
     return ReshardPlan(name, src, dst, v.integer(v.required(data, "deadline_ms"), "deadline_ms",
                                                  low=1),
-                       retain, tuple(fetch), release)
+                       retain, tuple(fetch), release, scope_id=_optional_scope(data))
+
+
+def _optional_scope(data: dict) -> str | None:
+    value = data.get("scope_id")
+    return None if value is None else v.hexn(value, 16, "scope_id")
 
 
 # --------------------------------------------------------------------------- prefetch, leases

@@ -16,7 +16,7 @@ from agent.model import ModelAdapter
 from agent.pool import tensor_from_octets
 from agent.requests import GenerateRequest
 from agent.sessions import StreamBroken
-from kvsp_moq.errors import BadRecord, NotActive, PrefixUnavailable, SessionConflict, StaleEpoch
+from kvsp_moq.errors import BadRecord, ForbiddenScope, NotActive, PrefixUnavailable, SessionConflict, StaleEpoch
 from kvsp_moq.holder.store import BlockId, BlockStore
 from kvsp_moq.protocol.compat import CompatDescriptor
 from kvsp_moq.protocol.container import Container
@@ -176,8 +176,12 @@ async def test_a_resume_is_checked_against_the_instance(adapter) -> None:
         with pytest.raises(BadRecord) as e:
             await run.engine.resume(sid, {"checkpoint": {**cp, "compat_id": "ab" * 32}, "epoch": 2})
         assert e.value.member == "checkpoint.compat_id"
-        with pytest.raises(BadRecord) as e:
+        with pytest.raises(ForbiddenScope):  # the session here belongs to the checkpoint's scope
             await run.engine.resume(sid, {"checkpoint": {**cp, "scope_id": "cd" * 16}, "epoch": 2})
+        other = str(uuid.uuid4())
+        with pytest.raises(BadRecord) as e:  # a scope this instance does not serve
+            await run.engine.resume(other, {"checkpoint": {**cp, "session": other, "scope_id": "cd" * 16},
+                                            "epoch": 2})
         assert e.value.member == "checkpoint.scope_id"
         too_long = {**cp, "sampler": {**cp["sampler"], "params": {"max_new_tokens": 65}}}
         with pytest.raises(BadRecord) as e:

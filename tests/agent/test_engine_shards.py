@@ -17,6 +17,7 @@ import torch
 from agent.model import ModelAdapter
 from agent.pool import tensor_from_octets
 from agent.shards import ShardKeeper
+from kvsp_moq.auth import OPEN
 from kvsp_moq.errors import BadRecord, NotFound, StaleEpoch
 from kvsp_moq.holder.app import repr_digest
 from kvsp_moq.protocol.container import Container
@@ -46,7 +47,7 @@ def serving(keeper: ShardKeeper, *, corrupt: bool = False) -> httpx.AsyncClient:
     """A client whose GET {OTHER}kv is answered by `keeper`, as that instance's app answers it."""
     def handle(request: httpx.Request) -> httpx.Response:
         a, b = (int(x) for x in request.url.params["tokens"].split("-"))
-        body = keeper.container(request.url.params["map"], a, b)
+        body = keeper.container(request.url.params["map"], a, b, OPEN)
         digest = hashlib.sha256(body + (b"x" if corrupt else b"")).digest()
         return httpx.Response(200, content=body, headers={"Repr-Digest": repr_digest(digest)})
 
@@ -76,12 +77,12 @@ async def test_seeded_ranges_hold_the_kv_of_the_whole_context(adapter, reference
     keeper = await seeded(adapter, [[0, 16], [16, 48]])
     assert keeper.status(MAP) == {"map": MAP, "version": 1, "ranges": [[0, 16], [16, 48]], "pending": [],
                                   "pending_to": None, "last": {}}
-    same_kv(adapter, keeper.container(MAP, 20, 30), reference, 20, 30)  # any part of a held range
-    same_kv(adapter, keeper.container(MAP, 0, 16), reference, 0, 16)
+    same_kv(adapter, keeper.container(MAP, 20, 30, OPEN), reference, 20, 30)  # any part of a held range
+    same_kv(adapter, keeper.container(MAP, 0, 16, OPEN), reference, 0, 16)
     with pytest.raises(NotFound):
-        keeper.container(MAP, 10, 20)  # across two ranges: held, but not as one
+        keeper.container(MAP, 10, 20, OPEN)  # across two ranges: held, but not as one
     with pytest.raises(NotFound):
-        keeper.container("other", 0, 4)
+        keeper.container("other", 0, 4, OPEN)
     with pytest.raises(NotFound):
         keeper.status("other")
 
@@ -108,12 +109,12 @@ async def test_a_reshard_fetches_retains_and_releases_on_commit(adapter, referen
         assert last["state"] == "acknowledged" and last["retained"] == [[0, 16]] and last["retained_missing"] == []
         assert [f["tokens"] for f in last["fetched"]] == [[16, 40]] and last["transferred_bytes"] > 0
         with pytest.raises(NotFound):
-            keeper.container(MAP, 16, 40)  # not before the commit
+            keeper.container(MAP, 16, 40, OPEN)  # not before the commit
         status, body = await keeper.handle({"map": MAP, "commit": 2})
     assert status == 200 and body["version"] == 2 and body["ranges"] == [[0, 16], [16, 40]]
     assert body["last"]["state"] == "committed"
-    assert keeper.container(MAP, 16, 40) == source.container(MAP, 16, 40)  # the octets it was sent
-    same_kv(adapter, keeper.container(MAP, 20, 24), reference, 20, 24)
+    assert keeper.container(MAP, 16, 40, OPEN) == source.container(MAP, 16, 40, OPEN)  # the octets it was sent
+    same_kv(adapter, keeper.container(MAP, 20, 24, OPEN), reference, 20, 24)
     assert (await keeper.handle({"map": MAP, "commit": 2}))[1]["version"] == 2  # delivered twice
 
     # The source releases part of what it held: the rest on either side stays.
@@ -121,10 +122,10 @@ async def test_a_reshard_fetches_retains_and_releases_on_commit(adapter, referen
     assert status == 200
     _, body = await source.handle({"map": MAP, "commit": 2})
     assert body["ranges"] == [[0, 8], [24, 48]]
-    same_kv(adapter, source.container(MAP, 0, 8), reference, 0, 8)
-    same_kv(adapter, source.container(MAP, 30, 48), reference, 30, 48)
+    same_kv(adapter, source.container(MAP, 0, 8, OPEN), reference, 0, 8)
+    same_kv(adapter, source.container(MAP, 30, 48, OPEN), reference, 30, 48)
     with pytest.raises(NotFound):
-        source.container(MAP, 8, 9)
+        source.container(MAP, 8, 9, OPEN)
 
 
 async def test_an_abort_drops_what_was_fetched(adapter) -> None:

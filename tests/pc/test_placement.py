@@ -104,13 +104,15 @@ async def test_replica_store_adapter():
 
 
 async def test_roles_and_scopes(tmp_path):
-    principals = tmp_path / "principals.toml"
-    principals.write_text(f'''
+    with fake_agents(1) as (a,):
+        principals = tmp_path / "principals.toml"
+        principals.write_text(f'''
 [[principal]]
 name = "ii"
 token = "t-instance"
 roles = ["instance"]
 scopes = ["{SCOPE}"]
+holders = ["{a.url}"]
 
 [[principal]]
 name = "tenant"
@@ -129,40 +131,39 @@ token = "t-admin"
 roles = ["admin"]
 ''')
 
-    def auth(token):
-        return {"Authorization": f"Bearer {token}"}
+        def auth(token):
+            return {"Authorization": f"Bearer {token}"}
 
-    s = new_session()
-    route = {"block_keys": [], "scope_id": SCOPE, "compat_id": COMPAT}
-    shard_map = {"map": "m", "version": 1,
-                 "shards": [{"tokens": [0, 10], "instance": INSTANCES[0]}]}
-    with fake_agents(1) as (a,), pc_server(str(tmp_path / "pc.db"),
-                                           principals=str(principals)) as pc:
-        async with httpx.AsyncClient(timeout=10) as http:
-            st_url = pc.url + status_path(a.url)
-            assert (await http.put(st_url, json=status(a.url))).status_code == 401
-            r = await http.put(st_url, json=status(a.url), headers=auth("t-tenant"))
-            assert r.status_code == 403
-            r = await http.put(st_url, json=status(a.url), headers=auth("t-instance"))
-            assert r.status_code == 200
-            cp_url = f"{pc.url}sessions/{s}/checkpoint"
-            body = checkpoint(s, instance=a.url, scope_id=SCOPE)
-            assert (await http.put(cp_url, json=body, headers=auth("t-tenant"))).status_code == 403
-            assert (await http.put(cp_url, json=body, headers=auth("t-instance"))).status_code == 200
-            # Routing: a principal holding the scope, or the pc/admin role.
-            assert (await http.post(pc.url + "route", json=route)).status_code == 401
-            r = await http.post(pc.url + "route", json=route, headers=auth("t-other"))
-            assert r.status_code == 403
-            for token in ("t-tenant", "t-admin"):
-                r = await http.post(pc.url + "route", json=route, headers=auth(token))
-                assert r.status_code == 200 and r.json()["instance"] == a.url
-            # Sessions are read by the scope's principals.
-            r = await http.get(f"{pc.url}sessions/{s}", headers=auth("t-other"))
-            assert r.status_code == 403
-            r = await http.get(f"{pc.url}sessions/{s}", headers=auth("t-tenant"))
-            assert r.status_code == 200
-            # Resharding is for admins.
-            r = await http.post(pc.url + "reshard/m", json=shard_map, headers=auth("t-tenant"))
-            assert r.status_code == 403
-            r = await http.post(pc.url + "reshard/m", json=shard_map, headers=auth("t-admin"))
-            assert r.status_code == 201
+        s = new_session()
+        route = {"block_keys": [], "scope_id": SCOPE, "compat_id": COMPAT}
+        shard_map = {"map": "m", "version": 1,
+                     "shards": [{"tokens": [0, 10], "instance": INSTANCES[0]}]}
+        with pc_server(str(tmp_path / "pc.db"), principals=str(principals)) as pc:
+            async with httpx.AsyncClient(timeout=10) as http:
+                st_url = pc.url + status_path(a.url)
+                assert (await http.put(st_url, json=status(a.url))).status_code == 401
+                r = await http.put(st_url, json=status(a.url), headers=auth("t-tenant"))
+                assert r.status_code == 403
+                r = await http.put(st_url, json=status(a.url), headers=auth("t-instance"))
+                assert r.status_code == 200
+                cp_url = f"{pc.url}sessions/{s}/checkpoint"
+                body = checkpoint(s, instance=a.url, scope_id=SCOPE)
+                assert (await http.put(cp_url, json=body, headers=auth("t-tenant"))).status_code == 403
+                assert (await http.put(cp_url, json=body, headers=auth("t-instance"))).status_code == 200
+                # Routing: a principal holding the scope, or the pc/admin role.
+                assert (await http.post(pc.url + "route", json=route)).status_code == 401
+                r = await http.post(pc.url + "route", json=route, headers=auth("t-other"))
+                assert r.status_code == 403
+                for token in ("t-tenant", "t-admin"):
+                    r = await http.post(pc.url + "route", json=route, headers=auth(token))
+                    assert r.status_code == 200 and r.json()["instance"] == a.url
+                # Sessions are read by the scope's principals.
+                r = await http.get(f"{pc.url}sessions/{s}", headers=auth("t-other"))
+                assert r.status_code == 403
+                r = await http.get(f"{pc.url}sessions/{s}", headers=auth("t-tenant"))
+                assert r.status_code == 200
+                # Resharding is for admins.
+                r = await http.post(pc.url + "reshard/m", json=shard_map, headers=auth("t-tenant"))
+                assert r.status_code == 403
+                r = await http.post(pc.url + "reshard/m", json=shard_map, headers=auth("t-admin"))
+                assert r.status_code == 201
