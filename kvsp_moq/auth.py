@@ -30,8 +30,9 @@ from kvsp_moq.protocol.urls import base_url
 #: holder: a block store (kvsp holder); pc: the Placement Controller; instance: an inference
 #: instance (kvsp agent), which is also the holder of its own pool; relay: a MOQT relay, as its
 #: downstream relays present themselves upstream; client: an end user's front end, which asks
-#: the PC for an instance, generates there and reads its sessions; admin: may do everything.
-ROLES = frozenset({"holder", "pc", "instance", "relay", "client", "admin"})
+#: the PC for an instance, generates there and reads its sessions; metrics: a metrics scraper
+#: (Prometheus), which may read /metrics and nothing else; admin: may do everything.
+ROLES = frozenset({"holder", "pc", "instance", "relay", "client", "metrics", "admin"})
 ANY = "*"
 
 
@@ -60,6 +61,8 @@ class Action(str, Enum):
     ANNOUNCE = "announce or publish tracks"  #: PUBLISH_NAMESPACE, PUBLISH
     SUBSCRIBE = "subscribe to or fetch tracks"  #: SUBSCRIBE, FETCH, TRACK_STATUS
     DISCOVER = "discover namespaces"  #: SUBSCRIBE_NAMESPACE, SUBSCRIBE_TRACKS
+    # every HTTP server, and the relay's --metrics address
+    SCRAPE = "read metrics"  #: GET /metrics
 
 
 #: Stands for "any authenticated principal, with or without roles" in `PERMISSIONS`.
@@ -90,6 +93,9 @@ EVERYONE = "*"
 #:   the PC and instances.
 #: - At a relay, subscribing and fetching is what instances, holders and downstream relays do;
 #:   discovering namespaces needs only a valid token (what it reveals is filtered by scope).
+#: - Metrics are aggregates over every tenant (sessions running at a shared instance, lookups
+#:   and hits at the IS): read over time they tell one tenant of another's activity, so with
+#:   principals on they are for the operator's scraper ("metrics") only. /healthz stays open.
 PERMISSIONS: Mapping[Action, frozenset[str]] = MappingProxyType({
     Action.PUBLISH_REPLICAS: frozenset({"holder", "instance"}),
     Action.LOOKUP: frozenset({"instance", "pc", "holder"}),
@@ -106,6 +112,7 @@ PERMISSIONS: Mapping[Action, frozenset[str]] = MappingProxyType({
     Action.ANNOUNCE: frozenset({"holder", "instance", "relay"}),
     Action.SUBSCRIBE: frozenset({"instance", "holder", "relay"}),
     Action.DISCOVER: frozenset({EVERYONE}),
+    Action.SCRAPE: frozenset({"metrics"}),
 })
 assert set(PERMISSIONS) == set(Action)
 

@@ -433,8 +433,9 @@ PATHS: dict[str, dict[str, dict[str, Any]]] = {
 SERVICE_PATHS: dict[str, dict[str, Any]] = {
     "/healthz": {"get": _op("Liveness", {"200": {"description": "Alive", "content": {
         "application/json": {"schema": _ref("Health")}}}}, auth=False)},
-    "/metrics": {"get": _op("Prometheus text metrics", {"200": {"description": "Metrics",
-        "content": {"text/plain": {"schema": {"type": "string"}}}}}, auth=False)},
+    "/metrics": {"get": _op("Prometheus text metrics (with principals: the metrics role)",
+        {"200": {"description": "Metrics",
+                 "content": {"text/plain": {"schema": {"type": "string"}}}}})},
     "/openapi.json": {"get": _op("This document", {"200": {"description": "OpenAPI 3.1",
         "content": {"application/json": {"schema": {"type": "object"}}}}}, auth=False)},
 }

@@ -155,6 +155,7 @@ def service_routes(metrics: Metrics) -> list[Route]:
         return JSONResponse({"status": "ok"})
 
     async def metrics_endpoint(request: Request) -> Response:
+        principal(request, Action.SCRAPE)
         return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
 
     return [Route("/healthz", healthz), Route("/metrics", metrics_endpoint)]

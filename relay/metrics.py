@@ -17,8 +17,8 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
-from kvsp_moq.auth import Authenticator
-from kvsp_moq.web import BackgroundServer, build_app
+from kvsp_moq.auth import Action, Authenticator
+from kvsp_moq.web import BackgroundServer, build_app, principal
 
 from .relay import Relay
 
@@ -77,21 +77,26 @@ def snapshot_on_loop(
     return snapshot
 
 
-def create_metrics_app(snapshot: Callable[[], dict[str, int]]) -> Starlette:
-    """/metrics (the relay's figures, then the HTTP server's own) and /healthz."""
+def create_metrics_app(snapshot: Callable[[], dict[str, int]],
+                       auth: Authenticator | None = None) -> Starlette:
+    """/metrics (the relay's figures, then the HTTP server's own) and /healthz; /metrics needs
+    a "metrics" principal of `auth` (the relay's principals), as at every other server."""
 
     async def metrics(request: Request) -> Response:
+        principal(request, Action.SCRAPE)
         figures = await asyncio.to_thread(snapshot)  # waits on the relay's loop, not this one
         text = render(figures) + request.app.state.metrics.render()
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     # Listed first, this /metrics answers before the generic one build_app adds.
-    return build_app([Route("/metrics", metrics)], name=PREFIX, auth=Authenticator.open())
+    return build_app([Route("/metrics", metrics)], name=PREFIX,
+                     auth=auth if auth is not None else Authenticator.open())
 
 
 async def start_metrics_server(relay: Relay, host: str = "127.0.0.1", port: int = 0) -> BackgroundServer:
     """Serve the relay's metrics on a background thread; `.url` is the server's base URL."""
     loop = asyncio.get_running_loop()
-    server = BackgroundServer(create_metrics_app(snapshot_on_loop(relay, loop)), host, port)
+    server = BackgroundServer(create_metrics_app(snapshot_on_loop(relay, loop), relay.settings.authenticator),
+                              host, port)
     await loop.run_in_executor(None, server.start)
     return server

@@ -13,8 +13,9 @@ printed so that clients elsewhere can trust it (`--relay-ca PATH`). Without --pr
 the relay runs open, on loopback only unless --insecure-open (kvsp_moq.serving). The first
 line on stdout is "relay listening on moqt://HOST:PORT" (the --public-url when given); with
 --metrics, the line after the notes is "metrics at http://HOST:PORT/metrics" (GET /metrics
-in Prometheus text, GET /healthz). The metrics listener takes no token, like every server's
-/metrics: it shows counters only, never names or data, so it may listen off loopback.
+in Prometheus text, GET /healthz). With --principals, /metrics wants the token of a principal
+with the "metrics" role, as at every server (its counters add up every tenant's traffic);
+/healthz takes none.
 """
 
 from __future__ import annotations
@@ -93,8 +94,9 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                    help="the MOQT drafts to serve, most preferred first: a client offering several "
                         "gets the first of these it offers (default: 18,20,22,14)")
     p.add_argument("--metrics", type=listen_type(), default=None, metavar="HOST:PORT",
-                   help="serve GET /metrics (Prometheus text) and GET /healthz over HTTP on this "
-                        "TCP address (default: no metrics server)")
+                   help="serve GET /metrics (Prometheus text; with --principals, for a principal "
+                        "with the metrics role) and GET /healthz over HTTP on this TCP address "
+                        "(default: no metrics server)")
     p.set_defaults(func=run)
 
 

@@ -225,13 +225,17 @@ class Demo:
         n = 1024
         context = _tokens(n, 4242)
         admin = self._auth("admin")
+        scope = next(t.scope_id for t in self.cluster.tenants if t.name == "tenant-a")
         self.progress.step(f"computing a {n}-token context on agent2")
         for url, ranges in ((a, [[0, n]]), (b, [])):
             r = self.http.put(url + "shards/long", headers=admin,
-                              json={"version": 1, "tokens": context, "ranges": ranges})
+                              json={"version": 1, "tokens": context, "ranges": ranges,
+                                    "scope_id": scope})
             r.raise_for_status()
         pc = self.cluster.urls["index"]
-        v1 = {"map": "long", "version": 1, "shards": [{"tokens": [0, n], "instance": a}]}
+        # The map carries its scope: only tenant-a's principals read its ranges.
+        v1 = {"map": "long", "version": 1, "scope_id": scope,
+              "shards": [{"tokens": [0, n], "instance": a}]}
         self.http.post(pc + "reshard/long", headers=admin, json=v1).raise_for_status()
         v2 = {"map": "long", "version": 2, "deadline_ms": 30000, "shards": [
             {"tokens": [0, n // 2], "instance": a}, {"tokens": [n // 2, n], "instance": b}]}

@@ -42,6 +42,7 @@ PRINCIPALS = {
         {"name": "outsider", "token": "t-out", "scopes": [OTHER], "holders": [H1],
          "roles": ["holder"]},
         {"name": "admin", "token": "t-admin", "scopes": ["*"], "roles": ["admin"]},
+        {"name": "scraper", "token": "t-metrics", "roles": ["metrics"]},
     ]
 }
 

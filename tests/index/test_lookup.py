@@ -234,8 +234,12 @@ async def test_healthz_and_metrics(serve, http):
     assert r.status_code == 200 and r.json() == {"status": "ok"}
     await publish(http, ix, [record(key(i)) for i in range(3)])
     await lookup(http, ix, [key(0), key(1), key(7)])
-    text = (await http.get(ix.url + "metrics")).text
+    for token in (None, "t-h1", "t-pc"):  # counters over every tenant: the scraper's only
+        refused = await http.get(ix.url + "metrics", headers=auth(token) if token else {})
+        assert refused.status_code == (401 if token is None else 403)
+    r = await http.get(ix.url + "metrics", headers=auth("t-metrics"))
     assert r.status_code == 200
+    text = r.text
     for line in ("kvsp_index_lookups_total 1", "kvsp_index_lookup_keys_total 3",
                  "kvsp_index_lookup_matched_total 2", "kvsp_index_replicas_put_total 3",
                  "kvsp_index_replica_records 3"):

@@ -123,7 +123,7 @@ async def test_ttl_is_capped_and_the_record_expires(serve, http):
     assert (await lookup(http, ix, [key(0)]))["matched"] == 1
     ix.clock.advance(0.001)  # now == publication + granted ttl: expired
     assert (await lookup(http, ix, [key(0)]))["matched"] == 0
-    text = (await http.get(ix.url + "metrics")).text
+    text = (await http.get(ix.url + "metrics", headers=auth("t-metrics"))).text
     assert "kvsp_index_ttl_capped_total 1" in text
 
 
@@ -161,7 +161,7 @@ async def test_expired_records_are_swept_from_memory(serve, http):
     ix.clock.advance(5)
     assert await ix.store.sweep(ix.clock()) == 50
     assert ix.store.records == 0
-    assert "kvsp_index_replica_records 0" in (await http.get(ix.url + "metrics")).text
+    assert "kvsp_index_replica_records 0" in (await http.get(ix.url + "metrics", headers=auth("t-metrics"))).text
 
 
 @pytest.mark.memory_store

@@ -8,8 +8,10 @@ import os
 import sys
 
 import httpx
+from starlette.testclient import TestClient
 
-from relay.metrics import render, start_metrics_server
+from kvsp_moq.auth import Authenticator
+from relay.metrics import create_metrics_app, render, start_metrics_server
 
 from .conftest import STEP, TrackPublisher, collect, dial, make_objects, publishing, running_relay
 
@@ -30,6 +32,22 @@ def parse(text: str) -> dict[str, float]:
 
 async def get(url: str) -> httpx.Response:
     return await asyncio.to_thread(httpx.get, url, timeout=STEP)
+
+
+def test_with_principals_metrics_are_for_the_metrics_role_only():
+    auth = Authenticator.from_mapping({"principal": [
+        {"name": "scraper", "token": "t-scrape", "roles": ["metrics"]},
+        {"name": "tenant", "token": "t-tenant", "scopes": ["ab" * 16], "holders": ["*"],
+         "roles": ["holder", "instance", "relay", "client"]},
+    ]})
+    with TestClient(create_metrics_app(lambda: {"sessions": 3}, auth)) as client:
+        assert client.get("/healthz").status_code == 200  # liveness probes carry no token
+        assert client.get("/metrics").status_code == 401
+        refused = client.get("/metrics", headers={"Authorization": "Bearer t-tenant"})
+        assert refused.status_code == 403
+        assert refused.json()["type"].endswith("kvsp-forbidden-role")
+        ok = client.get("/metrics", headers={"Authorization": "Bearer t-scrape"})
+        assert ok.status_code == 200 and parse(ok.text)["kvsp_relay_sessions"] == 3
 
 
 def test_render_types_counters_and_gauges():
