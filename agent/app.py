@@ -303,11 +303,12 @@ def _routes(ctx: AgentContext) -> list[Route]:
         return json_response(out)
 
     def session_of(request: Request) -> Any:
+        who = principal(request, Action.READ_SESSIONS)
         sid = v.uuid_text(request.path_params["session"], "session")
         session = engine.sessions.get(sid)
         if session is None:
             raise NotFound(f"no session {sid} here")
-        principal(request, Action.READ_SESSIONS).require_scope(session.scope_id)
+        who.require_scope(session.scope_id)
         return session
 
     async def get_session(request: Request) -> Response:
@@ -321,9 +322,9 @@ def _routes(ctx: AgentContext) -> list[Route]:
         return StreamingResponse(_ndjson(session.stream(int(text))), media_type=NDJSON)
 
     async def resume(request: Request) -> Response:
-        principal(request, Action.DIRECT)
+        who = principal(request, Action.DIRECT)
         sid = v.uuid_text(request.path_params["session"], "session")
-        session = await engine.resume(sid, await read_json(request))
+        session = await engine.resume(sid, await read_json(request), by=who)
         return json_response({"session": session.id, "epoch": session.epoch, "state": session.state,
                               "output_offset": len(session.generated)}, 202)
 
@@ -371,8 +372,8 @@ def _routes(ctx: AgentContext) -> list[Route]:
                               "running": engine.running, "queued": engine.queued})
 
     async def reshard(request: Request) -> Response:
-        principal(request, Action.DIRECT)
-        code, body = await ctx.shards.handle(await read_json(request))
+        who = principal(request, Action.DIRECT)
+        code, body = await ctx.shards.handle(await read_json(request), who)
         return json_response(body, code)
 
     async def reshard_status(request: Request) -> Response:
@@ -380,9 +381,9 @@ def _routes(ctx: AgentContext) -> list[Route]:
         return json_response(ctx.shards.status(request.path_params["map"], who))
 
     async def seed_shards(request: Request) -> Response:
-        principal(request, Action.DIRECT)
+        who = principal(request, Action.DIRECT)
         body = await read_json(request)
-        return json_response(await ctx.shards.seed(request.path_params["map"], body))
+        return json_response(await ctx.shards.seed(request.path_params["map"], body, who))
 
     async def kv_range(request: Request) -> Response:
         who = principal(request, Action.TRANSFER_SHARDS)

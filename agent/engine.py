@@ -38,6 +38,7 @@ from agent.options import EngineOptions
 from agent.pool import KVPool
 from agent.requests import GenerateRequest
 from agent.sessions import Session, TokenSequence
+from kvsp_moq.auth import OPEN, Principal
 from kvsp_moq.errors import (
     BadRecord,
     ForbiddenScope,
@@ -244,10 +245,12 @@ class Engine:
                                    name=f"session-{sid}")
         return session
 
-    async def resume(self, sid: str, body: Any) -> Session:
-        """POST {ii}sessions/{id}/resume (§6.8): continue a session under a new epoch."""
+    async def resume(self, sid: str, body: Any, by: Principal = OPEN) -> Session:
+        """POST {ii}sessions/{id}/resume (§6.8): continue a session under a new epoch, for
+        principal `by`, who must hold the checkpoint's scope."""
         existing = self.sessions.get(sid)
         cp, epoch = read_resume(sid, body, current_epoch=existing.epoch if existing is not None else None)
+        by.require_scope(cp.scope_id)
         if existing is not None and existing.scope_id != cp.scope_id.lower():
             raise ForbiddenScope(f"session {sid} here belongs to another scope", member="scope_id")
         if self.state != "active":

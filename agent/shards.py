@@ -24,7 +24,7 @@ import torch
 
 from agent.model import ModelAdapter
 from agent.pool import block_container, tensor_from_octets
-from kvsp_moq.auth import Principal
+from kvsp_moq.auth import OPEN, Principal
 from kvsp_moq.errors import (
     BadRecord,
     DigestMismatch,
@@ -88,10 +88,12 @@ class ShardKeeper:
         if shards is not None and scope_id is not None and shards.scope_id not in (None, scope_id):
             raise ForbiddenScope(f"map {name!r} here belongs to another scope", member="scope_id")
 
-    async def seed(self, name: str, body: Any) -> dict[str, Any]:
+    async def seed(self, name: str, body: Any, who: Principal = OPEN) -> dict[str, Any]:
+        """PUT {ii}shards/{map}: compute the given ranges of a context of `who`'s scope."""
         body = v.obj(body, "body")
         scope = body.get("scope_id")
         scope_id = v.hexn(scope, 16, "scope_id") if scope is not None else self.default_scope_id
+        who.require_resource_scope(scope_id)
         self._claim(name, scope_id)
         version = v.integer(v.required(body, "version"), "version")
         tokens = v.tokens(v.required(body, "tokens"), "tokens")
@@ -118,8 +120,12 @@ class ShardKeeper:
                 return block_container([(k[a - x:b - x], vv[a - x:b - x]) for k, vv in kv])
         raise NotFound(f"tokens {a}-{b} of map {name!r} are not held here")
 
-    async def handle(self, body: Any) -> tuple[int, dict[str, Any]]:
+    async def handle(self, body: Any, who: Principal = OPEN) -> tuple[int, dict[str, Any]]:
+        """POST {ii}reshard: a plan, commit or abort, from `who`, who must hold the map's scope."""
         msg = parse_reshard(body)
+        known = self.maps.get(msg.map)
+        who.require_resource_scope(known.scope_id if known is not None
+                                   else getattr(msg, "scope_id", None))
         if isinstance(msg, ReshardDecision):
             return 200, self._decide(msg)
         return await self._plan(msg)

@@ -383,8 +383,7 @@ def create_pc_routes(pc: PlacementController) -> list[Route]:
     async def route(request: Request) -> Response:
         who = principal(request, Action.ROUTE)
         req = pc.router.parse(await read_json(request))
-        if not who.has_role("pc"):
-            who.require_scope(req.scope_id)
+        who.require_scope(req.scope_id)
         decision = await pc.router.route(req)
         return json_response(decision.to_json())
 

@@ -147,7 +147,7 @@ class _Entry:
         return ANY in self.scopes or scope_id.lower() in self.scopes
 
     def visible_to(self, viewer: Principal) -> bool:
-        return (ANY in viewer.scopes or ANY in self.scopes or viewer.has_role("pc")
+        return (ANY in viewer.scopes or ANY in self.scopes
                 or not viewer.scopes.isdisjoint(self.scopes))
 
 

@@ -70,8 +70,9 @@ class SessionState:
         return None if self.checkpoint is None else str(self.checkpoint["scope_id"]).lower()
 
     def require_access(self, who: Principal) -> None:
-        """ForbiddenScope unless `who` holds the session's scope (the PC holds every scope)."""
-        if self.scope_id is not None and not who.has_role("pc"):
+        """ForbiddenScope unless `who` holds the session's scope (the PC's own principal holds
+        every scope, "*")."""
+        if self.scope_id is not None:
             who.require_scope(self.scope_id)
 
 

@@ -129,6 +129,7 @@ scopes = ["{'22' * 16}"]
 name = "ops"
 token = "t-admin"
 roles = ["admin"]
+scopes = ["*"]
 ''')
 
         def auth(token):
@@ -150,7 +151,7 @@ roles = ["admin"]
                 body = checkpoint(s, instance=a.url, scope_id=SCOPE)
                 assert (await http.put(cp_url, json=body, headers=auth("t-tenant"))).status_code == 403
                 assert (await http.put(cp_url, json=body, headers=auth("t-instance"))).status_code == 200
-                # Routing: a principal holding the scope, or the pc/admin role.
+                # Routing: a principal holding the scope, with the client (or admin) role.
                 assert (await http.post(pc.url + "route", json=route)).status_code == 401
                 r = await http.post(pc.url + "route", json=route, headers=auth("t-other"))
                 assert r.status_code == 403
