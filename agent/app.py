@@ -349,10 +349,11 @@ def _routes(ctx: AgentContext) -> list[Route]:
         return json_response(state.to_json())
 
     async def put_state(request: Request) -> Response:
-        principal(request, Action.DIRECT)
+        who = principal(request, Action.DIRECT)
         body = v.obj(await read_json(request), "body")
         state = v.string(v.required(body, "state"), "state", max_len=32)
         epoch = v.integer(v.required(body, "epoch"), "epoch")
+        who.require_every_scope(engine.scopes_by_id, "this instance")
         if state not in ("active", "draining", "sleeping"):
             raise BadRecord("must be active, draining or sleeping", member="state")
         if epoch < ctx.epoch:

@@ -146,6 +146,15 @@ class Principal:
         else:
             self.require_scope(scope_id)
 
+    def require_every_scope(self, scopes: Iterable[str], what: str) -> None:
+        """ForbiddenScope unless the principal holds each of `scopes` ("*" among them: needs
+        "*"): for an act on something every one of those scopes shares."""
+        if ANY in self.scopes:
+            return
+        if ANY in scopes or not {s.lower() for s in scopes} <= self.scopes:
+            raise ForbiddenScope(f"principal {self.name!r} does not hold every scope {what} "
+                                 f"serves")
+
     def may_publish_for(self, holder: str) -> bool:
         return (ANY in self.holders or "admin" in self.roles
                 or base_url(holder) in self.holders)

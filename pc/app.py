@@ -344,10 +344,11 @@ def create_pc_routes(pc: PlacementController) -> list[Route]:
         return json_response({"instances": pc.registry.describe(who)})
 
     async def put_state(request: Request) -> Response:
-        principal(request, Action.DIRECT)
+        who = principal(request, Action.DIRECT)
         body = v.obj(await read_json(request), "body")
         state = v.string(v.required(body, "state"), "state", max_len=32)
         status = _instance_for(pc, request.path_params["id"])
+        who.require_every_scope(pc.registry.scopes_of(status.instance), f"instance {status.instance}")
         return json_response(await pc.set_state(status.instance, state))
 
     def session_id(request: Request) -> str:

@@ -395,6 +395,11 @@ class InstanceRegistry:
         status = self.get(instance_url)
         return status is not None and status.state == "active"
 
+    def scopes_of(self, instance_url: str) -> frozenset[str]:
+        """The Scope IDs the instance serves ("*": every one); empty when unknown."""
+        entry = self._entries.get(base_url(instance_url))
+        return frozenset() if entry is None else entry.scopes
+
     def serves(self, instance_url: str, scope_id: str) -> bool:
         """Whether the instance serves the scope (its reporting principal holds it)."""
         entry = self._entries.get(base_url(instance_url))

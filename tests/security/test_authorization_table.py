@@ -381,6 +381,16 @@ def _(env: Env, base: str) -> None:
     ok(report(env, base, "a"))
 
 
+@case("pc", "PUT", "/instances/{id}/state")
+def _(env: Env, base: str) -> None:
+    ok(report(env, base, "a"))
+    url = f"{base}instances/{instance_id(INST['a'])}/state"
+    refused(env.http.put(url, json={"state": "sleeping"}, headers=tok("pc-b")))
+    # The PC forwards the change to the instance, which is not there: answered all the same.
+    r = env.http.put(url, json={"state": "active"}, headers=tok("pc-a"))
+    assert r.status_code == 200, r.text
+
+
 @case("pc", "GET", "/instances")
 def _(env: Env, base: str) -> None:
     ok(report(env, base, "a"), 200)
@@ -610,6 +620,17 @@ def _(env: Env, base: str) -> None:
         refused(env.http.get(url, headers=tok(who)))
     for who in ("inst-a", "pc-a"):
         ok(env.http.get(url, headers=tok(who)))
+
+
+@case("agent", "PUT", "/state")
+def _(env: Env, base: str) -> None:
+    epoch = ok(env.http.get(base + "status", headers=tok("pc-a"))).json()["epoch"]
+    # The agent serves a and b: a PC principal of one of them cannot put both to sleep.
+    for who in ("pc-a", "pc-b"):
+        refused(env.http.put(base + "state", json={"state": "sleeping", "epoch": epoch},
+                             headers=tok(who)))
+    assert ok(env.http.put(base + "state", json={"state": "active", "epoch": epoch},
+                           headers=tok("role-pc"))).json()["state"] == "active"
 
 
 @case("agent", "GET", "/status")
