@@ -149,15 +149,17 @@ def plan_fetch_us(status: InstanceStatus, instance: str,
 
 
 def estimate_targets(targets: Sequence[str], hits: LookupHits, block_tokens: int | None,
-                     instances: InstanceDirectory) -> list[dict]:
-    """Estimates for the targets whose status is known and whose prefill rate is measured."""
+                     instances: InstanceDirectory, scope_id: str) -> list[dict]:
+    """Estimates for the targets that serve the scope, whose status is known and whose
+    prefill rate is measured."""
     if block_tokens is None or hits.summaries is None:
         return []
     tokens = hits.matched * block_tokens
     out = []
     for url in targets:
         status = instances.get(url)
-        if status is None or status.prefill_tokens_per_s <= 0:
+        if (status is None or status.prefill_tokens_per_s <= 0
+                or not instances.serves(url, scope_id)):
             continue
         recompute = cost.recompute_us(tokens, status.prefill_tokens_per_s)
         out.append(cost.Estimate(
@@ -328,7 +330,7 @@ class IndexService:
         if targets is not None:
             estimates = estimate_targets(
                 targets, hits, settings.block_tokens.get(compat, settings.default_block_tokens),
-                settings.instances) if targets else []
+                settings.instances, scope) if targets else []
         self._count("lookups_total")
         self._count("lookup_keys_total", len(keys))
         self._count("lookup_matched_total", hits.matched)

@@ -665,6 +665,11 @@ class InstanceDirectory(Protocol):
         """The unexpired status of an instance base URL, or None when unknown or expired."""
         ...
 
+    def serves(self, instance: str, scope_id: str) -> bool:
+        """Whether the instance serves the scope: a lookup estimates only for those, so that
+        one tenant's lookup cannot read another's instance status through its estimates."""
+        ...
+
 
 class MemoryInstanceDirectory:
     """An `InstanceDirectory` filled by calls to `put`; records expire after their ttl_ms."""
@@ -687,6 +692,10 @@ class MemoryInstanceDirectory:
         if held is None or held[1] <= self._clock():
             return None
         return held[0]
+
+    def serves(self, instance: str, scope_id: str) -> bool:
+        """Records put here carry no principal: every known instance serves every scope."""
+        return self.get(instance) is not None
 
     def remove(self, instance: str) -> None:
         self._by_url.pop(base_url(instance), None)

@@ -157,7 +157,8 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
 
     auth = Authenticator.from_mapping(PRINCIPALS)
     db = tmp_path_factory.mktemp("table-pc") / "pc.sqlite3"
-    index_app = create_combined_app(IndexSettings(auth=auth, sweep_interval_s=None),
+    index_app = create_combined_app(IndexSettings(auth=auth, sweep_interval_s=None,
+                                                  default_block_tokens=16),
                                     PCSettings(database=str(db)))
     model = ensure_tiny_model(tmp_path_factory.getbasetemp() / "kvsp-tiny" / "tiny")
     with BackgroundServer(index_app) as index, \

@@ -107,6 +107,19 @@ def test_the_instance_listing_shows_each_tenant_its_own(env: Env) -> None:
     assert {INST["a"], INST["b"]} <= set(instances(env, "admin"))
 
 
+def test_a_lookup_estimates_only_for_instances_of_its_scope(env: Env) -> None:
+    """A lookup's targets get cost estimates from the instances' status records: B naming A's
+    instance learns nothing of it."""
+    base = env.urls["index"]
+    ok(report(env, base, "a"))
+    ok(report(env, base, "b"))
+    for t in "ab":
+        body = {"compat_id": COMPAT, "scope_id": SCOPES[t], "block_keys": ["ee" * 32],
+                "targets": [INST["a"], INST["b"]]}
+        answer = ok(env.http.post(base + "lookup", json=body, headers=tok(f"inst-{t}"))).json()
+        assert [e["instance"] for e in answer["targets"]] == [INST[t]]
+
+
 # --------------------------------------------------------------------------- 3. sessions
 
 
