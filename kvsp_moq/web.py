@@ -319,8 +319,8 @@ class ProblemHttpProtocol(HttpToolsProtocol):
 
     # -- protocol events
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:  # type: ignore[override]
-        super().connection_made(transport)  # type: ignore[arg-type]
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
         self._over_cap = len(self.connections) > self.limits.max_connections
         self._arm(self.limits.header_timeout_s, self._head_expired)
 
@@ -359,7 +359,7 @@ class ProblemHttpProtocol(HttpToolsProtocol):
         if refusal is None:
             super().on_headers_complete()
         else:
-            app, self.app = self.app, refusal  # type: ignore[assignment]
+            app, self.app = self.app, refusal
             try:
                 super().on_headers_complete()
             finally:
