@@ -284,6 +284,7 @@ class ProblemHttpProtocol(HttpToolsProtocol):
         self._in_head = True
         self._head_octets = 0
         self._over_cap = False
+        self._body_seen = 0.0
 
     # -- deadlines
 
@@ -310,8 +311,13 @@ class ProblemHttpProtocol(HttpToolsProtocol):
         self._timer = None
         if self.transport.is_closing():
             return
+        # Re-armed rather than restarted on every part of the body: one timer per deadline.
+        now = self.loop.time()
         if self.flow.read_paused:  # the handler is not reading: not the client's delay
-            self._arm(self.limits.body_idle_timeout_s, self._body_expired)
+            self._body_seen = now
+        idle = now - self._body_seen
+        if idle < self.limits.body_idle_timeout_s:
+            self._arm(self.limits.body_idle_timeout_s - idle, self._body_expired)
             return
         log.info("closing a connection whose request body stalled for %g s",
                  self.limits.body_idle_timeout_s)
@@ -364,11 +370,12 @@ class ProblemHttpProtocol(HttpToolsProtocol):
                 super().on_headers_complete()
             finally:
                 self.app = app
+        self._body_seen = self.loop.time()
         self._arm(self.limits.body_idle_timeout_s, self._body_expired)
 
     def on_body(self, body: bytes) -> None:
         super().on_body(body)
-        self._arm(self.limits.body_idle_timeout_s, self._body_expired)
+        self._body_seen = self.loop.time()
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
