@@ -19,7 +19,9 @@ which applies an `HttpLimits` (by default `HttpLimits.from_env()`):
 
 uvicorn's own options carry what they can (timeout_keep_alive, h11_max_incomplete_event_size);
 the rest is enforced by the HTTP/1.1 protocol class in `kvsp_moq.web`, because a deadline on a
-request head cannot be kept by anything that runs only once the head has arrived. The size of
+request head cannot be kept by anything that runs only once the head has arrived (an ASGI
+middleware), and uvicorn's limit_concurrency counts running requests as well as connections
+and answers in plain text rather than with a problem document. The size of
 a body is the handler's limit (`kvsp_moq.web.read_body`), checked against Content-Length before
 anything is read and counted as the body streams.
 """

@@ -104,6 +104,14 @@ def test_a_300_mib_json_body_is_refused_from_its_content_length_before_any_of_it
     assert b"urn:kvsp:problem:kvsp-too-large" in response and b"Content too large" in response
 
 
+def test_an_agents_generate_refuses_a_300_mib_body_before_reading_it(agent):
+    with connect(agent.url) as sock:
+        sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " +
+                     TOKEN_A.encode() + b"\r\nContent-Length: %d\r\n\r\n" % (300 * MiB))
+        response = read_response(sock)
+    assert status_of(response) == 413
+
+
 def test_a_declared_body_over_the_index_limit_is_refused_before_reading(index_url):
     with connect(index_url) as sock:
         sock.sendall(b"POST /lookup HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " +
