@@ -205,7 +205,7 @@ def test_half_sent_puts_cannot_reserve_more_than_the_in_flight_budget(small_hold
 # ------------------------------------------------------------------ connections
 
 
-LIMITS = HttpLimits(header_timeout_s=0.3, body_idle_timeout_s=0.3, keep_alive_s=5,
+LIMITS = HttpLimits(header_timeout_s=1.0, body_idle_timeout_s=0.5, keep_alive_s=5,
                     max_connections=2, max_header_bytes=4096)
 
 
