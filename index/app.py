@@ -65,6 +65,8 @@ class IndexSettings:
     batch_limit: int = BATCH_LIMIT
     max_lookup_keys: int = 65_536
     max_record_bytes: int = 1 << 20
+    #: the largest batch or lookup body; refused (413) from its Content-Length, or as it streams
+    max_body_bytes: int = 16 << 20
     #: seconds between sweeps of expired records; None leaves sweeping to the caller
     sweep_interval_s: float | None = 1.0
     sweep_budget: int = 10_000
@@ -282,7 +284,7 @@ class IndexService:
 
     async def put_batch(self, request: Request) -> Response:
         who = principal(request, Action.PUBLISH_REPLICAS)
-        data = v.obj(await read_json(request), "body")
+        data = v.obj(await read_json(request, max_bytes=self.settings.max_body_bytes), "body")
         items = v.required(data, "records")
         if not isinstance(items, list):
             raise BadRecord("must be an array", member="records")
@@ -314,7 +316,7 @@ class IndexService:
 
     async def lookup(self, request: Request) -> Response:
         who = principal(request, Action.LOOKUP)
-        data = v.obj(await read_json(request))
+        data = v.obj(await read_json(request, max_bytes=self.settings.max_body_bytes))
         scope = v.hexn(v.required(data, "scope_id"), 16, "scope_id")
         compat = v.hexn(v.required(data, "compat_id"), 32, "compat_id")
         keys = _block_keys(v.required(data, "block_keys"), self.settings.max_lookup_keys)

@@ -25,6 +25,8 @@ reports an error therefore needs no table of its own, on either transport.
     ├── PreconditionFailed               kvsp-exists 412
     ├── PreconditionRequired             kvsp-precondition-required 428
     ├── PayloadTooLarge                  kvsp-too-large 413
+    ├── LengthRequired                   kvsp-length-required 411
+    ├── Overloaded                       kvsp-overloaded 503 (Retry-After) · EXCESSIVE_LOAD
     ├── StoreFull                        kvsp-store-full 507 · EXCESSIVE_LOAD
     ├── NoActiveInstance                 kvsp-no-instance 503 · EXCESSIVE_LOAD
     ├── NotActive                        kvsp-not-active 503 · GOING_AWAY
@@ -315,7 +317,31 @@ class PreconditionRequired(KvspError):
 class PayloadTooLarge(KvspError):
     problem = "kvsp-too-large"
     status = 413
-    title = "Payload too large"
+    title = "Content too large"
+
+
+class LengthRequired(KvspError):
+    """A body whose size must be known before it is read came without Content-Length."""
+
+    problem = "kvsp-length-required"
+    status = 411
+    title = "Length required"
+
+
+class Overloaded(KvspError):
+    """A bounded resource (connections, octets of bodies being received) is in use; the
+    request may be retried after `retry_after` seconds (sent as Retry-After)."""
+
+    problem = "kvsp-overloaded"
+    status = 503
+    title = "Overloaded"
+    request_code: int = RequestErrorCode.EXCESSIVE_LOAD
+    retry_after: int = 1
+
+    def __init__(self, detail: str = "", *, member: str | None = None,
+                 retry_after: int = 1) -> None:
+        super().__init__(detail, member=member)
+        self.retry_after = retry_after
 
 
 class StoreFull(KvspError):

@@ -12,7 +12,8 @@ import socket
 import threading
 import time
 from collections import defaultdict
-from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from http import HTTPStatus
+from typing import Any, AsyncIterator, Awaitable, Callable, ClassVar, Iterator, Sequence
 
 import uvicorn
 from starlette.applications import Starlette
@@ -23,9 +24,18 @@ from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from kvsp_moq.allocator import receive_buffer
 from kvsp_moq.arguments import parse_listen
 from kvsp_moq.auth import Action, Authenticator, Principal
-from kvsp_moq.errors import BadRecord, KvspError
+from kvsp_moq.errors import (
+    BadContainer,
+    BadRecord,
+    KvspError,
+    LengthRequired,
+    Overloaded,
+    PayloadTooLarge,
+)
+from kvsp_moq.http_limits import HttpLimits
 from kvsp_moq.openapi import openapi_route
 from kvsp_moq.protocol.problems import MEDIA_TYPE as PROBLEM_MEDIA_TYPE
 from kvsp_moq.protocol.problems import Problem, problem_for_status
@@ -42,7 +52,11 @@ class ProblemResponse(Response):
 
 
 def error_response(err: KvspError, request: Request | None = None) -> ProblemResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else None
+    headers: dict[str, str] | None = None
+    if err.status == 401:
+        headers = {"WWW-Authenticate": "Bearer"}
+    elif isinstance(err, Overloaded):
+        headers = {"Retry-After": str(err.retry_after)}
     return ProblemResponse(
         Problem.from_error(err, instance=str(request.url.path) if request else None), headers
     )
@@ -66,18 +80,69 @@ def json_response(data: Any, status: int = 200, headers: dict[str, str] | None =
                     media_type=KVSP_JSON, headers=headers)
 
 
-async def read_json(request: Request, *, max_bytes: int = 64 << 20) -> Any:
-    """The request body as JSON; anything else is a 400 problem, never a 500."""
+def declared_length(request: Request, limit: int, *, required: bool = False) -> int | None:
+    """The request's Content-Length, checked before any of the body is read: 413 when it is
+    over `limit`, 411 when it is missing and `required`, 400 when it is not a number."""
+    declared = request.headers.get("content-length")
+    if declared is None:
+        if required:
+            raise LengthRequired("this request needs a Content-Length", member="content-length")
+        return None
+    declared = declared.strip()
+    if not declared.isdigit() or len(declared) > 20:
+        raise BadRecord("Content-Length must be a number", member="content-length")
+    size = int(declared)
+    if size > limit:
+        raise PayloadTooLarge(f"a body of {size} octets exceeds the limit of {limit}",
+                              member="body")
+    return size
+
+
+async def read_body(request: Request, limit: int, *, length_required: bool = False,
+                    preallocate: bool = False) -> bytearray | memoryview:
+    """The request body, refused (413) as soon as it is known to exceed `limit`: from its
+    Content-Length before anything is read, else (a chunked body) counted as it streams, so
+    no more than `limit` octets are ever held. `preallocate` receives a body of declared
+    length into one buffer of that size (one copy, never two); only for callers that bound
+    what such buffers reserve, since a slow client would hold the whole declared size."""
+    size = declared_length(request, limit, required=length_required)
     try:
-        body = await request.body()
+        if size is not None and preallocate:
+            buf = receive_buffer(size)
+            pos = 0
+            async for chunk in request.stream():
+                end = pos + len(chunk)
+                if end > size:
+                    raise BadContainer("body longer than its Content-Length", member="body")
+                buf[pos:end] = chunk
+                pos = end
+            if pos != size:
+                raise BadContainer(f"body ended after {pos} of {size} octets", member="body")
+            return buf
+        body = bytearray()
+        async for chunk in request.stream():
+            if len(body) + len(chunk) > limit:
+                raise PayloadTooLarge(f"the body exceeds the limit of {limit} octets",
+                                      member="body")
+            body += chunk
+        return body
     except ClientDisconnect:
-        raise BadRecord("the client went away before the body was complete", member="body") from None
-    if len(body) > max_bytes:
-        raise BadRecord(f"body exceeds {max_bytes} octets", member="body")
+        raise BadRecord("the client went away before the body was complete",
+                        member="body") from None
+
+
+def parse_json(body: bytes | bytearray | memoryview) -> Any:
+    """`body` as JSON; anything else is a 400 problem, never a 500."""
     try:
-        return json.loads(body)
+        return json.loads(bytes(body) if isinstance(body, memoryview) else body)
     except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise BadRecord(f"body is not valid JSON: {e}", member="body") from None
+
+
+async def read_json(request: Request, *, max_bytes: int = 64 << 20) -> Any:
+    """The request body as JSON, read as it streams and refused (413) at `max_bytes`, before
+    reading when Content-Length says so; anything that is not JSON is a 400 problem."""
+    return parse_json(await read_body(request, max_bytes))
 
 
 def principal(request: Request, action: Action) -> Principal:
@@ -199,14 +264,137 @@ def bind_tcp(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
     return sock
 
 
+def _status_line(status: int) -> bytes:
+    return f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\n".encode()
+
+
 class ProblemHttpProtocol(HttpToolsProtocol):
-    """uvicorn's HTTP/1.1 protocol, refusing a request it cannot parse (a bad Transfer-Encoding,
-    a broken request line) with a problem document like every other 4xx, not uvicorn's bare text.
+    """uvicorn's HTTP/1.1 protocol with the bounds of `limits` (`kvsp_moq.http_limits`), and
+    every refusal of its own a problem document like every other 4xx, not uvicorn's bare text:
+    a request it cannot parse (400), a head not complete within the header deadline (408) or
+    larger than the cap (431), a connection beyond the connection cap (503, Retry-After).
+    A body that stops arriving for the body idle deadline closes the connection, which the
+    handler reading it sees as the client going away.
     """
 
+    limits: ClassVar[HttpLimits] = HttpLimits()
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._timer: asyncio.TimerHandle | None = None
+        self._in_head = True
+        self._head_octets = 0
+        self._over_cap = False
+        self._body_seen = 0.0
+
+    # -- deadlines
+
+    def _arm(self, seconds: float, expired: Callable[[], None]) -> None:
+        self._disarm()
+        self._timer = self.loop.call_later(seconds, expired)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _head_expired(self) -> None:
+        self._timer = None
+        if self.transport.is_closing():
+            return
+        if self.flow.read_paused:  # a pipelined request waits for ours: not the client's delay
+            self._arm(self.limits.header_timeout_s, self._head_expired)
+            return
+        self._send_problem(408, f"the request head did not arrive within "
+                                f"{self.limits.header_timeout_s:g} s")
+
+    def _body_expired(self) -> None:
+        self._timer = None
+        if self.transport.is_closing():
+            return
+        # Re-armed rather than restarted on every part of the body: one timer per deadline.
+        now = self.loop.time()
+        if self.flow.read_paused:  # the handler is not reading: not the client's delay
+            self._body_seen = now
+        idle = now - self._body_seen
+        if idle < self.limits.body_idle_timeout_s:
+            self._arm(self.limits.body_idle_timeout_s - idle, self._body_expired)
+            return
+        log.info("closing a connection whose request body stalled for %g s",
+                 self.limits.body_idle_timeout_s)
+        self.transport.close()
+
+    # -- protocol events
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._over_cap = len(self.connections) > self.limits.max_connections
+        self._arm(self.limits.header_timeout_s, self._head_expired)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._in_head:
+            self._head_octets += len(data)
+        super().data_received(data)
+        if (self._in_head and self._head_octets > self.limits.max_header_bytes
+                and not self.transport.is_closing()):
+            self._send_problem(431, f"the request head exceeds {self.limits.max_header_bytes} octets")
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._in_head = True
+        if self._timer is None:
+            self._arm(self.limits.header_timeout_s, self._head_expired)
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        self._disarm()
+        head = len(self.url) + sum(len(n) + len(v) + 4 for n, v in self.headers)
+        refusal: ASGIApp | None = None
+        if self._over_cap:
+            log.warning("more than %d connections: a request is answered 503",
+                        self.limits.max_connections)
+            refusal = _refusal(Overloaded(f"more than {self.limits.max_connections} "
+                                          "connections are open",
+                                          retry_after=self.limits.retry_after_s))
+        elif head > self.limits.max_header_bytes:
+            refusal = _refusal(None, 431, f"the request head exceeds "
+                                          f"{self.limits.max_header_bytes} octets")
+        if refusal is None:
+            super().on_headers_complete()
+        else:
+            app, self.app = self.app, refusal
+            try:
+                super().on_headers_complete()
+            finally:
+                self.app = app
+        self._body_seen = self.loop.time()
+        self._arm(self.limits.body_idle_timeout_s, self._body_expired)
+
+    def on_body(self, body: bytes) -> None:
+        super().on_body(body)
+        self._body_seen = self.loop.time()
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._disarm()
+        self._in_head = True
+        self._head_octets = 0
+
+    # -- refusals
+
     def send_400_response(self, msg: str) -> None:
-        body = problem_for_status(400, msg).to_bytes()
-        head = [b"HTTP/1.1 400 Bad Request\r\n"]
+        self._send_problem(400, msg)
+
+    def _send_problem(self, status: int, detail: str) -> None:
+        """Answer with a problem document and close: for what is refused before a request
+        can reach the app."""
+        self._disarm()
+        body = _plain_problem(status, detail).to_bytes()
+        head = [_status_line(status)]
         for name, value in self.server_state.default_headers:
             head += [name, b": ", value, b"\r\n"]
         head += [b"content-type: ", PROBLEM_MEDIA_TYPE.encode(), b"\r\n",
@@ -216,26 +404,57 @@ class ProblemHttpProtocol(HttpToolsProtocol):
         self.transport.close()
 
 
-def uvicorn_config(app: ASGIApp, **kwargs: Any) -> uvicorn.Config:
+def _plain_problem(status: int, detail: str) -> Problem:
+    """A problem of no type of ours, for what HTTP itself refuses (408, 431, a bad request)."""
+    if status in (400, 404, 405, 413):
+        return problem_for_status(status, detail)
+    return Problem("about:blank", HTTPStatus(status).phrase, status, detail)
+
+
+def _refusal(err: KvspError | None, status: int = 0, detail: str = "") -> ASGIApp:
+    """An ASGI app answering every request with one problem and closing the connection."""
+    problem = Problem.from_error(err) if err is not None else _plain_problem(status, detail)
+    body = problem.to_bytes()
+    headers = [(b"content-type", PROBLEM_MEDIA_TYPE.encode()),
+               (b"content-length", str(len(body)).encode()), (b"connection", b"close")]
+    if isinstance(err, Overloaded):
+        headers.append((b"retry-after", str(err.retry_after).encode()))
+
+    async def refuse(scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": problem.status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    return refuse
+
+
+def uvicorn_config(app: ASGIApp, *, limits: HttpLimits | None = None,
+                   **kwargs: Any) -> uvicorn.Config:
+    """uvicorn's configuration for every server of the project: its HTTP/1.1 protocol with the
+    bounds of `limits` (by default `HttpLimits.from_env()`, the KVSP_HTTP_* variables)."""
+    limits = limits if limits is not None else HttpLimits.from_env()
+    protocol = type("LimitedHttpProtocol", (ProblemHttpProtocol,), {"limits": limits})
     return uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
-                          http=ProblemHttpProtocol, loop="auto", timeout_keep_alive=30, **kwargs)
+                          http=protocol, loop="auto",
+                          timeout_keep_alive=limits.keep_alive_s,  # type: ignore[arg-type]
+                          h11_max_incomplete_event_size=limits.max_header_bytes, **kwargs)
 
 
-def run(app: ASGIApp, listen: str, default_port: int) -> None:
+def run(app: ASGIApp, listen: str, default_port: int, *, limits: HttpLimits | None = None) -> None:
     """Serve until interrupted (the `main()` of each service)."""
     host, port = parse_listen(listen, default_port)
     sock = bind_tcp(host, port)
-    server = uvicorn.Server(uvicorn_config(app))
+    server = uvicorn.Server(uvicorn_config(app, limits=limits))
     server.run(sockets=[sock])
 
 
 class BackgroundServer:
     """A uvicorn server on its own thread and loop, on 127.0.0.1 and a free port (tests, demo)."""
 
-    def __init__(self, app: ASGIApp, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, app: ASGIApp, host: str = "127.0.0.1", port: int = 0, *,
+                 limits: HttpLimits | None = None) -> None:
         self.sock = bind_tcp(host, port)
         self.host, self.port = self.sock.getsockname()[:2]
-        self.server = uvicorn.Server(uvicorn_config(app))
+        self.server = uvicorn.Server(uvicorn_config(app, limits=limits))
         self.thread = threading.Thread(target=self._run, daemon=True, name=f"http-{self.port}")
 
     @property

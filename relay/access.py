@@ -8,7 +8,9 @@ through the same principals file as the HTTP services. The rules:
   subscribing and fetching need a principal holding that scope. Announcing and publishing
   also need the fourth field, the publisher_id, to name a holder the principal may publish
   for (publisher_id = first 16 octets of SHA-256 of the holder's HTTP base URL), unless the
-  principal may publish for any holder ("*") or is an admin.
+  principal may publish for any holder ("*") or is an admin. A "kvsp" namespace of three
+  fields ("kvsp", compat, scope) names no publisher: announcing it would draw the requests for
+  every publisher of that scope, so it counts as "any publisher" and needs holders "*" or admin.
 * A "kvsp" namespace too short to name a scope, and any other namespace, spans every scope:
   only a principal with scope "*" may use it.
 * Namespace discovery (SUBSCRIBE_NAMESPACE, SUBSCRIBE_TRACKS) needs a valid token; what it
@@ -106,7 +108,9 @@ class AccessPolicy:
             return ANY in principal.scopes
         if not principal.may_use_scope(scope):
             return False
-        if action in _PUBLISHING and len(namespace) >= 4:
+        if action in _PUBLISHING:
+            if len(namespace) < 4:  # no publisher_id: every publisher of the scope
+                return ANY in principal.holders or principal.has_role("admin")
             return _may_publish_as(principal, namespace[3])
         return True
 
@@ -139,7 +143,8 @@ class AccessPolicy:
         what = f"scope {scope}" if scope is not None else "this namespace"
         if scope is not None and action in _PUBLISHING and any(
                 p.may_use_scope(scope) and p.may(doing) for p in principals):
-            what = "this publisher_id"
+            what = ("this publisher_id" if len(namespace) >= 4 else
+                    'a namespace naming no publisher_id (that needs holders "*" or admin)')
         raise UnauthorizedRequest(f"not authorized to {action.value} in {what}")
 
     def may_see(self, principals: Sequence[Principal], namespace: TrackNamespace) -> bool:

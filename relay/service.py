@@ -63,6 +63,10 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                         "a temporary directory removed at exit)")
     p.add_argument("--cache-bytes", type=parse_size, default=256 << 20, metavar="N",
                    help="object cache budget, e.g. 1G (default 256M)")
+    p.add_argument("--max-object-bytes", type=parse_size, default=None, metavar="N",
+                   help="largest object accepted from a peer; a larger one closes that peer's "
+                        "session with PROTOCOL_VIOLATION (default 64M). Control messages are "
+                        "bounded by their 16-bit length (64 KiB)")
     p.add_argument("--upstream", metavar="URL",
                    help="moqt:// URL of the relay asked for tracks no local publisher announced")
     add_token_options(p, "upstream-token", what="token presented to the upstream relay: a principal "
@@ -138,6 +142,8 @@ def settings_from_args(args: argparse.Namespace,
     )
     if args.no_draft14:
         settings.quic.draft14_fallback = False
+    if getattr(args, "max_object_bytes", None) is not None:
+        settings.quic.max_object_size = args.max_object_bytes
     if args.drafts is not None:
         settings.quic.server_drafts = tuple(d for d in args.drafts if not (args.no_draft14 and d == 14))
     if args.cert:

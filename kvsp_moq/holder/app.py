@@ -30,14 +30,12 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from kvsp_moq.allocator import receive_buffer
 from kvsp_moq.auth import Action, Authenticator
 from kvsp_moq.errors import (
-    BadContainer,
     BadRecord,
     CodecUnavailable,
     NotFound,
-    PayloadTooLarge,
+    Overloaded,
     PreconditionFailed,
     PreconditionRequired,
 )
@@ -50,7 +48,15 @@ from kvsp_moq.moqt.certs import client_tls
 from kvsp_moq.protocol import validate as v
 from kvsp_moq.protocol.container import MEDIA_TYPE as BLOCK_MEDIA_TYPE
 from kvsp_moq.protocol.records import LeaseGrant, LeaseRequest
-from kvsp_moq.web import build_app, json_response, principal, read_json
+from kvsp_moq.web import (
+    build_app,
+    declared_length,
+    json_response,
+    parse_json,
+    principal,
+    read_body,
+    read_json,
+)
 
 if TYPE_CHECKING:
     from kvsp_moq.holder.service import HolderSettings
@@ -98,34 +104,6 @@ def repr_digest(digest: bytes) -> str:
     return "sha-256=:" + base64.b64encode(digest).decode() + ":"
 
 
-async def read_body(request: Request, limit: int) -> bytearray | memoryview:
-    """The request body in one buffer, filled as it arrives (one copy, never two)."""
-    declared = request.headers.get("content-length")
-    if declared is not None:
-        if not declared.isdigit():
-            raise BadRecord("Content-Length must be a number", member="content-length")
-        size = int(declared)
-        if size > limit:
-            raise PayloadTooLarge(f"a body of {size} octets exceeds the limit of {limit}")
-        buf = receive_buffer(size)
-        pos = 0
-        async for chunk in request.stream():
-            end = pos + len(chunk)
-            if end > size:
-                raise BadContainer("body longer than its Content-Length", member="body")
-            buf[pos:end] = chunk
-            pos = end
-        if pos != size:
-            raise BadContainer(f"body ended after {pos} of {size} octets", member="body")
-        return buf
-    body = bytearray()
-    async for chunk in request.stream():
-        if len(body) + len(chunk) > limit:
-            raise PayloadTooLarge(f"the body exceeds the limit of {limit} octets")
-        body += chunk
-    return body
-
-
 # --------------------------------------------------------------------------- responses
 
 
@@ -165,12 +143,17 @@ class HolderApi:
     """Request handlers over one store, lease table and publisher."""
 
     def __init__(self, store: BlockStore, leases: LeaseTable, publisher: IndexPublisher, *,
-                 max_block_bytes: int, chunk_bytes: int = CHUNK) -> None:
+                 max_block_bytes: int, chunk_bytes: int = CHUNK,
+                 max_put_inflight_bytes: int | None = None) -> None:
         self.store = store
         self.leases = leases
         self.publisher = publisher
         self.max_block_bytes = max_block_bytes
         self.chunk_bytes = chunk_bytes
+        #: the octets PUTs being received may reserve together (their declared lengths)
+        self.max_put_inflight_bytes = (max_put_inflight_bytes if max_put_inflight_bytes is not None
+                                       else 2 * max_block_bytes)
+        self.put_inflight_bytes = 0
 
     async def get_block(self, request: Request) -> Any:
         bid = parse_block_id(request.path_params)
@@ -202,7 +185,20 @@ class HolderApi:
             raise PreconditionRequired("storing a block needs If-None-Match: *")
         if bid in self.store:
             raise PreconditionFailed("a replica of this block is already held; it is kept")
-        body = await read_body(request, self.max_block_bytes)
+        # The body is received into a buffer of its declared length: that length is known, and
+        # bounded, before anything is read, and all PUTs being received share one budget, so
+        # clients sending slowly cannot reserve more memory than it.
+        size = declared_length(request, self.max_block_bytes, required=True)
+        assert size is not None
+        if self.put_inflight_bytes + size > self.max_put_inflight_bytes:
+            raise Overloaded(f"{self.put_inflight_bytes} octets of blocks are being received; "
+                             f"{size} more would exceed {self.max_put_inflight_bytes}")
+        self.put_inflight_bytes += size
+        try:
+            body = await read_body(request, self.max_block_bytes, length_required=True,
+                                   preallocate=True)
+        finally:
+            self.put_inflight_bytes -= size
         entry = await self.store.put(bid, body)
         self.publisher.announce(entry)
         return json_response(self.publisher.record_for(entry).to_json(), 201)
@@ -224,8 +220,9 @@ class HolderApi:
         lease_id = self._lease_id(request)
         who = principal(request, Action.READ_BLOCKS)
         ttl_ms = None
-        if await request.body():
-            data = v.obj(await read_json(request, max_bytes=65536))
+        raw = await read_body(request, 65536)
+        if raw:
+            data = v.obj(parse_json(raw))
             if "ttl_ms" in data:
                 ttl_ms = v.integer(data["ttl_ms"], "ttl_ms", low=1)
         lease = self.leases.renew(lease_id, who.name, ttl_ms)
@@ -289,7 +286,8 @@ def create_app(settings: "HolderSettings", *, clock: Clock | None = None) -> Sta
     auth = settings.auth if settings.auth is not None else Authenticator.from_file(
         settings.principals)
     api = HolderApi(store, leases, publisher, max_block_bytes=settings.max_block_bytes,
-                    chunk_bytes=settings.chunk_bytes)
+                    chunk_bytes=settings.chunk_bytes,
+                    max_put_inflight_bytes=settings.max_put_inflight_bytes)
     state: dict[str, Any] = {"store": store, "leases": leases, "publisher": publisher,
                              "settings": settings, "loop": None, "moqt_publisher": None}
 
@@ -327,5 +325,6 @@ def create_app(settings: "HolderSettings", *, clock: Clock | None = None) -> Sta
     gauges["store_blocks"] = lambda: len(store)
     gauges["store_evictions"] = lambda: store.evictions
     gauges["leases"] = lambda: len(leases)
+    gauges["put_inflight_bytes"] = lambda: api.put_inflight_bytes
     gauges["index_publish_failures"] = lambda: publisher.failures
     return app

@@ -78,6 +78,9 @@ class HolderSettings:
     max_lease_bytes: int = 16 << 30
     lease_limits: Mapping[str, LeaseLimits] = field(default_factory=dict)
     max_block_bytes: int = 1 << 30
+    #: octets that block PUTs being received may reserve together (the sum of their declared
+    #: lengths); a PUT beyond it is answered 503 with Retry-After. None: twice max_block_bytes
+    max_put_inflight_bytes: int | None = None
     #: descriptors by compat ID (hex): PUT bodies are checked against their geometry
     descriptors: Mapping[str, CompatDescriptor] = field(default_factory=dict)
     rates: TierRates = field(default_factory=TierRates)

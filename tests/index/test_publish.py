@@ -305,7 +305,7 @@ async def test_oversized_record_is_refused(serve, http):
     ix = serve(max_record_bytes=4096)
     rec = record(key(0), layers=64)
     r = await http.put(ix.url + path(rec), json=rec, headers=auth("t-h1"))
-    assert_problem(r, 400, "kvsp-bad-record", "body")
+    assert_problem(r, 413, "kvsp-too-large", "body")
 
 
 # ------------------------------------------------------------------ batches

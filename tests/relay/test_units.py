@@ -193,3 +193,24 @@ def test_discovery_is_filtered_by_scope():
     assert p.may_see(principals, ns(SCOPE_A))
     assert not p.may_see(principals, ns(SCOPE_B))
     assert not p.may_see(principals, (b"other",))
+
+
+def test_a_namespace_without_publisher_id_counts_as_any_publisher():
+    """("kvsp", compat, scope) would draw the requests for every publisher of the scope: only a
+    principal that may publish for any holder, or an admin, may announce or publish in it."""
+    p = AccessPolicy(Authenticator.from_mapping({"principal": [
+        {"name": "a", "token": "tok-a", "scopes": [SCOPE_A], "holders": [HOLDER], "roles": ["holder"]},
+        {"name": "relay", "token": "tok-relay", "scopes": [SCOPE_A], "roles": ["relay"]},
+        {"name": "any", "token": "tok-any", "scopes": [SCOPE_A], "holders": ["*"], "roles": ["holder"]},
+        {"name": "ops", "token": "tok-all", "scopes": ["*"], "roles": ["admin"]},
+    ]}))
+    short = ns(SCOPE_A)[:3]
+    for action in (Action.ANNOUNCE, Action.PUBLISH):
+        for token in (b"tok-a", b"tok-relay"):
+            with pytest.raises(Unauthorized, match="no publisher_id") as e:
+                p.check(action, short, [token])
+            assert e.value.error_code == RequestErrorCode.UNAUTHORIZED
+        p.check(action, short, [b"tok-any"])
+        p.check(action, short, [b"tok-all"])
+    p.check(Action.ANNOUNCE, ns(SCOPE_A), [b"tok-a"])  # its own publisher_id still works
+    p.check(Action.SUBSCRIBE, short, [b"tok-relay"])  # reading a scope needs no publisher_id
