@@ -665,8 +665,8 @@ class BlockStore:
                 return
             await self.evict(entry)
         if self.over_quota(scope_id, need):
-            raise StoreFull(f"this scope holds {self.scope_bytes.get(scope_id, 0)} of its "
-                            f"{quota} octets in leased or busy replicas")
+            raise StoreFull(f"this scope's quota of {quota} octets is full of leased or busy "
+                            f"replicas ({self.scope_bytes.get(scope_id, 0)} octets held)")
 
     async def _write(self, entry: StoredBlock, data: memoryview) -> Path:
         """Write a block file, its octets reserved in the disk budget meanwhile."""
