@@ -158,6 +158,18 @@ async def test_restart_finds_complete_blocks_and_ignores_partial_ones(tmp_path) 
         assert b"".join(bytes(c) for c in read.chunks()) == a.data
 
 
+async def test_restart_serves_only_the_scopes_still_served(tmp_path) -> None:
+    store = store_with(host_bytes=1 << 20, disk_bytes=1 << 20, data_dir=tmp_path)
+    mine, theirs = make_block(1), make_block(2, scope=OTHER_SCOPE)
+    await store.put(mine.bid, mine.data)
+    await store.put(theirs.bid, theirs.data)
+    await store.flush()
+    again = store_with(host_bytes=1 << 20, disk_bytes=1 << 20, data_dir=tmp_path)
+    loaded = await again.load(keep=lambda bid: bid.scope_id == SCOPE)
+    assert [e.id for e in loaded] == [mine.bid] and again.get(theirs.bid) is None
+    assert again.scope_bytes == {SCOPE: len(mine.data)}
+
+
 def test_block_files_appear_whole_or_not_at_all(tmp_path, monkeypatch) -> None:
     path = tmp_path / "x" / "block.kvb"
 
