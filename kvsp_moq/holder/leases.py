@@ -42,9 +42,9 @@ class Lease:
     owner: str
     block_keys: tuple[str, ...]
     octets: int
-    #: block key -> (scope, octets) this lease pins, as `LeaseTable.create` was told
     ttl_ms: int
     expires_at: float
+    #: block key -> (scope, octets) this lease pins, as `LeaseTable.create` was told
     pins: Mapping[str, tuple[str, int]] = field(default_factory=dict)
 
     def remaining_ms(self, now: float) -> int:
