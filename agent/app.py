@@ -427,6 +427,8 @@ def create_app(settings: "AgentSettings", *, adapter: ModelAdapter | None = None
         adapter = load_model(settings)
     ctx = AgentContext(settings, adapter)
     auth = settings.auth if settings.auth is not None else Authenticator.from_file(settings.principals)
+    # Its own pool is stored directly; what others PUT here must be of its principal's scopes.
+    ctx.holder_api.resolve_tenancy(auth, settings.token)
     app = build_app(_routes(ctx) + ctx.holder_api.routes(), name="kvsp_agent", auth=auth,
                     on_startup=[ctx.startup], on_shutdown=[ctx.shutdown],
                     state={"agent": ctx, "store": ctx.store, "publisher": ctx.publisher},

@@ -12,6 +12,9 @@ treats like any other miss (§6.1) and moves to the next source.
 With a relay (`HolderSettings.relay`) the same store is also served over MOQT (DESIGN §4): a
 `BlockPublisher` runs on the app's event loop from startup to shutdown, announces every
 compat and scope the store holds, and the index gets a MOQT record beside each HTTP record.
+
+A holder stores blocks of the scopes it serves only (`kvsp_moq.holder.tenancy`): a PUT of any
+other scope is refused with 403 before its body is read, whatever the writer's token allows.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import base64
 import logging
 import re
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterable
 
 import httpx
 from starlette.applications import Starlette
@@ -39,10 +42,12 @@ from kvsp_moq.errors import (
     PreconditionFailed,
     PreconditionRequired,
 )
+from kvsp_moq.holder import tenancy as tenancy_rule
 from kvsp_moq.holder.index_publisher import IndexPublisher
 from kvsp_moq.holder.leases import Clock, LeaseLimits, LeaseTable
 from kvsp_moq.holder.moqt_publisher import BlockPublisher
 from kvsp_moq.holder.store import CHUNK, BlockId, BlockRead, BlockStore
+from kvsp_moq.holder.tenancy import Tenancy
 from kvsp_moq.index_client import IndexClient
 from kvsp_moq.moqt.certs import client_tls
 from kvsp_moq.protocol import validate as v
@@ -144,7 +149,8 @@ class HolderApi:
 
     def __init__(self, store: BlockStore, leases: LeaseTable, publisher: IndexPublisher, *,
                  max_block_bytes: int, chunk_bytes: int = CHUNK,
-                 max_put_inflight_bytes: int | None = None) -> None:
+                 max_put_inflight_bytes: int | None = None,
+                 tenancy: Tenancy | None = None, scope_quota: int | None = None) -> None:
         self.store = store
         self.leases = leases
         self.publisher = publisher
@@ -154,6 +160,35 @@ class HolderApi:
         self.max_put_inflight_bytes = (max_put_inflight_bytes if max_put_inflight_bytes is not None
                                        else 2 * max_block_bytes)
         self.put_inflight_bytes = 0
+        #: octets each scope may hold (None: an equal share when several scopes are served)
+        self.scope_quota = scope_quota
+        self.tenancy = Tenancy.any()
+        self.apply_tenancy(tenancy or Tenancy.any())
+
+    # ---------------------------------------------------------------- tenancy
+
+    def resolve_tenancy(self, auth: Authenticator, token: str | None,
+                        serve_scopes: Iterable[str] | None = None) -> Tenancy:
+        """Serve the scopes `kvsp_moq.holder.tenancy.resolve` gives for this holder's
+        principals, own token and configured list; SettingError when they cannot be known."""
+        tenancy = tenancy_rule.resolve(auth, token, serve_scopes)
+        self.apply_tenancy(tenancy)
+        return tenancy
+
+    def apply_tenancy(self, tenancy: Tenancy) -> None:
+        """Store only these scopes, each within its quota, and pin no more than that."""
+        self.tenancy = tenancy
+        self.store.scope_quota = self.quota_of
+        self.leases.scope_limit = self.lease_share
+
+    def quota_of(self, scope_id: str) -> int | None:
+        """Octets this scope may hold here (None: no limit but the store's)."""
+        return self.tenancy.quota(self.store.capacity, self.scope_quota)
+
+    def lease_share(self, scope_id: str) -> int:
+        """Octets of this scope's blocks that leases may pin: what the scope may hold."""
+        quota = self.quota_of(scope_id)
+        return self.store.capacity if quota is None else min(quota, self.store.capacity)
 
     async def get_block(self, request: Request) -> Any:
         bid = parse_block_id(request.path_params)
@@ -180,6 +215,7 @@ class HolderApi:
     async def put_block(self, request: Request) -> Response:
         bid = parse_block_id(request.path_params)
         principal(request, Action.STORE_BLOCKS).require_scope(bid.scope_id)
+        self.tenancy.require(bid.scope_id)
         condition = request.headers.get("if-none-match")
         if condition is None or condition.strip() != "*":
             raise PreconditionRequired("storing a block needs If-None-Match: *")
@@ -207,12 +243,17 @@ class HolderApi:
         who = principal(request, Action.READ_BLOCKS)
         lease_req = LeaseRequest.from_json(await read_json(request, max_bytes=8 << 20))
         octets = 0
+        pins: dict[str, tuple[str, int]] = {}
         for i, key in enumerate(lease_req.block_keys):
             held = [e for e in self.store.by_key(key) if who.may_use_scope(e.id.scope_id)]
             if not held:
                 raise NotFound("this block is not held here", member=f"block_keys[{i}]")
-            octets += max(e.size for e in held)
-        lease = self.leases.create(who.name, lease_req.block_keys, octets, lease_req.ttl_ms)
+            largest = max(held, key=lambda e: e.size)
+            if key not in pins:
+                octets += largest.size
+                pins[key] = (largest.id.scope_id, largest.size)
+        lease = self.leases.create(who.name, lease_req.block_keys, octets, lease_req.ttl_ms,
+                                   pins=pins)
         return json_response(LeaseGrant(lease.id, lease.ttl_ms).to_json(), 201,
                              headers={"Location": f"leases/{lease.id}"})
 
@@ -257,9 +298,10 @@ def create_app(settings: "HolderSettings", *, clock: Clock | None = None) -> Sta
     """
     leases = LeaseTable(
         limits=LeaseLimits(max_ttl_ms=settings.max_lease_ttl_ms,
-                           max_octets=settings.max_lease_bytes),
+                           max_octets=settings.max_lease_bytes, max_leases=settings.max_leases),
         per_client=settings.lease_limits,
         clock=clock or time.monotonic,
+        max_total=settings.max_leases_total,
     )
     store = BlockStore(
         host_bytes=settings.host_bytes,
@@ -286,14 +328,16 @@ def create_app(settings: "HolderSettings", *, clock: Clock | None = None) -> Sta
     auth = settings.auth if settings.auth is not None else Authenticator.from_file(
         settings.principals)
     api = HolderApi(store, leases, publisher, max_block_bytes=settings.max_block_bytes,
-                    chunk_bytes=settings.chunk_bytes,
+                    chunk_bytes=settings.chunk_bytes, scope_quota=settings.scope_quota,
                     max_put_inflight_bytes=settings.max_put_inflight_bytes)
-    state: dict[str, Any] = {"store": store, "leases": leases, "publisher": publisher,
+    api.resolve_tenancy(auth, settings.index_token, settings.serve_scopes)
+    state: dict[str, Any] = {"store": store, "leases": leases, "publisher": publisher, "api": api,
                              "settings": settings, "loop": None, "moqt_publisher": None}
 
     async def startup() -> None:
         app.state.loop = asyncio.get_running_loop()
-        await store.load()
+        log.info("storing blocks of %s", api.tenancy.describe())
+        await store.load(keep=lambda bid: api.tenancy.serves(bid.scope_id))
         if (index is not None or relay) and not publisher.holder_url:
             raise BadRecord("the holder's public URL is unknown; records cannot be published",
                             member="public_url")
@@ -327,4 +371,5 @@ def create_app(settings: "HolderSettings", *, clock: Clock | None = None) -> Sta
     gauges["leases"] = lambda: len(leases)
     gauges["put_inflight_bytes"] = lambda: api.put_inflight_bytes
     gauges["index_publish_failures"] = lambda: publisher.failures
+    gauges["index_refused_records"] = lambda: publisher.refused
     return app

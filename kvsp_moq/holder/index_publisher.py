@@ -11,6 +11,12 @@ A holder that publishes its blocks over MOQT too (`relay_url`) has two records p
 deleted together; the MOQT record is first put only once `moqt_ready` says the relay has
 accepted the namespace, since a client that found it earlier would ask the relay for a track
 nobody serves there yet.
+
+The IS takes a batch whole or not at all, so one record it refuses (400, 403: a scope or
+holder this holder's principal may not publish) would otherwise keep every other record out
+of the index, retried forever. A refused batch is split in halves until the refused records
+are alone; those are dropped (logged once each, counted in `refused`, not sent again while
+the replica is held) and the rest are published.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import logging
 import time
 from typing import Callable
 
-from kvsp_moq.errors import KvspError
+from kvsp_moq.errors import ForbiddenRole, KvspError
 from kvsp_moq.holder.moqt_publisher import BlockPublisher
 from kvsp_moq.holder.store import BlockId, BlockStore, StoredBlock
 from kvsp_moq.index_client import IndexClient
@@ -30,6 +36,15 @@ from kvsp_moq.protocol.records import ReplicaRecord
 from kvsp_moq.protocol.urls import base_url
 
 log = logging.getLogger("kvsp.holder.index_publisher")
+
+
+def refuses_record(error: KvspError) -> bool:
+    """Whether the IS refused what was sent (a record), not who sent it or how it went."""
+    return error.status in (400, 403) and not isinstance(error, ForbiddenRole)
+
+
+def _record_id(record: ReplicaRecord) -> tuple[str, str, str, str]:
+    return (record.compat_id, record.scope_id, record.block_key, record.holder)
 
 
 class IndexPublisher:
@@ -61,6 +76,9 @@ class IndexPublisher:
         self.clock = clock
         self.published = 0
         self.failures = 0
+        #: records the IS refused and that were dropped (the metric index_refused_records)
+        self.refused = 0
+        self._refused: set[tuple[str, str, str, str]] = set()
         self._pending: dict[BlockId, int] = {}  # block -> announcement number
         self._seq = 0
         self._published_at: dict[BlockId, float] = {}
@@ -111,9 +129,55 @@ class IndexPublisher:
         if len(records) > 1 and self.moqt_ready is not None and not self.moqt_ready(
                 entry.id.compat_id, entry.id.scope_id):
             self._moqt_waiting.add(entry.id)
-            return records[:1]
-        self._moqt_waiting.discard(entry.id)
+            records = records[:1]
+        else:
+            self._moqt_waiting.discard(entry.id)
+        if self._refused:
+            records = [r for r in records if _record_id(r) not in self._refused]
         return records
+
+    def is_refused(self, record: ReplicaRecord) -> bool:
+        """Whether the IS refused this record (it is not sent again while the replica lives)."""
+        return _record_id(record) in self._refused
+
+    def _drop_refused(self, record: ReplicaRecord, error: KvspError) -> None:
+        rid = _record_id(record)
+        if rid in self._refused:
+            return
+        self._refused.add(rid)
+        self.refused += 1
+        log.warning("index refused the record of %s/%s/%s at %s (%s); not publishing it",
+                    record.compat_id, record.scope_id, record.block_key, record.holder,
+                    error.detail)
+
+    async def _put_isolating(self, records: list[ReplicaRecord], *,
+                             batch: bool = True) -> set[tuple[str, str, str, str]]:
+        """Put these records (one alone with PUT unless `batch`), splitting a refused batch
+        until each refused record is alone; those are dropped. Returns the ids of the records
+        refused. Other errors propagate."""
+        assert self.index is not None
+        refused: set[tuple[str, str, str, str]] = set()
+        parts = [records]
+        # bounded: every split halves a part, so at most 2 * len(records) - 1 requests
+        for _ in range(2 * len(records)):
+            if not parts:
+                break
+            part = parts.pop()
+            try:
+                if len(part) == 1 and not batch:
+                    await self.index.put(part[0])
+                else:
+                    await self.index.put_many(part)
+            except KvspError as e:
+                if not refuses_record(e):
+                    raise
+                if len(part) == 1:
+                    self._drop_refused(part[0], e)
+                    refused.add(_record_id(part[0]))
+                    continue
+                mid = len(part) // 2
+                parts += [part[mid:], part[:mid]]
+        return refused
 
     def remaining_ttl_ms(self, bid: BlockId) -> int:
         """How long the index's record of this replica still lives (the cap on max-age)."""
@@ -155,7 +219,10 @@ class IndexPublisher:
         self._published_at.pop(bid, None)
         if self.index is None:
             return
-        records = self.records_for(entry)
+        records = [r for r in self.records_for(entry) if _record_id(r) not in self._refused]
+        self._refused.difference_update(_record_id(r) for r in self.records_for(entry))
+        if not records:
+            return
         try:
             await asyncio.wait_for(self._delete_all(records), self.withdraw_timeout_s)
         except (KvspError, asyncio.TimeoutError) as e:
@@ -171,7 +238,14 @@ class IndexPublisher:
     async def _delete_all(self, records: list[ReplicaRecord]) -> None:
         assert self.index is not None
         for record in records:
-            await self.index.delete(record)
+            try:
+                await self.index.delete(record)
+            except KvspError as e:
+                if not refuses_record(e):
+                    raise
+                # Refused for good (not ours to delete): retrying would stall the others.
+                log.warning("index refused deleting the record of %s at %s: %s",
+                            record.block_key, record.holder, e.detail)
 
     # ---------------------------------------------------------------- the loop
 
@@ -249,23 +323,25 @@ class IndexPublisher:
         assert self.index is not None
         if not entries:
             return
-        records = [r for e in entries for r in self._records_to_put(e)]
+        to_put = {e.id: self._records_to_put(e) for e in entries}
+        records = [r for rs in to_put.values() for r in rs]
         sent = {e.id: self._pending.get(e.id) for e in entries}
         self._inflight = set(sent)
         started = self.clock()
         try:
-            if len(records) == 1 and not full:
-                await self.index.put(records[0])
-            else:
-                await self.index.put_many(records)
+            refused = (await self._put_isolating(records, batch=full or len(records) > 1)
+                       if records else set())
         finally:
             self._inflight = set()
-        self.published += len(records)
+        self.published += len(records) - len(refused)
         for entry in entries:
             bid = entry.id
             if self.store.get(bid) is not entry:
                 continue  # withdrawn meanwhile; a delete is queued
-            self._published_at[bid] = started
+            mine = to_put[bid]
+            if mine and not any(_record_id(r) in refused for r in mine) and not any(
+                    self.is_refused(r) for r in self.records_for(entry)):
+                self._published_at[bid] = started
             if bid in self._pending and self._pending[bid] == sent[bid]:
                 del self._pending[bid]
         if self._deletes and self._wake is not None:

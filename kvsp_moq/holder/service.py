@@ -2,7 +2,11 @@
 
     kvsp holder --listen 127.0.0.1:8801 --data DIR --index http://127.0.0.1:8700/ \
                 [--public-url URL] [--principals FILE | --insecure-open] \
-                [--relay moqt://127.0.0.1:4443 [--relay-ca FILE | --relay-insecure]]
+                [--relay moqt://127.0.0.1:4443 [--relay-ca FILE | --relay-insecure]] \
+                [--serve-scope HEX ...] [--scope-quota N] [--max-leases N]
+
+The holder stores blocks of its own scopes only: those of --serve-scope, else those of the
+principal its --token belongs to (`kvsp_moq.holder.tenancy`); each scope within its quota.
 
 With --relay the blocks are also published over MOQT through that relay (DESIGN §4), and each
 replica gets a second record in the index, the MOQT one. The relay's certificate is checked as
@@ -32,8 +36,9 @@ from kvsp_moq.arguments import parse_listen, parse_size, positive_int
 from kvsp_moq.auth import Authenticator, add_token_options, token_from_args
 from kvsp_moq.errors import BadRecord
 from kvsp_moq.holder.app import create_app
-from kvsp_moq.holder.leases import Clock, LeaseLimits
+from kvsp_moq.holder.leases import MAX_LEASES_TOTAL, Clock, LeaseLimits
 from kvsp_moq.holder.store import TierRates
+from kvsp_moq.holder.tenancy import parse_scopes
 from kvsp_moq.moqt.certs import add_relay_tls_options
 from kvsp_moq.protocol.compat import CompatDescriptor
 from kvsp_moq.serving import INSECURE_OPEN_HELP, check_advertised, check_exposure, normalize_public_url
@@ -76,7 +81,14 @@ class HolderSettings:
     index_token: str | None = None
     max_lease_ttl_ms: int = 600_000
     max_lease_bytes: int = 16 << 30
+    #: leases one principal may hold at once, and the holder in all
+    max_leases: int = 1024
+    max_leases_total: int = MAX_LEASES_TOTAL
     lease_limits: Mapping[str, LeaseLimits] = field(default_factory=dict)
+    #: the scopes stored here (Scope IDs); empty: its own principal's (`holder.tenancy`)
+    serve_scopes: tuple[str, ...] = ()
+    #: octets one scope may hold; None: an equal share of the store among several scopes
+    scope_quota: int | None = None
     max_block_bytes: int = 1 << 30
     #: octets that block PUTs being received may reserve together (the sum of their declared
     #: lengths); a PUT beyond it is answered 503 with Retry-After. None: twice max_block_bytes
@@ -179,6 +191,20 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                    help="longest lease a client may hold (default %(default)s)")
     p.add_argument("--max-lease-bytes", type=parse_size, default=16 << 30, metavar="N",
                    help="octets a client may hold under leases (default 16G)")
+    p.add_argument("--max-leases", type=positive_int, default=1024, metavar="N",
+                   help="leases one principal may hold at once (default %(default)s; beyond "
+                        "it, 429)")
+    p.add_argument("--max-leases-total", type=positive_int, default=MAX_LEASES_TOTAL,
+                   metavar="N", help="leases the holder keeps at once, all principals together "
+                                     "(default %(default)s)")
+    p.add_argument("--serve-scope", action="append", default=[], metavar="HEX",
+                   help="Scope ID whose blocks this holder stores (repeatable); by default the "
+                        "scopes of the principal of --token; blocks of any other scope are "
+                        "refused with 403")
+    p.add_argument("--scope-quota", type=parse_size, default=None, metavar="N",
+                   help="octets of blocks one scope may hold, e.g. 2G (default: an equal share "
+                        "of the store among the scopes served); a store beyond it evicts that "
+                        "scope's own oldest blocks, or answers 507")
     p.add_argument("--descriptor", action="append", default=[], metavar="FILE",
                    help="compatibility descriptor whose geometry stored blocks must match "
                         "(repeatable)")
@@ -205,6 +231,8 @@ def settings_from_args(args: argparse.Namespace) -> HolderSettings:
         relay_insecure=args.relay_insecure, principals=args.principals,
         index_token=token_from_args(args), max_lease_ttl_ms=args.max_lease_ttl_ms,
         max_lease_bytes=args.max_lease_bytes, descriptors=descriptors,
+        max_leases=args.max_leases, max_leases_total=args.max_leases_total,
+        serve_scopes=tuple(parse_scopes(args.serve_scope)), scope_quota=args.scope_quota,
     )
 
 

@@ -6,6 +6,11 @@ order. Room is made by dropping a copy that another tier also holds, by demoting
 to disk, and only as a last resort by evicting the replica, which withdraws its record first
 (§6.1). A replica covered by a live lease, or one that is being read, is never evicted.
 
+Each scope may have a quota (`scope_quota`, from `kvsp_moq.holder.tenancy`): a block that
+would take its scope over it first evicts that scope's own least recently used replicas, and
+is refused (507) when they cannot go. Room for a scope is never made by taking replicas from
+another scope within its quota, so one tenant's writes cannot push another's blocks out.
+
 Bookkeeping runs on the event loop thread; hashing and file I/O run in worker threads.
 Files are written to a temporary name, synced and renamed, so a crash never leaves a partial
 block visible, and a restarted store finds every block it had completed.
@@ -392,6 +397,7 @@ class BlockStore:
         descriptors: Mapping[str, CompatDescriptor] | None = None,
         promote_on_read: bool = True,
         device_layers: int | None = None,
+        scope_quota: Callable[[str], int | None] | None = None,
     ) -> None:
         self.root = Path(data_dir) / "blocks" if data_dir is not None and disk_bytes > 0 else None
         self.budget = {"host": max(0, host_bytes),
@@ -414,6 +420,11 @@ class BlockStore:
         self.device_layers = device_layers
         self.evictions = 0
         self.demotions = 0
+        #: octets a scope may hold (None: no limit of its own); set by the holder's tenancy
+        self.scope_quota: Callable[[str], int | None] = scope_quota or (lambda scope_id: None)
+        #: octets of replicas held per scope (each replica counted once, whatever its copies)
+        self.scope_bytes: dict[str, int] = {}
+        self._placing: str | None = None  # the scope a put is making room for
         self._blocks: dict[BlockId, StoredBlock] = {}
         self._incoming: set[BlockId] = set()
         self._space = asyncio.Lock()
@@ -440,6 +451,30 @@ class BlockStore:
 
     def by_key(self, block_key: str) -> list[StoredBlock]:
         return [e for e in self._blocks.values() if e.id.block_key == block_key and not e.evicting]
+
+    @property
+    def capacity(self) -> int:
+        """Octets of replicas the store can keep: its largest whole-copy tier."""
+        return max(self.budget["host"], self.budget["disk"])
+
+    def over_quota(self, scope_id: str, extra: int = 0) -> bool:
+        """Whether the scope holds (or with `extra` more octets would hold) more than its quota."""
+        quota = self.scope_quota(scope_id)
+        return quota is not None and self.scope_bytes.get(scope_id, 0) + extra > quota
+
+    def _add(self, entry: StoredBlock) -> None:
+        self._blocks[entry.id] = entry
+        scope = entry.id.scope_id
+        self.scope_bytes[scope] = self.scope_bytes.get(scope, 0) + entry.size
+
+    def _remove(self, entry: StoredBlock) -> None:
+        del self._blocks[entry.id]
+        scope = entry.id.scope_id
+        left = self.scope_bytes.get(scope, 0) - entry.size
+        if left > 0:
+            self.scope_bytes[scope] = left
+        else:
+            self.scope_bytes.pop(scope, None)
 
     @property
     def disk_enabled(self) -> bool:
@@ -579,31 +614,59 @@ class BlockStore:
             check_block(container, self.descriptors.get(bid.compat_id))
             entry = StoredBlock(bid, meta)
             async with self._space:
-                in_host = False
-                if meta.size <= self.budget["host"]:
-                    try:
-                        await self._make_room("host", meta.size, exclude=bid)
-                        in_host = True
-                    except StoreFull:
-                        if not self.disk_enabled:
-                            raise
-                if in_host:
-                    self._blocks[bid] = entry
-                    self._attach(entry, "host", container)
-                    if self.disk_enabled:
-                        await self._schedule_persist(entry)
-                elif self.disk_enabled and meta.size <= self.budget["disk"]:
-                    await self._make_room("disk", meta.size, exclude=bid)
-                    path = await self._write(entry, container.buffer)
-                    self._blocks[bid] = entry
-                    self._attach(entry, "disk", path)
-                else:
-                    raise StoreFull(f"a block of {meta.size} octets exceeds every tier's budget")
-                if self.device is not None:
-                    await self._place_on_device(entry, container)
+                self._placing = bid.scope_id
+                try:
+                    await self._place(entry, container)
+                finally:
+                    self._placing = None
             return entry
         finally:
             self._incoming.discard(bid)
+
+    async def _place(self, entry: StoredBlock, container: Container) -> None:
+        """Find room for a new replica within its scope's quota and the tiers' budgets."""
+        bid, meta = entry.id, entry.meta
+        await self._fit_quota(bid.scope_id, meta.size)
+        in_host = False
+        if meta.size <= self.budget["host"]:
+            try:
+                await self._make_room("host", meta.size, exclude=bid)
+                in_host = True
+            except StoreFull:
+                if not self.disk_enabled:
+                    raise
+        if in_host:
+            self._add(entry)
+            self._attach(entry, "host", container)
+            if self.disk_enabled:
+                await self._schedule_persist(entry)
+        elif self.disk_enabled and meta.size <= self.budget["disk"]:
+            await self._make_room("disk", meta.size, exclude=bid)
+            path = await self._write(entry, container.buffer)
+            self._add(entry)
+            self._attach(entry, "disk", path)
+        else:
+            raise StoreFull(f"a block of {meta.size} octets exceeds every tier's budget")
+        if self.device is not None:
+            await self._place_on_device(entry, container)
+
+    async def _fit_quota(self, scope_id: str, need: int) -> None:
+        """Evict the scope's own least recently used replicas until `need` more octets fit
+        its quota; StoreFull (507) when they cannot (leased, being read) or `need` never fits."""
+        quota = self.scope_quota(scope_id)
+        if quota is None:
+            return
+        if need > quota:
+            raise StoreFull(f"a block of {need} octets exceeds this scope's quota of {quota}")
+        own = [e for tier in ("disk", "host") for e in self.lru[tier].values()
+               if e.id.scope_id == scope_id]
+        for entry in dict.fromkeys(own):  # bounded: each replica of the scope once
+            if not self.over_quota(scope_id, need):
+                return
+            await self.evict(entry)
+        if self.over_quota(scope_id, need):
+            raise StoreFull(f"this scope's quota of {quota} octets is full of leased or busy "
+                            f"replicas ({self.scope_bytes.get(scope_id, 0)} octets held)")
 
     async def _write(self, entry: StoredBlock, data: memoryview) -> Path:
         """Write a block file, its octets reserved in the disk budget meanwhile."""
@@ -700,18 +763,23 @@ class BlockStore:
 
     # ---------------------------------------------------------------- loading
 
-    async def load(self) -> list[StoredBlock]:
-        """Index the blocks found under the data directory (after a restart)."""
+    async def load(self, keep: Callable[[BlockId], bool] | None = None) -> list[StoredBlock]:
+        """Index the blocks found under the data directory (after a restart); those `keep`
+        refuses (a scope the holder no longer serves) stay on disk, neither served nor counted."""
         if self.root is None:
             return []
         found = await asyncio.to_thread(scan_block_files, self.root)
         loaded = []
+        skipped = 0
         async with self._space:
             for bid, path, meta in found:
                 if bid in self._blocks:
                     continue
+                if keep is not None and not keep(bid):
+                    skipped += 1
+                    continue
                 entry = StoredBlock(bid, meta)
-                self._blocks[bid] = entry
+                self._add(entry)
                 self._attach(entry, "disk", path)
                 loaded.append(entry)
             if self.used["disk"] > self.budget["disk"]:
@@ -721,6 +789,9 @@ class BlockStore:
                     log.warning("disk tier holds more than its budget of %d octets",
                                 self.budget["disk"])
         loaded = [e for e in loaded if self.get(e.id) is e]
+        if skipped:
+            log.warning("left %d block files of scopes this holder does not serve in %s",
+                        skipped, self.root)
         log.info("loaded %d blocks (%d octets) from %s", len(loaded),
                  sum(e.size for e in loaded), self.root)
         return loaded
@@ -737,6 +808,17 @@ class BlockStore:
             return True  # demoted to disk, the replica stays
         return not self.is_protected(entry.id.block_key)
 
+    def _may_displace(self, entry: StoredBlock, tier: str) -> bool:
+        """Whether room for the scope being placed may come from this copy: always when the
+        replica keeps another copy, else only from the same scope or a scope over its quota."""
+        placing = self._placing
+        if placing is None or entry.id.scope_id == placing:
+            return True
+        if tier == "device" or entry.whole_copies() > 1:
+            return True
+        quota = self.scope_quota(entry.id.scope_id)
+        return quota is None or self.scope_bytes.get(entry.id.scope_id, 0) > quota
+
     async def _make_room(self, tier: str, need: int, *, exclude: BlockId | None = None,
                          cheap_only: bool = False) -> None:
         """Free `need` octets in `tier`; the caller holds the space lock."""
@@ -752,6 +834,8 @@ class BlockStore:
                 if candidate.id == exclude or candidate.id in tried:
                     continue
                 if cheap_only and candidate.whole_copies() < 2:
+                    continue
+                if not self._may_displace(candidate, tier):
                     continue
                 if self._evictable(candidate, tier):
                     victim = candidate
@@ -813,7 +897,7 @@ class BlockStore:
                 log.warning("withdrawing %s failed: %s", entry.id.path, e)
         for tier in TIERS:
             self._detach(entry, tier)
-        del self._blocks[entry.id]
+        self._remove(entry)
         self.evictions += 1
         log.info("evicted %s", entry.id.path)
         return True

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import httpx
 
+from kvsp_moq.errors import ForbiddenScope
 from kvsp_moq.protocol.records import ReplicaRecord
 from kvsp_moq.web import BackgroundServer
-from tests.holder.conftest import FakeClock, FakeIndex, make_block
+from tests.holder.conftest import OTHER_SCOPE, FakeClock, FakeIndex, make_block
 from tests.polling import wait_until
 
 PUT = {"If-None-Match": "*"}
@@ -206,3 +207,74 @@ async def test_the_moqt_record_waits_for_the_relay_to_accept_the_namespace() -> 
         assert moqt[0].block_key == block.bid.block_key
     finally:
         await publisher.stop()
+
+
+class RefusingIndex:
+    """An Index Service that takes a batch whole or refuses it whole (as the IS does), and
+    refuses every record of `refused_scope` (403), the way a principal's scopes would."""
+
+    base = "http://index.invalid/"
+
+    def __init__(self, refused_scope: str) -> None:
+        self.refused_scope = refused_scope
+        self.records: dict[str, ReplicaRecord] = {}
+        self.requests = 0
+        self.deletes: list[str] = []
+
+    def _check(self, records: list[ReplicaRecord]) -> None:
+        self.requests += 1
+        for i, r in enumerate(records):
+            if r.scope_id == self.refused_scope:
+                raise ForbiddenScope("not authorized for the scope", member=f"records[{i}].scope_id")
+
+    async def put(self, record: ReplicaRecord) -> None:
+        await self.put_many([record])
+
+    async def put_many(self, records: list[ReplicaRecord]) -> None:
+        self._check(records)
+        self.records.update({r.block_key: r for r in records})
+
+    async def delete(self, record: ReplicaRecord) -> None:
+        self.deletes.append(record.block_key)
+        if record.scope_id == self.refused_scope:
+            raise ForbiddenScope("not authorized for the scope")
+        self.records.pop(record.block_key, None)
+
+
+async def test_one_refused_record_does_not_keep_the_others_out() -> None:
+    """The refused record is isolated by halving the batch, dropped once (counted, not sent
+    again), and every other record is published, on the first round and on refreshes."""
+    from kvsp_moq.holder.index_publisher import IndexPublisher
+    from kvsp_moq.holder.store import BlockStore
+
+    index = RefusingIndex(OTHER_SCOPE)
+    store = BlockStore(is_protected=lambda k: False, host_bytes=1 << 20)
+    clock = FakeClock()
+    publisher = IndexPublisher(store, index, holder_url="http://holder.invalid/",  # type: ignore[arg-type]
+                               record_ttl_ms=60_000, clock=clock)
+    store.withdraw = publisher.withdraw
+    mine = [make_block(i) for i in range(12)]
+    foreign = make_block(50, scope=OTHER_SCOPE)
+    for b in mine[:5] + [foreign] + mine[5:]:
+        publisher.announce(await store.put(b.bid, bytearray(b.data)))
+    await publisher.step()
+    assert set(index.records) == {b.bid.block_key for b in mine}
+    assert publisher.refused == 1 and index.requests <= 2 * 4 + 1  # log2(13) rounds of halving
+    assert all(publisher.is_published(b.bid) for b in mine) and not publisher.is_published(foreign.bid)
+    clock.advance(30)  # a full refresh: the refused record is not sent again
+    before = index.requests
+    await publisher.step()
+    assert index.requests == before + 1 and publisher.refused == 1
+    late = make_block(60)
+    publisher.announce(await store.put(late.bid, bytearray(late.data)))
+    await publisher.step()
+    assert late.bid.block_key in index.records
+    # Withdrawing the refused replica deletes nothing it never published, and stalls nothing.
+    entry = store.get(foreign.bid)
+    assert entry is not None
+    assert await store.evict(entry)
+    assert foreign.bid.block_key not in index.deletes
+    gone = store.get(mine[0].bid)
+    assert gone is not None and await store.evict(gone)
+    assert mine[0].bid.block_key not in index.records
+    await publisher.step()

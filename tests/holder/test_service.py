@@ -88,3 +88,23 @@ def test_the_command_serves_with_authentication(tmp_path) -> None:
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_tenancy_and_lease_options_become_settings() -> None:
+    args = parser().parse_args(["--serve-scope", "AB" * 16, "--serve-scope", "cd" * 16,
+                                "--scope-quota", "2G", "--max-leases", "10",
+                                "--max-leases-total", "100"])
+    s = settings_from_args(args)
+    assert s.serve_scopes == ("ab" * 16, "cd" * 16) and s.scope_quota == 2 << 30
+    assert (s.max_leases, s.max_leases_total) == (10, 100)
+    defaults = settings_from_args(parser().parse_args([]))
+    assert defaults.serve_scopes == () and defaults.scope_quota is None
+    assert (defaults.max_leases, defaults.max_leases_total) == (1024, 16384)
+
+
+def test_a_bad_serve_scope_is_one_line_and_exit_2(tmp_path) -> None:
+    r = subprocess.run([sys.executable, "-m", "kvsp_moq.cli", "holder", "--serve-scope", "tenant-a"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=60,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert r.returncode == 2
+    assert len(r.stderr.strip().splitlines()) == 1 and "--serve-scope" in r.stderr

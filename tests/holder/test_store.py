@@ -15,7 +15,7 @@ from kvsp_moq.holder.store import BlockStore, StoreFull, write_block_file
 from kvsp_moq.protocol.compat import CompatDescriptor
 from kvsp_moq.protocol.container import Container
 from tests.fixtures import DESCRIPTOR
-from tests.holder.conftest import FakeClock, make_block
+from tests.holder.conftest import OTHER_SCOPE, SCOPE, FakeClock, make_block
 
 SIZE = len(make_block(0).data)
 
@@ -158,6 +158,18 @@ async def test_restart_finds_complete_blocks_and_ignores_partial_ones(tmp_path) 
         assert b"".join(bytes(c) for c in read.chunks()) == a.data
 
 
+async def test_restart_serves_only_the_scopes_still_served(tmp_path) -> None:
+    store = store_with(host_bytes=1 << 20, disk_bytes=1 << 20, data_dir=tmp_path)
+    mine, theirs = make_block(1), make_block(2, scope=OTHER_SCOPE)
+    await store.put(mine.bid, mine.data)
+    await store.put(theirs.bid, theirs.data)
+    await store.flush()
+    again = store_with(host_bytes=1 << 20, disk_bytes=1 << 20, data_dir=tmp_path)
+    loaded = await again.load(keep=lambda bid: bid.scope_id == SCOPE)
+    assert [e.id for e in loaded] == [mine.bid] and again.get(theirs.bid) is None
+    assert again.scope_bytes == {SCOPE: len(mine.data)}
+
+
 def test_block_files_appear_whole_or_not_at_all(tmp_path, monkeypatch) -> None:
     path = tmp_path / "x" / "block.kvb"
 
@@ -222,6 +234,85 @@ def test_lease_renew_release_and_ownership() -> None:
     assert not table.is_protected("aa" * 32) and len(table) == 0
     with pytest.raises(NotFound):
         table.release(lease.id, "c")
+
+
+async def test_a_scope_over_its_quota_evicts_its_own_blocks_only() -> None:
+    """A scope writing past its quota makes room from its own oldest replicas; another scope
+    within its quota keeps every block, and the first scope's leased blocks make it 507."""
+    clock = FakeClock()
+    leases = LeaseTable(clock=clock)
+    withdrawn: list = []
+    store = store_with(leases, withdrawn, host_bytes=6 * SIZE,
+                       scope_quota=lambda scope: 3 * SIZE)
+    mine = [make_block(i, scope=SCOPE) for i in range(3)]
+    theirs = [make_block(10 + i, scope=OTHER_SCOPE) for i in range(6)]
+    for b in mine:
+        await store.put(b.bid, b.data)
+    for b in theirs:
+        await store.put(b.bid, b.data)
+    assert all(store.get(b.bid) is not None for b in mine)
+    assert withdrawn == [b.bid for b in theirs[:3]]
+    assert store.scope_bytes == {SCOPE: 3 * SIZE, OTHER_SCOPE: 3 * SIZE}
+    for b in theirs[3:]:
+        leases.create("them", [b.bid.block_key], SIZE, 5_000)
+    with pytest.raises(StoreFull):
+        await store.put(make_block(20, scope=OTHER_SCOPE).bid, make_block(20, scope=OTHER_SCOPE).data)
+    assert all(store.get(b.bid) is not None for b in mine)
+    big = make_block(21, scope=SCOPE, layers=16)
+    with pytest.raises(StoreFull, match="quota"):
+        await store.put(big.bid, big.data)
+
+
+async def test_room_is_not_taken_from_another_scope_within_its_share(tmp_path) -> None:
+    """Another scope within its share keeps every replica (its host copies may go where the
+    disk keeps one): a writing scope makes room from its own; a scope over its share gives way."""
+    quota = {SCOPE: 4 * SIZE, OTHER_SCOPE: 4 * SIZE}
+    withdrawn: list = []
+    store = store_with(withdrawn=withdrawn, host_bytes=2 * SIZE, disk_bytes=4 * SIZE,
+                       data_dir=tmp_path, scope_quota=quota.get)
+    mine = [make_block(i, scope=SCOPE) for i in range(4)]
+    for b in mine:
+        await store.put(b.bid, b.data)
+    await store.flush()
+    others = [make_block(30 + i, scope=OTHER_SCOPE) for i in range(4)]
+    for b in others:
+        await store.put(b.bid, b.data)
+    assert all(store.get(b.bid) is not None for b in mine)
+    assert withdrawn and {bid.scope_id for bid in withdrawn} == {OTHER_SCOPE}
+    assert store.get(others[-1].bid) is not None
+    evicted = len(withdrawn)
+    quota[SCOPE] = 2 * SIZE  # now over its share: its blocks give way
+    late = make_block(40, scope=OTHER_SCOPE)
+    await store.put(late.bid, late.data)
+    await store.flush()
+    assert store.get(late.bid) is not None
+    assert withdrawn[evicted:] and {bid.scope_id for bid in withdrawn[evicted:]} == {SCOPE}
+
+
+def test_lease_count_caps_per_client_and_in_all() -> None:
+    table = LeaseTable(limits=LeaseLimits(max_leases=2), max_total=3, clock=FakeClock())
+    table.create("b", ["aa" * 32], 1, 1_000)
+    table.create("b", ["bb" * 32], 1, 1_000)
+    with pytest.raises(LeaseQuota, match="2 leases"):
+        table.create("b", ["cc" * 32], 1, 1_000)
+    table.create("a", ["cc" * 32], 1, 1_000)  # per client: another may still lease
+    with pytest.raises(LeaseQuota, match="3 leases"):
+        table.create("c", ["dd" * 32], 1, 1_000)
+
+
+def test_leases_pin_no_more_than_the_scope_may_hold() -> None:
+    """Octets pinned per scope are bounded by its share; a block leased twice counts once."""
+    table = LeaseTable(clock=FakeClock(), scope_limit=lambda scope: 100)
+    keys = ["aa" * 32, "bb" * 32, "cc" * 32]
+    first = table.create("a", keys[:2], 80, 1_000, pins={k: (SCOPE, 40) for k in keys[:2]})
+    table.create("a2", keys[:1], 40, 1_000, pins={keys[0]: (SCOPE, 40)})  # already pinned
+    with pytest.raises(LeaseQuota, match="share"):
+        table.create("a", keys[2:], 40, 1_000, pins={keys[2]: (SCOPE, 40)})
+    table.create("b", keys[2:], 40, 1_000, pins={keys[2]: (OTHER_SCOPE, 40)})  # another scope
+    assert table.pinned_octets(SCOPE) == 80
+    table.release(first.id, "a")
+    assert table.pinned_octets(SCOPE) == 40  # keys[0] is still leased by a2
+    table.create("a", keys[1:2], 40, 1_000, pins={keys[1]: (SCOPE, 40)})
 
 
 def test_holder_modules_do_not_import_torch() -> None:
