@@ -28,6 +28,7 @@ COMPAT = "c0" * 32
 HOLDER_A = "http://holder-a.test/"
 HOLDER_B = "http://holder-b.test/"
 TOKEN_A, TOKEN_B, TOKEN_AGENT = "tok-tenant-a", "tok-tenant-b", "tok-agent"
+TOKEN_METRICS = "tok-metrics"  # the operator's scraper: /metrics and nothing else
 
 PRINCIPALS: dict[str, Any] = {"principal": [
     {"name": "tenant-a", "token": TOKEN_A, "scopes": [SCOPE_A], "holders": [HOLDER_A],
@@ -37,6 +38,7 @@ PRINCIPALS: dict[str, Any] = {"principal": [
     # An instance serving both tenants: what a confused deputy would act with.
     {"name": "agent", "token": TOKEN_AGENT, "scopes": [SCOPE_A, SCOPE_B], "holders": ["*"],
      "roles": ["instance"]},
+    {"name": "scraper", "token": TOKEN_METRICS, "roles": ["metrics"]},
 ]}
 
 

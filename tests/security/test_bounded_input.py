@@ -26,7 +26,7 @@ from kvsp_moq.holder.service import Holder, HolderSettings
 from kvsp_moq.http_limits import HttpLimits
 from kvsp_moq.web import BackgroundServer, build_app, json_response, read_json
 from tests.polling import wait_until
-from tests.security.conftest import COMPAT, SCOPE_A, TOKEN_A, auth, authenticator, bkey, container
+from tests.security.conftest import COMPAT, SCOPE_A, TOKEN_A, TOKEN_METRICS, auth, authenticator, bkey, container
 
 #: Seconds any one socket operation may take before the test fails.
 WAIT = 10.0
@@ -182,7 +182,8 @@ def test_half_sent_puts_cannot_reserve_more_than_the_in_flight_budget(small_hold
     metric = "kvsp_holder_put_inflight_bytes"
 
     def in_flight() -> float:
-        text = httpx.get(small_holder.url + "metrics", trust_env=False, timeout=WAIT).text
+        text = httpx.get(small_holder.url + "metrics", trust_env=False, timeout=WAIT,
+                         headers={"Authorization": f"Bearer {TOKEN_METRICS}"}).text
         return float(next(line.split()[1] for line in text.splitlines()
                           if line.startswith(metric + " ")))
 

@@ -21,6 +21,7 @@ from tests.security.conftest import (
     TOKEN_A,
     TOKEN_AGENT,
     TOKEN_B,
+    TOKEN_METRICS,
     auth,
     authenticator,
     bkey,
@@ -199,5 +200,5 @@ def test_one_foreign_record_does_not_stop_a_publishing(start, index_url: str) ->
 
         wait_until(lambda: matched() == len(a_keys), timeout=20.0, what="A's records published")
         assert holder.publisher.refused == 1
-        metrics = c.get(base + "metrics").text
+        metrics = c.get(base + "metrics", headers=auth(TOKEN_METRICS)).text
         assert "kvsp_holder_index_refused_records 1" in metrics
