@@ -13,7 +13,7 @@ import hashlib
 import json
 import time
 
-from kvsp_moq.errors import KvspError
+from kvsp_moq.errors import KvspError, reason_of
 from kvsp_moq.moqt.certs import add_relay_tls_options
 from kvsp_moq.tools import Failed, UsageError, add_common, guarded, read_record
 
@@ -86,7 +86,7 @@ async def _subscribe(args: argparse.Namespace) -> int:
         untrusted = untrusted_certificate(e, args.relay, tls)
         if untrusted is not None:
             raise UsageError(untrusted) from None
-        raise Failed(f"cannot reach relay {args.relay}: {e or type(e).__name__}") from None
+        raise Failed(f"cannot reach relay {args.relay}: {reason_of(e)}") from None
     seen = mismatched = 0
     try:
         try:
