@@ -3,6 +3,7 @@ status the README gives (2 for usage, authorization and bind errors), never a tr
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -124,3 +125,85 @@ def test_a_principals_file_without_a_principal_is_refused(tmp_path: Path) -> Non
     done = kvsp("index", "--principals", str(empty), "--listen", "127.0.0.1:0", cwd=tmp_path)
     assert done.returncode == 2 and "names no principal" in one_line(done, "index")
     assert not (tmp_path / "kvsp-pc.sqlite3").exists()
+
+
+# --------------------------------------------------------------------------- 401 and 403
+
+TOKEN_A, TOKEN_B = "tok-tenant-a", "tok-tenant-b"
+
+
+def principals_file(path: Path, scope_a: str, scope_b: str) -> Path:
+    path.write_text("".join(
+        f'[[principal]]\nname = "{name}"\ntoken = "{token}"\nscopes = ["{scope}"]\nholders = ["*"]\n'
+        f'roles = ["holder", "client", "instance", "relay"]\n\n'
+        for name, token, scope in (("a", TOKEN_A, scope_a), ("b", TOKEN_B, scope_b))))
+    return path
+
+
+@pytest.fixture(scope="module")
+def guarded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    """A holder and a relay that know tenants A and B, and one block of A's stored with
+    `kvsp put` (its record and the MOQT replica's)."""
+    from kvsp_moq.auth import Authenticator
+    from kvsp_moq.holder.service import Holder, HolderSettings
+    from kvsp_moq.naming import moqt_record
+    from kvsp_moq.protocol.records import ReplicaRecord
+    from relay.relay import RelaySettings
+    from relay.service import BackgroundRelay
+    from tests.security.conftest import COMPAT, SCOPE_A, SCOPE_B, bkey, container
+
+    tmp = tmp_path_factory.mktemp("guarded")
+    principals = principals_file(tmp / "principals.toml", SCOPE_A, SCOPE_B)
+    relay = BackgroundRelay(RelaySettings(authenticator=Authenticator.from_file(principals))).start()
+    holder = Holder(HolderSettings(listen="127.0.0.1:0", principals=principals, relay=relay.url,
+                                   index_token=TOKEN_A)).start()
+    try:
+        block = tmp / "block.kvb"
+        block.write_bytes(container(1))
+        key = bkey(1, "a")
+        done = kvsp("put", holder.url, str(block), "--compat", COMPAT, "--scope", SCOPE_A,
+                    "--key", key, "--token", TOKEN_A)
+        assert done.returncode == 0, done.stderr
+        record = tmp / "record.json"
+        record.write_text(done.stdout)
+        yield {"holder": holder.url, "relay": relay.url, "record": record, "tmp": tmp,
+               "ids": ["--compat", COMPAT, "--scope", SCOPE_A, "--key", key],
+               "moqt": moqt_record(ReplicaRecord.from_json(json.loads(done.stdout)),
+                                   relay.url).moqt_namespace}
+    finally:
+        holder.stop()
+        relay.stop()
+
+
+@pytest.mark.parametrize("token", ["not-a-token", TOKEN_B])
+def test_get_exits_2_when_the_token_is_refused(guarded: dict, token: str) -> None:
+    """401 (an unknown token) and 403 (another tenant's) over HTTP and MOQT: status 2, as
+    `kvsp put` and the README say, not 1 as a miss."""
+    for source in (guarded["holder"], guarded["relay"]):
+        done = kvsp("get", source, "--record", str(guarded["record"]), "-o",
+                    str(guarded["tmp"] / "never.kvb"), "--token", token, "--timeout", "5")
+        assert done.returncode == 2, done.stderr
+        line = one_line(done, "get")
+        assert ("401" in line or "403" in line or "UNAUTHORIZED" in line), line
+    done = kvsp("get", guarded["holder"], "--record", str(guarded["record"]), "-o",
+                str(guarded["tmp"] / "got.kvb"), "--token", TOKEN_A, "--timeout", "5")
+    assert done.returncode == 0, done.stderr
+
+
+def test_put_and_subscribe_exit_2_when_the_token_is_refused(guarded: dict) -> None:
+    block = guarded["tmp"] / "other.kvb"
+    block.write_bytes((guarded["tmp"] / "block.kvb").read_bytes())
+    ids = list(guarded["ids"])
+    ids[-1] = "ab" * 32
+    done = kvsp("put", guarded["holder"], str(block), *ids, "--token", TOKEN_B)
+    assert done.returncode == 2, done.stderr
+    assert "403" in one_line(done, "put") or "scope" in done.stderr
+    moqt = guarded["moqt"]
+    for token in ("not-a-token", TOKEN_B):
+        done = kvsp("subscribe", guarded["relay"], "--namespace", moqt, "--token", token,
+                    "--timeout", "5")
+        assert done.returncode == 2, done.stderr
+        assert "refused the subscription" in one_line(done, "subscribe")
+    done = kvsp("subscribe", guarded["relay"], "--namespace", moqt, "--token", TOKEN_A,
+                "--count", "1", "--timeout", "10")
+    assert done.returncode == 0, done.stderr
