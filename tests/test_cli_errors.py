@@ -207,3 +207,138 @@ def test_put_and_subscribe_exit_2_when_the_token_is_refused(guarded: dict) -> No
     done = kvsp("subscribe", guarded["relay"], "--namespace", moqt, "--token", TOKEN_A,
                 "--count", "1", "--timeout", "10")
     assert done.returncode == 0, done.stderr
+
+
+# --------------------------------------------------------------------------- leases, load choice
+
+
+def test_a_lease_on_another_scope_is_documented_as_not_held() -> None:
+    from kvsp_moq.openapi import _HOLDER_PATHS, LEASE_SCOPE_NOTE
+
+    assert _HOLDER_PATHS["/leases"]["post"]["description"] == LEASE_SCOPE_NOTE
+    assert "404" in LEASE_SCOPE_NOTE and "403" in LEASE_SCOPE_NOTE
+    readme = (ROOT / "README.md").read_text()
+    assert "another tenant's) is answered 404 `kvsp-not-found`" in readme
+
+
+def test_a_cold_request_says_nothing_matched() -> None:
+    from agent.choice import choose
+
+    cold = choose(instance="http://127.0.0.1:1/", prefill_tokens_per_s=1000.0, links=(),
+                  matched_blocks=0, resident_blocks=0, remote=(), block_tokens=16, total_tokens=40)
+    assert cold.to_json()["chose"] == "recompute" and cold.reason == "nothing matched: recompute"
+    warm = choose(instance="http://127.0.0.1:1/", prefill_tokens_per_s=1000.0, links=(),
+                  matched_blocks=2, resident_blocks=2, remote=(), block_tokens=16, total_tokens=40)
+    assert warm.load and warm.reason == "every matched block is resident here"
+
+
+# --------------------------------------------------------------------------- the relay's CA
+
+
+def test_a_relay_ca_that_is_not_pem_says_so(tmp_path: Path) -> None:
+    from kvsp_moq.moqt.certs import client_tls
+
+    der = tmp_path / "relay-cert.der"
+    der.write_bytes(b"\x30\x82\x01\x0a" + bytes(64))
+    with pytest.raises(SettingError, match="is not a PEM certificate"):
+        client_tls("moqt://10.0.0.2:4443", cafile=der)
+    done = kvsp("subscribe", "moqt://127.0.0.1:9", "--namespace", "a3ZzcA", "--relay-ca", str(der),
+                "--timeout", "2")
+    assert done.returncode == 2
+    assert one_line(done, "subscribe").startswith(f"kvsp subscribe: --relay-ca {der} is not a PEM certificate")
+
+
+def test_a_wrong_relay_ca_is_named_as_not_the_relays(tmp_path: Path) -> None:
+    from kvsp_moq.errors import SessionClosed
+    from kvsp_moq.moqt.certs import client_tls, generate_self_signed, untrusted_certificate
+
+    pem = tmp_path / "other.pem"
+    pem.write_bytes(generate_self_signed().certificate_pem)
+    rejected = SessionClosed("unknown ca")
+    rejected.error_code = 0x100 + 48  # the unknown_ca TLS alert
+    line = untrusted_certificate(rejected, "moqt://10.0.0.2:4443",
+                                 client_tls("moqt://10.0.0.2:4443", cafile=pem))
+    assert line is not None and f"--relay-ca {pem} is not its certificate nor its CA" in line
+    plain = untrusted_certificate(rejected, "moqt://10.0.0.2:4443", client_tls("moqt://10.0.0.2:4443"))
+    assert plain is not None and "is not its certificate" not in plain and "--relay-ca FILE" in plain
+
+
+# --------------------------------------------------------------------------- help texts
+
+
+def help_of(command: str) -> str:
+    done = kvsp(command, "--help")
+    assert done.returncode == 0, done.stderr
+    return " ".join(done.stdout.split())  # argparse wraps lines
+
+
+def test_the_help_texts_read_right() -> None:
+    index = help_of("index")
+    assert "file holding the bearer token the PC presents to instances" in index
+    assert "PC: bearer" not in index
+    for command in ("index", "holder", "relay"):
+        text = help_of(command)
+        insecure = text[text.index("--insecure-open "):][:400]
+        assert "open scope" not in insecure, (command, insecure)
+    agent = help_of("agent")
+    assert "open scope" in agent[agent.index("--insecure-open "):][:500]
+
+
+# --------------------------------------------------------------------------- the agent extra
+
+
+def test_bench_fleet_without_the_agent_extra_is_one_line(monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    import kvsp_moq.bench
+    from kvsp_moq import cli
+
+    def never(*args: object, **kwargs: object) -> dict:
+        raise AssertionError("the benchmark must not start")
+
+    monkeypatch.setattr(kvsp_moq.bench, "run_bench", never)
+    monkeypatch.setitem(sys.modules, "torch", None)  # as if torch were not installed
+    assert cli.main(["bench", "fleet", "--quick"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("kvsp bench: bench fleet needs the agent extra (torch is not installed): "
+                   "pip install 'kvsp-moq[agent]'\n")
+
+
+def test_a_missing_model_package_met_later_is_one_line(monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    import kvsp_moq.bench
+    from kvsp_moq import cli
+
+    def missing(*args: object, **kwargs: object) -> dict:
+        raise ModuleNotFoundError("No module named 'transformers'", name="transformers")
+
+    monkeypatch.setattr(kvsp_moq.bench, "run_bench", missing)
+    assert cli.main(["bench", "core", "--quick"]) == 2
+    assert capsys.readouterr().err == ("kvsp bench: needs the agent extra (transformers is not "
+                                       "installed): pip install 'kvsp-moq[agent]'\n")
+
+
+# --------------------------------------------------------------------------- the README
+
+
+def test_the_readme_says_where_files_go() -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert "with its folder, as `relay-b/relay-cert.pem`" in readme
+    assert "`kvsp-pc.sqlite3` in the directory" in readme
+
+
+def test_the_index_logs_where_the_pc_keeps_its_database(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "kvsp_moq.cli", "index", "--listen", "127.0.0.1:0"],
+                            cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None
+        lines = []
+        for _ in range(40):  # the line comes before the server starts
+            line = proc.stderr.readline()
+            lines.append(line)
+            if not line or "PC sessions and shard maps in" in line:
+                break
+        assert f"PC sessions and shard maps in {tmp_path.resolve() / 'kvsp-pc.sqlite3'}" in lines[-1], lines
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
