@@ -70,6 +70,16 @@ def test_a_relay_port_in_use_is_one_line_and_exit_2(taken_udp: int) -> None:
                                        "address already in use")
 
 
+def test_a_relay_metrics_port_in_use_is_one_line_and_exit_2(taken_tcp: int) -> None:
+    """The relay has started (and logged so) when its metrics server binds; the refusal is
+    still the last line, and the relay closes."""
+    done = kvsp("relay", "--listen", "127.0.0.1:0", "--metrics", f"127.0.0.1:{taken_tcp}")
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    assert done.stderr.splitlines()[-1] == (f"kvsp relay: cannot listen on 127.0.0.1:{taken_tcp}: "
+                                            "address already in use")
+
+
 def test_the_listening_helper_names_the_address(taken_tcp: int) -> None:
     from kvsp_moq.serving import listening
 

@@ -359,7 +359,9 @@ class BlockPublisher:
                                        return_when=asyncio.FIRST_COMPLETED)
                     wake.cancel()
             except (MoqtError, asyncio.TimeoutError, OSError) as e:
-                log.info("session to relay %s failed: %s", self.relay_url, e or "no answer to a PING")
+                log.info("session to relay %s failed: %s", self.relay_url,
+                         "no answer to a PING" if isinstance(e, asyncio.TimeoutError) and not str(e)
+                         else reason_of(e))
                 connection.close()
             finally:
                 if probe is not None:
