@@ -56,6 +56,8 @@ def choose(*, instance: str, prefill_tokens_per_s: float | None, links: Sequence
     from) or recompute from the end of the resident prefix, whichever the §6.4 estimates
     say is cheaper. With no measured prefill rate there is nothing to compare against, and
     the cache is used."""
+    if not matched_blocks:
+        return LoadChoice(False, "nothing matched: recompute")
     if not remote:
         return LoadChoice(True, "every matched block is resident here", resident_blocks)
     if not prefill_tokens_per_s:

@@ -39,8 +39,8 @@ from kvsp_moq.fetch.sources import LayerSource
 from kvsp_moq.model_descriptor import DEFAULT_BLOCK_TOKENS, DTYPES
 from kvsp_moq.moqt.certs import add_relay_tls_options
 from kvsp_moq.scope_keys import OPEN_SCOPE, OPEN_SCOPE_KEY, read_scope_keys
-from kvsp_moq.serving import INSECURE_OPEN_HELP, check_advertised, check_exposure, normalize_public_url
-from kvsp_moq.web import BackgroundServer, bind_tcp, uvicorn_config
+from kvsp_moq.serving import AGENT_INSECURE_OPEN_HELP, check_advertised, check_exposure, listening, normalize_public_url
+from kvsp_moq.web import BackgroundServer, uvicorn_config
 
 log = logging.getLogger("kvsp.agent")
 T = TypeVar("T")
@@ -263,7 +263,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                         "http://LISTEN/; needed when listening on 0.0.0.0 or ::)")
     p.add_argument("--principals", metavar="FILE",
                    help="principals file (TOML); without it the agent runs open, on loopback only")
-    p.add_argument("--insecure-open", action="store_true", help=INSECURE_OPEN_HELP)
+    p.add_argument("--insecure-open", action="store_true", help=AGENT_INSECURE_OPEN_HELP)
     add_token_options(p, what="bearer token presented to other services")
     p.add_argument("--block-tokens", type=positive_int, default=AgentSettings.block_tokens,
                    metavar="B",
@@ -320,6 +320,8 @@ def run(args: argparse.Namespace) -> int:
     warnings = check_serving(args)
     tune_interpreter()
     settings = settings_from_args(args)
+    host, port = parse_listen(settings.listen, DEFAULT_PORT)
+    sock = listening(host, port)  # a port in use is said at once, not after loading the model
     for warning in warnings:
         log.warning("%s", warning)
     if not args.scope_keys:
@@ -330,8 +332,6 @@ def run(args: argparse.Namespace) -> int:
     from agent.app import create_app  # noqa: PLC0415
 
     app = create_app(settings)
-    host, port = parse_listen(settings.listen, DEFAULT_PORT)
-    sock = bind_tcp(host, port)
     shown = f"[{host}]" if ":" in host else host
     url = settings.public_url or f"http://{shown}:{sock.getsockname()[1]}/"
     app.state.agent.url = url

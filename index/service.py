@@ -13,14 +13,16 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import uvicorn
+
 from index.app import IndexSettings, create_app
 from index.store import MemoryReplicaStore, ReplicaStore
 from kvsp_moq.arguments import parse_listen
 from kvsp_moq.auth import Authenticator, add_token_options, token_from_args
 from kvsp_moq.errors import KvspError
 from kvsp_moq.protocol.compat import CompatDescriptor
-from kvsp_moq.serving import INSECURE_OPEN_HELP, check_advertised, check_exposure, normalize_public_url
-from kvsp_moq.web import run as serve
+from kvsp_moq.serving import INSECURE_OPEN_HELP, check_advertised, check_exposure, listening, normalize_public_url
+from kvsp_moq.web import uvicorn_config
 
 if TYPE_CHECKING:
     from starlette.applications import Starlette
@@ -54,7 +56,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                    help="PC: keys file (TOML: scope name -> hex key), to route from tokens")
     p.add_argument("--index", metavar="URL",
                    help="PC with --role pc: base URL of the Index Service to look up in")
-    add_token_options(p, what="PC: bearer token presented to instances and to a remote IS")
+    add_token_options(p, what="bearer token the PC presents to instances and to a remote IS")
     p.add_argument("--max-cost-us", type=float, metavar="US",
                    help="PC: cost above which a new instance is wanted")
     from pc.placement import PREFETCH_POLICIES
@@ -168,6 +170,7 @@ def run(args: argparse.Namespace) -> int:
         public_url = normalize_public_url(getattr(args, "public_url", None))
         settings = settings_from_args(args)
         pc_settings = pc_settings_from_args(args) if args.role != "is" else None
+        sock = listening(host, port)  # a port in use is one line, before the PC opens its db
     except (KvspError, ValueError, OSError) as e:  # SettingError is a ValueError
         print(f"kvsp index: {getattr(e, 'detail', e)}", file=sys.stderr)
         return 2
@@ -182,6 +185,9 @@ def run(args: argparse.Namespace) -> int:
     log.info("index service on http://%s:%d/ (max ttl %d ms)", host, port, settings.max_ttl_ms)
     if args.role != "pc":
         log.info("replica store: %s", "memory" if args.store == "memory" else settings.store)
+    if pc_settings is not None:
+        db = pc_settings.database
+        log.info("PC sessions and shard maps in %s", db if db == ":memory:" else Path(db).resolve())
     if pc_settings is None:  # role "is"
         app = create_app(settings)
     elif args.role == "pc":
@@ -192,9 +198,5 @@ def run(args: argparse.Namespace) -> int:
         app = create_combined_app(settings, pc_settings)
     log.info("roles: %s", {"is": "Index Service", "pc": "Placement Controller",
                            "both": "Index Service + Placement Controller"}[args.role])
-    try:
-        serve(app, args.listen, DEFAULT_PORT)
-    except OSError as e:
-        print(f"kvsp index: cannot listen on {args.listen}: {e.strerror or e}", file=sys.stderr)
-        return 2
+    uvicorn.Server(uvicorn_config(app)).run(sockets=[sock])
     return 0

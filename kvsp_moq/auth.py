@@ -221,6 +221,10 @@ class Authenticator:
             data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
         except (OSError, tomllib.TOMLDecodeError) as e:
             raise BadRecord(f"cannot read principals file {path}: {e}", member="principals") from None
+        if not data.get("principal"):  # a server with no principal would refuse every request
+            hint = "; is this a --scope-keys file?" if data else ""
+            raise BadRecord(f"principals file {path} names no principal (no [[principal]] "
+                            f"table){hint}", member="principals")
         return cls.from_mapping(data)
 
     @classmethod

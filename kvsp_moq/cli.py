@@ -95,6 +95,35 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+#: The packages of the `agent` extra: torch and the model's tokenizer and weights.
+AGENT_EXTRA = ("torch", "transformers", "tokenizers", "safetensors")
+AGENT_EXTRA_HINT = "pip install 'kvsp-moq[agent]'"
+#: Benchmarks that run a model, here or in the agents they start.
+MODEL_BENCHMARKS = ("fleet", "ttft")
+
+
+def missing_agent_extra() -> str | None:
+    """The first package of the agent extra that cannot be imported, or None."""
+    import importlib.util
+
+    for name in AGENT_EXTRA:
+        try:
+            if importlib.util.find_spec(name) is None:
+                return name
+        except (ImportError, ValueError):  # ValueError: a module set to None in sys.modules
+            return name
+    return None
+
+
+def _needs_agent_extra(what: str) -> None:
+    """UsageError naming the extra to install, before anything starts, when it is missing (a
+    fleet's agents would otherwise each end in a traceback)."""
+    missing = missing_agent_extra()
+    if missing is not None:
+        raise UsageError(f"{what} needs the agent extra ({missing} is not installed): "
+                         f"{AGENT_EXTRA_HINT}")
+
+
 #: Benchmarks that take --engine and --datagram-size (a matrix of cells).
 MATRIX_BENCHMARKS = ("moqt",)
 
@@ -102,6 +131,8 @@ MATRIX_BENCHMARKS = ("moqt",)
 def cmd_bench(args: argparse.Namespace) -> int:
     """Run one benchmark. For moqt, --engine (else --quic-engine, else both engines) and
     --datagram-size pick the matrix's cells; elsewhere they are refused, not ignored."""
+    if args.target in MODEL_BENCHMARKS:
+        _needs_agent_extra(f"bench {args.target}")
     from kvsp_moq.bench import run_bench
 
     options: dict[str, Any] = {}
@@ -278,6 +309,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kvsp {args.command}: {e.detail}", file=sys.stderr)
     except SettingError as e:
         print(f"kvsp {args.command}: {e}", file=sys.stderr)
+    except ModuleNotFoundError as e:
+        if (e.name or "").partition(".")[0] not in AGENT_EXTRA:
+            raise
+        print(f"kvsp {args.command}: needs the agent extra ({e.name} is not installed): "
+              f"{AGENT_EXTRA_HINT}", file=sys.stderr)
     except BrokenPipeError:  # e.g. `kvsp ... | head`: the reader left; not an error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0

@@ -768,3 +768,15 @@ class StreamClosed(MoqtError):
 class CertificateRejected(SessionClosed):
     """A session could not open because this client did not trust the peer's certificate;
     its text says what failed and the options that fix it (`kvsp_moq.moqt.certs`)."""
+
+
+def reason_of(error: BaseException, *, named: bool = False) -> str:
+    """The text to put after "unreachable:" and the like: a KVSP error's detail, else the
+    exception's text, else its class name (a bare TimeoutError says nothing, and "()" tells a
+    user nothing either). `named` puts the class name first ("ConnectError: ...")."""
+    detail = getattr(error, "detail", None)
+    text = detail if isinstance(detail, str) and detail else str(error)
+    name = type(error).__name__
+    if not text:
+        return name
+    return f"{name}: {text}" if named else text

@@ -34,7 +34,7 @@ from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapp
 
 import httpx
 
-from kvsp_moq.errors import KvspError, NotFound, TransportError
+from kvsp_moq.errors import KvspError, NotFound, TransportError, reason_of
 from kvsp_moq.index_client import raise_for_problem
 from kvsp_moq.protocol.urls import base_url
 
@@ -149,7 +149,7 @@ class FrontEnd:
             r = await self.client.get(f"{self.pc_url}sessions/{session}", headers=self.headers,
                                       timeout=timeout or self.read_timeout_s)
         except httpx.HTTPError as e:
-            raise TransportError(f"PC {self.pc_url} unreachable: {e}") from None
+            raise TransportError(f"PC {self.pc_url} unreachable: {reason_of(e, named=True)}") from None
         raise_for_problem(r)
         data = r.json()
         if not data.get("instance"):

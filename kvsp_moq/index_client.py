@@ -7,7 +7,7 @@ from typing import Any, Sequence
 
 import httpx
 
-from kvsp_moq.errors import KvspError, TransportError
+from kvsp_moq.errors import KvspError, TransportError, reason_of
 from kvsp_moq.protocol.problems import Problem
 from kvsp_moq.protocol.records import LookupRequest, ReplicaRecord, replica_id
 from kvsp_moq.protocol.urls import base_url
@@ -83,7 +83,7 @@ class IndexClient:
         try:
             r = await self.client.request(method, self.base + path, json=json, headers=self.headers)
         except httpx.HTTPError as e:
-            raise TransportError(f"index {self.base} unreachable: {e}") from None
+            raise TransportError(f"index {self.base} unreachable: {reason_of(e, named=True)}") from None
         raise_for_problem(r)
         return r
 

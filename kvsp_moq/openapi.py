@@ -321,6 +321,13 @@ _BLOCK_BODY = {"description": "A KVB1 container",
                "content": {BLOCK_MEDIA_TYPE: {"schema": {"type": "string",
                                                          "contentMediaType": BLOCK_MEDIA_TYPE}}}}
 
+#: Why a lease on another scope's block is a 404 where a GET of it is a 403.
+LEASE_SCOPE_NOTE = ("A lease names block keys, not scopes. A block the token's principal may not "
+                    "read (another scope's) is answered 404 kvsp-not-found, \"not held\", exactly "
+                    "as a block this holder does not have, so that a lease never tells whether "
+                    "the holder keeps another scope's block; a GET of that block, whose URL "
+                    "names its scope, is answered 403.")
+
 _HOLDER_PATHS: dict[str, dict[str, Any]] = {
     "/blocks/{compat}/{scope}/{key}": {
         "get": _op("Read a block, or a range of its layers (§6.7)",
@@ -331,9 +338,10 @@ _HOLDER_PATHS: dict[str, dict[str, Any]] = {
                       params=[*_params("compat", "scope", "key"), _IF_NONE_MATCH]),
                 "requestBody": {"required": True, "content": _BLOCK_BODY["content"]}},
     },
-    "/leases": {"post": _op("Take a lease on blocks (§6.6)",
-                            {"201": _json("Lease", "Granted"), **_problems(400, 404, 429)},
-                            body="LeaseRequest")},
+    "/leases": {"post": {**_op("Take a lease on blocks (§6.6)",
+                               {"201": _json("Lease", "Granted"), **_problems(400, 404, 429)},
+                               body="LeaseRequest"),
+                         "description": LEASE_SCOPE_NOTE}},
     "/leases/{lease}": {
         "put": {**_op("Renew a lease", {"200": _json("Lease"), **_problems(400, 404, 429)},
                       params=_params("lease")),

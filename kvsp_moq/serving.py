@@ -15,19 +15,25 @@ Refusals are SettingErrors: one line on stderr and exit status 2.
 from __future__ import annotations
 
 import ipaddress
+import socket
 from urllib.parse import urlsplit
 
 from kvsp_moq.errors import SettingError
 from kvsp_moq.protocol.urls import base_url
 
-__all__ = ["INSECURE_OPEN_HELP", "check_advertised", "check_exposure", "is_loopback",
-           "is_unspecified", "normalize_public_url"]
+__all__ = ["AGENT_INSECURE_OPEN_HELP", "INSECURE_OPEN_HELP", "cannot_listen", "check_advertised",
+           "check_exposure", "is_loopback", "is_unspecified", "listening", "normalize_public_url"]
 
-#: The help of `--insecure-open`, the same on every server.
-INSECURE_OPEN_HELP = ("run without authentication on a non-loopback address: no principals file "
-                      "(and, for an agent, the open scope, whose key is public), so anyone who "
-                      "can reach the address may read and write; logged as a warning at start. "
-                      "Without it such a server refuses to start")
+#: The help of `--insecure-open` on the index, holder and relay.
+INSECURE_OPEN_HELP = ("run without authentication on a non-loopback address: no principals file, "
+                      "so anyone who can reach the address may read and write; logged as a "
+                      "warning at start. Without it such a server refuses to start")
+#: The help of `--insecure-open` on an agent, which alone has an open scope.
+AGENT_INSECURE_OPEN_HELP = ("run on a non-loopback address without a principals file, or with the "
+                            "open scope (no --scope-keys; its key is public), so anyone who can "
+                            "reach the address may read and write, or compute the scope's block "
+                            "keys; logged as a warning at start. Without it such an agent refuses "
+                            "to start")
 
 
 def is_loopback(host: str) -> bool:
@@ -114,3 +120,22 @@ def check_advertised(host: str, public_url: str | None) -> None:
 def _shown(host: str) -> str:
     host = host.strip("[]") or "0.0.0.0"
     return f"[{host}]" if ":" in host else host
+
+
+def cannot_listen(host: str, port: int, error: OSError) -> SettingError:
+    """The one line for an address a server cannot bind ("... address already in use"): a
+    setting to change, not a traceback."""
+    reason = (error.strerror or str(error) or type(error).__name__).rstrip(".")
+    return SettingError(f"cannot listen on {_shown(host)}:{port}: {reason[:1].lower()}{reason[1:]}",
+                        member="listen")
+
+
+def listening(host: str, port: int) -> socket.socket:
+    """The listening TCP socket of a server, bound before anything slow (a model) is loaded, so
+    that a port in use is said at once; SettingError (exit status 2) when it cannot be bound."""
+    from kvsp_moq.web import bind_tcp  # noqa: PLC0415  (the web stack only for HTTP servers)
+
+    try:
+        return bind_tcp(host, port)
+    except OSError as e:
+        raise cannot_listen(host, port, e) from None

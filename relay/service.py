@@ -41,7 +41,7 @@ from kvsp_moq.moqt.certs import certificate_names, client_tls, fingerprint, load
 from kvsp_moq.moqt.drafts import parse_drafts
 from kvsp_moq.moqt.quic import new_event_loop
 from kvsp_moq.moqt.quic import run as run_loop
-from kvsp_moq.serving import INSECURE_OPEN_HELP, check_advertised, check_exposure, normalize_public_url
+from kvsp_moq.serving import INSECURE_OPEN_HELP, cannot_listen, check_advertised, check_exposure, normalize_public_url
 
 from .relay import Relay, RelaySettings
 
@@ -192,7 +192,10 @@ async def serve_forever(settings: RelaySettings, notes: Sequence[str] = (),
             loop.add_signal_handler(sig, stop.set)
         except (NotImplementedError, RuntimeError):
             pass
-    relay = await Relay(settings).start()
+    try:
+        relay = await Relay(settings).start()
+    except OSError as e:  # a port in use: one line, exit status 2
+        raise cannot_listen(settings.host, settings.port, e) from None
     print(f"relay listening on {settings.public_url or relay.url}", flush=True)
     if settings.public_url and settings.public_url != relay.url:
         print(f"bound to {relay.url}", flush=True)
@@ -206,8 +209,10 @@ async def serve_forever(settings: RelaySettings, notes: Sequence[str] = (),
     if metrics is not None:
         try:
             metrics_server = await start_metrics_server(relay, *metrics)
-        except BaseException:
+        except BaseException as e:
             await relay.aclose()
+            if isinstance(e, OSError):
+                raise cannot_listen(*metrics, e) from None
             raise
         print(f"metrics at {metrics_server.url}metrics", flush=True)
     try:

@@ -13,6 +13,7 @@ import asyncio
 import logging
 from typing import Any, Awaitable, Callable
 
+from kvsp_moq.errors import reason_of
 from kvsp_moq.moqt.certs import ClientTls, untrusted_certificate
 from kvsp_moq.moqt.quic import connect
 
@@ -64,7 +65,7 @@ class UpstreamLink:
             except Exception as e:  # any failure to connect: try again later
                 line = untrusted_certificate(e, s.upstream, tls)
                 if line is None:
-                    log.info("upstream relay %s unreachable (%s); retrying in %.1fs", s.upstream, e or "timeout",
+                    log.info("upstream relay %s unreachable (%s); retrying in %.1fs", s.upstream, reason_of(e),
                              backoff)
                 elif not untrusted_said:  # said once; the upstream may get another certificate
                     untrusted_said = True

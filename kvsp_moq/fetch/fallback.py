@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncGenerator, AsyncIterator, Callable, NamedTuple, Sequence
 
-from kvsp_moq.errors import CandidatesExhausted, KvspError, LayersUnavailable
+from kvsp_moq.errors import CandidatesExhausted, KvspError, LayersUnavailable, reason_of
 from kvsp_moq.fetch.leases import LeaseKeeper, lease_unavailable
 from kvsp_moq.fetch.sources import SourceCandidate
 from kvsp_moq.protocol.container import Buffer
@@ -239,7 +239,7 @@ class FallbackStream:
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # any failure of a source moves on to the next one
-                attempt.error = getattr(e, "detail", None) or f"{type(e).__name__}: {e}"
+                attempt.error = getattr(e, "detail", None) or reason_of(e, named=True)
                 block.fail(cand, attempt.error)
                 await block.drop(cand)
             finally:

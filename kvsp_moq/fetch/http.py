@@ -49,7 +49,7 @@ import httpcore
 import httpx
 
 from kvsp_moq.allocator import receive_buffer
-from kvsp_moq.errors import BadContainer
+from kvsp_moq.errors import BadContainer, reason_of
 from kvsp_moq.fetch import http1
 from kvsp_moq.fetch.stream import FetchedBlock, SourceFailed, VerifiedLayerStream, record_layer_digests
 from kvsp_moq.hashing import hash_pool
@@ -178,7 +178,7 @@ class HttpLayerStream(VerifiedLayerStream):
             except (httpx.TimeoutException, http1.ReadTimeout, http1.ConnectTimeout) as e:
                 self._fail(source, "transport", f"timed out ({type(e).__name__})")
             except (httpx.HTTPError, http1.Http1Error, OSError) as e:
-                self._fail(source, "transport", f"{type(e).__name__}: {e}")
+                self._fail(source, "transport", reason_of(e, named=True))
             finally:
                 if next_layer > start_layer:
                     self.served_by.append((source, start_layer, next_layer - 1))
@@ -278,7 +278,7 @@ class HttpLayerStream(VerifiedLayerStream):
             try:
                 whole = parser.close()
             except BadContainer as e:
-                raise SourceFailed("transport", str(e)) from None
+                raise SourceFailed("transport", reason_of(e)) from None
             if stream_hash is not None:
                 if hashed < parser.received and parser.buffer is not None:  # close() left it set
                     stream_hash.update(parser.buffer[hashed:parser.received])

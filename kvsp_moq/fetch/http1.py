@@ -18,7 +18,7 @@ import asyncio
 from typing import AsyncIterator, cast
 from urllib.parse import urlsplit
 
-from kvsp_moq.errors import ConnectError, ConnectTimeout, Http1Error, ReadTimeout, RemoteProtocolError
+from kvsp_moq.errors import ConnectError, ConnectTimeout, Http1Error, ReadTimeout, RemoteProtocolError, reason_of
 
 __all__ = ["Http1Error", "ConnectError", "ConnectTimeout", "ReadTimeout", "RemoteProtocolError"]
 
@@ -367,7 +367,7 @@ class Http1Pool:
             raise ConnectTimeout(f"no connection to {key[0]}:{key[1]} within "
                                  f"{self.connect_timeout} s") from None
         except OSError as e:
-            raise ConnectError(str(e)) from None
+            raise ConnectError(reason_of(e)) from None
         return Connection(key, transport, proto)
 
     async def _exchange(self, conn: Connection, request: bytes) -> Response:

@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 
 import httpx
 
-from kvsp_moq.errors import KvspError, TransportError
+from kvsp_moq.errors import KvspError, TransportError, reason_of
 from kvsp_moq.index_client import raise_for_problem
 from kvsp_moq.protocol.urls import base_url
 
@@ -58,7 +58,7 @@ class LeaseClient:
             r = await self.client.post(url, json={"block_keys": list(block_keys), "ttl_ms": ttl_ms},
                                        headers=self.headers, timeout=self.timeout)
         except httpx.HTTPError as e:
-            raise TransportError(f"lease at {holder}: {type(e).__name__} {e}") from None
+            raise TransportError(f"lease at {holder}: {reason_of(e, named=True)}") from None
         if self.on_rtt is not None:
             self.on_rtt(base_url(holder), time.perf_counter() - started)
         raise_for_problem(r)
@@ -72,7 +72,7 @@ class LeaseClient:
             r = await self.client.put(url, json={"ttl_ms": ttl_ms}, headers=self.headers,
                                       timeout=self.timeout)
         except httpx.HTTPError as e:
-            raise TransportError(f"renewing lease at {holder}: {type(e).__name__} {e}") from None
+            raise TransportError(f"renewing lease at {holder}: {reason_of(e, named=True)}") from None
         raise_for_problem(r)
         return int(r.json().get("ttl_ms", ttl_ms))
 

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncGenerator, AsyncIterator, Sequence
 
-from kvsp_moq.errors import BadRecord, KvspError, LayersUnavailable
+from kvsp_moq.errors import BadRecord, KvspError, LayersUnavailable, reason_of
 from kvsp_moq.fetch.stream import FetchedBlock, SourceFailed, VerifiedLayerStream, record_layer_digests
 from kvsp_moq.moqt.certs import CertificateRejected, ClientTls, check_trusted
 from kvsp_moq.moqt.errors import DoesNotExist, InvalidRange, MoqtError, RequestError, RequestErrorCode
@@ -42,8 +42,8 @@ def _failure_of(error: BaseException) -> SourceFailed:
     if isinstance(error, asyncio.TimeoutError):
         return SourceFailed("transport", "timed out")
     if isinstance(error, KvspError):
-        return SourceFailed("malformed" if isinstance(error, BadRecord) else "transport", str(error))
-    return SourceFailed("transport", f"{type(error).__name__}: {error}")
+        return SourceFailed("malformed" if isinstance(error, BadRecord) else "transport", reason_of(error))
+    return SourceFailed("transport", reason_of(error, named=True))
 
 
 class MoqtLayerStream(VerifiedLayerStream):

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterator, Callable, Protocol, Sequence, runtime_checkable
 
-from kvsp_moq.errors import TransportError
+from kvsp_moq.errors import TransportError, reason_of
 from kvsp_moq.fetch.http import HttpFetcher
 from kvsp_moq.fetch.stream import FetchedBlock
 from kvsp_moq.holder.store import BlockId, BlockStore
@@ -138,8 +138,8 @@ class MoqtLayerSource:
         except asyncio.CancelledError:
             raise
         except Exception as e:
-            self._mark_down(getattr(e, "detail", None) or repr(e))
-            raise TransportError(f"the relay {self.relay} is unreachable: {e!r}") from None
+            self._mark_down(reason_of(e, named=True))
+            raise TransportError(f"the relay {self.relay} is unreachable: {reason_of(e, named=True)}") from None
 
     def connect(self) -> None:
         """Start the session to the relay in the background, so that the first load does not

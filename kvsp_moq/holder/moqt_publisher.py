@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
-from kvsp_moq.errors import KvspError, LayersUnavailable, PreconditionFailed
+from kvsp_moq.errors import KvspError, LayersUnavailable, PreconditionFailed, reason_of
 from kvsp_moq.holder.store import BlockId, BlockRead, BlockStore, StoredBlock
 from kvsp_moq.moqt.certs import ClientTls, untrusted_certificate
 from kvsp_moq.moqt.errors import (
@@ -319,7 +319,7 @@ class BlockPublisher:
             except Exception as e:  # any failure to connect: try again later
                 line = untrusted_certificate(e, self.relay_url, self.tls)
                 if line is None:
-                    log.info("relay %s unreachable (%s); retrying in %.1fs", self.relay_url, e or "timeout",
+                    log.info("relay %s unreachable (%s); retrying in %.1fs", self.relay_url, reason_of(e),
                              backoff)
                 elif not untrusted_said:  # said once, at error level; retried quietly (it may change)
                     untrusted_said = True
@@ -359,7 +359,9 @@ class BlockPublisher:
                                        return_when=asyncio.FIRST_COMPLETED)
                     wake.cancel()
             except (MoqtError, asyncio.TimeoutError, OSError) as e:
-                log.info("session to relay %s failed: %s", self.relay_url, e or "no answer to a PING")
+                log.info("session to relay %s failed: %s", self.relay_url,
+                         "no answer to a PING" if isinstance(e, asyncio.TimeoutError) and not str(e)
+                         else reason_of(e))
                 connection.close()
             finally:
                 if probe is not None:

@@ -41,8 +41,8 @@ from kvsp_moq.holder.store import TierRates
 from kvsp_moq.holder.tenancy import parse_scopes
 from kvsp_moq.moqt.certs import add_relay_tls_options
 from kvsp_moq.protocol.compat import CompatDescriptor
-from kvsp_moq.serving import INSECURE_OPEN_HELP, check_advertised, check_exposure, normalize_public_url
-from kvsp_moq.web import BackgroundServer, bind_tcp, uvicorn_config
+from kvsp_moq.serving import INSECURE_OPEN_HELP, check_advertised, check_exposure, listening, normalize_public_url
+from kvsp_moq.web import BackgroundServer, uvicorn_config
 
 log = logging.getLogger("kvsp.holder")
 T = TypeVar("T")
@@ -251,11 +251,11 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     warnings = check_serving(args)
     settings = settings_from_args(args)
-    app = create_app(settings)
     host, port = parse_listen(settings.listen, DEFAULT_PORT)
+    sock = listening(host, port)  # a port in use is one line, before the store is opened
+    app = create_app(settings)
     for warning in warnings:
         log.warning("%s", warning)
-    sock = bind_tcp(host, port)
     bound_port = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
     url = settings.public_url or f"http://{shown}:{bound_port}/"

@@ -12,6 +12,7 @@ import argparse
 import datetime
 import hashlib
 import ipaddress
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
@@ -190,6 +191,10 @@ def add_relay_tls_options(p: argparse.ArgumentParser, *, aliases: bool = False) 
                      help="do not verify the relay's certificate, wherever it is (warned)")
 
 
+#: A PEM certificate's first line (OpenSSL also reads the TRUSTED and X509 spellings).
+_PEM_CERTIFICATE = re.compile(rb"-----BEGIN (?:TRUSTED |X509 )?CERTIFICATE-----")
+
+
 def client_tls(url: str, *, cafile: str | Path | None = None, insecure: bool = False,
                peer: str = "relay", ca_option: str = "--relay-ca",
                insecure_option: str = "--relay-insecure") -> ClientTls:
@@ -215,10 +220,14 @@ def client_tls(url: str, *, cafile: str | Path | None = None, insecure: bool = F
         raise SettingError(f"give {ca_option} or {insecure_option}, not both")
     if cafile:
         try:
-            with open(cafile, "rb"):
-                pass
+            with open(cafile, "rb") as f:
+                pem = f.read(1 << 20)
         except OSError as e:
             raise SettingError(f"cannot read {ca_option} {cafile}: {e.strerror or e}") from None
+        if not _PEM_CERTIFICATE.search(pem):  # else TLS says only "(empty CA store)"
+            raise SettingError(f"{ca_option} {cafile} is not a PEM certificate (no "
+                               "-----BEGIN CERTIFICATE----- line): give the relay's certificate "
+                               "as printed at its start, or its CA, in PEM")
         return decided(True, str(cafile))
     if insecure:
         return decided(False, note=f"NOT verifying the certificate of the {peer} {url} "
@@ -244,6 +253,11 @@ def untrusted_certificate(error: BaseException, url: str, tls: ClientTls | None 
         return None
     tls = tls or ClientTls(True)
     reason = str(error) or "certificate rejected"
+    if tls.cafile is not None:  # the file given is not what signed the peer's certificate
+        return (f"the certificate of the {tls.peer} {url} is not trusted ({reason}): "
+                f"{tls.ca_option} {tls.cafile} is not its certificate nor its CA; give as "
+                f"{tls.ca_option} FILE the one the relay printed at its start, or "
+                f"{tls.insecure_option}")
     return (f"the certificate of the {tls.peer} {url} is not trusted ({reason}); give "
             f"{tls.ca_option} FILE (its certificate, printed at relay start) or "
             f"{tls.insecure_option}")

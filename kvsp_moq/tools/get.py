@@ -10,13 +10,14 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from kvsp_moq.cli import STARTED
-from kvsp_moq.errors import KvspError, NotFound
+from kvsp_moq.errors import ForbiddenScope, KvspError, NotFound, Unauthorized
 from kvsp_moq.moqt.certs import add_relay_tls_options
 from kvsp_moq.protocol.container import Container, Layer, encode
 from kvsp_moq.protocol.records import ReplicaRecord
@@ -38,7 +39,8 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         "relay (moqt://...), verify every layer against the block's Replica Record, and write "
         "the container. The record is read from --record, or looked up in the Index Service "
         "given by --index (the replica at SOURCE; for a relay, any MOQT replica). Exit status: "
-        "0 fetched, 1 the fetch failed (miss, unreachable, digest mismatch), 2 bad arguments.")
+        "0 fetched, 1 the fetch failed (miss, unreachable, digest mismatch), 2 bad arguments "
+        "or a token refused (401, 403).")
     p.add_argument("source", metavar="SOURCE", help="http(s)://holder/ or moqt://relay:port")
     add_common(p)
     p.add_argument("--layers", metavar="A-B", help="inclusive layer range (default: all)")
@@ -134,6 +136,20 @@ class Progress:
             print(file=sys.stderr, flush=True)
 
 
+#: How a source's refusal of the token reads in a fetch's failures: an HTTP 401 or 403, or a
+#: MOQT REQUEST_ERROR about authorization (`kvsp_moq.fetch`).
+_REFUSED = re.compile(r"^(?:HTTP 40[13]\b|(?:UNAUTHORIZED|MALFORMED_AUTH_TOKEN|EXPIRED_AUTH_TOKEN):)")
+
+
+def _refusal(error: KvspError) -> KvspError | None:
+    """An Unauthorized (exit status 2) when every source refused the token, else None."""
+    failures = getattr(error, "failures", None) or []
+    if failures and all(_REFUSED.match(reason) for _, reason in failures):
+        forbidden = any(reason.startswith("HTTP 403") for _, reason in failures)
+        return (ForbiddenScope if forbidden else Unauthorized)(error.detail)
+    return None
+
+
 def _write(output: str, data: bytes | bytearray | memoryview) -> None:
     if output == "-":
         sys.stdout.buffer.write(data)
@@ -216,9 +232,12 @@ async def _fetch(args: argparse.Namespace, source: str, moqt: bool, record: Repl
             async for layer in stream:
                 got.append(layer)
                 progress.layer(layer)
-        except KvspError:
+        except KvspError as e:
             if moqt and source in fetcher.untrusted:  # not a failed fetch: fix the options
                 raise UsageError(fetcher.untrusted[source]) from None
+            refusal = _refusal(e)
+            if refusal is not None:  # exit status 2, as for `kvsp put`: fix the token
+                raise refusal from None
             raise
         finally:
             progress.finish()

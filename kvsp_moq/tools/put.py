@@ -10,7 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-from kvsp_moq.errors import KvspError
+from kvsp_moq.errors import KvspError, reason_of
 from kvsp_moq.protocol.urls import base_url
 from kvsp_moq.tools import Failed, UsageError, add_common, guarded, hex_arg
 
@@ -59,7 +59,7 @@ async def _put(args: argparse.Namespace) -> int:
         async with httpx.AsyncClient(timeout=args.timeout, trust_env=False) as client:
             response = await client.put(url, content=data, headers=headers)
     except httpx.HTTPError as e:
-        raise Failed(f"holder {args.holder} unreachable: {type(e).__name__}: {e}") from None
+        raise Failed(f"holder {args.holder} unreachable: {reason_of(e, named=True)}") from None
     if response.status_code == 412:
         raise Failed(f"{args.holder} already holds block {key}; its copy is kept")
     raise_for_problem(response)

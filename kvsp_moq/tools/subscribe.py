@@ -13,7 +13,7 @@ import hashlib
 import json
 import time
 
-from kvsp_moq.errors import KvspError
+from kvsp_moq.errors import KvspError, Unauthorized, reason_of
 from kvsp_moq.moqt.certs import add_relay_tls_options
 from kvsp_moq.tools import Failed, UsageError, add_common, guarded, read_record
 
@@ -23,7 +23,8 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         "SUBSCRIBE to one track at a MOQT relay and print one line per object as it arrives: "
         "group, object, size and, with --record, whether the payload matches the layer "
         "digest. Ends when the track ends, after --count objects or after --timeout seconds. "
-        "Exit status: 0 done, 1 refused, nothing arrived or a digest mismatch, 2 bad arguments.")
+        "Exit status: 0 done, 1 refused, nothing arrived or a digest mismatch, 2 bad arguments or "
+        "a token the relay refused.")
     p.add_argument("relay", metavar="moqt://RELAY", help="the relay's moqt:// URI")
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--namespace", metavar="B64",
@@ -86,14 +87,16 @@ async def _subscribe(args: argparse.Namespace) -> int:
         untrusted = untrusted_certificate(e, args.relay, tls)
         if untrusted is not None:
             raise UsageError(untrusted) from None
-        raise Failed(f"cannot reach relay {args.relay}: {e or type(e).__name__}") from None
+        raise Failed(f"cannot reach relay {args.relay}: {reason_of(e)}") from None
     seen = mismatched = 0
     try:
         try:
             subscription = await connection.subscribe(namespace, track, forward=True,
                                                       authorization=args.token, timeout=step)
+        except Unauthorized as e:  # the token: exit status 2, as for `kvsp get` and `kvsp put`
+            raise Unauthorized(f"the relay refused the subscription: {reason_of(e)}") from None
         except RequestError as e:
-            raise Failed(f"the relay refused the subscription: {e}") from None
+            raise Failed(f"the relay refused the subscription: {reason_of(e)}") from None
         except asyncio.TimeoutError:
             raise Failed(f"no answer to SUBSCRIBE within {step:g} s") from None
         iterator = subscription.__aiter__()

@@ -76,7 +76,7 @@ def test_every_server_decides_the_same(tmp_path):
     from relay import service as relay
 
     principals = tmp_path / "principals.toml"
-    principals.write_text("")
+    principals.write_text('[[principal]]\nname = "a"\ntoken = "tok"\nscopes = ["*"]\nroles = ["holder"]\n')
     keys = tmp_path / "keys.toml"
     keys.write_text(f'a = "{"11" * 32}"\n')
 

@@ -247,7 +247,7 @@ async def test_without_a_relay_there_is_no_moqt_side(fake_index, holders, client
 def test_relay_certificate_checks(tmp_path):
     """The holder checks its relay's certificate by the rule every MOQT client shares."""
     ca = tmp_path / "ca.pem"
-    ca.write_bytes(b"")
+    ca.write_bytes(CERT.certificate_pem)
 
     def decided(url, cafile=None, insecure=False):
         return client_tls(url, cafile=cafile, insecure=insecure).connect_options()
