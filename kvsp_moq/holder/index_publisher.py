@@ -26,7 +26,7 @@ import logging
 import time
 from typing import Callable
 
-from kvsp_moq.errors import ForbiddenRole, KvspError
+from kvsp_moq.errors import ForbiddenRole, KvspError, reason_of
 from kvsp_moq.holder.moqt_publisher import BlockPublisher
 from kvsp_moq.holder.store import BlockId, BlockStore, StoredBlock
 from kvsp_moq.index_client import IndexClient
@@ -226,7 +226,7 @@ class IndexPublisher:
         try:
             await asyncio.wait_for(self._delete_all(records), self.withdraw_timeout_s)
         except (KvspError, asyncio.TimeoutError) as e:
-            log.warning("withdrawing %s failed (%s); will retry", bid.path, e or "timeout")
+            log.warning("withdrawing %s failed (%s); will retry", bid.path, reason_of(e))
             self._deletes[bid] = records
             if self._wake is not None:
                 self._wake.set()
@@ -275,7 +275,7 @@ class IndexPublisher:
             except (KvspError, asyncio.TimeoutError) as e:
                 self.failures += 1
                 log.warning("index %s: %s; retrying in %.1fs", self.index.base if self.index
-                            else "-", e or "timeout", backoff)
+                            else "-", reason_of(e), backoff)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, self.retry_max_s)
                 continue
