@@ -263,11 +263,13 @@ _RESPONSES: dict[str, dict[str, Any]] = {
                 "content": {PROBLEM_MEDIA_TYPE: {"schema": _ref("Problem")}}}
     for code, title in ((400, "Malformed input"), (401, "Unauthorized"),
                         (403, "Not authorized for this scope, or no role that may do this"),
-                        (404, "Not found"),
-                        (409, "Stale epoch"), (412, "Precondition failed"),
-                        (413, "Payload too large"), (428, "Precondition required"),
-                        (429, "Lease quota exceeded"), (502, "Upstream failure"),
-                        (503, "Not active"))
+                        (404, "Not found"), (408, "The request head did not arrive in time"),
+                        (409, "Stale epoch"), (411, "Length required"),
+                        (412, "Precondition failed"), (413, "Content too large"),
+                        (428, "Precondition required"), (429, "Lease quota exceeded"),
+                        (431, "Request head too large"), (502, "Upstream failure"),
+                        (503, "Not active, or overloaded (see Retry-After)"),
+                        (507, "Insufficient storage"))
 }
 
 
@@ -297,8 +299,10 @@ def _op(summary: str, responses: dict[str, Any], *, body: str | None = None,
         params: list[dict[str, Any]] | None = None, auth: bool = True) -> dict[str, Any]:
     op: dict[str, Any] = {"summary": summary, "responses": dict(responses)}
     # Any operation: a request the HTTP layer cannot parse (a bad Transfer-Encoding, say) is
-    # answered 400 before it reaches the operation (`kvsp_moq.web.ProblemHttpProtocol`).
-    op["responses"].update(_problems(400))
+    # answered 400 before it reaches the operation, a head too slow 408, too large 431, a
+    # connection over the server's cap 503 (`kvsp_moq.web.ProblemHttpProtocol`,
+    # `kvsp_moq.http_limits`).
+    op["responses"].update(_problems(400, 408, 431, 503))
     if body is not None:
         op["requestBody"] = _body(body)
     if params:
@@ -334,7 +338,7 @@ _HOLDER_PATHS: dict[str, dict[str, Any]] = {
                    {"200": _BLOCK_BODY, **_problems(400, 403, 404)}, params=_BLOCK),
         "put": {**_op("Store a block (If-None-Match: * required)",
                       {"201": _json("ReplicaRecord", "Stored; the replica record"),
-                       **_problems(400, 403, 412, 413, 428)},
+                       **_problems(400, 403, 411, 412, 413, 428, 503, 507)},
                       params=[*_params("compat", "scope", "key"), _IF_NONE_MATCH]),
                 "requestBody": {"required": True, "content": _BLOCK_BODY["content"]}},
     },
