@@ -47,7 +47,7 @@ async def test_ttl_is_capped_and_the_record_expires(serve, http):
     assert doc["blocks"][0]["replicas"][0]["ttl_ms"] == 300
     await eventually(lambda: _is(count(http, ix.url, [key(0)]), 0), timeout=3.0, what="the record expired")
     assert time.monotonic() - start >= 0.29
-    assert "kvsp_index_ttl_capped_total 1" in (await http.get(ix.url + "metrics")).text
+    assert "kvsp_index_ttl_capped_total 1" in (await http.get(ix.url + "metrics", headers=auth("t-metrics"))).text
 
 
 async def test_ttl_below_the_cap_is_kept(serve, http):
@@ -106,10 +106,10 @@ async def test_the_background_sweeper_keeps_the_gauge(serve, http, redis_url):
     recs = [record(key(i), ttl_ms=200, layers=1) for i in range(3)]
     await http.post(ix.url + "replicas:batch", json={"records": recs}, headers=auth("t-h1"))
     assert ix.store.records == 3
-    assert "kvsp_index_replica_records 3" in (await http.get(ix.url + "metrics")).text
+    assert "kvsp_index_replica_records 3" in (await http.get(ix.url + "metrics", headers=auth("t-metrics"))).text
 
     async def gauge_zero() -> bool:
-        return "kvsp_index_replica_records 0" in (await http.get(ix.url + "metrics")).text
+        return "kvsp_index_replica_records 0" in (await http.get(ix.url + "metrics", headers=auth("t-metrics"))).text
 
     await eventually(gauge_zero, timeout=4.0, what="the gauge at zero", step=0.05)
 
