@@ -31,6 +31,8 @@ from kvsp_moq.web import BackgroundServer
 from pc.app import PCSettings
 from relay.access import AccessPolicy
 from relay.access import Action as MoqtAction
+from tests.pc.fakes import checkpoint as fake_checkpoint
+from tests.pc.fakes import status as fake_status
 
 from .conftest import COMPAT, container
 
@@ -289,22 +291,14 @@ def replica_path(rec: dict[str, Any]) -> str:
 
 
 def status_record(url: str, epoch: int = 1) -> dict[str, Any]:
-    return {"instance": url, "epoch": epoch, "state": "active", "running": 0, "queued": 0,
-            "batch_size": 8, "kv_utilization": 0.1, "prefill_tokens_per_s": 10_000,
-            "decode_tokens_per_s": 500, "links": [], "requested_state": None, "ttl_ms": 600_000}
+    return fake_status(url, epoch=epoch, ttl_ms=600_000)
 
 
 def checkpoint(session: str, t: str, *, epoch: int = 1, offset: int = 3,
                instance: str | None = None) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "session": session, "epoch": epoch, "compat_id": COMPAT, "scope_id": SCOPES[t],
-        "prompt_blocks": ["aa" * 32], "prompt_tail": [1, 2],
-        "generated": list(range(100, 100 + offset)), "output_offset": offset,
-        "sampler": {"method": "greedy", "params": {}, "seed": 0, "step": offset,
-                    "deterministic": True}}
-    if instance is not None:
-        body["instance"] = instance
-    return body
+    """A Session Checkpoint of tenant t's scope."""
+    return fake_checkpoint(session, epoch=epoch, offset=offset, instance=instance,
+                           scope_id=SCOPES[t])
 
 
 Case = Callable[[Env, str], None]
