@@ -3,7 +3,8 @@
     kvsp holder --listen 127.0.0.1:8801 --data DIR --index http://127.0.0.1:8700/ \
                 [--public-url URL] [--principals FILE | --insecure-open] \
                 [--relay moqt://127.0.0.1:4443 [--relay-ca FILE | --relay-insecure]] \
-                [--serve-scope HEX ...] [--scope-quota N] [--max-leases N]
+                [--serve-scope HEX ...] [--scope-quota N] [--max-leases N] \
+                [--max-put-inflight N]
 
 The holder stores blocks of its own scopes only: those of --serve-scope, else those of the
 principal its --token belongs to (`kvsp_moq.holder.tenancy`); each scope within its quota.
@@ -205,6 +206,10 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                    help="octets of blocks one scope may hold, e.g. 2G (default: an equal share "
                         "of the store among the scopes served); a store beyond it evicts that "
                         "scope's own oldest blocks, or answers 507")
+    p.add_argument("--max-put-inflight", type=parse_size, default=None, metavar="N",
+                   help="octets that block PUTs being received may declare together, e.g. 4G "
+                        "(default: twice the largest block); a PUT beyond it is answered 503 "
+                        "with Retry-After, so slow senders cannot reserve unbounded memory")
     p.add_argument("--descriptor", action="append", default=[], metavar="FILE",
                    help="compatibility descriptor whose geometry stored blocks must match "
                         "(repeatable)")
@@ -233,6 +238,7 @@ def settings_from_args(args: argparse.Namespace) -> HolderSettings:
         max_lease_bytes=args.max_lease_bytes, descriptors=descriptors,
         max_leases=args.max_leases, max_leases_total=args.max_leases_total,
         serve_scopes=tuple(parse_scopes(args.serve_scope)), scope_quota=args.scope_quota,
+        max_put_inflight_bytes=args.max_put_inflight,
     )
 
 

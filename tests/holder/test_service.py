@@ -93,12 +93,14 @@ def test_the_command_serves_with_authentication(tmp_path) -> None:
 def test_tenancy_and_lease_options_become_settings() -> None:
     args = parser().parse_args(["--serve-scope", "AB" * 16, "--serve-scope", "cd" * 16,
                                 "--scope-quota", "2G", "--max-leases", "10",
-                                "--max-leases-total", "100"])
+                                "--max-leases-total", "100", "--max-put-inflight", "3G"])
     s = settings_from_args(args)
+    assert s.max_put_inflight_bytes == 3 << 30
     assert s.serve_scopes == ("ab" * 16, "cd" * 16) and s.scope_quota == 2 << 30
     assert (s.max_leases, s.max_leases_total) == (10, 100)
     defaults = settings_from_args(parser().parse_args([]))
     assert defaults.serve_scopes == () and defaults.scope_quota is None
+    assert defaults.max_put_inflight_bytes is None  # twice the block limit
     assert (defaults.max_leases, defaults.max_leases_total) == (1024, 16384)
 
 
