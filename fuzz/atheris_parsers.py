@@ -70,7 +70,7 @@ MESSAGE_TYPES = sorted(m.MESSAGE_TYPES[18])
 
 
 def container(data: bytes) -> None:
-    """KVB1 container (§4.2): a container that re-encodes to the same length, or BadContainer."""
+    """KVB1 container (§4.3): a container that re-encodes to the same length, or BadContainer."""
     try:
         c = Container(data)
     except BadContainer:

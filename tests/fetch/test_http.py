@@ -261,7 +261,7 @@ def test_repr_digest_field_parsing() -> None:
 
 
 def _past_layer_space(block_data: bytes) -> bytes:
-    """The block with First Layer set so that First Layer + Layer Count exceeds 2^32 (§4.2
+    """The block with First Layer set so that First Layer + Layer Count exceeds 2^32 (§4.3
     refuses that; the header is otherwise consistent, so only that rule can catch it)."""
     data = bytearray(block_data)
     data[8:12] = (0xFFFFFFFF).to_bytes(4, "big")
