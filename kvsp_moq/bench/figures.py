@@ -125,7 +125,6 @@ def fanout_figure(fanout: Mapping[str, Any]) -> Figure:
     ax.set_xlim(left=0)
     ax.set_yticks(range(clients + 1))
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower right", fontsize="small")
     ax.set_title(f"{clients} clients load one {prefix / MiB:g} MiB prefix at once")
 
     bars = [("holder", "moqt", "holder_egress_bytes"), ("relay", "moqt", "relay_egress_bytes"),
@@ -137,10 +136,12 @@ def fanout_figure(fanout: Mapping[str, Any]) -> Figure:
     bx.bar_label(drawn, labels=[f"{h:.2f}x" for h in heights])
     bx.axhline(1.0, color="grey", linestyle=":", label="one copy of the prefix")
     bx.axhline(clients, color="black", linestyle=":", label=f"one copy per client ({clients})")
+    bx.set_ylim(0, 1.15 * max([*heights, clients]))  # room for the labels above the bars
     bx.set_ylabel("octets sent, in copies of the prefix")
     bx.set_xlabel("interface (transport of the run)")
-    bx.legend(loc="upper left", fontsize="small")
     bx.set_title("Octets out of each interface (median over rounds)")
+    handles = [h for a in (ax, bx) for h in a.get_legend_handles_labels()[0]]
+    fig.legend(handles=handles, loc="outside lower center", ncols=3, fontsize="small")
     return fig
 
 
@@ -175,6 +176,6 @@ def ttfl_figure(ttfl_ms: Mapping[str, Sequence[float]], clients: Mapping[str, in
     ax.set_ylim(0, 1.02)
     ax.grid(alpha=0.3, which="both")
     if any(ttfl_ms.values()):
-        ax.legend(loc="lower right", fontsize="small")
+        fig.legend(loc="outside lower center", ncols=2, fontsize="small")
     ax.set_title("Load test: time to first layer, per transport")
     return fig
