@@ -14,7 +14,7 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	# The CPU build of torch first, so that the range in pyproject admits it and nothing larger is fetched.
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[agent,dev]'
+	$(BIN)/python -m pip install -q -e '.[agent,dev,plots]'
 	touch $@
 
 # vLLM's CPU build (Python 3.11). It pins torch==2.13.0+cpu: the local CPU wheel goes in first, so

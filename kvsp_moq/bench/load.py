@@ -11,7 +11,8 @@ What must hold, and is reported: no request fails, no object is lost (every fetc
 every layer of its block, verified), and the relay's resident memory stays below its cache
 budget plus `RSS_MARGIN` (the interpreter, aioquic and per-session buffers), sampled from
 /proc/PID/status VmRSS all along. Figures: fetches, layers and MB/s (10^6 octets per second)
-per transport, and the p50 / p99 time to the first verified layer (TTFL).
+per transport, and the p50 / p99 time to the first verified layer (TTFL); `kvsp bench load`
+also draws the TTFL distribution (`kvsp_moq.bench.figures`) and reports the PNG's path.
 
     run_load(seconds=10, clients=64)   # a dict; `run(quick)` is what `kvsp bench load` prints
 """
@@ -33,6 +34,7 @@ from typing import Any
 
 import httpx
 
+from kvsp_moq.bench import figures
 from kvsp_moq.fetch.http import HttpFetcher
 from kvsp_moq.fetch.moqt import MoqtBlockFetcher
 from kvsp_moq.naming import moqt_record
@@ -203,11 +205,13 @@ async def _warm(blocks: _Blocks, relay: str, timeout: float = 20.0) -> None:
 def run_load(*, seconds: float = 10.0, clients: int = 64, moqt_share: float = 0.5,
              blocks: int = 48, layers: int = 8, layer_bytes: int = 128 << 10,
              cache_bytes: int = 32 * MiB, timeout: float = 30.0,
-             workdir: str | Path | None = None) -> dict[str, Any]:
+             workdir: str | Path | None = None, figure: Path | None = None) -> dict[str, Any]:
     """Start a relay and a holder, run `clients` concurrent clients for `seconds`, report.
 
     The data set (blocks x layers x layer_bytes, 48 MiB by default) exceeds the relay's cache
     (32 MiB by default), so the relay evicts all along and its memory bound is exercised.
+    With `figure`, the measured time-to-first-layer distribution is drawn there as a PNG
+    (`ttfl_png`: its path, null without matplotlib).
     """
     tmp: tempfile.TemporaryDirectory[str] | None = None
     if workdir is None:
@@ -280,6 +284,11 @@ def run_load(*, seconds: float = 10.0, clients: int = 64, moqt_share: float = 0.
     all_ttfl = tallies["moqt"].ttfl + tallies["http"].ttfl
     p99_all = _percentile(all_ttfl, 0.99)
     peak = max(samples, default=0)
+    figures_out: dict[str, Any] = {}
+    if figure is not None:
+        figures_out["ttfl_png"] = figures.write(
+            figure, figures.ttfl_figure, {t: [s * 1000 for s in tallies[t].ttfl] for t in ("moqt", "http")},
+            {"moqt": moqt_clients, "http": clients - moqt_clients})
     return {
         "clients": clients, "moqt_clients": moqt_clients, "http_clients": clients - moqt_clients,
         "seconds": round(elapsed, 2),
@@ -295,10 +304,11 @@ def run_load(*, seconds: float = 10.0, clients: int = 64, moqt_share: float = 0.
                   "rss_within_limit": peak <= cache_bytes + RSS_MARGIN, "samples": len(samples),
                   "alive": relay_alive},
         "holder_alive": holder_alive,
+        **figures_out,
     }
 
 
 def run(quick: bool = False) -> dict[str, Any]:
     """`kvsp bench load`: 60 s (10 s with --quick), or KVSP_LOAD_SECONDS when set."""
     seconds = float(os.environ.get("KVSP_LOAD_SECONDS") or (10 if quick else 60))
-    return run_load(seconds=seconds)
+    return run_load(seconds=seconds, figure=figures.out_dir() / "kvsp-bench-load-ttfl.png")

@@ -23,12 +23,13 @@ the TTFT of a perfect overlap.
 The holder publishes every block twice, an HTTP record and a MOQT one (through the relay), so
 both variants read the same replicas; the agent's sources are switched between runs: HTTP
 alone, or MOQT first with HTTP as the fallback ("sources" says which one served each block).
-A PNG timeline of one pipelined run (per layer: load span in blue, compute span in orange)
-is written and its path reported.
+A figure of one pipelined run's timeline (per layer: when its KV loaded, when it computed; see
+`kvsp_moq.bench.figures`) is written as a PNG and its path reported (null without the `plots`
+extra).
 The variants run in rounds, one of each per round, so that a noisy neighbour slows them alike;
 every figure is the median over the rounds, and each run has a fresh uncached suffix.
 
-Environment: KVSP_BENCH_OUT, the directory of the PNG (default: the temporary directory);
+Environment: KVSP_BENCH_OUT, the directory of the PNGs (default: the temporary directory);
 KVSP_BENCH_BLOCK_TOKENS, the block size B (default 16; larger blocks mean fewer, larger HTTP
 requests, each of which costs ~2-3 ms of client CPU here whatever its size).
 
@@ -46,13 +47,10 @@ import json
 import logging
 import os
 import statistics
-import struct
 import subprocess
 import sys
 import tempfile
 import time
-import zlib
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -129,78 +127,6 @@ def _start_holder(index_url: str, relay_url: str) -> tuple[subprocess.Popen, str
     raise RuntimeError("the holder process does not answer")
 
 
-# --------------------------------------------------------------------------- PNG timeline
-
-_DIGITS = {  # 3x5 glyphs, rows top to bottom
-    "0": ("111", "101", "101", "101", "111"), "1": ("010", "110", "010", "010", "111"),
-    "2": ("111", "001", "111", "100", "111"), "3": ("111", "001", "111", "001", "111"),
-    "4": ("101", "101", "111", "001", "001"), "5": ("111", "100", "111", "001", "111"),
-    "6": ("111", "100", "111", "101", "111"), "7": ("111", "001", "001", "001", "001"),
-    "8": ("111", "101", "111", "101", "111"), "9": ("111", "101", "111", "001", "111"),
-    "m": ("000", "000", "111", "111", "101"), "s": ("000", "011", "010", "001", "110"),
-}
-
-
-def png(width: int, height: int, rgb: bytearray) -> bytes:
-    """An 8-bit RGB PNG of `rgb` (rows top to bottom), with zlib only."""
-    def chunk(tag: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data))
-
-    row = width * 3
-    raw = b"".join(b"\x00" + bytes(rgb[y * row:(y + 1) * row]) for y in range(height))
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
-            + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
-
-
-def timeline_png(spans: list[dict[str, Any]], path: Path) -> Path:
-    """Per layer a row: its load span (blue, upper half) and compute span (orange, lower half),
-    on a common time axis in ms from the request's arrival, with ticks labelled in ms."""
-    layers = len(spans)
-    row_h, left, top, width = 14, 10, 22, 900
-    height = top + layers * row_h + 24
-    end = max([s["compute"][1] for s in spans if s["compute"]] +
-              [s["load"][1] for s in spans if s["load"][1] is not None] + [1.0])
-    scale = (width - 2 * left) / end
-    img = bytearray(b"\xff" * (width * height * 3))
-
-    def rect(x0: float, y0: int, x1: float, y1: int, color: tuple[int, int, int]) -> None:
-        a, b = max(0, int(x0)), min(width, max(int(x0) + 1, int(x1)))
-        for y in range(max(0, y0), min(height, y1)):
-            base = (y * width + a) * 3
-            img[base:base + (b - a) * 3] = bytes(color) * (b - a)
-
-    def text(x: int, y: int, s: str) -> None:
-        for i, ch in enumerate(s):
-            glyph = _DIGITS.get(ch)
-            for gy, bits in enumerate(glyph or ()):
-                for gx, bit in enumerate(bits):
-                    if bit == "1":
-                        px, py = x + i * 8 + 2 * gx, y + 2 * gy
-                        rect(px, py, px + 2, py + 2, (0, 0, 0))
-
-    blue, orange, grid = (60, 110, 200), (235, 140, 40), (225, 225, 225)
-    rect(left, 4, left + 12, 14, blue)
-    rect(left + 20, 4, left + 32, 14, orange)
-    step = 10 ** max(0, len(str(int(end))) - 1)
-    if end / step < 4:
-        step = max(1, step // 2)
-    t = 0
-    while t <= end:
-        x = left + t * scale
-        rect(x, top, x + 1, top + layers * row_h, grid)
-        text(int(x) - 4, top + layers * row_h + 6, str(int(t)))
-        t += step
-    for i, s in enumerate(spans):
-        y = top + i * row_h
-        if s["load"][0] is not None and s["load"][1] is not None:
-            rect(left + s["load"][0] * scale, y + 1, left + s["load"][1] * scale, y + row_h // 2, blue)
-        if s["compute"]:
-            rect(left + s["compute"][0] * scale, y + row_h // 2, left + s["compute"][1] * scale,
-                 y + row_h - 1, orange)
-    path.write_bytes(png(width, height, img))
-    return path
-
-
 # --------------------------------------------------------------------------- measuring
 
 
@@ -240,7 +166,7 @@ def run(*, quick: bool = False, model: dict[str, int] | None = None,
                             repeats=repeats, loader_cpus=loader)
             result["reserved_core"] = {
                 "loader_cpus": sorted(loader), "fractions": reserved["fractions"],
-                "timeline": reserved["timeline"]}
+                "timeline": reserved["timeline"], "timeline_png": reserved["timeline_png"]}
     return result
 
 
@@ -259,7 +185,6 @@ def _run(*, quick: bool, model: dict[str, int] | None, prompt_tokens: int | None
     model = dict(model or MODEL)
     n = prompt_tokens or (512 if quick else 2048)
     repeats = repeats or (1 if quick else 3)
-    out_dir = Path(os.environ.get("KVSP_BENCH_OUT") or tempfile.gettempdir())
     cert_dir = tempfile.TemporaryDirectory(prefix="kvsp-bench-relay-")
     index = BackgroundServer(create_index_app(IndexSettings(max_ttl_ms=3_600_000))).start()
     relay_proc: subprocess.Popen | None = None
@@ -390,9 +315,7 @@ def _run(*, quick: bool, model: dict[str, int] | None, prompt_tokens: int | None
                            "pipelined": [r["ttft_ms"] for r in pipe[f]],
                            "pipelined_moqt": [r["ttft_ms"] for r in pipe_moqt[f]]},
             })
-        png_path = None
-        if timeline:
-            png_path = str(timeline_png(timeline, out_dir / "kvsp-bench-ttft-timeline.png"))
+        png_path = _timeline_png(timeline, reserved=loader_cpus is not None, fraction=max(cached))
         adapter = ctx.adapter
         return {
             "benchmark": "ttft",
@@ -424,6 +347,19 @@ def _run(*, quick: bool, model: dict[str, int] | None, prompt_tokens: int | None
         _stop(relay_proc)
         index.stop()
         cert_dir.cleanup()
+
+
+def _timeline_png(timeline: list[dict[str, Any]] | None, *, reserved: bool, fraction: float) -> str | None:
+    """The timeline's figure under `figures.out_dir()`: its path, or None without a timeline or
+    without matplotlib. The reserved-core run writes a file of its own beside the first."""
+    from kvsp_moq.bench import figures  # noqa: PLC0415
+
+    if not timeline:
+        return None
+    name = "kvsp-bench-ttft-timeline" + ("-reserved-core" if reserved else "") + ".png"
+    title = (f"kvsp bench ttft: one pipelined request, {fraction:.0%} of the prompt cached"
+             + (", loader on a core of its own" if reserved else ""))
+    return figures.write(figures.out_dir() / name, figures.timeline_figure, timeline, title)
 
 
 def _torch_threads() -> int:

@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import httpx
 
+from kvsp_moq.bench import figures
 from kvsp_moq.demo.cluster import Cluster
 
 SYSTEM_TOKENS = 512
@@ -306,13 +307,17 @@ class Demo:
         timeline = next((r["timeline"] for r in rows if r.get("timeline") and r["cached_tokens"]),
                         None)
         if timeline:
+            spans = timeline.get("spans", timeline) if isinstance(timeline, dict) else timeline
             try:
-                from kvsp_moq.bench.ttft import timeline_png
-
-                spans = timeline.get("spans", timeline) if isinstance(timeline, dict) else timeline
-                self.report["timeline_png"] = str(timeline_png(spans, self.root / "timeline.png"))
+                png = figures.write(self.root / "timeline.png", figures.timeline_figure, spans,
+                                    "The demo: one request's layers loading and computing")
             except Exception as e:  # the report is still useful without the picture
                 self.report["timeline_png_error"] = str(e)
+            else:
+                if png is None:
+                    self.report["timeline_png_error"] = f"matplotlib is not installed: {figures.PLOTS_HINT}"
+                else:
+                    self.report["timeline_png"] = png
         path = self.root / "report.json"
         path.write_text(json.dumps(self.report, indent=2))
         if not self.as_json:

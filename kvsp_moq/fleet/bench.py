@@ -23,6 +23,9 @@ loss    one client on the fan-out's links loads a 16 MiB prefix with no loss and
         (MOQT first, HTTP from the layer where MOQT failed): loads complete, verified, the
         slowdown, and which source delivered the layers.
 
+The fan-out is also drawn (clients done over time, octets out of the holder and the relay;
+`kvsp_moq.bench.figures`) and the PNG's path reported as `fanout.fanout_png`.
+
 Rounds alternate the transports, and figures are medians over rounds, so a neighbour on the
 machine slows both alike. A client is a process in its own namespace that loads as an agent
 does (leases, layers verified against their records, MOQT first where allowed); it has no
@@ -36,6 +39,7 @@ import statistics
 import time
 from typing import Any
 
+from kvsp_moq.bench import figures
 from kvsp_moq.errors import Failed, NamespaceError
 from kvsp_moq.fleet.network import fleet_unavailable
 from kvsp_moq.fleet.placement import placement
@@ -296,6 +300,8 @@ def run(*, quick: bool = False) -> dict[str, Any]:
             mtus = [mtu_rates(m) for m in (1500, 9000)]
             lossy = loss()
     by_mtu = {str(m["mtu"]): m for m in mtus}
+    fan["fanout_png"] = figures.write(figures.out_dir() / "kvsp-bench-fleet-fanout.png",
+                                      figures.fanout_figure, fan)
     return {
         "benchmark": "fleet",
         "quick": quick,
