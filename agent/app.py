@@ -42,7 +42,7 @@ import json
 import logging
 import re
 import threading
-from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import httpx
 from starlette.applications import Starlette
@@ -53,9 +53,10 @@ from starlette.routing import Route
 from agent.cores import CoreSplit
 from agent.engine import Engine
 from agent.loader import Prefetcher
-from agent.model import ModelAdapter
+from agent.model import ModelAdapter, load_model
 from agent.options import EngineOptions
 from agent.requests import GenerateRequest
+from agent.settings import AgentSettings
 from agent.shards import ShardKeeper
 from agent.status import Meters, StatusReporter
 from kvsp_moq.auth import ANY, Action, Authenticator
@@ -79,9 +80,6 @@ from kvsp_moq.protocol.records import PrefetchDirective
 from kvsp_moq.protocol.urls import base_url
 from kvsp_moq.web import build_app, json_response, principal, read_json
 
-if TYPE_CHECKING:
-    from agent.service import AgentSettings
-
 log = logging.getLogger("kvsp.agent")
 
 NDJSON = "application/x-ndjson"
@@ -93,7 +91,7 @@ __all__ = ["AgentContext", "create_app"]
 class AgentContext:
     """The parts of one agent, reachable from `app.state.agent` (tests, the demo, the bench)."""
 
-    def __init__(self, settings: "AgentSettings", adapter: ModelAdapter) -> None:
+    def __init__(self, settings: AgentSettings, adapter: ModelAdapter) -> None:
         self.settings = settings
         self.adapter = adapter
         self._url = ""
@@ -135,7 +133,8 @@ class AgentContext:
         if settings.relay:
             # MOQT first, HTTP as the fallback, recomputation last (DESIGN §5).
             self.moqt_fetcher = MoqtBlockFetcher(token=settings.token,
-                                                 timeout=settings.relay_timeout_s, tls=self.relay_tls)
+                                                 timeout=settings.relay_timeout_s, tls=self.relay_tls,
+                                                 settings=settings.quic)
             self.moqt_source = MoqtLayerSource(self.moqt_fetcher, settings.relay)
             sources.insert(0, self.moqt_source)
         sources.append(HttpLayerSource(self.fetcher))
@@ -221,7 +220,8 @@ class AgentContext:
             assert self.relay_tls is not None
             self.relay_tls.log_note(log)
             self.moqt_publisher = BlockPublisher(self.store, self.settings.relay, self.url,
-                                                 token=self.settings.token, tls=self.relay_tls)
+                                                 token=self.settings.token, tls=self.relay_tls,
+                                                 settings=self.settings.quic)
             self.publisher.use_moqt(self.moqt_publisher)
             await self.moqt_publisher.start()
             log.info("publishing blocks over MOQT through %s", self.settings.relay)
@@ -415,15 +415,13 @@ def _routes(ctx: AgentContext) -> list[Route]:
     ]
 
 
-def create_app(settings: "AgentSettings", *, adapter: ModelAdapter | None = None) -> Starlette:
+def create_app(settings: AgentSettings, *, adapter: ModelAdapter | None = None) -> Starlette:
     """The agent as one Starlette app; its parts are on `app.state.agent` (an AgentContext).
 
     The public URL must be known before the app starts (records name it); set
     `app.state.agent.url` first when it is known only once the socket is bound.
     """
     if adapter is None:
-        from agent.service import load_model  # noqa: PLC0415 - the service imports this module
-
         adapter = load_model(settings)
     ctx = AgentContext(settings, adapter)
     auth = settings.auth if settings.auth is not None else Authenticator.from_file(settings.principals)

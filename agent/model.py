@@ -30,7 +30,9 @@ from torch.utils.hooks import RemovableHandle
 from transformers import AutoModelForCausalLM
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
+from agent.settings import AgentSettings, model_directory
 from kvsp_moq import model_descriptor as md
+from kvsp_moq.errors import BadRecord
 from kvsp_moq.fetch.prefix import LayerReadiness  # re-exported: what the forward pass waits on
 from kvsp_moq.model_descriptor import (  # re-exported: the agent's names for them
     KV_LAYOUT,
@@ -40,6 +42,7 @@ from kvsp_moq.model_descriptor import (  # re-exported: the agent's names for th
 )
 
 __all__ = [
+    "load_model",
     "KV_LAYOUT",
     "SUPPORTED_MODEL_TYPES",
     "DecodeState",
@@ -519,3 +522,11 @@ class ModelAdapter:
 
     def generate_greedy(self, prompt: Sequence[int], n: int, *, past: KVPrefix | None = None) -> list[int]:
         return self.generate(prompt, n, past=past).tokens
+
+
+def load_model(settings: AgentSettings) -> ModelAdapter:
+    """The model the settings name, on their device; the tiny model is created once."""
+    directory = model_directory(settings)
+    if settings.device.startswith("cuda") and not torch.cuda.is_available():
+        raise BadRecord("CUDA is not available on this machine", member="device")
+    return ModelAdapter.load(directory, device=settings.device, dtype=getattr(torch, settings.dtype))

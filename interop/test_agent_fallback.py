@@ -23,8 +23,9 @@ from typing import Any
 
 import httpx
 
-from agent.service import OPEN_SCOPE_KEY, Agent, AgentSettings
+from agent.service import Agent, AgentSettings
 from kvsp_moq.protocol.keys import block_keys, scope_id
+from kvsp_moq.scope_keys import OPEN_SCOPE_KEY
 
 from .helpers import Service, by_kind, eventually, free_port, healthy, lookup, relay_up, services
 

@@ -181,14 +181,24 @@ ENGINE_HELP = ("QUIC engine for MOQT: qh3 (native core, GSO/GRO) or aioquic (pur
                "default: $KVSP_QUIC_ENGINE, else qh3. Peers need not use the same one")
 
 
-def _add_engine_option(p: argparse.ArgumentParser) -> None:
+#: Services that take their QUIC settings from their options, as settings (`quic_settings`).
+QUIC_SERVICES = ("relay", "holder", "agent")
+DATAGRAM_HELP = ("UDP payload size of MOQT in bytes (1200-65507); default: "
+                 "$KVSP_MOQT_DATAGRAM_SIZE, else by destination: 60,000 towards loopback, 1,452 "
+                 "otherwise (9000 suits a jumbo-frame path)")
+
+
+def _add_engine_option(p: argparse.ArgumentParser, *, datagram: bool = False) -> None:
     p.add_argument("--quic-engine", metavar="ENGINE", help=ENGINE_HELP)
+    if datagram:
+        p.add_argument("--datagram-size", metavar="BYTES", help=DATAGRAM_HELP)
 
 
 def _apply_engine_option(args: argparse.Namespace) -> None:
     """Make --quic-engine the process's default (child processes inherit it); an unknown
-    engine, or one whose package is missing, is a SettingError (one line, exit 2)."""
-    if args.command not in MOQT_COMMANDS:
+    engine, or one whose package is missing, is a SettingError (one line, exit 2). The
+    services take theirs as settings instead and leave the environment alone."""
+    if args.command not in MOQT_COMMANDS or args.command in QUIC_SERVICES:
         return
     from kvsp_moq.moqt.quic.settings import ENGINE_ENV, check_engine, default_engine
 
@@ -215,7 +225,7 @@ def _add_services(sub: argparse._SubParsersAction, argv: Sequence[str]) -> None:
         mod = importlib.import_module(module)
         mod.configure_parser(p)
         if name in MOQT_COMMANDS:
-            _add_engine_option(p)
+            _add_engine_option(p, datagram=name in QUIC_SERVICES)
         p.set_defaults(func=mod.run)
 
 

@@ -41,6 +41,7 @@ from kvsp_moq.moqt.certs import certificate_names, client_tls, fingerprint, load
 from kvsp_moq.moqt.drafts import parse_drafts
 from kvsp_moq.moqt.quic import new_event_loop
 from kvsp_moq.moqt.quic import run as run_loop
+from kvsp_moq.moqt.quic.settings import quic_settings
 from kvsp_moq.serving import INSECURE_OPEN_HELP, cannot_listen, check_advertised, check_exposure, normalize_public_url
 
 from .relay import Relay, RelaySettings
@@ -140,6 +141,8 @@ def settings_from_args(args: argparse.Namespace,
         subscriber_queue_bytes=args.subscriber_queue_bytes, max_rendezvous_ms=args.max_rendezvous_ms,
         probe_interval=args.probe_interval, probe_timeout=args.probe_timeout,
     )
+    settings.quic = quic_settings(getattr(args, "quic_engine", None),
+                                  getattr(args, "datagram_size", None))
     if args.no_draft14:
         settings.quic.draft14_fallback = False
     if getattr(args, "max_object_bytes", None) is not None:

@@ -125,7 +125,7 @@ def serve(sizes: list[int], loop: str = "asyncio") -> None:
     import uvicorn  # noqa: PLC0415
 
     from kvsp_moq.holder.app import create_app  # noqa: PLC0415
-    from kvsp_moq.holder.service import HolderSettings  # noqa: PLC0415
+    from kvsp_moq.holder.settings import HolderSettings  # noqa: PLC0415
     from kvsp_moq.web import bind_tcp, uvicorn_config  # noqa: PLC0415
 
     logging.getLogger("kvsp").setLevel(logging.WARNING)

@@ -94,7 +94,8 @@ def block_key(seed: str) -> str:
 def holder_main(args: argparse.Namespace) -> int:
     """Serve generated blocks over HTTP and MOQT; print one JSON line of records."""
     from kvsp_moq.holder.moqt_publisher import BlockPublisher
-    from kvsp_moq.holder.service import Holder, HolderSettings
+    from kvsp_moq.holder.service import Holder
+    from kvsp_moq.holder.settings import HolderSettings
     from kvsp_moq.holder.store import BlockId
 
     holder = Holder(HolderSettings(listen="127.0.0.1:0", host_bytes=2 << 30, disk_bytes=0)).start()

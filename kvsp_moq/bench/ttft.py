@@ -70,7 +70,7 @@ def serve_holder(index_url: str, relay_url: str | None = None) -> None:
     import uvicorn  # noqa: PLC0415
 
     from kvsp_moq.holder.app import create_app  # noqa: PLC0415
-    from kvsp_moq.holder.service import HolderSettings  # noqa: PLC0415
+    from kvsp_moq.holder.settings import HolderSettings  # noqa: PLC0415
     from kvsp_moq.web import bind_tcp, uvicorn_config  # noqa: PLC0415
 
     logging.getLogger("kvsp").setLevel(logging.WARNING)

@@ -24,7 +24,7 @@ import base64
 import logging
 import re
 import time
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import Any, Iterable
 
 import httpx
 from starlette.applications import Starlette
@@ -46,6 +46,7 @@ from kvsp_moq.holder import tenancy as tenancy_rule
 from kvsp_moq.holder.index_publisher import IndexPublisher
 from kvsp_moq.holder.leases import Clock, LeaseLimits, LeaseTable
 from kvsp_moq.holder.moqt_publisher import BlockPublisher
+from kvsp_moq.holder.settings import HolderSettings
 from kvsp_moq.holder.store import CHUNK, BlockId, BlockRead, BlockStore
 from kvsp_moq.holder.tenancy import Tenancy
 from kvsp_moq.index_client import IndexClient
@@ -62,9 +63,6 @@ from kvsp_moq.web import (
     read_body,
     read_json,
 )
-
-if TYPE_CHECKING:
-    from kvsp_moq.holder.service import HolderSettings
 
 log = logging.getLogger("kvsp.holder")
 _LAYERS = re.compile(r"^(\d{1,10})-(\d{1,10})$")
@@ -290,7 +288,7 @@ class HolderApi:
         ]
 
 
-def create_app(settings: "HolderSettings", *, clock: Clock | None = None) -> Starlette:
+def create_app(settings: HolderSettings, *, clock: Clock | None = None) -> Starlette:
     """The holder as one Starlette app; its store, leases and publisher are on app.state.
 
     The publisher needs the holder's public base URL; set `app.state.publisher.holder_url`
@@ -345,7 +343,8 @@ def create_app(settings: "HolderSettings", *, clock: Clock | None = None) -> Sta
             assert tls is not None
             tls.log_note(log)
             block_publisher = BlockPublisher(store, relay, publisher.holder_url,
-                                             token=settings.index_token, tls=tls)
+                                             token=settings.index_token, tls=tls,
+                                             settings=settings.quic)
             moqt.append(block_publisher)
             app.state.moqt_publisher = block_publisher
             publisher.use_moqt(block_publisher)

@@ -51,7 +51,7 @@ def agent_descriptor(model: str, *, block_tokens: int = DEFAULT_BLOCK_TOKENS,
                      dtype: str = "float32", data_dir: str | None = None) -> dict:
     """The descriptor an agent with these settings computes (its ModelAdapter calls the same
     `model_descriptor`); the weights are hashed, not loaded."""
-    from agent.service import AgentSettings, model_directory  # the agent's own model lookup
+    from agent.settings import AgentSettings, model_directory  # the agent's own model lookup
 
     settings = AgentSettings(model=model, dtype=dtype, data_dir=data_dir, block_tokens=block_tokens)
     return model_descriptor(model_directory(settings), dtype=dtype, block_tokens=block_tokens)

@@ -14,9 +14,10 @@ import httpx
 import pytest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from agent.service import OPEN_SCOPE_KEY, Agent, AgentSettings
+from agent.service import Agent, AgentSettings
 from kvsp_moq.holder.service import Holder, HolderSettings
 from kvsp_moq.protocol.keys import scope_id
+from kvsp_moq.scope_keys import OPEN_SCOPE_KEY
 from tests.agent.conftest import tokens
 
 B = 16

@@ -14,7 +14,7 @@ from typing import Iterator
 import httpx
 import pytest
 
-from agent.service import OPEN_SCOPE_KEY, Agent, AgentSettings
+from agent.service import Agent, AgentSettings
 from kvsp_moq.fetch.http import HttpFetcher
 from kvsp_moq.fetch.moqt import MoqtBlockFetcher
 from kvsp_moq.holder.store import BlockId
@@ -22,6 +22,7 @@ from kvsp_moq.index_client import IndexClient
 from kvsp_moq.naming import BlockTrack
 from kvsp_moq.protocol.keys import scope_id
 from kvsp_moq.protocol.records import ReplicaRecord
+from kvsp_moq.scope_keys import OPEN_SCOPE_KEY
 from relay.relay import RelaySettings
 from relay.service import BackgroundRelay
 from tests.agent.conftest import tokens

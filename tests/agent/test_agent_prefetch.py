@@ -13,9 +13,10 @@ import httpx
 import pytest
 
 from agent.model import ModelAdapter
-from agent.service import OPEN_SCOPE_KEY, Agent, AgentSettings
+from agent.service import Agent, AgentSettings
 from kvsp_moq.index_client import IndexClient
 from kvsp_moq.protocol.keys import scope_id
+from kvsp_moq.scope_keys import OPEN_SCOPE_KEY
 from tests.agent.conftest import tokens
 
 B = 16

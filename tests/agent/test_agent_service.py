@@ -12,9 +12,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from agent.service import OPEN_SCOPE, configure_parser, settings_from_args  # noqa: E402
+from agent.service import configure_parser, settings_from_args  # noqa: E402
 from kvsp_moq.errors import BadRecord  # noqa: E402
-from kvsp_moq.scope_keys import read_scope_keys  # noqa: E402
+from kvsp_moq.scope_keys import (
+    OPEN_SCOPE,
+    read_scope_keys,  # noqa: E402
+)
 
 
 def parse(*argv: str) -> argparse.Namespace:

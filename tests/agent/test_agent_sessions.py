@@ -19,9 +19,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from agent.model import ModelAdapter
-from agent.service import OPEN_SCOPE, OPEN_SCOPE_KEY, Agent, AgentSettings
+from agent.service import Agent, AgentSettings
 from kvsp_moq.frontend import FrontEnd
 from kvsp_moq.holder.service import Holder, HolderSettings
+from kvsp_moq.scope_keys import OPEN_SCOPE, OPEN_SCOPE_KEY
 from kvsp_moq.web import BackgroundServer
 from pc.app import PCSettings, create_pc_app
 from pc.lifecycle import LifecycleSettings

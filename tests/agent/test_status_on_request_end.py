@@ -10,7 +10,8 @@ from pathlib import Path
 
 import httpx
 
-from agent.service import OPEN_SCOPE, OPEN_SCOPE_KEY, Agent, AgentSettings
+from agent.service import Agent, AgentSettings
+from kvsp_moq.scope_keys import OPEN_SCOPE, OPEN_SCOPE_KEY
 from kvsp_moq.web import BackgroundServer
 from pc.app import PCSettings, create_pc_app
 from pc.lifecycle import LifecycleSettings

@@ -46,6 +46,9 @@ def test_a_full_configuration(tmp_path: Path) -> None:
     assert c.relay == "moqt://127.0.0.1:4443" and c.token == "s3cret"
     assert c.data == tmp_path / "d" and c.layers_per_request == 1
     assert parse_extra_config({"index": INDEX, "holder": "http://h:1"}).holder == "http://h:1/"
+    quic = parse_extra_config({"index": INDEX, "quic_engine": "aioquic",
+                               "datagram_size": 9000}).quic
+    assert (quic.engine, quic.max_datagram_size) == ("aioquic", 9000)
     assert parse_extra_config({"index": INDEX, "holder": None}).holder is None
 
 
@@ -64,6 +67,9 @@ def test_a_full_configuration(tmp_path: Path) -> None:
     ({"index": INDEX, "scope_keys": "/nonexistent/keys.toml"}, "scope_keys"),
     ({"index": INDEX, "token_file": "/nonexistent/token"}, "token_file"),
     ({"index": INDEX, "relay_insecure": 1}, "relay_insecure"),
+    ({"index": INDEX, "quic_engine": "quiche"}, "quic_engine"),
+    ({"index": INDEX, "datagram_size": 900}, "datagram_size"),
+    ({"index": INDEX, "datagram_size": "big"}, "datagram_size"),
 ])
 def test_refusals_name_the_key(data: dict, key: str) -> None:
     assert f"kv_connector_extra_config: {key}:" in refusal(data)

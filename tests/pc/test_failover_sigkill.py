@@ -40,11 +40,12 @@ import httpx
 import pytest
 
 from agent.model import ModelAdapter, TokenSampler
-from agent.service import OPEN_SCOPE, OPEN_SCOPE_KEY, Agent, AgentSettings
+from agent.service import Agent, AgentSettings
 from index.app import IndexSettings
 from index.app import create_app as create_index_app
 from kvsp_moq.frontend import FrontEnd, Restart, Token
 from kvsp_moq.holder.service import Holder, HolderSettings
+from kvsp_moq.scope_keys import OPEN_SCOPE, OPEN_SCOPE_KEY
 from kvsp_moq.web import BackgroundServer
 from pc.app import PCSettings, create_pc_app
 from pc.lifecycle import LifecycleSettings

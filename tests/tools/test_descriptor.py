@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.model import ModelAdapter
-from agent.service import AgentSettings, load_model
+from agent.model import ModelAdapter, load_model
+from agent.service import AgentSettings
 from agent.tiny import ensure_tiny_model
 from kvsp_moq.cli import main
 from kvsp_moq.protocol.compat import CompatDescriptor

@@ -23,6 +23,7 @@ from urllib.parse import urlsplit
 from kvsp_moq.arguments import parse_listen
 from kvsp_moq.cpus import format_cpu_list, parse_cpu_list, reserved_cpus, usable_cpus
 from kvsp_moq.errors import KvspError, SettingError
+from kvsp_moq.moqt.quic.settings import QuicSettings, quic_settings
 from kvsp_moq.scope_keys import OPEN_SCOPE, OPEN_SCOPE_KEY, choose_scope, read_scope_keys
 
 __all__ = ["ConnectorConfig", "parse_extra_config"]
@@ -79,6 +80,9 @@ class ConnectorConfig:
     #: where the worker's loader threads run: "auto" (on a CPU backend, the cores vLLM keeps
     #: for a KV connector), "none" (left alone) or a CPU list; see `loader_cpus`
     cpus: str = "auto"
+    #: the QUIC engine and datagram size of MOQT loads and of the embedded holder's publishing
+    #: (keys "quic_engine" and "datagram_size"; by default those of the environment)
+    quic: QuicSettings = field(default_factory=QuicSettings)
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     @property
@@ -153,7 +157,7 @@ _KEYS = frozenset({
     "disk_bytes", "relay", "relay_ca", "relay_insecure", "relay_timeout_s", "token", "token_file",
     "principals", "lease_ms", "lookup_timeout_ms", "load_timeout_s", "record_ttl_ms",
     "layers_per_request", "load_concurrency", "timeline", "pipelined", "switch_interval_us",
-    "cpus",
+    "cpus", "quic_engine", "datagram_size",
 })
 
 
@@ -229,6 +233,14 @@ def parse_extra_config(data: Mapping[str, Any] | None) -> ConnectorConfig:
     layers_per_request = data.get("layers_per_request")
     if layers_per_request is not None:
         layers_per_request = _number(data, "layers_per_request", 1)
+    try:
+        quic_settings(engine=_text(data, "quic_engine"))
+    except SettingError as e:
+        raise _fail("quic_engine", str(e)) from None
+    try:
+        quic = quic_settings(_text(data, "quic_engine"), data.get("datagram_size"))
+    except SettingError as e:
+        raise _fail("datagram_size", str(e)) from None
     return ConnectorConfig(
         index=index, scope_key=scope_key, scope=scope, holder=holder, listen=listen,
         public_url=public_url, data=Path(data_dir).expanduser() if data_dir else None,
@@ -245,4 +257,4 @@ def parse_extra_config(data: Mapping[str, Any] | None) -> ConnectorConfig:
         load_concurrency=_number(data, "load_concurrency", 8),
         timeline=_flag(data, "timeline"), pipelined=_flag(data, "pipelined", True),
         switch_interval_us=_number(data, "switch_interval_us", 200, low=0), cpus=cpus,
-        extra=data)
+        quic=quic, extra=data)

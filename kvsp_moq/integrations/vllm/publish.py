@@ -20,7 +20,8 @@ from typing import Callable
 import httpx
 
 from kvsp_moq.errors import KvspError, PreconditionFailed
-from kvsp_moq.holder.service import Holder, HolderSettings
+from kvsp_moq.holder.service import Holder
+from kvsp_moq.holder.settings import HolderSettings
 from kvsp_moq.holder.store import BlockId
 from kvsp_moq.index_client import raise_for_problem
 from kvsp_moq.integrations.vllm.config import ConnectorConfig
@@ -95,7 +96,7 @@ class EmbeddedHolder(BlockSink):
             public_url=config.public_url, host_bytes=config.host_bytes,
             disk_bytes=config.disk_bytes, record_ttl_ms=config.record_ttl_ms,
             relay=config.relay, relay_ca=config.relay_ca, relay_insecure=config.relay_insecure,
-            principals=config.principals, index_token=config.token)
+            principals=config.principals, index_token=config.token, quic=config.quic)
         self.holder = Holder(settings).start()
         self.url = self.holder.url
         log.info("embedded holder at %s%s", self.url,

@@ -140,7 +140,8 @@ class BlockTransport:
 
             tls = client_tls(c.relay, cafile=c.relay_ca, insecure=c.relay_insecure,
                              ca_option="relay_ca", insecure_option="relay_insecure")
-            self._moqt = MoqtBlockFetcher(token=c.token, timeout=c.relay_timeout_s, tls=tls)
+            self._moqt = MoqtBlockFetcher(token=c.token, timeout=c.relay_timeout_s, tls=tls,
+                                          settings=c.quic)
             source = MoqtLayerSource(self._moqt, c.relay)
             source.connect()  # the first load need not wait for a handshake
             self._sources.append(source)

@@ -74,19 +74,34 @@ def default_engine() -> str:
         raise SettingError(f"{ENGINE_ENV}: {exc}") from None
 
 
-def configured_datagram_size() -> int | None:
-    """KVSP_MOQT_DATAGRAM_SIZE when set (checked), else None."""
-    text = os.environ.get(DATAGRAM_SIZE_ENV, "").strip()
-    if not text:
-        return None
+def check_datagram_size(text: str, what: str = DATAGRAM_SIZE_ENV) -> int:
+    """A datagram size in bytes that QUIC can use; SettingError (one line) otherwise."""
     try:
         size = int(text)
     except ValueError:
-        raise SettingError(f"{DATAGRAM_SIZE_ENV}={text!r} is not a number of bytes") from None
+        raise SettingError(f"{what}={text!r} is not a number of bytes") from None
     if not 1200 <= size <= 65507:
-        raise SettingError(f"{DATAGRAM_SIZE_ENV}={size}: QUIC needs at least 1,200 bytes and "
+        raise SettingError(f"{what}={size}: QUIC needs at least 1,200 bytes and "
                            f"UDP carries at most 65,507")
     return size
+
+
+def configured_datagram_size() -> int | None:
+    """KVSP_MOQT_DATAGRAM_SIZE when set (checked), else None."""
+    text = os.environ.get(DATAGRAM_SIZE_ENV, "").strip()
+    return check_datagram_size(text) if text else None
+
+
+def quic_settings(engine: str | None = None, datagram_size: str | int | None = None,
+                  **others: Any) -> "QuicSettings":
+    """QuicSettings of a service's options (`--quic-engine`, `--datagram-size`), each
+    checked; what is not given keeps its default (KVSP_QUIC_ENGINE and
+    KVSP_MOQT_DATAGRAM_SIZE, else the built-in one)."""
+    if engine:
+        others["engine"] = check_engine(engine)
+    if datagram_size is not None:
+        others["max_datagram_size"] = check_datagram_size(str(datagram_size), "--datagram-size")
+    return QuicSettings(**others)
 
 
 @dataclass
