@@ -65,8 +65,10 @@ def source_files() -> list[Path]:
     """Python sources of every package and test tree, and the Markdown documents."""
     files = [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]
     for name in SOURCE_DIRS:
+        # Hidden folders hold installed packages (the interop peers' venvs), not ours.
         files += sorted(p for p in (ROOT / name).rglob("*.py")
-                        if not SKIP_PARTS.intersection(p.relative_to(ROOT).parts))
+                        if not SKIP_PARTS.intersection(p.relative_to(ROOT).parts)
+                        and not any(part.startswith(".") for part in p.relative_to(ROOT).parts))
     this = Path(__file__).resolve()
     return [p for p in files if p.resolve() != this]
 
