@@ -65,13 +65,10 @@ from kvsp_moq.fetch.http import HttpFetcher
 from kvsp_moq.fetch.leases import LeaseClient
 from kvsp_moq.fetch.moqt import MoqtBlockFetcher
 from kvsp_moq.fetch.sources import HttpLayerSource, LocalLayerSource, MoqtLayerSource
-from kvsp_moq.holder.app import HolderApi, repr_digest
-from kvsp_moq.holder.index_publisher import IndexPublisher
-from kvsp_moq.holder.leases import LeaseLimits, LeaseTable
+from kvsp_moq.holder.api import repr_digest
+from kvsp_moq.holder.assembly import HolderAssembly
 from kvsp_moq.holder.moqt_publisher import BlockPublisher
-from kvsp_moq.holder.store import BlockId, BlockStore
-from kvsp_moq.index_client import IndexClient
-from kvsp_moq.moqt.certs import client_tls
+from kvsp_moq.holder.store import BlockId
 from kvsp_moq.protocol import validate as v
 from kvsp_moq.protocol.compat import CompatDescriptor
 from kvsp_moq.protocol.container import MEDIA_TYPE as BLOCK_MEDIA_TYPE
@@ -99,26 +96,18 @@ class AgentContext:
             timeout=httpx.Timeout(settings.http_timeout_s, connect=min(settings.http_timeout_s, 5.0)),
             # A small pool: httpcore scans every pooled connection on each request.
             trust_env=False, limits=httpx.Limits(max_connections=64, max_keepalive_connections=32))
-        self.leases_table = LeaseTable(limits=LeaseLimits(max_ttl_ms=settings.max_lease_ttl_ms,
-                                                          max_octets=settings.max_lease_bytes))
-        self.index = (IndexClient(settings.index_url, token=settings.token, client=self.client)
-                      if settings.index_url else None)
+        self.auth = (settings.auth if settings.auth is not None
+                     else Authenticator.from_file(settings.principals))
+        # The agent's own pool is a holder like any other: blocks checked against the model's
+        # geometry, what others PUT here only of its principal's scopes.
         compat = CompatDescriptor.from_dict(adapter.descriptor(settings.block_tokens))
-        self.store = BlockStore(host_bytes=settings.host_bytes,
-                                disk_bytes=settings.disk_bytes if settings.data_dir else 0,
-                                data_dir=settings.data_dir, is_protected=self.leases_table.is_protected,
-                                descriptors={compat.compat_hex: compat})
-        # With a relay every replica has two records, HTTP and MOQT (as a holder's), and the
-        # store is served over MOQT by a BlockPublisher from startup on.
-        self.publisher = IndexPublisher(self.store, self.index, record_ttl_ms=settings.record_ttl_ms,
-                                   relay_url=settings.relay)
-        self.moqt_publisher: BlockPublisher | None = None
-        self.store.withdraw = self.publisher.withdraw
-        # A replica stored or moved between tiers: its records to the IS, its namespace to
-        # the relay (once `use_moqt` has connected the two).
-        self.store.on_change = self.publisher.announce
-        self.holder_api = HolderApi(self.store, self.leases_table, self.publisher,
-                                    max_block_bytes=settings.max_block_bytes)
+        self.holder = HolderAssembly(settings.holder_settings({compat.compat_hex: compat}),
+                                     auth=self.auth, client=self.client, what="the agent's")
+        self.leases_table = self.holder.leases
+        self.index = self.holder.index
+        self.store = self.holder.store
+        self.publisher = self.holder.publisher
+        self.holder_api = self.holder.api
         self.meters = Meters()
         # Blocks over plain http:// go through the fetcher's lean client; the shared httpx
         # client carries everything else (leases, the IS, https:// sources).
@@ -128,8 +117,7 @@ class AgentContext:
         sources: list[Any] = list(settings.layer_sources)
         self.moqt_fetcher: MoqtBlockFetcher | None = None
         self.moqt_source: MoqtLayerSource | None = None
-        self.relay_tls = (client_tls(settings.relay, cafile=settings.relay_ca,
-                                     insecure=settings.relay_insecure) if settings.relay else None)
+        self.relay_tls = self.holder.relay_tls
         if settings.relay:
             # MOQT first, HTTP as the fallback, recomputation last (DESIGN §5).
             self.moqt_fetcher = MoqtBlockFetcher(token=settings.token,
@@ -187,6 +175,11 @@ class AgentContext:
         self.publisher.holder_url = self._url
 
     @property
+    def moqt_publisher(self) -> BlockPublisher | None:
+        """The publisher serving the pool over MOQT, while it runs."""
+        return self.holder.moqt_publisher
+
+    @property
     def compat_id(self) -> str:
         return self.engine.compat_id
 
@@ -209,23 +202,7 @@ class AgentContext:
 
     async def startup(self) -> None:
         self.loop = asyncio.get_running_loop()
-        await self.store.load()
-        if self.index is not None and not self.url:
-            raise BadRecord("the agent's public URL is unknown; records cannot be published",
-                            member="public_url")
-        if self.settings.relay:
-            if not self.url:
-                raise BadRecord("the agent's public URL is unknown; its MOQT tracks cannot be "
-                                "named", member="public_url")
-            assert self.relay_tls is not None
-            self.relay_tls.log_note(log)
-            self.moqt_publisher = BlockPublisher(self.store, self.settings.relay, self.url,
-                                                 token=self.settings.token, tls=self.relay_tls,
-                                                 settings=self.settings.quic)
-            self.publisher.use_moqt(self.moqt_publisher)
-            await self.moqt_publisher.start()
-            log.info("publishing blocks over MOQT through %s", self.settings.relay)
-        await self.publisher.start()
+        await self.holder.start()
         if self.settings.loader_cpus is not None:
             self.cores = CoreSplit(self.settings.loader_cpus)
             # (the model's thread exists from here on, so it is placed with the others)
@@ -246,11 +223,7 @@ class AgentContext:
             await self.reporter.stop()
         await self.prefetcher.close()
         await self.engine.close()
-        await self.publisher.stop()
-        if self.moqt_publisher is not None:
-            await self.moqt_publisher.aclose()
-            self.moqt_publisher = None
-        await self.store.close()
+        await self.holder.stop()
         if self.moqt_fetcher is not None:
             await self.moqt_fetcher.aclose()
         await self.fetcher.aclose()
@@ -424,18 +397,14 @@ def create_app(settings: AgentSettings, *, adapter: ModelAdapter | None = None) 
     if adapter is None:
         adapter = load_model(settings)
     ctx = AgentContext(settings, adapter)
-    auth = settings.auth if settings.auth is not None else Authenticator.from_file(settings.principals)
-    # Its own pool is stored directly; what others PUT here must be of its principal's scopes.
-    ctx.holder_api.resolve_tenancy(auth, settings.token)
-    app = build_app(_routes(ctx) + ctx.holder_api.routes(), name="kvsp_agent", auth=auth,
+    app = build_app(_routes(ctx) + ctx.holder_api.routes(), name="kvsp_agent", auth=ctx.auth,
                     on_startup=[ctx.startup], on_shutdown=[ctx.shutdown],
                     state={"agent": ctx, "store": ctx.store, "publisher": ctx.publisher},
                     openapi="agent")
+    ctx.holder.add_gauges(app.state.metrics)
     gauges = app.state.metrics.gauges
     gauges["sessions_running"] = lambda: ctx.engine.running
     gauges["sessions_queued"] = lambda: ctx.engine.queued
-    gauges["store_blocks"] = lambda: len(ctx.store)
-    gauges["store_host_bytes"] = lambda: ctx.store.used["host"]
     gauges["prefill_tokens_per_s"] = lambda: ctx.meters.prefill.value or 0.0
     gauges["decode_tokens_per_s"] = lambda: ctx.meters.decode.value or 0.0
     return app

@@ -13,8 +13,10 @@ from agent.tiny import ensure_tiny_model
 from kvsp_moq.auth import Authenticator
 from kvsp_moq.errors import BadRecord
 from kvsp_moq.fetch.sources import LayerSource
+from kvsp_moq.holder.settings import HolderSettings
 from kvsp_moq.model_descriptor import DEFAULT_BLOCK_TOKENS, DTYPES
 from kvsp_moq.moqt.quic.settings import QuicSettings
+from kvsp_moq.protocol.compat import CompatDescriptor
 from kvsp_moq.scope_keys import OPEN_SCOPE, OPEN_SCOPE_KEY
 
 DEFAULT_PORT = 8900
@@ -89,6 +91,18 @@ class AgentSettings:
     #: the QUIC engine and datagram size of its MOQT loads and publishing
     #: (`kvsp agent --quic-engine`, `--datagram-size`)
     quic: QuicSettings = field(default_factory=QuicSettings)
+
+    def holder_settings(self, descriptors: Mapping[str, CompatDescriptor]) -> HolderSettings:
+        """The settings of the agent's own pool, a holder like any other (`holder.assembly`):
+        the agent's URL, store, relay and token; blocks checked against its model's geometry."""
+        return HolderSettings(
+            listen=self.listen, data_dir=self.data_dir, index_url=self.index_url,
+            public_url=self.public_url, host_bytes=self.host_bytes, disk_bytes=self.disk_bytes,
+            record_ttl_ms=self.record_ttl_ms, relay=self.relay, relay_ca=self.relay_ca,
+            relay_insecure=self.relay_insecure, principals=self.principals, auth=self.auth,
+            index_token=self.token, max_lease_ttl_ms=self.max_lease_ttl_ms,
+            max_lease_bytes=self.max_lease_bytes, max_block_bytes=self.max_block_bytes,
+            descriptors=descriptors, quic=self.quic)
 
     def __post_init__(self) -> None:
         if not self.scope_keys:

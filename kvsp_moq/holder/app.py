@@ -1,291 +1,26 @@
-"""The holder's HTTP resources: blocks (KVSP §6.7) and leases (§6.6).
-
-    GET|HEAD|PUT  blocks/{compat}/{scope}/{block_key}   [?layers=a-b] [&codec=n]
-    POST          leases
-    PUT|DELETE    leases/{lease}
-
-A GET streams the container in chunks that are views into the stored buffer, so serving a
-64 MiB block never copies it. Only codec 1 (raw) exists and the holder does not transcode:
-`codec=n` for a codec it does not hold answers 404 "kvsp-codec-unavailable", which a client
-treats like any other miss (§6.1) and moves to the next source.
+"""`kvsp holder` as one Starlette app: the HTTP resources of `holder.api` over a holder
+assembled by `holder.assembly`.
 
 With a relay (`HolderSettings.relay`) the same store is also served over MOQT (DESIGN §4): a
 `BlockPublisher` runs on the app's event loop from startup to shutdown, announces every
 compat and scope the store holds, and the index gets a MOQT record beside each HTTP record.
-
-A holder stores blocks of the scopes it serves only (`kvsp_moq.holder.tenancy`): a PUT of any
-other scope is refused with 403 before its body is read, whatever the writer's token allows.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
-import logging
-import re
-import time
-from typing import Any, Iterable
+from typing import Any
 
-import httpx
 from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import Response
-from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
 
-from kvsp_moq.auth import Action, Authenticator
-from kvsp_moq.errors import (
-    BadRecord,
-    CodecUnavailable,
-    NotFound,
-    Overloaded,
-    PreconditionFailed,
-    PreconditionRequired,
-)
-from kvsp_moq.holder import tenancy as tenancy_rule
-from kvsp_moq.holder.index_publisher import IndexPublisher
-from kvsp_moq.holder.leases import Clock, LeaseLimits, LeaseTable
+from kvsp_moq.auth import Authenticator
+from kvsp_moq.holder.assembly import HolderAssembly
+from kvsp_moq.holder.leases import Clock
 from kvsp_moq.holder.moqt_publisher import BlockPublisher
 from kvsp_moq.holder.settings import HolderSettings
-from kvsp_moq.holder.store import CHUNK, BlockId, BlockRead, BlockStore
-from kvsp_moq.holder.tenancy import Tenancy
-from kvsp_moq.index_client import IndexClient
-from kvsp_moq.moqt.certs import client_tls
-from kvsp_moq.protocol import validate as v
-from kvsp_moq.protocol.container import MEDIA_TYPE as BLOCK_MEDIA_TYPE
-from kvsp_moq.protocol.records import LeaseGrant, LeaseRequest
-from kvsp_moq.web import (
-    build_app,
-    declared_length,
-    json_response,
-    parse_json,
-    principal,
-    read_body,
-    read_json,
-)
+from kvsp_moq.web import build_app
 
-log = logging.getLogger("kvsp.holder")
-_LAYERS = re.compile(r"^(\d{1,10})-(\d{1,10})$")
-_CODEC = re.compile(r"^\d{1,5}$")
-_LEASE_ID = re.compile(r"^[0-9a-f]{32}$")
-
-
-
-
-# --------------------------------------------------------------------------- parsing
-
-
-def parse_block_id(params: dict[str, Any]) -> BlockId:
-    """The path members of a block resource, each refusal naming its member."""
-    return BlockId(v.hexn(params["compat"], 32, "compat"), v.hexn(params["scope"], 16, "scope"),
-                   v.hexn(params["key"], 32, "block_key"))
-
-
-def parse_layers(text: str | None) -> tuple[int, int] | None:
-    """`layers=a-b`, an inclusive range of layer numbers."""
-    if text is None:
-        return None
-    m = _LAYERS.match(text)
-    if not m:
-        raise BadRecord("must be a-b with decimal layer numbers", member="layers")
-    a, b = int(m.group(1)), int(m.group(2))
-    if a > b or b > 0xFFFFFFFF:
-        raise BadRecord("must be a-b with a <= b < 2^32", member="layers")
-    return a, b
-
-
-def parse_codec(text: str | None) -> int | None:
-    if text is None:
-        return None
-    if not _CODEC.match(text) or int(text) > 0xFFFF:
-        raise BadRecord("must be a codec number in [0, 65535]", member="codec")
-    return int(text)
-
-
-def repr_digest(digest: bytes) -> str:
-    """The RFC 9530 Repr-Digest field value for a SHA-256 digest."""
-    return "sha-256=:" + base64.b64encode(digest).decode() + ":"
-
-
-# --------------------------------------------------------------------------- responses
-
-
-class BlockResponse:
-    """A container streamed in chunks that share the stored buffer; unpins it when done."""
-
-    def __init__(self, read: BlockRead, digest: bytes, max_age_s: int, *, body: bool,
-                 chunk: int = CHUNK) -> None:
-        self.read = read
-        self.body = body
-        self.chunk = chunk
-        self.headers = [
-            (b"content-type", BLOCK_MEDIA_TYPE.encode()),
-            (b"content-length", str(read.size).encode()),
-            (b"repr-digest", repr_digest(digest).encode()),
-            (b"cache-control", f"private, immutable, max-age={max_age_s}".encode()),
-        ]
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await send({"type": "http.response.start", "status": 200, "headers": self.headers})
-            if not self.body:
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-                return
-            chunks = list(self.read.chunks(self.chunk))
-            last = len(chunks) - 1
-            for i, piece in enumerate(chunks):
-                await send({"type": "http.response.body", "body": piece, "more_body": i < last})
-        finally:
-            self.read.release()
-
-
-# --------------------------------------------------------------------------- the app
-
-
-class HolderApi:
-    """Request handlers over one store, lease table and publisher."""
-
-    def __init__(self, store: BlockStore, leases: LeaseTable, publisher: IndexPublisher, *,
-                 max_block_bytes: int, chunk_bytes: int = CHUNK,
-                 max_put_inflight_bytes: int | None = None,
-                 tenancy: Tenancy | None = None, scope_quota: int | None = None) -> None:
-        self.store = store
-        self.leases = leases
-        self.publisher = publisher
-        self.max_block_bytes = max_block_bytes
-        self.chunk_bytes = chunk_bytes
-        #: the octets PUTs being received may reserve together (their declared lengths)
-        self.max_put_inflight_bytes = (max_put_inflight_bytes if max_put_inflight_bytes is not None
-                                       else 2 * max_block_bytes)
-        self.put_inflight_bytes = 0
-        #: octets each scope may hold (None: an equal share when several scopes are served)
-        self.scope_quota = scope_quota
-        self.tenancy = Tenancy.any()
-        self.apply_tenancy(tenancy or Tenancy.any())
-
-    # ---------------------------------------------------------------- tenancy
-
-    def resolve_tenancy(self, auth: Authenticator, token: str | None,
-                        serve_scopes: Iterable[str] | None = None) -> Tenancy:
-        """Serve the scopes `kvsp_moq.holder.tenancy.resolve` gives for this holder's
-        principals, own token and configured list; SettingError when they cannot be known."""
-        tenancy = tenancy_rule.resolve(auth, token, serve_scopes)
-        self.apply_tenancy(tenancy)
-        return tenancy
-
-    def apply_tenancy(self, tenancy: Tenancy) -> None:
-        """Store only these scopes, each within its quota, and pin no more than that."""
-        self.tenancy = tenancy
-        self.store.scope_quota = self.quota_of
-        self.leases.scope_limit = self.lease_share
-
-    def quota_of(self, scope_id: str) -> int | None:
-        """Octets this scope may hold here (None: no limit but the store's)."""
-        return self.tenancy.quota(self.store.capacity, self.scope_quota)
-
-    def lease_share(self, scope_id: str) -> int:
-        """Octets of this scope's blocks that leases may pin: what the scope may hold."""
-        quota = self.quota_of(scope_id)
-        return self.store.capacity if quota is None else min(quota, self.store.capacity)
-
-    async def get_block(self, request: Request) -> Any:
-        bid = parse_block_id(request.path_params)
-        layers = parse_layers(request.query_params.get("layers"))
-        codec = parse_codec(request.query_params.get("codec"))
-        principal(request, Action.READ_BLOCKS).require_scope(bid.scope_id)
-        entry = self.store.get(bid)
-        if entry is None:
-            raise NotFound("no replica of this block here")
-        if codec is not None and codec != entry.meta.codec:
-            raise CodecUnavailable(f"held in codec {entry.meta.codec} only; this holder does "
-                                   f"not transcode", member="codec")
-        first, last = layers if layers is not None else (None, None)
-        read = await self.store.open_read(bid, first, last)
-        try:
-            digest = await read.digest()
-        except BaseException:
-            read.release()
-            raise
-        max_age = self.publisher.remaining_ttl_ms(bid) // 1000
-        return BlockResponse(read, digest, max_age, body=request.method != "HEAD",
-                             chunk=self.chunk_bytes)
-
-    async def put_block(self, request: Request) -> Response:
-        bid = parse_block_id(request.path_params)
-        principal(request, Action.STORE_BLOCKS).require_scope(bid.scope_id)
-        self.tenancy.require(bid.scope_id)
-        condition = request.headers.get("if-none-match")
-        if condition is None or condition.strip() != "*":
-            raise PreconditionRequired("storing a block needs If-None-Match: *")
-        if bid in self.store:
-            raise PreconditionFailed("a replica of this block is already held; it is kept")
-        # The body is received into a buffer of its declared length: that length is known, and
-        # bounded, before anything is read, and all PUTs being received share one budget, so
-        # clients sending slowly cannot reserve more memory than it.
-        size = declared_length(request, self.max_block_bytes, required=True)
-        assert size is not None
-        if self.put_inflight_bytes + size > self.max_put_inflight_bytes:
-            raise Overloaded(f"{self.put_inflight_bytes} octets of blocks are being received; "
-                             f"{size} more would exceed {self.max_put_inflight_bytes}")
-        self.put_inflight_bytes += size
-        try:
-            body = await read_body(request, self.max_block_bytes, length_required=True,
-                                   preallocate=True)
-        finally:
-            self.put_inflight_bytes -= size
-        entry = await self.store.put(bid, body)
-        self.publisher.announce(entry)
-        return json_response(self.publisher.record_for(entry).to_json(), 201)
-
-    async def create_lease(self, request: Request) -> Response:
-        who = principal(request, Action.READ_BLOCKS)
-        lease_req = LeaseRequest.from_json(await read_json(request, max_bytes=8 << 20))
-        octets = 0
-        pins: dict[str, tuple[str, int]] = {}
-        for i, key in enumerate(lease_req.block_keys):
-            held = [e for e in self.store.by_key(key) if who.may_use_scope(e.id.scope_id)]
-            if not held:
-                raise NotFound("this block is not held here", member=f"block_keys[{i}]")
-            largest = max(held, key=lambda e: e.size)
-            if key not in pins:
-                octets += largest.size
-                pins[key] = (largest.id.scope_id, largest.size)
-        lease = self.leases.create(who.name, lease_req.block_keys, octets, lease_req.ttl_ms,
-                                   pins=pins)
-        return json_response(LeaseGrant(lease.id, lease.ttl_ms).to_json(), 201,
-                             headers={"Location": f"leases/{lease.id}"})
-
-    async def renew_lease(self, request: Request) -> Response:
-        lease_id = self._lease_id(request)
-        who = principal(request, Action.READ_BLOCKS)
-        ttl_ms = None
-        raw = await read_body(request, 65536)
-        if raw:
-            data = v.obj(parse_json(raw))
-            if "ttl_ms" in data:
-                ttl_ms = v.integer(data["ttl_ms"], "ttl_ms", low=1)
-        lease = self.leases.renew(lease_id, who.name, ttl_ms)
-        return json_response(LeaseGrant(lease.id, lease.ttl_ms).to_json())
-
-    async def release_lease(self, request: Request) -> Response:
-        self.leases.release(self._lease_id(request), principal(request, Action.READ_BLOCKS).name)
-        return Response(status_code=204)
-
-    @staticmethod
-    def _lease_id(request: Request) -> str:
-        lease_id = request.path_params["lease"]
-        if not _LEASE_ID.match(lease_id):
-            raise BadRecord("must be 32 lowercase hex digits", member="lease")
-        return lease_id
-
-    def routes(self) -> list[Route]:
-        return [
-            Route("/blocks/{compat}/{scope}/{key}", self.get_block, methods=["GET", "HEAD"]),
-            Route("/blocks/{compat}/{scope}/{key}", self.put_block, methods=["PUT"]),
-            Route("/leases", self.create_lease, methods=["POST"]),
-            Route("/leases/{lease}", self.renew_lease, methods=["PUT"]),
-            Route("/leases/{lease}", self.release_lease, methods=["DELETE"]),
-        ]
+__all__ = ["create_app"]
 
 
 def create_app(settings: HolderSettings, *, clock: Clock | None = None) -> Starlette:
@@ -294,81 +29,23 @@ def create_app(settings: HolderSettings, *, clock: Clock | None = None) -> Starl
     The publisher needs the holder's public base URL; set `app.state.publisher.holder_url`
     before the app starts when it is known only once the socket is bound.
     """
-    leases = LeaseTable(
-        limits=LeaseLimits(max_ttl_ms=settings.max_lease_ttl_ms,
-                           max_octets=settings.max_lease_bytes, max_leases=settings.max_leases),
-        per_client=settings.lease_limits,
-        clock=clock or time.monotonic,
-        max_total=settings.max_leases_total,
-    )
-    store = BlockStore(
-        host_bytes=settings.host_bytes,
-        disk_bytes=settings.disk_bytes if settings.data_dir is not None else 0,
-        data_dir=settings.data_dir,
-        device_bytes=settings.device_bytes,
-        device_layers=settings.device_layers,
-        rates=settings.rates,
-        is_protected=leases.is_protected,
-        descriptors=settings.descriptors,
-    )
-    http_client = None
-    index = None
-    if settings.index_url:
-        http_client = httpx.AsyncClient(timeout=5.0, trust_env=False)
-        index = IndexClient(settings.index_url, token=settings.index_token, client=http_client)
-    relay = settings.relay or None
-    tls = client_tls(relay, cafile=settings.relay_ca, insecure=settings.relay_insecure) if relay else None
-    publisher = IndexPublisher(store, index, holder_url=settings.public_url or "",
-                          record_ttl_ms=settings.record_ttl_ms, relay_url=relay)
-    store.withdraw = publisher.withdraw
-    moqt: list[BlockPublisher] = []  # the MOQT publisher, once started
-    store.on_change = publisher.announce
     auth = settings.auth if settings.auth is not None else Authenticator.from_file(
         settings.principals)
-    api = HolderApi(store, leases, publisher, max_block_bytes=settings.max_block_bytes,
-                    chunk_bytes=settings.chunk_bytes, scope_quota=settings.scope_quota,
-                    max_put_inflight_bytes=settings.max_put_inflight_bytes)
-    api.resolve_tenancy(auth, settings.index_token, settings.serve_scopes)
-    state: dict[str, Any] = {"store": store, "leases": leases, "publisher": publisher, "api": api,
+    holder = HolderAssembly(settings, auth=auth, clock=clock)
+    state: dict[str, Any] = {"store": holder.store, "leases": holder.leases,
+                             "publisher": holder.publisher, "api": holder.api, "holder": holder,
                              "settings": settings, "loop": None, "moqt_publisher": None}
+
+    def on_moqt(publisher: BlockPublisher | None) -> None:
+        app.state.moqt_publisher = publisher
+
+    holder.on_moqt = on_moqt
 
     async def startup() -> None:
         app.state.loop = asyncio.get_running_loop()
-        log.info("storing blocks of %s", api.tenancy.describe())
-        await store.load(keep=lambda bid: api.tenancy.serves(bid.scope_id))
-        if (index is not None or relay) and not publisher.holder_url:
-            raise BadRecord("the holder's public URL is unknown; records cannot be published",
-                            member="public_url")
-        if relay:
-            assert tls is not None
-            tls.log_note(log)
-            block_publisher = BlockPublisher(store, relay, publisher.holder_url,
-                                             token=settings.index_token, tls=tls,
-                                             settings=settings.quic)
-            moqt.append(block_publisher)
-            app.state.moqt_publisher = block_publisher
-            publisher.use_moqt(block_publisher)
-            await block_publisher.start()
-            log.info("publishing blocks over MOQT through %s", relay)
-        await publisher.start()
+        await holder.start()
 
-    async def shutdown() -> None:
-        await publisher.stop()
-        if moqt:
-            await moqt.pop().aclose()
-        await store.close()
-        if http_client is not None:
-            await http_client.aclose()
-
-    app = build_app(api.routes(), name="kvsp_holder", auth=auth, on_startup=[startup],
-                    on_shutdown=[shutdown], state=state, openapi="holder")
-    gauges = app.state.metrics.gauges
-    for tier in ("device", "host", "disk"):
-        gauges[f"store_{tier}_bytes"] = lambda tier=tier: store.used[tier]
-    gauges["store_blocks"] = lambda: len(store)
-    gauges["store_evictions"] = lambda: store.evictions
-    gauges["leases"] = lambda: len(leases)
-    gauges["put_inflight_bytes"] = lambda: api.put_inflight_bytes
-    gauges["index_publish_failures"] = lambda: publisher.failures
-    gauges["index_refused_records"] = lambda: publisher.refused
+    app = build_app(holder.api.routes(), name="kvsp_holder", auth=auth, on_startup=[startup],
+                    on_shutdown=[holder.stop], state=state, openapi="holder")
+    holder.add_gauges(app.state.metrics)
     return app

@@ -19,7 +19,7 @@ from agent.pool import tensor_from_octets
 from agent.shards import ShardKeeper
 from kvsp_moq.auth import OPEN
 from kvsp_moq.errors import BadRecord, NotFound, StaleEpoch
-from kvsp_moq.holder.app import repr_digest
+from kvsp_moq.holder.api import repr_digest
 from kvsp_moq.protocol.container import Container
 from tests.agent.conftest import tokens
 
