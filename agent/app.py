@@ -54,7 +54,6 @@ from agent.cores import CoreSplit
 from agent.engine import Engine
 from agent.loader import Prefetcher
 from agent.model import ModelAdapter, load_model
-from agent.options import EngineOptions
 from agent.requests import GenerateRequest
 from agent.settings import AgentSettings
 from agent.shards import ShardKeeper
@@ -126,13 +125,7 @@ class AgentContext:
             self.moqt_source = MoqtLayerSource(self.moqt_fetcher, settings.relay)
             sources.insert(0, self.moqt_source)
         sources.append(HttpLayerSource(self.fetcher))
-        options = EngineOptions(
-            block_tokens=settings.block_tokens, lease_ms=settings.lease_ms,
-            load_concurrency=settings.load_concurrency, layers_per_request=settings.layers_per_request,
-            release_batch=settings.release_batch, max_unacked=settings.max_unacked,
-            token_interval_s=settings.token_interval_s, max_new_tokens=settings.max_new_tokens,
-            replicate_to=tuple(settings.replicate_to),
-            keep_first_logits=settings.keep_first_logits, choose_by_cost=settings.choose_by_cost)
+        options = settings.engine_options()
         self.prefetcher = Prefetcher(self.store, self.publisher.announce, self.fetcher,
                                      self.lease_client, self.index,
                                      on_transfer=self.meters.transfer, moqt=self.moqt_source)

@@ -5,10 +5,11 @@ without importing one another; and where the model it names is found."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from agent.options import EngineOptions
 from agent.tiny import ensure_tiny_model
 from kvsp_moq.auth import Authenticator
 from kvsp_moq.errors import BadRecord
@@ -91,6 +92,14 @@ class AgentSettings:
     #: the QUIC engine and datagram size of its MOQT loads and publishing
     #: (`kvsp agent --quic-engine`, `--datagram-size`)
     quic: QuicSettings = field(default_factory=QuicSettings)
+
+    def engine_options(self) -> EngineOptions:
+        """The engine's tunables: every field of `EngineOptions` this class has too (the same
+        name is the same setting), the rest at their defaults."""
+        shared = {f.name for f in fields(EngineOptions)} & {f.name for f in fields(self)}
+        values: dict[str, Any] = {name: getattr(self, name) for name in shared}
+        values["replicate_to"] = tuple(self.replicate_to)
+        return EngineOptions(**values)
 
     def holder_settings(self, descriptors: Mapping[str, CompatDescriptor]) -> HolderSettings:
         """The settings of the agent's own pool, a holder like any other (`holder.assembly`):
