@@ -52,7 +52,7 @@ from starlette.routing import Route
 
 from agent.cores import CoreSplit
 from agent.engine import Engine
-from agent.loader import Prefetcher
+from agent.prefetch import Prefetcher
 from agent.model import ModelAdapter, load_model
 from agent.options import EngineOptions
 from agent.requests import GenerateRequest
