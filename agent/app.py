@@ -52,9 +52,9 @@ from starlette.routing import Route
 
 from agent.cores import CoreSplit
 from agent.engine import Engine
-from agent.prefetch import Prefetcher
 from agent.model import ModelAdapter, load_model
 from agent.options import EngineOptions
+from agent.prefetch import Prefetcher
 from agent.requests import GenerateRequest
 from agent.settings import AgentSettings
 from agent.shards import ShardKeeper
