@@ -52,8 +52,8 @@ from starlette.routing import Route
 
 from agent.cores import CoreSplit
 from agent.engine import Engine
-from agent.loader import Prefetcher
 from agent.model import ModelAdapter, load_model
+from agent.prefetch import Prefetcher
 from agent.requests import GenerateRequest
 from agent.settings import AgentSettings
 from agent.shards import ShardKeeper

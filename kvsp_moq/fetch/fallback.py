@@ -17,6 +17,9 @@ same holder or another, without reading any layer twice.
 The candidates' state belongs to the block, not to one range: a caller that loads layer groups
 of one block concurrently shares one `BlockCandidates`, so a candidate that failed for one group
 is not tried again for the next, and one lease per holder covers them all.
+
+A caller that stores whole blocks (the agent's prefetch) reads them with `BlockCandidates.whole`:
+the same candidates, order, leases and failure accounting, one verified container at a time.
 """
 
 from __future__ import annotations
@@ -25,11 +28,12 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncGenerator, AsyncIterator, Callable, NamedTuple, Sequence
+from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, NamedTuple, Sequence, TypeVar
 
 from kvsp_moq.errors import CandidatesExhausted, KvspError, LayersUnavailable, reason_of
 from kvsp_moq.fetch.leases import LeaseKeeper, lease_unavailable
-from kvsp_moq.fetch.sources import SourceCandidate
+from kvsp_moq.fetch.sources import BlockSource, SourceCandidate
+from kvsp_moq.fetch.stream import FetchedBlock
 from kvsp_moq.protocol.container import Buffer
 from kvsp_moq.protocol.urls import base_url
 
@@ -42,6 +46,8 @@ log = logging.getLogger("kvsp.fetch.fallback")
 
 #: Called with (block key, candidate, reason) each time a candidate is given up.
 FailureObserver = Callable[[str, SourceCandidate, str], None]
+
+T = TypeVar("T")
 
 
 class SourcedLayer(NamedTuple):
@@ -125,6 +131,29 @@ class BlockCandidates:
         """
         return FallbackStream(self, first, last, deliver)
 
+    async def whole(self, take: Callable[[SourceCandidate, FetchedBlock], Awaitable[T]]) -> T:
+        """The whole block as one verified container from the first candidate that delivers
+        it, handed to `take` (which stores it, say); what `take` returns is returned.
+
+        Candidates are leased and given up as for `layers`, but there is no continuing
+        mid-block: a candidate whose source cannot read whole replicas (`BlockSource`), fails
+        to, or whose block `take` refuses by raising (a block the caller cannot store is as bad
+        as one that never came) is given up and the next one reads the block from the start.
+        Raises `CandidatesExhausted` when no candidate is left.
+        """
+        while (cand := await self.candidate()) is not None:
+            try:
+                if not isinstance(cand.source, BlockSource):
+                    raise LayersUnavailable(f"a {cand.source.kind} source reads layers only")
+                fetched = await cand.source.fetch_block(cand.record)
+                return await take(cand, fetched)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # any failure of a source moves on to the next one
+                self.fail(cand, getattr(e, "detail", None) or reason_of(e, named=True))
+                await self.drop(cand)
+        raise self._exhausted("the block")
+
     async def candidate(self) -> SourceCandidate | None:
         """The current candidate, leased; None when every one has failed."""
         async with self._lock:
@@ -169,10 +198,10 @@ class BlockCandidates:
         if self.on_failure is not None:
             self.on_failure(self.block_key, cand, reason)
 
-    def _exhausted(self, first: int, last: int) -> CandidatesExhausted:
+    def _exhausted(self, what: str) -> CandidatesExhausted:
         summary = "; ".join(f"{c.record.holder}: {r}" for c, r in self.failures) or "no candidates"
-        err = CandidatesExhausted(f"block {self.block_key[:12]}: no candidate delivered layers "
-                                  f"{first}-{last} ({summary})")
+        err = CandidatesExhausted(f"block {self.block_key[:12]}: no candidate delivered {what} "
+                                  f"({summary})")
         err.failures = [(c.record.holder, r) for c, r in self.failures]
         return err
 
@@ -217,7 +246,7 @@ class FallbackStream:
         while self.next_layer <= last:
             cand = await block.candidate()
             if cand is None:
-                raise block._exhausted(self.next_layer, last)
+                raise block._exhausted(f"layers {self.next_layer}-{last}")
             attempt = Attempt(cand, self.next_layer, time.perf_counter())
             self.attempts.append(attempt)
             layers = cand.source.layers(cand.record, self.next_layer, last)

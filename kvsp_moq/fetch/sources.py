@@ -29,7 +29,7 @@ if TYPE_CHECKING:  # the MOQT binding is imported only by callers that read over
     from kvsp_moq.fetch.moqt import MoqtBlockFetcher
 
 __all__ = [
-    "HttpLayerSource", "LayerSource", "LayerTuple", "LocalLayerSource", "MoqtLayerSource",
+    "BlockSource", "HttpLayerSource", "LayerSource", "LayerTuple", "LocalLayerSource", "MoqtLayerSource",
     "SourceCandidate", "lease_holder", "order_candidates",
 ]
 
@@ -59,6 +59,15 @@ class LayerSource(Protocol):
     def layers(self, record: ReplicaRecord, first: int, last: int) -> AsyncIterator[LayerTuple]: ...
 
 
+@runtime_checkable
+class BlockSource(LayerSource, Protocol):
+    """A `LayerSource` that also reads a whole replica as one verified container: a prefetch
+    stores whole blocks, and a transport that hands over its container as it came avoids
+    encoding the layers into a new one."""
+
+    async def fetch_block(self, record: ReplicaRecord) -> FetchedBlock: ...
+
+
 class HttpLayerSource:
     """Layers over HTTP (§6.7) from the record's holder, via `HttpFetcher`."""
 
@@ -78,6 +87,10 @@ class HttpLayerSource:
                 yield layer.index, layer.k, layer.v
         finally:
             await stream.aclose()
+
+    async def fetch_block(self, record: ReplicaRecord) -> FetchedBlock:
+        """The whole block as one verified container (prefetch)."""
+        return await self.fetcher.fetch_block([record.holder], record)
 
 
 class MoqtLayerSource:

@@ -1,14 +1,11 @@
-"""Loading cached KV blocks into the agent (DESIGN §5; KVSP §6.5, §6.6, §6.7).
-
-Prefix loads (the matched prefix of a prompt into the agent's `KVPool`, layer by layer while
-the model runs) are the library's `kvsp_moq.fetch.prefix.PrefixLoader`, which the vLLM
-connector uses too; it is named here for the agent's callers.
+"""Prefetch directives in the agent (DESIGN §5; KVSP §6.5, §6.6).
 
 `Prefetcher` executes prefetch directives (§6.5): the listed blocks are leased at a listed
-source, fetched and verified whole (over MOQT through the agent's relay when the source
-publishes the block there, over HTTP from the source otherwise or when MOQT fails), stored in
-the agent's holder store and published as new replicas, all on the event loop beside the
-requests already admitted, until the deadline.
+source, fetched and verified whole, stored in the agent's holder store and published as new
+replicas, all on the event loop beside the requests already admitted, until the deadline.
+Each block is read through `kvsp_moq.fetch`'s candidates and fallback (`BlockCandidates.whole`),
+as requests read theirs: the listed sources in order, each over MOQT through the agent's relay
+when the source publishes the block there, then over HTTP from the source itself.
 """
 
 from __future__ import annotations
@@ -24,27 +21,31 @@ from typing import Any, Callable, Mapping, Sequence
 import httpx
 
 from kvsp_moq.errors import KvspError, PreconditionFailed
+from kvsp_moq.fetch.fallback import BlockCandidates, CandidatesExhausted
 from kvsp_moq.fetch.http import HttpFetcher
 from kvsp_moq.fetch.leases import LeaseClient, LeaseKeeper
-from kvsp_moq.fetch.prefix import LoadReport, PrefixLoader, Timeline
-from kvsp_moq.fetch.sources import MoqtLayerSource, lease_holder
+from kvsp_moq.fetch.sources import (
+    HttpLayerSource,
+    LayerSource,
+    MoqtLayerSource,
+    SourceCandidate,
+    lease_holder,
+    order_candidates,
+)
+from kvsp_moq.fetch.stream import FetchedBlock
 from kvsp_moq.fetch.transfers import TransferObserver, TransferTally
 from kvsp_moq.holder.store import BlockId, BlockStore
 from kvsp_moq.index_client import IndexClient
 from kvsp_moq.protocol.records import PrefetchBlock, PrefetchDirective, ReplicaRecord
 from kvsp_moq.protocol.urls import base_url
 
-log = logging.getLogger("kvsp.agent.loader")
+log = logging.getLogger("kvsp.agent.prefetch")
 
 #: How much a background link measurement loads (`Prefetcher.measure`): enough that the
 #: transfer, not the round trips, takes most of its time on a fast link.
 MEASURE_OCTETS = 4 << 20
 
-__all__ = ["DirectiveState", "LoadReport", "Prefetcher", "PrefixLoader", "Timeline"]
-
-
-
-# --------------------------------------------------------------------------- prefetch (§6.5)
+__all__ = ["DirectiveState", "Prefetcher"]
 
 
 @dataclass
@@ -96,6 +97,7 @@ class Prefetcher:
         self.keep = keep
         self.on_transfer = on_transfer
         self.moqt = moqt
+        self.http = HttpLayerSource(fetcher)
         self.stats: dict[str, int] = {"moqt": 0, "http": 0}
         self.directives: dict[str, DirectiveState] = {}
         self._loading: dict[BlockId, asyncio.Task[str | None]] = {}  # block loads in flight
@@ -221,7 +223,7 @@ class Prefetcher:
                     found = (await asyncio.shield(records)).get(key, [])
                 except (KvspError, httpx.HTTPError):
                     found = []  # no digests to verify against: nothing is loaded
-                kind = await self._load_one(d, key, sources, found, batch, tally)
+                kind = await self._load_one(d, key, sources, found, batch, keeper, tally)
             if state.finished is None:  # (an adopted load may end after the deadline)
                 if kind is not None:
                     state.loaded.append(key)
@@ -269,7 +271,7 @@ class Prefetcher:
         by_source: dict[str, list[str]] = {}
         for b in blocks:
             if b.sources and BlockId(d.compat_id, d.scope_id, b.block_key) not in self.store:
-                by_source.setdefault(b.sources[0], []).append(b.block_key)
+                by_source.setdefault(base_url(b.sources[0]), []).append(b.block_key)
 
         return ({source: asyncio.ensure_future(keeper.take(source, keys, f"prefetch {d.directive}: "))
                  for source, keys in by_source.items() if len(keys) > 1}, keeper)
@@ -297,85 +299,66 @@ class Prefetcher:
         if not task.cancelled() and task.exception() is not None:
             log.error("prefetch of %s failed", bid.block_key[:12], exc_info=task.exception())
 
-    def _attempts(self, source: str,
-                  records: Sequence[ReplicaRecord]) -> list[tuple[str, ReplicaRecord]]:
-        """How to read a block from one listed source, in order: (kind, record).
-
-        MOQT first when the source publishes the block through the agent's relay, then HTTP
-        from the source itself.
-        """
-        out: list[tuple[str, ReplicaRecord]] = []
-        base = base_url(source)
+    def _candidates(self, source: str, records: Sequence[ReplicaRecord]) -> list[SourceCandidate]:
+        """How to read a block from one listed source, in order: over MOQT when the source
+        publishes the block through the agent's relay, then over HTTP from the source itself
+        (one replica of each)."""
+        sources: list[LayerSource] = [self.http]
         if self.moqt is not None and self.moqt.reachable:
-            for r in records:
-                if (r.is_moqt and r.http_holder is not None and base_url(r.http_holder) == base
-                        and self.moqt.accepts(r)):
-                    out.append(("moqt", r))
-                    break
-        for r in records:
-            if not r.is_moqt and base_url(r.holder) == base:
-                out.append(("http", r))
-                break
-        return out
+            sources.insert(0, self.moqt)
+        at = base_url(source)
+        first: dict[str, SourceCandidate] = {}
+        for cand in order_candidates([r for r in records if lease_holder(r) == at], sources):
+            first.setdefault(cand.source.kind, cand)
+        return list(first.values())
 
     async def _load_one(self, d: PrefetchDirective, key: str, sources: Sequence[str],
                         records: Sequence[ReplicaRecord],
-                        batch: Mapping[str, "asyncio.Future[str | None]"],
+                        batch: Mapping[str, "asyncio.Future[str | None]"], keeper: LeaseKeeper,
                         tally: TransferTally) -> str | None:
-        """The transport the block was loaded over ("held" when it already was), or None;
-        a lease of `batch` covers the block at its source when there is one; what moved is
-        added to `tally`."""
+        """The transport the block was loaded over ("held" when it already was), or None.
+
+        The listed sources' candidates are read in order by `BlockCandidates.whole`, each
+        leased at its source: by the lease of `batch` that covers the block at its first
+        source, else by one of its own, kept until the block is stored. What moved is added to
+        `tally`.
+        """
         bid = BlockId(d.compat_id, d.scope_id, key)
         if bid in self.store:
             return "held"
+        candidates: list[SourceCandidate] = []
         for source in sources:
-            attempts = self._attempts(source, records)
-            if not attempts:
+            found = self._candidates(source, records)
+            if not found:
                 log.info("prefetch %s: no record of %s at %s", d.directive, key[:12], source)
-                continue
-            shared = batch.get(source)
-            lease = await asyncio.shield(shared) if shared is not None else None
-            keeper: LeaseKeeper | None = None
-            if lease is None:
-                try:
-                    lease = await self.leases.acquire(source, [key], d.lease_ms)
-                except KvspError as e:
-                    log.info("prefetch %s: lease for %s at %s refused: %s", d.directive, key[:12],
-                             source, e.detail)
-                    continue
-                keeper = LeaseKeeper(self.leases, d.lease_ms)
-                keeper.add(source, lease)
+            candidates += found
+        if not candidates:
+            return None
+        own = LeaseKeeper(self.leases, d.lease_ms)
+        own.unavailable = keeper.unavailable  # lease endpoints found down during this directive
+        block = BlockCandidates(key, candidates, keeper=own)
+
+        async def take(cand: SourceCandidate, fetched: FetchedBlock) -> str:
+            ended = time.perf_counter()
+            tally.add(cand.lease_holder, fetched.bytes_received, ended - fetched.seconds, ended)
+            if bid in self.store:
+                return "held"
             try:
-                for kind, record in attempts:
-                    try:
-                        if kind == "moqt":
-                            assert self.moqt is not None
-                            result = await self.moqt.fetch_block(record)
-                        else:
-                            result = await self.fetcher.fetch_block([source], record)
-                    except asyncio.CancelledError:
-                        raise
-                    except PreconditionFailed:
-                        return "held"
-                    except Exception as e:  # any failure of a transport moves on to the next
-                        log.info("prefetch %s: %s over %s from %s failed: %s", d.directive, key[:12],
-                                 kind, record.holder, getattr(e, "detail", None) or repr(e))
-                        continue
-                    ended = time.perf_counter()
-                    tally.add(base_url(source), result.bytes_received, ended - result.seconds, ended)
-                    if bid in self.store:
-                        return "held"
-                    try:
-                        entry = await self.store.put(bid, result.container.buffer)
-                    except PreconditionFailed:
-                        return "held"  # stored meanwhile (a request computed or loaded it)
-                    except KvspError as e:
-                        log.info("prefetch %s: %s not stored: %s", d.directive, key[:12], e.detail)
-                        continue
-                    self.announce(entry)
-                    self.stats[kind] += 1
-                    return kind
-            finally:
-                if keeper is not None:
-                    await keeper.release()
-        return None
+                entry = await self.store.put(bid, fetched.container.buffer)
+            except PreconditionFailed:
+                return "held"  # stored meanwhile (a request computed or loaded it)
+            self.announce(entry)
+            self.stats[cand.source.kind] += 1
+            return cand.source.kind
+
+        try:
+            holder = candidates[0].lease_holder
+            shared = batch.get(holder) if base_url(sources[0]) == holder else None
+            lease = await asyncio.shield(shared) if shared is not None else None
+            if lease is not None:
+                block.hold(holder, lease)
+            return await block.whole(take)
+        except CandidatesExhausted:
+            return None
+        finally:
+            await own.release()
