@@ -48,6 +48,7 @@ from kvsp_moq.index_client import IndexClient, raise_for_problem
 from kvsp_moq.protocol import validate as v
 from kvsp_moq.protocol.keys import BlockKeyChain
 from kvsp_moq.protocol.records import InstanceStatus, PrefetchDirective, SessionCheckpoint, ShardMap
+from kvsp_moq.tasks import TaskSet
 from kvsp_moq.web import build_app, json_response, principal, read_json
 from pc.lifecycle import InstanceFailed, InstanceRegistry, LifecycleSettings, StateChanged, id_matches
 from pc.placement import (
@@ -228,7 +229,7 @@ class PlacementController:
         self.failover = Failover(self.sessions, self._choose_for, self.instances.resume,
                                  settings.failover)
         self.resharder = Resharder(self.maps, self.instances.reshard, settings.reshard)
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks = TaskSet()
         self._sweeper: asyncio.Task | None = None
         self._started_at = clock()
         self._orphans_checked = False
@@ -280,9 +281,7 @@ class PlacementController:
                 log.info("instance %s: %s -> %s", e.instance, e.old, e.new)
 
     def _spawn(self, coro: Any) -> None:
-        task = asyncio.create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._tasks.spawn(coro)
 
     async def idle(self, timeout: float = 10.0) -> None:
         """Wait for background failovers to finish (tests, shutdown)."""

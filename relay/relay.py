@@ -39,6 +39,7 @@ from typing import Any, Awaitable, Callable, Coroutine
 from kvsp_moq.moqt.errors import MoqtError, RequestError, SessionCloseCode
 from kvsp_moq.moqt.quic import MoqtConnection, MoqtServer, serve
 from kvsp_moq.moqt.wire import Location
+from kvsp_moq.tasks import TaskSet
 
 from .access import AccessPolicy
 from .cache import ObjectCache, TrackKey
@@ -69,7 +70,7 @@ class Relay:
         self.namespaces = Namespaces(self, self.routes)
         self.subscriptions = Subscriptions(self, self.namespaces)
         self.fetches = Fetches(self)
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self._tasks = TaskSet()
         self._next_peer = 0
         self._peers: list[Peer] = []
         self._upstream: UpstreamLink | None = None
@@ -104,8 +105,7 @@ class Relay:
 
     async def aclose(self) -> None:
         self._closed = True
-        for task in list(self._tasks):
-            task.cancel()
+        self._tasks.cancel()
         upstream = self.upstream_peer
         if upstream is not None and upstream.connection is not None:
             await upstream.connection.aclose()
@@ -172,13 +172,11 @@ class Relay:
 
     def spawn(self, coro: Coroutine[Any, Any, Any], *, name: str) -> asyncio.Task[Any]:
         """Run `coro` as a task of the relay's, cancelled when the relay closes."""
-        task = asyncio.get_running_loop().create_task(coro, name=name)
-        self._tasks.add(task)
+        task = self._tasks.spawn(coro, name=name)
         task.add_done_callback(self._task_done)
         return task
 
     def _task_done(self, task: asyncio.Task[Any]) -> None:
-        self._tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
             exc = task.exception()
             if not isinstance(exc, (MoqtError, asyncio.TimeoutError)):
