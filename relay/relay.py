@@ -38,14 +38,12 @@ from typing import Any, Awaitable, Callable, Coroutine
 
 from kvsp_moq.moqt.errors import MoqtError, RequestError, SessionCloseCode
 from kvsp_moq.moqt.quic import MoqtConnection, MoqtServer, serve
-from kvsp_moq.moqt.wire import Location
 from kvsp_moq.tasks import TaskSet
 
 from .access import AccessPolicy
-from .cache import ObjectCache, TrackKey
-from .feed import Feed
-from .fetch import Fetches, SharedFetch
-from .namespaces import Namespaces, NamespaceWatcher, UpstreamWatch
+from .cache import ObjectCache
+from .fetch import Fetches
+from .namespaces import Namespaces
 from .peers import Peer
 from .routing import RouteTable
 from .settings import RelaySettings, RelayStats
@@ -273,21 +271,3 @@ class Relay:
     def _upstream_connected(self, up: Peer) -> None:
         self.namespaces.upstream_connected(up)
         self.notify()
-
-    # ---------------------------------------------------------------- state, for inspection (tests)
-
-    @property
-    def _feeds(self) -> dict[TrackKey, Feed]:
-        return self.subscriptions.feeds
-
-    @property
-    def _fetching(self) -> dict[tuple[TrackKey, Location, Location, bool], SharedFetch]:
-        return self.fetches.in_flight
-
-    @property
-    def _namespace_watchers(self) -> list[NamespaceWatcher]:
-        return self.namespaces.watchers
-
-    @property
-    def _upstream_watches(self) -> dict[tuple[bytes, ...], UpstreamWatch]:
-        return self.namespaces.upstream_watches
