@@ -80,9 +80,9 @@ class Relay:
         s = self.settings
         certificate = s.certificate
         if certificate is None and s.certfile is None:
-            from urllib.parse import urlsplit  # noqa: PLC0415
+            from urllib.parse import urlsplit
 
-            from kvsp_moq.moqt.certs import certificate_names, generate_self_signed  # noqa: PLC0415
+            from kvsp_moq.moqt.certs import certificate_names, generate_self_signed
 
             public_host = urlsplit(s.public_url).hostname if s.public_url else None
             certificate = s.certificate = generate_self_signed(certificate_names(s.host, public_host))

@@ -160,7 +160,7 @@ class DeviceTier:
     """
 
     def __init__(self, budget: int, device: str = "cuda") -> None:
-        import torch  # noqa: PLC0415 - optional and heavy
+        import torch  # optional and heavy
 
         self._torch = torch
         self.budget = budget
@@ -169,7 +169,7 @@ class DeviceTier:
     @staticmethod
     def available() -> bool:
         try:
-            import torch  # noqa: PLC0415
+            import torch
         except ImportError:
             return False
         return bool(torch.cuda.is_available())
