@@ -16,7 +16,7 @@ from kvsp_moq.errors import KvspError
 from kvsp_moq.index_client import IndexClient
 from kvsp_moq.protocol.keys import BlockKeyChain
 from kvsp_moq.protocol.records import SessionCheckpoint
-from kvsp_moq.tasks import TaskSet
+from kvsp_moq.tasks import TaskSet, cancel_and_wait
 from pc.instances_client import InstanceClient, command_start_hook
 from pc.lifecycle import InstanceFailed, InstanceRegistry, LifecycleSettings, StateChanged
 from pc.placement import (
@@ -110,10 +110,10 @@ class PlacementController:
         self._sweeper = asyncio.create_task(self._sweep_loop(), name="pc-sweep")
 
     async def close(self) -> None:
-        tasks = [t for t in (self._sweeper, *self._tasks) if t is not None]
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        sweeper, self._sweeper = self._sweeper, None
+        self._tasks.cancel()
+        await cancel_and_wait(sweeper)
+        await self._tasks.cancel_and_wait()
         await self.instances.aclose()
         if self._index is not None:
             await self._index.aclose()
