@@ -58,6 +58,7 @@ from kvsp_moq.protocol.keys import BlockKeyChain
 from kvsp_moq.protocol.keys import scope_id as scope_id_of
 from kvsp_moq.protocol.records import ReplicaRecord
 from kvsp_moq.protocol.urls import base_url
+from kvsp_moq.tasks import TaskSet
 
 if TYPE_CHECKING:
     from agent.status import Meters
@@ -111,7 +112,7 @@ class Engine:
         #: requests (generate and resume) admitted since start: the status record's "admitted"
         self.admitted = 0
         self.state = "active"
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks = TaskSet()
         self._finished: deque[tuple[float, Session]] = deque()  # (forget at, session), in order
         self._sweeper: asyncio.Task | None = None
         self._loaders: set[PrefixLoader] = set()
@@ -138,10 +139,7 @@ class Engine:
         return sum(1 for s in self.sessions.values() if s.state == "loading")
 
     def _spawn(self, coro: Any, name: str | None = None) -> asyncio.Task:
-        task = asyncio.get_running_loop().create_task(coro, name=name)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
+        return self._tasks.spawn(coro, name=name)
 
     def scope_key(self, name: str | None) -> bytes:
         name = name or self.default_scope
@@ -157,8 +155,7 @@ class Engine:
             if s.task is not None and not s.task.done():
                 s.task.cancel()
         tasks = [s.task for s in self.sessions.values() if s.task is not None] + list(self._tasks)
-        for t in list(self._tasks):
-            t.cancel()
+        self._tasks.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         for s in self.sessions.values():
             s.end("cancelled", "the instance stopped")

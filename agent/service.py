@@ -68,7 +68,7 @@ class Agent:
     """
 
     def __init__(self, settings: AgentSettings, *, adapter: ModelAdapter | None = None) -> None:
-        from agent.app import create_app  # noqa: PLC0415
+        from agent.app import create_app
 
         self.settings = settings
         self.app = create_app(settings, adapter=adapter)
@@ -217,7 +217,7 @@ def run(args: argparse.Namespace) -> int:
     if args.relay:
         log.info("loading MOQT replicas through %s first, HTTP as the fallback; publishing "
                  "this agent's blocks there too", args.relay)
-    from agent.app import create_app  # noqa: PLC0415
+    from agent.app import create_app
 
     app = create_app(settings)
     shown = f"[{host}]" if ":" in host else host

@@ -23,6 +23,7 @@ from kvsp_moq.index_client import raise_for_problem
 from kvsp_moq.protocol.instances import instance_id
 from kvsp_moq.protocol.records import INSTANCE_STATES, InstanceStatus, Link
 from kvsp_moq.protocol.urls import base_url
+from kvsp_moq.tasks import TaskSet, cancel_and_wait
 
 log = logging.getLogger("kvsp.agent.status")
 
@@ -137,7 +138,7 @@ class StatusReporter:
         # counts of consecutive records are compared there).
         self._lock = asyncio.Lock()
         self._queued: asyncio.Future[None] | None = None
-        self._pushes: set[asyncio.Future[None]] = set()
+        self._pushes = TaskSet()
         self._failing = False
 
     def record(self) -> InstanceStatus:
@@ -188,9 +189,7 @@ class StatusReporter:
         """Report as soon as the report in flight is done (pushes asked for meanwhile share
         it), so that the PC sees a request end now rather than at the next round."""
         if self._queued is None or self._queued.done():
-            self._queued = push = asyncio.ensure_future(self._push())
-            self._pushes.add(push)
-            push.add_done_callback(self._pushes.discard)
+            self._queued = self._pushes.add(asyncio.ensure_future(self._push()))
         return self._queued
 
     async def report_now(self, timeout: float = 0.25) -> None:
@@ -222,15 +221,9 @@ class StatusReporter:
             self._task = asyncio.get_running_loop().create_task(self._loop(), name="kvsp-status")
 
     async def stop(self) -> None:
-        for push in list(self._pushes):
-            push.cancel()
+        self._pushes.cancel()
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
+        await cancel_and_wait(task)
 
     async def _loop(self) -> None:
         interval = self.ttl_ms / 3000

@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import json
 import logging
@@ -42,6 +41,7 @@ from kvsp_moq.index_client import BATCH_LIMIT
 from kvsp_moq.protocol import cost
 from kvsp_moq.protocol import validate as v
 from kvsp_moq.protocol.records import InstanceStatus, ReplicaRecord, replica_id
+from kvsp_moq.tasks import cancel_and_wait
 from kvsp_moq.web import KVSP_JSON, build_app, json_response, principal, read_json
 
 log = logging.getLogger("kvsp.index")
@@ -356,11 +356,8 @@ class IndexService:
             self._sweeper = asyncio.create_task(self._sweep_forever(self.settings.sweep_interval_s))
 
     async def stop(self) -> None:
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sweeper
-            self._sweeper = None
+        sweeper, self._sweeper = self._sweeper, None
+        await cancel_and_wait(sweeper)
 
 
 def _path_ids(params: Mapping[str, str]) -> tuple[str, str, str, str]:

@@ -27,7 +27,7 @@ from kvsp_moq.web import uvicorn_config
 if TYPE_CHECKING:
     from starlette.applications import Starlette
 
-    from pc.app import PCSettings
+    from pc.controller import PCSettings
 
 DEFAULT_PORT = 8700
 log = logging.getLogger("kvsp.index")
@@ -68,7 +68,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                         "computes; a directive just before it makes it wait for whole blocks")
     p.add_argument("--start-command", metavar="CMD",
                    help="PC: shell command that starts an instance when none has acceptable "
-                        "cost and prints its base URL (see pc.app.command_start_hook)")
+                        "cost and prints its base URL (see pc.instances_client.command_start_hook)")
     p.add_argument("--descriptor", action="append", default=[], metavar="DESCRIPTOR.json",
                    help="a Compatibility Descriptor whose block size lets lookups with "
                         "targets estimate recompute_us (repeatable)")
@@ -114,7 +114,7 @@ def settings_from_args(args: argparse.Namespace) -> IndexSettings:
 
 
 def pc_settings_from_args(args: argparse.Namespace) -> "PCSettings":
-    from pc.app import PCSettings
+    from pc.controller import PCSettings
     from pc.placement import PlacementSettings
 
     token = token_from_args(args)
@@ -136,8 +136,9 @@ def pc_settings_from_args(args: argparse.Namespace) -> "PCSettings":
 
 def create_combined_app(index_settings: IndexSettings, pc_settings: "PCSettings") -> "Starlette":
     """IS and PC in one app: the PC looks up in the IS store, the IS reads the PC's registry."""
-    from pc.app import PlacementController, create_pc_routes
+    from pc.controller import PlacementController
     from pc.placement import replica_store_lookup
+    from pc.routes import create_pc_routes
 
     pc = PlacementController(pc_settings,
                              lookup=replica_store_lookup(index_settings.store, index_settings.clock))

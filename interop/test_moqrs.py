@@ -54,7 +54,7 @@ from .conftest import HERE, PEER_PYTHON, PEERS, aiomoqt_relay, our_relay, spawn
 from .test_drafts import kv_block
 
 sys.path.insert(0, str(PEERS))
-from moqrs_common import DEFAULT_SIZES, object_size, payload  # noqa: E402
+from moqrs_common import DEFAULT_SIZES, object_size, payload
 
 MOQRS_VENV = HERE / ".venv-moqrs"
 MOQRS_PYTHON = MOQRS_VENV / "bin" / "python"

@@ -95,7 +95,7 @@ def normalize_public_url(url: str | None, schemes: tuple[str, ...] = ("http", "h
         return None
     try:
         parts = urlsplit(url)
-        parts.port  # noqa: B018  (raises ValueError for a bad port)
+        parts.port  # raises ValueError for a bad port
     except ValueError as e:
         raise SettingError(f"{option} {url}: {e}") from None
     if parts.scheme.lower() not in schemes or not parts.hostname:
@@ -133,7 +133,7 @@ def cannot_listen(host: str, port: int, error: OSError) -> SettingError:
 def listening(host: str, port: int) -> socket.socket:
     """The listening TCP socket of a server, bound before anything slow (a model) is loaded, so
     that a port in use is said at once; SettingError (exit status 2) when it cannot be bound."""
-    from kvsp_moq.web import bind_tcp  # noqa: PLC0415  (the web stack only for HTTP servers)
+    from kvsp_moq.web import bind_tcp  # the web stack only for HTTP servers
 
     try:
         return bind_tcp(host, port)

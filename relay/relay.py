@@ -38,13 +38,12 @@ from typing import Any, Awaitable, Callable, Coroutine
 
 from kvsp_moq.moqt.errors import MoqtError, RequestError, SessionCloseCode
 from kvsp_moq.moqt.quic import MoqtConnection, MoqtServer, serve
-from kvsp_moq.moqt.wire import Location
+from kvsp_moq.tasks import TaskSet
 
 from .access import AccessPolicy
-from .cache import ObjectCache, TrackKey
-from .feed import Feed
-from .fetch import Fetches, SharedFetch
-from .namespaces import Namespaces, NamespaceWatcher, UpstreamWatch
+from .cache import ObjectCache
+from .fetch import Fetches
+from .namespaces import Namespaces
 from .peers import Peer
 from .routing import RouteTable
 from .settings import RelaySettings, RelayStats
@@ -69,7 +68,7 @@ class Relay:
         self.namespaces = Namespaces(self, self.routes)
         self.subscriptions = Subscriptions(self, self.namespaces)
         self.fetches = Fetches(self)
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self._tasks = TaskSet()
         self._next_peer = 0
         self._peers: list[Peer] = []
         self._upstream: UpstreamLink | None = None
@@ -81,9 +80,9 @@ class Relay:
         s = self.settings
         certificate = s.certificate
         if certificate is None and s.certfile is None:
-            from urllib.parse import urlsplit  # noqa: PLC0415
+            from urllib.parse import urlsplit
 
-            from kvsp_moq.moqt.certs import certificate_names, generate_self_signed  # noqa: PLC0415
+            from kvsp_moq.moqt.certs import certificate_names, generate_self_signed
 
             public_host = urlsplit(s.public_url).hostname if s.public_url else None
             certificate = s.certificate = generate_self_signed(certificate_names(s.host, public_host))
@@ -104,8 +103,7 @@ class Relay:
 
     async def aclose(self) -> None:
         self._closed = True
-        for task in list(self._tasks):
-            task.cancel()
+        self._tasks.cancel()
         upstream = self.upstream_peer
         if upstream is not None and upstream.connection is not None:
             await upstream.connection.aclose()
@@ -172,13 +170,11 @@ class Relay:
 
     def spawn(self, coro: Coroutine[Any, Any, Any], *, name: str) -> asyncio.Task[Any]:
         """Run `coro` as a task of the relay's, cancelled when the relay closes."""
-        task = asyncio.get_running_loop().create_task(coro, name=name)
-        self._tasks.add(task)
+        task = self._tasks.spawn(coro, name=name)
         task.add_done_callback(self._task_done)
         return task
 
     def _task_done(self, task: asyncio.Task[Any]) -> None:
-        self._tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
             exc = task.exception()
             if not isinstance(exc, (MoqtError, asyncio.TimeoutError)):
@@ -275,21 +271,3 @@ class Relay:
     def _upstream_connected(self, up: Peer) -> None:
         self.namespaces.upstream_connected(up)
         self.notify()
-
-    # ---------------------------------------------------------------- state, for inspection (tests)
-
-    @property
-    def _feeds(self) -> dict[TrackKey, Feed]:
-        return self.subscriptions.feeds
-
-    @property
-    def _fetching(self) -> dict[tuple[TrackKey, Location, Location, bool], SharedFetch]:
-        return self.fetches.in_flight
-
-    @property
-    def _namespace_watchers(self) -> list[NamespaceWatcher]:
-        return self.namespaces.watchers
-
-    @property
-    def _upstream_watches(self) -> dict[tuple[bytes, ...], UpstreamWatch]:
-        return self.namespaces.upstream_watches

@@ -167,7 +167,7 @@ def settings_from_args(args: argparse.Namespace,
             if cleanup is not None:
                 cleanup.callback(shutil.rmtree, directory, ignore_errors=True)
             else:
-                import atexit  # noqa: PLC0415
+                import atexit
 
                 atexit.register(shutil.rmtree, directory, ignore_errors=True)
         cert_path, key_path = directory / "relay-cert.pem", directory / "relay-key.pem"
@@ -186,7 +186,7 @@ def settings_from_args(args: argparse.Namespace,
 async def serve_forever(settings: RelaySettings, notes: Sequence[str] = (),
                         metrics: tuple[str, int] | None = None) -> None:
     """Run the relay (and its metrics server, given an address) until SIGINT or SIGTERM."""
-    from .metrics import start_metrics_server  # noqa: PLC0415  (web stack only when asked for)
+    from .metrics import start_metrics_server  # web stack only when asked for
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -4,7 +4,7 @@ import os
 # beside torch's; set before any test module imports torch.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from hypothesis import settings  # noqa: E402
+from hypothesis import settings
 
 # Property tests are bounded so the suite stays fast and repeatable in CI.
 settings.register_profile("ci", max_examples=200, deadline=None, derandomize=True)

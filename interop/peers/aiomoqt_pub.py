@@ -26,7 +26,7 @@ from aiomoqt.types import MOQTMessageType, RequestErrorCode, SubscribeDoneCode
 from aiomoqt.utils.url import parse_relay_url
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from moqrs_common import parse_sizes, payload  # noqa: E402
+from moqrs_common import parse_sizes, payload
 
 
 class Publisher:

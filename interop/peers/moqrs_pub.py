@@ -26,9 +26,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import moq  # noqa: E402
-from moqrs_common import parse_sizes, payload  # noqa: E402
-from moqrs_endpoint import endpoint  # noqa: E402
+import moq
+from moqrs_common import parse_sizes, payload
+from moqrs_endpoint import endpoint
 
 
 def say(text: str) -> None:

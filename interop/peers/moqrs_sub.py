@@ -32,9 +32,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import moq  # noqa: E402
-from moqrs_common import parse_sizes, payload  # noqa: E402
-from moqrs_endpoint import endpoint  # noqa: E402
+import moq
+from moqrs_common import parse_sizes, payload
+from moqrs_endpoint import endpoint
 
 
 def say(text: str) -> None:
@@ -85,7 +85,7 @@ async def read_group(group, a: argparse.Namespace, sizes, tally: Tally, enough: 
             say(json.dumps({"group": seq, "frame": o, "object": obj, "size": len(data), "ok": ok,
                             "timestamp_us": frame.timestamp_us, "sha256": hashlib.sha256(data).hexdigest()}))
             o += 1
-    except Exception as e:  # noqa: BLE001 - reported, not raised
+    except Exception as e:  # reported, not raised
         if tally.error is None:
             tally.error = f"group {seq} after {o} objects: {type(e).__name__}: {e}"
         enough.set()
@@ -173,7 +173,7 @@ if __name__ == "__main__":
     result = Tally()
     try:
         asyncio.run(asyncio.wait_for(main(args, result), args.timeout + 10))
-    except Exception as e:  # noqa: BLE001 - the summary carries it
+    except Exception as e:  # the summary carries it
         if result.error is None:
             result.error = f"{type(e).__name__}: {e}"
         if isinstance(e, asyncio.TimeoutError):

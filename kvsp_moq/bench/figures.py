@@ -48,8 +48,8 @@ def out_dir() -> Path:
 def _figure(width: float, height: float, cols: int = 1) -> tuple[Figure, list[Axes]]:
     """A figure on the Agg canvas with `cols` axes side by side."""
     try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: PLC0415
-        from matplotlib.figure import Figure  # noqa: PLC0415
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
     except ImportError as e:
         raise PlotsUnavailable(f"matplotlib is not installed: {PLOTS_HINT}") from e
     fig = Figure(figsize=(width, height), layout="constrained")
@@ -87,7 +87,7 @@ def timeline_figure(spans: Sequence[Mapping[str, Any]], title: str | None = None
         ax.broken_barh([(a, max(b - a, 0.0))], (i - 0.4, 0.4), facecolors=LOAD_COLOR)
     for i, (a, b) in computes:
         ax.broken_barh([(a, max(b - a, 0.0))], (i, 0.4), facecolors=COMPUTE_COLOR)
-    from matplotlib.patches import Patch  # noqa: PLC0415
+    from matplotlib.patches import Patch
 
     fig.legend(handles=[Patch(color=LOAD_COLOR, label="loading the layer's cached KV (upper bar of a row)"),
                         Patch(color=COMPUTE_COLOR, label="computing the layer (lower bar of a row)")],

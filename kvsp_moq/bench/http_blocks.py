@@ -75,7 +75,7 @@ def _loop_factory(name: str = "asyncio") -> tuple[str, Callable[[], asyncio.Abst
     """
     if name == "uvloop":
         try:
-            import uvloop  # noqa: PLC0415
+            import uvloop
         except ImportError:
             pass
         else:
@@ -120,13 +120,13 @@ def serve(sizes: list[int], loop: str = "asyncio") -> None:
 
     Prints one JSON line with their addresses, then serves until terminated.
     """
-    import logging  # noqa: PLC0415
+    import logging
 
-    import uvicorn  # noqa: PLC0415
+    import uvicorn
 
-    from kvsp_moq.holder.app import create_app  # noqa: PLC0415
-    from kvsp_moq.holder.settings import HolderSettings  # noqa: PLC0415
-    from kvsp_moq.web import bind_tcp, uvicorn_config  # noqa: PLC0415
+    from kvsp_moq.holder.app import create_app
+    from kvsp_moq.holder.settings import HolderSettings
+    from kvsp_moq.web import bind_tcp, uvicorn_config
 
     logging.getLogger("kvsp").setLevel(logging.WARNING)
     blocks = {seed: _block(size, seed) for seed, size in enumerate(sizes)}

@@ -155,7 +155,7 @@ async def _client(i: int, transport: str, blocks: _Blocks, relay: str, holder: s
                         break
                     got += 1
                     octets += len(layer.k) + len(layer.v)
-            except Exception as e:  # noqa: BLE001 - every failure is a finding, counted
+            except Exception as e:  # every failure is a finding, counted
                 errors.append(f"{transport} client {i}: {type(e).__name__}: {e}")
                 continue
             if got != blocks.layers:
@@ -196,7 +196,7 @@ async def _warm(blocks: _Blocks, relay: str, timeout: float = 20.0) -> None:
             try:
                 await fetcher.fetch_block([relay], blocks.moqt[0])
                 return
-            except Exception:  # noqa: BLE001 - not announced yet
+            except Exception:  # not announced yet
                 if time.monotonic() > deadline:
                     raise
                 await asyncio.sleep(0.2)

@@ -582,7 +582,7 @@ def _bare(engine: str, size: int, octets: int, runs: int = BARE_RUNS) -> dict[st
     for _ in range(runs):
         try:
             result = run_bare(engine, size, octets, gso=True, timeout=120.0, long_frames=True)
-        except Exception as exc:  # noqa: BLE001 - one cell's failure is a figure
+        except Exception as exc:  # one cell's failure is a figure
             return {"error": f"{type(exc).__name__}: {exc}"}
         if "unsupported" in result:
             return {"unsupported": result["unsupported"]}

@@ -67,11 +67,11 @@ B = int(os.environ.get("KVSP_BENCH_BLOCK_TOKENS", "16"))
 def serve_holder(index_url: str, relay_url: str | None = None) -> None:
     """The holder process: prints {"url"} on one line, then serves until terminated; with a
     relay its blocks are published over MOQT too."""
-    import uvicorn  # noqa: PLC0415
+    import uvicorn
 
-    from kvsp_moq.holder.app import create_app  # noqa: PLC0415
-    from kvsp_moq.holder.settings import HolderSettings  # noqa: PLC0415
-    from kvsp_moq.web import bind_tcp, uvicorn_config  # noqa: PLC0415
+    from kvsp_moq.holder.app import create_app
+    from kvsp_moq.holder.settings import HolderSettings
+    from kvsp_moq.web import bind_tcp, uvicorn_config
 
     logging.getLogger("kvsp").setLevel(logging.WARNING)
     app = create_app(HolderSettings(index_url=index_url, host_bytes=4 << 30, record_ttl_ms=600_000,
@@ -131,7 +131,7 @@ def _start_holder(index_url: str, relay_url: str) -> tuple[subprocess.Popen, str
 
 
 def _tokens(n: int, seed: int, vocab: int) -> list[int]:
-    import random  # noqa: PLC0415
+    import random
 
     rng = random.Random(seed)
     return [rng.randrange(3, vocab) for _ in range(n)]
@@ -158,7 +158,7 @@ def run(*, quick: bool = False, model: dict[str, int] | None = None,
     (`kvsp agent --loader-cpus auto`), the holder and relay beside it: `reserved_core`."""
     result = _run(quick=quick, model=model, prompt_tokens=prompt_tokens, repeats=repeats)
     if not quick:
-        from kvsp_moq.cpus import reserved_cpus  # noqa: PLC0415
+        from kvsp_moq.cpus import reserved_cpus
 
         loader = reserved_cpus(frozenset(os.sched_getaffinity(0)))
         if os.sched_getaffinity(0) - loader:
@@ -172,13 +172,13 @@ def run(*, quick: bool = False, model: dict[str, int] | None = None,
 
 def _run(*, quick: bool, model: dict[str, int] | None, prompt_tokens: int | None,
          repeats: int | None, loader_cpus: frozenset[int] | None = None) -> dict[str, Any]:
-    from agent.service import Agent, AgentSettings, tune_interpreter  # noqa: PLC0415
-    from index.app import IndexSettings  # noqa: PLC0415
-    from index.app import create_app as create_index_app  # noqa: PLC0415
-    from kvsp_moq.fetch.moqt import MoqtBlockFetcher  # noqa: PLC0415
-    from kvsp_moq.fetch.sources import MoqtLayerSource  # noqa: PLC0415
-    from kvsp_moq.moqt.certs import client_tls  # noqa: PLC0415
-    from kvsp_moq.web import BackgroundServer  # noqa: PLC0415
+    from agent.service import Agent, AgentSettings, tune_interpreter
+    from index.app import IndexSettings
+    from index.app import create_app as create_index_app
+    from kvsp_moq.fetch.moqt import MoqtBlockFetcher
+    from kvsp_moq.fetch.sources import MoqtLayerSource
+    from kvsp_moq.moqt.certs import client_tls
+    from kvsp_moq.web import BackgroundServer
 
     logging.getLogger("kvsp").setLevel(logging.WARNING)
     tune_interpreter()
@@ -195,7 +195,7 @@ def _run(*, quick: bool, model: dict[str, int] | None, prompt_tokens: int | None
         relay_proc, relay_url = _start_relay(cert_dir.name)
         holder_proc, holder_url = _start_holder(index.url, relay_url)
         if loader_cpus is not None:  # they stand for other machines: off the model's cores
-            from kvsp_moq.cpus import place_process  # noqa: PLC0415
+            from kvsp_moq.cpus import place_process
 
             place_process(relay_proc.pid, loader_cpus)
             place_process(holder_proc.pid, loader_cpus)
@@ -231,8 +231,8 @@ def _run(*, quick: bool, model: dict[str, int] | None, prompt_tokens: int | None
         cached_blocks = int(max(FRACTIONS) * n) // B
         ctx.engine.options.pipelined = True
         _generate(agent.url, base)
-        from kvsp_moq.holder.store import BlockId  # noqa: PLC0415
-        from kvsp_moq.protocol.keys import BlockKeyChain, scope_id  # noqa: PLC0415
+        from kvsp_moq.holder.store import BlockId
+        from kvsp_moq.protocol.keys import BlockKeyChain, scope_id
 
         key = ctx.settings.scope_keys[ctx.settings.scope]
         sid = scope_id(key).hex()
@@ -352,7 +352,7 @@ def _run(*, quick: bool, model: dict[str, int] | None, prompt_tokens: int | None
 def _timeline_png(timeline: list[dict[str, Any]] | None, *, reserved: bool, fraction: float) -> str | None:
     """The timeline's figure under `figures.out_dir()`: its path, or None without a timeline or
     without matplotlib. The reserved-core run writes a file of its own beside the first."""
-    from kvsp_moq.bench import figures  # noqa: PLC0415
+    from kvsp_moq.bench import figures
 
     if not timeline:
         return None
@@ -363,7 +363,7 @@ def _timeline_png(timeline: list[dict[str, Any]] | None, *, reserved: bool, frac
 
 
 def _torch_threads() -> int:
-    import torch  # noqa: PLC0415
+    import torch
 
     return torch.get_num_threads()
 

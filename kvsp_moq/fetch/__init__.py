@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 _WHERE = {
     "HttpFetcher": "http", "HttpLayerStream": "http", "fetch_block": "http",
     "MoqtBlockFetcher": "moqt", "MoqtLayerStream": "moqt",
-    "FetchedBlock": "stream", "SourceFailed": "stream", "VerifiedLayerStream": "stream",
+    "FailureKind": "stream", "FetchedBlock": "stream", "SourceFailed": "stream", "VerifiedLayerStream": "stream",
     "LayerSource": "sources", "LayerTuple": "sources", "HttpLayerSource": "sources",
     "MoqtLayerSource": "sources", "LocalLayerSource": "sources", "SourceCandidate": "sources",
     "order_candidates": "sources",
@@ -40,7 +40,7 @@ _WHERE = {
 
 # Spelled out, not sorted(_WHERE), so that linters and type checkers read it; the same names.
 __all__ = [
-    "Attempt", "BlockCandidates", "CandidatesExhausted", "FallbackStream", "FetchedBlock",
+    "Attempt", "BlockCandidates", "CandidatesExhausted", "FailureKind", "FallbackStream", "FetchedBlock",
     "HttpFetcher", "HttpLayerSource", "HttpLayerStream", "LayerPool", "LayerReadiness",
     "LayerSource", "LayerTuple", "LeaseClient", "LeaseKeeper", "LoadReport", "LocalLayerSource",
     "MoqtBlockFetcher", "MoqtLayerSource", "MoqtLayerStream", "PrefixLoader", "SourceCandidate",
@@ -71,7 +71,7 @@ if TYPE_CHECKING:
         SourceCandidate,
         order_candidates,
     )
-    from kvsp_moq.fetch.stream import FetchedBlock, SourceFailed, VerifiedLayerStream
+    from kvsp_moq.fetch.stream import FailureKind, FetchedBlock, SourceFailed, VerifiedLayerStream
 
 
 def __getattr__(name: str) -> Any:

@@ -51,7 +51,7 @@ import httpx
 from kvsp_moq.allocator import receive_buffer
 from kvsp_moq.errors import BadContainer, reason_of
 from kvsp_moq.fetch import http1
-from kvsp_moq.fetch.stream import FetchedBlock, SourceFailed, VerifiedLayerStream, record_layer_digests
+from kvsp_moq.fetch.stream import FailureKind, FetchedBlock, SourceFailed, VerifiedLayerStream, record_layer_digests
 from kvsp_moq.hashing import hash_pool
 from kvsp_moq.protocol.container import (
     MEDIA_TYPE,
@@ -160,7 +160,7 @@ class HttpLayerStream(VerifiedLayerStream):
             if want is not None and next_layer > want[1]:
                 break
             if not source.lower().startswith(("http://", "https://")):
-                self._fail(source, "refused", "not an HTTP source")
+                self._fail(source, FailureKind.REFUSED, "not an HTTP source")
                 continue
             base = source if source.endswith("/") else source + "/"
             start_layer = next_layer
@@ -176,9 +176,9 @@ class HttpLayerStream(VerifiedLayerStream):
             except SourceFailed as e:
                 self._fail(source, e.kind, e.reason)
             except (httpx.TimeoutException, http1.ReadTimeout, http1.ConnectTimeout) as e:
-                self._fail(source, "transport", f"timed out ({type(e).__name__})")
+                self._fail(source, FailureKind.TRANSPORT, f"timed out ({type(e).__name__})")
             except (httpx.HTTPError, http1.Http1Error, OSError) as e:
-                self._fail(source, "transport", reason_of(e, named=True))
+                self._fail(source, FailureKind.TRANSPORT, reason_of(e, named=True))
             finally:
                 if next_layer > start_layer:
                     self.served_by.append((source, start_layer, next_layer - 1))
@@ -225,7 +225,7 @@ class HttpLayerStream(VerifiedLayerStream):
         max_size = record.size if record.size else self.fetcher.max_block_bytes
         declared = resp.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > max_size:
-            raise SourceFailed("malformed", f"a body of {declared} octets is larger than "
+            raise SourceFailed(FailureKind.MALFORMED, f"a body of {declared} octets is larger than "
                                              f"the replica's {max_size}")
         parser = ContainerParser(max_size=max_size, allocate=receive_buffer)
         self._current = parser
@@ -271,24 +271,24 @@ class HttpLayerStream(VerifiedLayerStream):
                     else:
                         yield layer
         except BadContainer as e:
-            raise SourceFailed("malformed", f"{base}: {e}") from None
+            raise SourceFailed(FailureKind.MALFORMED, f"{base}: {e}") from None
         finally:
             await steps.aclose()
         if not done:
             try:
                 whole = parser.close()
             except BadContainer as e:
-                raise SourceFailed("transport", reason_of(e)) from None
+                raise SourceFailed(FailureKind.TRANSPORT, reason_of(e)) from None
             if stream_hash is not None:
                 if hashed < parser.received and parser.buffer is not None:  # close() left it set
                     stream_hash.update(parser.buffer[hashed:parser.received])
                 if await stream_hash.digest() != expected_repr:
-                    raise SourceFailed("digest", "Repr-Digest does not match the body")
+                    raise SourceFailed(FailureKind.DIGEST, "Repr-Digest does not match the body")
             if digests is None:
                 self.token_count = whole.token_count
                 computed = whole.layer_digests()
                 if whole.first_layer != 0 or replica_digest(computed).hex() != record.digest[8:]:
-                    raise SourceFailed("digest", "the block does not match the replica digest")
+                    raise SourceFailed(FailureKind.DIGEST, "the block does not match the replica digest")
                 self.range = (0, whole.layer_count - 1) if self.range is None else self.range
                 for layer in whole.layers():
                     if self.range[0] <= layer.index <= self.range[1]:
@@ -321,7 +321,7 @@ class HttpLayerStream(VerifiedLayerStream):
                         digests: list[bytes] | None) -> int:
         """Check the response's header against the request; the last layer wanted from it."""
         if parser.codec != self.record.codec:
-            raise SourceFailed("malformed", f"codec {parser.codec} returned, the replica has "
+            raise SourceFailed(FailureKind.MALFORMED, f"codec {parser.codec} returned, the replica has "
                                              f"codec {self.record.codec}")
         last_in = parser.first_layer + parser.layer_count - 1
         if digests is None:
@@ -329,7 +329,7 @@ class HttpLayerStream(VerifiedLayerStream):
         assert self.range is not None  # layer digests come with the layer count
         want_last = self.range[1]
         if parser.first_layer > first or last_in < want_last:
-            raise SourceFailed("malformed", f"response holds layers {parser.first_layer}-"
+            raise SourceFailed(FailureKind.MALFORMED, f"response holds layers {parser.first_layer}-"
                                              f"{last_in}, not {first}-{want_last}")
         if (parser.first_layer, last_in) != (first, want_last):
             self._note(f"{base} ignored layers={first}-{want_last} and sent layers "
@@ -345,7 +345,7 @@ class HttpLayerStream(VerifiedLayerStream):
 
 def _verify_layer(layer: Layer, digests: list[bytes]) -> None:
     if layer_digest(layer.k, layer.v) != digests[layer.index]:
-        raise SourceFailed("digest", f"layer {layer.index} does not match its layer digest")
+        raise SourceFailed(FailureKind.DIGEST, f"layer {layer.index} does not match its layer digest")
 
 
 def _layer_digests(layers: list[Layer]) -> list[bytes]:
@@ -401,12 +401,12 @@ class _LayerChecks:
     def _check(self, layers: list[Layer], computed: list[bytes]) -> list[Layer]:
         for layer, digest in zip(layers, computed):
             if digest != self.digests[layer.index]:
-                raise SourceFailed("digest", f"layer {layer.index} does not match its "
+                raise SourceFailed(FailureKind.DIGEST, f"layer {layer.index} does not match its "
                                               f"layer digest")
         return layers
 
 
-async def _describe_refusal(resp: "httpx.Response | http1.Response") -> tuple[str, str]:
+async def _describe_refusal(resp: "httpx.Response | http1.Response") -> tuple[FailureKind, str]:
     """(kind, reason) for a non-200 answer, naming its problem type when it has one."""
     body = b""
     async for piece in resp.aiter_raw():
@@ -418,7 +418,7 @@ async def _describe_refusal(resp: "httpx.Response | http1.Response") -> tuple[st
         m = re.search(rb'"type"\s*:\s*"urn:kvsp:problem:([a-z0-9-]+)"', body)
         if m:
             name = " " + m.group(1).decode()
-    kind = "miss" if resp.status_code in (404, 410) else "refused"
+    kind = FailureKind.MISS if resp.status_code in (404, 410) else FailureKind.REFUSED
     return kind, f"HTTP {resp.status_code}{name}"
 
 

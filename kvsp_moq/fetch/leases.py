@@ -19,6 +19,7 @@ import httpx
 from kvsp_moq.errors import KvspError, TransportError, reason_of
 from kvsp_moq.index_client import raise_for_problem
 from kvsp_moq.protocol.urls import base_url
+from kvsp_moq.tasks import cancel_and_wait
 
 __all__ = ["LeaseClient", "LeaseKeeper", "RttObserver", "lease_unavailable"]
 
@@ -187,9 +188,7 @@ class LeaseKeeper:
             request.cancel()
         await asyncio.gather(*late, return_exceptions=True)
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        await cancel_and_wait(task)
 
     async def release(self) -> None:
         """Stop renewing and release every lease still held."""

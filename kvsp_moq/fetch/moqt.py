@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import AsyncGenerator, AsyncIterator, Sequence
 
 from kvsp_moq.errors import BadRecord, KvspError, LayersUnavailable, reason_of
-from kvsp_moq.fetch.stream import FetchedBlock, SourceFailed, VerifiedLayerStream, record_layer_digests
+from kvsp_moq.fetch.stream import FailureKind, FetchedBlock, SourceFailed, VerifiedLayerStream, record_layer_digests
 from kvsp_moq.moqt.certs import CertificateRejected, ClientTls, check_trusted
 from kvsp_moq.moqt.errors import DoesNotExist, InvalidRange, MoqtError, RequestError, RequestErrorCode
 from kvsp_moq.moqt.quic import MoqtConnection, MoqtObject, QuicSettings, connect
@@ -34,16 +34,17 @@ def _failure_of(error: BaseException) -> SourceFailed:
     if isinstance(error, SourceFailed):
         return error
     if isinstance(error, DoesNotExist):
-        return SourceFailed("miss", f"DOES_NOT_EXIST: {error.reason}")
+        return SourceFailed(FailureKind.MISS, f"DOES_NOT_EXIST: {error.reason}")
     if isinstance(error, RequestError):
         name = RequestErrorCode(error.error_code).name if error.error_code in RequestErrorCode._value2member_map_ \
             else hex(int(error.error_code))
-        return SourceFailed("refused", f"{name}: {error.reason}")
+        return SourceFailed(FailureKind.REFUSED, f"{name}: {error.reason}")
     if isinstance(error, asyncio.TimeoutError):
-        return SourceFailed("transport", "timed out")
+        return SourceFailed(FailureKind.TRANSPORT, "timed out")
     if isinstance(error, KvspError):
-        return SourceFailed("malformed" if isinstance(error, BadRecord) else "transport", reason_of(error))
-    return SourceFailed("transport", reason_of(error, named=True))
+        kind = FailureKind.MALFORMED if isinstance(error, BadRecord) else FailureKind.TRANSPORT
+        return SourceFailed(kind, reason_of(error))
+    return SourceFailed(FailureKind.TRANSPORT, reason_of(error, named=True))
 
 
 class MoqtLayerStream(VerifiedLayerStream):
@@ -73,7 +74,7 @@ class MoqtLayerStream(VerifiedLayerStream):
             if next_layer > last:
                 break
             if not source.lower().startswith("moqt://"):
-                self._fail(source, "refused", "not a moqt:// source")
+                self._fail(source, FailureKind.REFUSED, "not a moqt:// source")
                 continue
             start_layer = next_layer
             try:
@@ -94,7 +95,7 @@ class MoqtLayerStream(VerifiedLayerStream):
             except (MoqtError, KvspError, OSError, asyncio.TimeoutError, ConnectionError) as e:
                 failure = _failure_of(e)
                 self._fail(source, failure.kind, failure.reason)
-                if failure.kind == "transport":
+                if failure.kind is FailureKind.TRANSPORT:
                     await self.fetcher.drop_if_dead(source)
             finally:
                 if next_layer > start_layer:
@@ -105,9 +106,9 @@ class MoqtLayerStream(VerifiedLayerStream):
     def _check_whole(self, layers: list[Layer]) -> None:
         """Without layer digests only a whole replica can be checked, by its replica digest."""
         if not layers or layers[0].index != 0 or len(layers) != layers[-1].index + 1:
-            raise SourceFailed("digest", "without layer digests only the whole block can be verified")
+            raise SourceFailed(FailureKind.DIGEST, "without layer digests only the whole block can be verified")
         if replica_digest([layer.digest() for layer in layers]).hex() != self.record.digest[8:]:
-            raise SourceFailed("digest", "the block does not match the replica digest")
+            raise SourceFailed(FailureKind.DIGEST, "the block does not match the replica digest")
         if self.first_layer_seconds is None:
             self.first_layer_seconds = time.perf_counter() - self.started
 
@@ -115,19 +116,20 @@ class MoqtLayerStream(VerifiedLayerStream):
 
     def _verified(self, obj: MoqtObject, expected: int, digests: list[bytes] | None) -> Layer:
         if obj.group_id != GROUP or obj.object_id != expected:
-            raise SourceFailed("malformed", f"object {obj.group_id}/{obj.object_id} where layer {expected} was due")
+            raise SourceFailed(FailureKind.MALFORMED,
+                               f"object {obj.group_id}/{obj.object_id} where layer {expected} was due")
         self.bytes_received += len(obj.payload)
         try:
             layer, tokens = split_layer(obj.object_id, obj.payload, obj.properties)
         except BadRecord as e:
-            raise SourceFailed("malformed", str(e)) from None
+            raise SourceFailed(FailureKind.MALFORMED, str(e)) from None
         if digests is not None and layer_digest(layer.k, layer.v) != digests[obj.object_id]:
-            raise SourceFailed("digest", f"layer {obj.object_id} does not match its layer digest")
+            raise SourceFailed(FailureKind.DIGEST, f"layer {obj.object_id} does not match its layer digest")
         if tokens is not None:
             if self.token_count is None:
                 self.token_count = tokens
             elif tokens != self.token_count:
-                raise SourceFailed("malformed", f"layer {obj.object_id} has another token count")
+                raise SourceFailed(FailureKind.MALFORMED, f"layer {obj.object_id} has another token count")
         return layer
 
     async def _fetch_range(self, connection: MoqtConnection, first: int, last: int,
@@ -190,7 +192,7 @@ class MoqtLayerStream(VerifiedLayerStream):
                         next_layer = layer.index + 1
                         yield layer
                     if next_layer <= stop:
-                        raise SourceFailed("miss", f"layers {next_layer}-{stop} were not delivered")
+                        raise SourceFailed(FailureKind.MISS, f"layers {next_layer}-{stop} were not delivered")
                 if obj is None or next_layer > last:
                     break
                 yield self._verified(obj, next_layer, digests)
@@ -198,7 +200,7 @@ class MoqtLayerStream(VerifiedLayerStream):
         finally:
             await subscription.aclose()
         if next_layer <= last:
-            raise SourceFailed("miss", f"the track ended before layer {next_layer}")
+            raise SourceFailed(FailureKind.MISS, f"the track ended before layer {next_layer}")
 
 
 @dataclass

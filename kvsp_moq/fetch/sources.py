@@ -15,22 +15,21 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, AsyncIterator, Callable, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, AsyncIterator, Callable, Iterator, Protocol, Sequence, runtime_checkable
 
 from kvsp_moq.errors import TransportError, reason_of
 from kvsp_moq.fetch.http import HttpFetcher
 from kvsp_moq.fetch.stream import FetchedBlock
-from kvsp_moq.holder.store import BlockId, BlockStore
 from kvsp_moq.protocol.container import Buffer, Container
-from kvsp_moq.protocol.records import ReplicaRecord
+from kvsp_moq.protocol.records import BlockId, ReplicaRecord
 from kvsp_moq.protocol.urls import base_url
 
 if TYPE_CHECKING:  # the MOQT binding is imported only by callers that read over MOQT
     from kvsp_moq.fetch.moqt import MoqtBlockFetcher
 
 __all__ = [
-    "BlockSource", "HttpLayerSource", "LayerSource", "LayerTuple", "LocalLayerSource", "MoqtLayerSource",
-    "SourceCandidate", "lease_holder", "order_candidates",
+    "BlockSource", "HttpLayerSource", "LayerSource", "LayerTuple", "LocalLayerSource", "LocalStore",
+    "MoqtLayerSource", "PinnedLayers", "SourceCandidate", "lease_holder", "order_candidates",
 ]
 
 log = logging.getLogger("kvsp.fetch.sources")
@@ -186,6 +185,32 @@ class MoqtLayerSource:
             raise
 
 
+class _HeldReplica(Protocol):
+    @property
+    def host(self) -> Container | None: ...
+
+
+class PinnedLayers(Protocol):
+    """Layers of a replica pinned for reading (the holder store's `BlockRead`)."""
+
+    @property
+    def entry(self) -> _HeldReplica: ...
+
+    def chunks(self) -> Iterator[Buffer]: ...
+
+    def release(self) -> None: ...
+
+
+class LocalStore(Protocol):
+    """What `LocalLayerSource` needs of a holder's store (`kvsp_moq.holder.store.BlockStore`),
+    spelled out so that fetching does not depend on the holder."""
+
+    def get(self, bid: BlockId) -> object | None: ...
+
+    async def open_read(self, bid: BlockId, first: int | None = None,
+                        last: int | None = None) -> PinnedLayers: ...
+
+
 class LocalLayerSource:
     """Layers of replicas in the caller's own holder store, read in place.
 
@@ -196,7 +221,7 @@ class LocalLayerSource:
     kind = "local"
     needs_lease = False
 
-    def __init__(self, store: BlockStore, self_url: Callable[[], str]) -> None:
+    def __init__(self, store: LocalStore, self_url: Callable[[], str]) -> None:
         self.store = store
         self.self_url = self_url
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import AsyncGenerator, Sequence
 
 from kvsp_moq.errors import DigestMismatch, KvspError, LayersUnavailable, NotFound, TransportError
@@ -18,15 +19,30 @@ from kvsp_moq.protocol.container import Container, Layer, replica_digest
 from kvsp_moq.protocol.records import ReplicaRecord
 
 
+class FailureKind(str, Enum):
+    """Why one source failed; the kinds together decide the error once no source is left."""
+
+    #: the source does not hold the layers (HTTP 404/410, DOES_NOT_EXIST, a track that ends early)
+    MISS = "miss"
+    #: the source served octets that do not match the record's digests
+    DIGEST = "digest"
+    #: the source answered but refused (another status, a request error, not its scheme)
+    REFUSED = "refused"
+    #: the answer could not be read as the requested layers
+    MALFORMED = "malformed"
+    #: the connection failed or timed out
+    TRANSPORT = "transport"
+
+
 class SourceFailed(Exception):
     """One source cannot deliver the rest of the layers; the stream moves on to the next.
 
-    `kind` decides the error raised once no source is left: any "digest" failure makes it a
-    DigestMismatch (someone served wrong octets), only "miss" failures a NotFound (nobody
+    `kind` decides the error raised once no source is left: any DIGEST failure makes it a
+    DigestMismatch (someone served wrong octets), only MISS failures a NotFound (nobody
     holds the layers), anything else a TransportError.
     """
 
-    def __init__(self, kind: str, reason: str) -> None:
+    def __init__(self, kind: FailureKind, reason: str) -> None:
         super().__init__(reason)
         self.kind = kind
         self.reason = reason
@@ -100,7 +116,7 @@ class VerifiedLayerStream:
         self.first_layer_seconds: float | None = None
         self.token_count: int | None = None
         self.range = requested_range(record, layers)
-        self._kinds: list[str] = []
+        self._kinds: list[FailureKind] = []
 
     def _start(self) -> None:
         self._gen = self._run()
@@ -124,7 +140,7 @@ class VerifiedLayerStream:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    def _fail(self, source: str, kind: str, reason: str) -> None:
+    def _fail(self, source: str, kind: FailureKind, reason: str) -> None:
         self.failures.append((source, reason))
         self._kinds.append(kind)
 
@@ -136,9 +152,9 @@ class VerifiedLayerStream:
         """The error once every source has failed; it carries `failures`."""
         summary = "; ".join(f"{s}: {r}" for s, r in self.failures) or "no sources"
         err: KvspError
-        if "digest" in self._kinds:
+        if FailureKind.DIGEST in self._kinds:
             err = DigestMismatch(f"no source delivered verified layers ({summary})")
-        elif not self._kinds or all(k == "miss" for k in self._kinds):
+        elif not self._kinds or all(k is FailureKind.MISS for k in self._kinds):
             err = NotFound(f"no source holds the layers ({summary})")
         else:
             err = TransportError(f"no source delivered the layers ({summary})")

@@ -34,6 +34,7 @@ from kvsp_moq.naming import moqt_record
 from kvsp_moq.protocol.container import format_digest
 from kvsp_moq.protocol.records import ReplicaRecord
 from kvsp_moq.protocol.urls import base_url
+from kvsp_moq.tasks import cancel_and_wait
 
 log = logging.getLogger("kvsp.holder.index_publisher")
 
@@ -258,12 +259,7 @@ class IndexPublisher:
 
     async def stop(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
+        await cancel_and_wait(task)
 
     async def _run(self) -> None:
         assert self._wake is not None

@@ -48,6 +48,7 @@ from kvsp_moq.moqt.wire import FilterType, Location, Properties, SubscriptionFil
 from kvsp_moq.naming import GROUP, BlockTrack, layer_properties, moqt_record, publisher_id
 from kvsp_moq.protocol.container import encode, format_digest
 from kvsp_moq.protocol.records import ReplicaRecord
+from kvsp_moq.tasks import cancel_and_wait
 
 __all__ = ["BlockPublisher", "LiveBlock", "PublisherStats"]
 
@@ -245,12 +246,7 @@ class BlockPublisher:
     async def aclose(self) -> None:
         self._closed = True
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
+        await cancel_and_wait(task)
         if self.connection is not None:
             await self.connection.aclose()
             self.connection = None

@@ -30,7 +30,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Iterable, Iterator, Mapping, NamedTuple, Sequence
+from typing import Any, Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 
 from kvsp_moq.allocator import receive_buffer
 from kvsp_moq.errors import (
@@ -44,7 +44,7 @@ from kvsp_moq.errors import (
 from kvsp_moq.hashing import hash_pool
 from kvsp_moq.protocol.compat import CODECS, CompatDescriptor
 from kvsp_moq.protocol.container import Buffer, Container, encode_header
-from kvsp_moq.protocol.records import Residency
+from kvsp_moq.protocol.records import BlockId, Residency
 
 log = logging.getLogger("kvsp.holder.store")
 
@@ -56,18 +56,6 @@ _RANGE_DIGESTS_KEPT = 32
 #: write errors that mean "no room": a full filesystem, a quota, a file size limit
 _NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 
-
-
-class BlockId(NamedTuple):
-    """What a stored replica is keyed by: the three path members of a block resource."""
-
-    compat_id: str
-    scope_id: str
-    block_key: str
-
-    @property
-    def path(self) -> str:
-        return f"{self.compat_id}/{self.scope_id}/{self.block_key}"
 
 
 @dataclass(frozen=True)
@@ -172,7 +160,7 @@ class DeviceTier:
     """
 
     def __init__(self, budget: int, device: str = "cuda") -> None:
-        import torch  # noqa: PLC0415 - optional and heavy
+        import torch  # optional and heavy
 
         self._torch = torch
         self.budget = budget
@@ -181,7 +169,7 @@ class DeviceTier:
     @staticmethod
     def available() -> bool:
         try:
-            import torch  # noqa: PLC0415
+            import torch
         except ImportError:
             return False
         return bool(torch.cuda.is_available())

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from kvsp_moq.errors import BadRecord
 from kvsp_moq.protocol import validate as v
@@ -24,6 +24,22 @@ def _opt(data: dict, name: str) -> Any:
 
 
 # --------------------------------------------------------------------------- replicas
+
+
+class BlockId(NamedTuple):
+    """What a stored replica is keyed by: the three path members of a block resource.
+
+    Defined here, not in the holder's store, so that readers of replicas (the local layer
+    source) name a block without depending on the store.
+    """
+
+    compat_id: str
+    scope_id: str
+    block_key: str
+
+    @property
+    def path(self) -> str:
+        return f"{self.compat_id}/{self.scope_id}/{self.block_key}"
 
 
 @dataclass(frozen=True)

@@ -8,13 +8,13 @@ from typing import Iterator
 
 import httpx
 import pytest
-import torch  # noqa: E402
+import torch
 
-from agent.model import ModelAdapter  # noqa: E402
-from agent.service import Agent, AgentSettings  # noqa: E402
-from kvsp_moq.web import BackgroundServer  # noqa: E402
-from pc.app import PCSettings, create_pc_app  # noqa: E402
-from pc.placement import MemoryIndex  # noqa: E402
+from agent.model import ModelAdapter
+from agent.service import Agent, AgentSettings
+from kvsp_moq.web import BackgroundServer
+from pc.app import PCSettings, create_pc_app
+from pc.placement import MemoryIndex
 from tests.agent.conftest import tokens
 
 N = 96

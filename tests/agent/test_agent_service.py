@@ -12,11 +12,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from agent.service import configure_parser, settings_from_args  # noqa: E402
-from kvsp_moq.errors import BadRecord  # noqa: E402
+from agent.service import configure_parser, settings_from_args
+from kvsp_moq.errors import BadRecord
 from kvsp_moq.scope_keys import (
     OPEN_SCOPE,
-    read_scope_keys,  # noqa: E402
+    read_scope_keys,
 )
 
 

@@ -10,17 +10,17 @@ from pathlib import Path
 from typing import Callable
 
 import httpx
-from starlette.applications import Starlette  # noqa: E402
-from starlette.requests import Request  # noqa: E402
-from starlette.responses import JSONResponse, Response  # noqa: E402
-from starlette.routing import Route  # noqa: E402
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
-from agent.service import Agent, AgentSettings  # noqa: E402
-from agent.status import Meters, StatusReporter, instance_id  # noqa: E402
-from kvsp_moq.protocol.records import InstanceStatus  # noqa: E402
-from kvsp_moq.web import BackgroundServer  # noqa: E402
-from pc.lifecycle import instance_id as pc_instance_id  # noqa: E402
-from tests.polling import wait_until  # noqa: E402
+from agent.service import Agent, AgentSettings
+from agent.status import Meters, StatusReporter, instance_id
+from kvsp_moq.protocol.records import InstanceStatus
+from kvsp_moq.web import BackgroundServer
+from pc.lifecycle import instance_id as pc_instance_id
+from tests.polling import wait_until
 
 
 class RecordingPC:

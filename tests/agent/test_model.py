@@ -9,17 +9,17 @@ import time
 from pathlib import Path
 
 import pytest
-import torch  # noqa: E402
-from transformers import LlamaConfig, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
+import torch
+from transformers import LlamaConfig, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from agent.model import (  # noqa: E402
+from agent.model import (
     KVPrefix,
     LayerReadiness,
     ModelAdapter,
     TokenSampler,
     positional_descriptor,
 )
-from agent.tiny import ensure_tiny_model  # noqa: E402
+from agent.tiny import ensure_tiny_model
 
 PROMPT_LEN = 96
 SPLIT = 64

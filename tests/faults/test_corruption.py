@@ -180,7 +180,7 @@ async def test_corrupted_at_rest_detected_over_http_and_moqt(procs: Processes, t
                     got_moqt[x.index] = bytes(x.k) + bytes(x.v)
             except DigestMismatch:
                 break
-            except Exception:  # noqa: BLE001 - the holder's announcement may not be in yet
+            except Exception:  # the holder's announcement may not be in yet
                 assert time.monotonic() < deadline, f"never reached the holder: {stream.failures}"
                 await asyncio.sleep(0.2)
                 continue

@@ -92,7 +92,7 @@ async def test_moqt_holder_killed_mid_transfer_falls_back(procs: Processes) -> N
             try:
                 await moqt.fetch_block([relay.url], record, (0, 0))
                 break
-            except Exception:  # noqa: BLE001 - not announced yet
+            except Exception:  # not announced yet
                 assert time.monotonic() < deadline, "the holder never became reachable through the relay"
                 await asyncio.sleep(0.2)
         candidates = order_candidates([record, b_record],

@@ -33,7 +33,7 @@ async def fetch_when_ready(fetcher: MoqtBlockFetcher, relay: str, record: Replic
         try:
             result = await fetcher.fetch_block([relay], record)
             return bytes(result.container.buffer), time.monotonic() - start, attempts
-        except Exception as e:  # noqa: BLE001 - retried until the deadline
+        except Exception as e:  # retried until the deadline
             attempts += 1
             if time.monotonic() - start > timeout:
                 raise AssertionError(f"no fetch succeeded within {timeout} s ({attempts} attempts): {e}")

@@ -117,7 +117,7 @@ def test_eviction_racing_lookups(procs: Processes) -> None:
                 stream = fetcher.layers([small.url, backup.url], records[0])
                 try:
                     got = {x.index: bytes(x.k) + bytes(x.v) async for x in stream}
-                except Exception as e:  # noqa: BLE001 - reported below
+                except Exception as e:  # reported below
                     errors.append(f"fetch {key[:8]}: {e!r}")
                     continue
                 if got != layer_bytes(bodies[key]):

@@ -191,7 +191,7 @@ async def test_a_held_back_send_ends_with_the_subscription():
         sender = outgoing.open_subgroup(0)
         try:
             await sender.send(0, b"never")
-        except Exception as e:  # noqa: BLE001 - reported to the test
+        except Exception as e:  # reported to the test
             outcome.set_result(e)
         else:
             outcome.set_result(None)

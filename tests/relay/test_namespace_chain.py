@@ -31,12 +31,12 @@ async def test_namespace_announced_and_published_at_the_upstream_relay_reach_a_s
             updates = await asyncio.wait_for(watcher.subscribe_namespace(NS[:2]), STEP)
             narrow_updates = await asyncio.wait_for(narrower.subscribe_namespace(NS[:3]), STEP)
             for _ in range(100):  # B's SUBSCRIBE_NAMESPACE reaches A
-                if relay_b.stats.upstream_namespace_subscribes == 1 and relay_a._namespace_watchers:
+                if relay_b.stats.upstream_namespace_subscribes == 1 and relay_a.namespaces.watchers:
                     break
                 await asyncio.sleep(0.02)
             # One upstream SUBSCRIBE_NAMESPACE serves both watchers (NS[:2] covers NS[:3]).
             assert relay_b.stats.upstream_namespace_subscribes == 1
-            assert len(relay_a._namespace_watchers) == 1
+            assert len(relay_a.namespaces.watchers) == 1
 
             announced = await asyncio.wait_for(publisher.publish_namespace(NS), STEP)
             assert await next_update(updates) == NamespaceUpdate(NS, True)
@@ -77,16 +77,16 @@ async def test_upstream_namespace_subscription_ends_with_its_last_watcher():
         try:
             updates = await asyncio.wait_for(watcher.subscribe_namespace(NS[:2]), STEP)
             for _ in range(100):
-                if relay_a._namespace_watchers:
+                if relay_a.namespaces.watchers:
                     break
                 await asyncio.sleep(0.02)
-            assert len(relay_a._namespace_watchers) == 1
+            assert len(relay_a.namespaces.watchers) == 1
             await updates.cancel()
             for _ in range(100):
-                if not relay_a._namespace_watchers:
+                if not relay_a.namespaces.watchers:
                     break
                 await asyncio.sleep(0.02)
-            assert not relay_a._namespace_watchers and not relay_b._upstream_watches
+            assert not relay_a.namespaces.watchers and not relay_b.namespaces.upstream_watches
         finally:
             await watcher.aclose()
 
@@ -132,12 +132,12 @@ async def test_a_wider_prefix_downstream_replaces_the_narrower_upstream_subscrip
             wide_updates = await asyncio.wait_for(wide.subscribe_namespace(NS[:2]), STEP)
             assert await next_update(wide_updates) == NamespaceUpdate(NS, True)
             for _ in range(100):
-                prefixes = [w.prefix for w in relay_a._namespace_watchers]
+                prefixes = [w.prefix for w in relay_a.namespaces.watchers]
                 if prefixes == [NS[:2]]:
                     break
                 await asyncio.sleep(0.02)
-            assert [w.prefix for w in relay_a._namespace_watchers] == [NS[:2]]
-            assert list(relay_b._upstream_watches) == [NS[:2]]
+            assert [w.prefix for w in relay_a.namespaces.watchers] == [NS[:2]]
+            assert list(relay_b.namespaces.upstream_watches) == [NS[:2]]
             other = await asyncio.wait_for(publisher.publish_namespace(OTHER_NS), STEP)
             assert await next_update(narrow_updates) == NamespaceUpdate(OTHER_NS, True)
             assert await next_update(wide_updates) == NamespaceUpdate(OTHER_NS, True)

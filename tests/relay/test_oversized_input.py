@@ -77,7 +77,7 @@ async def test_an_object_over_the_relays_limit_closes_its_publishers_session():
         async with publishing(relay.url, NS, publisher) as connection:
             client = await dial(relay.url)
             try:
-                with pytest.raises(Exception):  # noqa: B017 (the publisher is gone, whatever it says)
+                with pytest.raises(Exception):  # the publisher is gone, whatever it says
                     await collect(await client.fetch(NS, b"t", (0, 0), (0, 2), timeout=STEP))
                 assert await closed_with(connection) == SessionCloseCode.PROTOCOL_VIOLATION
                 assert "object of 5000 bytes (max 1000)" in str(connection.error)

@@ -128,10 +128,10 @@ async def test_the_upstream_fetch_stops_when_every_reader_left():
                 await fetch.next_object(STEP)
                 await fetch.cancel()
             for _ in range(300):  # the relay forgets the shared response once nobody reads it
-                if not relay._fetching:
+                if not relay.fetches.in_flight:
                     break
                 await asyncio.sleep(0.01)
-            assert not relay._fetching
+            assert not relay.fetches.in_flight
         finally:
             await asyncio.gather(*(c.aclose() for c in clients))
         assert publisher.fetch_sent < len(objects)  # the publisher was stopped early
@@ -163,10 +163,10 @@ async def test_a_reader_that_stalls_a_shared_fetch_is_dropped_and_the_others_fin
             with pytest.raises(DataStreamReset):  # its response was reset, not ended
                 await collect(stalled_fetch)
             for _ in range(300):
-                if not relay._fetching:
+                if not relay.fetches.in_flight:
                     break
                 await asyncio.sleep(0.01)
-            assert not relay._fetching
+            assert not relay.fetches.in_flight
         finally:
             await asyncio.gather(fast.aclose(), stalled.aclose())
         assert len(publisher.fetches) == 1

@@ -37,7 +37,7 @@ async def test_tracks_published_at_the_relay_are_offered_to_a_subscribe_tracks()
             assert (offered_late.namespace, offered_late.track_name) == (TRACK_NS, b"late")
             late_objects = offered_late.accept(forward=True)
             for _ in range(200):  # the relay attaches each subscriber once its PUBLISH is accepted
-                if sum(len(f.downstreams) for f in relay._feeds.values()) == 2:
+                if sum(len(f.downstreams) for f in relay.subscriptions.feeds.values()) == 2:
                     break
                 await asyncio.sleep(0.01)
 

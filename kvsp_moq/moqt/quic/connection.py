@@ -15,6 +15,7 @@ import inspect
 import logging
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable, Mapping
 
+from ...tasks import TaskSet
 from .. import events as ev
 from ..d14.session import MoqtSession14
 from ..d18.messages import Parameters, Setup
@@ -122,7 +123,7 @@ class MoqtConnection(ConnectionCore):
         self._max_auth_token_cache_size = max_auth_token_cache_size
         self._on_session = on_session
         self._handlers: dict[str, Handler] = dict(handlers or {})
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self._tasks = TaskSet()
         self.owns_transport = owns_transport
         self.goaway: ev.GoawayReceived | None = None
         self.on_goaway: Callable[[ev.GoawayReceived], None] | None = None
@@ -386,9 +387,7 @@ class MoqtConnection(ConnectionCore):
         if handler is None:
             self._default_update(update)
             return
-        task = self._loop.create_task(self._run_update_handler(handler, update))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._tasks.spawn(self._run_update_handler(handler, update), loop=self._loop)
 
     def release_updates(self, request_id: int) -> None:
         for event in self.held_updates.pop(request_id, []):
@@ -429,9 +428,7 @@ class MoqtConnection(ConnectionCore):
             request.reject(request.default_error(f"no {kind} handler"))
             return
         self.unanswered.add(request.request_id)
-        task = self._loop.create_task(self._run_handler(handler, request))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._tasks.spawn(self._run_handler(handler, request), loop=self._loop)
 
     async def _run_handler(self, handler: Handler, request: IncomingRequest) -> None:
         try:
@@ -717,8 +714,7 @@ class MoqtConnection(ConnectionCore):
 
     def cancel_tasks(self) -> None:
         """Cancel the handlers still running for this connection."""
-        for task in list(self._tasks):
-            task.cancel()
+        self._tasks.cancel()
 
     async def __aenter__(self) -> "MoqtConnection":
         return self

@@ -17,6 +17,7 @@ import ssl
 from typing import Any, Callable, Iterable, Mapping
 from urllib.parse import urlsplit
 
+from ...tasks import TaskSet
 from ..certs import SelfSignedCertificate
 from ..d18.messages import Setup
 from .connection import Handler, MoqtConnection
@@ -149,12 +150,10 @@ class MoqtServer:
         self.host = host
         self.port = port
         self.connections: set[MoqtConnection] = set()
-        self._watchers: set[asyncio.Task[None]] = set()  # each forgets a connection once closed
+        self._watchers = TaskSet()  # each forgets a connection once closed
 
     def _watch(self, connection: MoqtConnection) -> None:
-        task = connection.loop.create_task(_forget_when_closed(self, connection))
-        self._watchers.add(task)
-        task.add_done_callback(self._watchers.discard)
+        self._watchers.spawn(_forget_when_closed(self, connection), loop=connection.loop)
 
     @property
     def url(self) -> str:
@@ -164,8 +163,7 @@ class MoqtServer:
     def close(self) -> None:
         for connection in list(self.connections):
             connection.close()
-        for watcher in list(self._watchers):
-            watcher.cancel()
+        self._watchers.cancel()
         self._quic_server.close()
 
     async def aclose(self, timeout: float = 2.0) -> None:
@@ -176,8 +174,7 @@ class MoqtServer:
             await asyncio.wait([asyncio.ensure_future(c.wait_closed()) for c in connections], timeout=timeout)
         for connection in connections:
             connection.cancel_tasks()
-        for watcher in list(self._watchers):
-            watcher.cancel()
+        self._watchers.cancel()
         self._quic_server.close()
 
     async def __aenter__(self) -> "MoqtServer":

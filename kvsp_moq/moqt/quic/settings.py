@@ -10,8 +10,8 @@ from types import ModuleType
 from typing import Any, Coroutine, Iterable, TypeVar
 
 from ...errors import SettingError
-from ...serving import is_loopback  # noqa: F401  (re-exported: where MOQT settings look it up)
-from ..drafts import SUPPORTED_DRAFTS, alpn_of, check_drafts  # noqa: F401  (re-exported)
+from ...serving import is_loopback  # re-exported: where MOQT settings look it up
+from ..drafts import SUPPORTED_DRAFTS, alpn_of, check_drafts  # re-exported
 
 T = TypeVar("T")
 
