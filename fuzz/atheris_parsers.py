@@ -26,9 +26,9 @@ from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvsp_moq.errors import BadContainer, BadRecord  # noqa: E402
+from kvsp_moq.errors import BadContainer, BadRecord
 from kvsp_moq.moqt import wire
-from kvsp_moq.moqt.d18 import messages as m  # noqa: E402
+from kvsp_moq.moqt.d18 import messages as m
 from kvsp_moq.moqt.d18.data import (
     DataStreamParser,
     FetchEndOfRange,
@@ -39,16 +39,16 @@ from kvsp_moq.moqt.d18.data import (
     SubgroupObject,
     decode_datagram,
 )
-from kvsp_moq.moqt.errors import (  # noqa: E402
+from kvsp_moq.moqt.errors import (
     KeyValueFormattingError,
     ProtocolViolation,
     SessionError,
 )
-from kvsp_moq.moqt.varint import encode_vi64  # noqa: E402
-from kvsp_moq.naming import split_layer  # noqa: E402
-from kvsp_moq.protocol.container import Container, encode  # noqa: E402
-from kvsp_moq.protocol.container_parser import ContainerParser  # noqa: E402
-from kvsp_moq.protocol.records import (  # noqa: E402
+from kvsp_moq.moqt.varint import encode_vi64
+from kvsp_moq.naming import split_layer
+from kvsp_moq.protocol.container import Container, encode
+from kvsp_moq.protocol.container_parser import ContainerParser
+from kvsp_moq.protocol.records import (
     InstanceStatus,
     LeaseRequest,
     LookupRequest,
@@ -280,13 +280,13 @@ def main(argv: list[str]) -> int:
             print(f"{n}: {runs} inputs in {time.perf_counter() - start:.1f} s, no finding")
         return 0
     try:
-        import atheris  # noqa: PLC0415
+        import atheris
     except ImportError:
         print("atheris is not installed: pip install atheris (or use --self-test)", file=sys.stderr)
         return 2
     if name == "all":
         # libFuzzer runs one target per process: run each in a child with the same flags.
-        import subprocess  # noqa: PLC0415
+        import subprocess
 
         status = 0
         for n in names:

