@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -58,6 +59,25 @@ def terminate_as_interrupt() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+@contextmanager
+def uninterrupted() -> Iterator[None]:
+    """^C and SIGTERM are ignored meanwhile (main thread only: elsewhere nothing is installed).
+
+    A teardown cut short leaves processes and namespaces behind, and the second signal is the
+    usual case, not the odd one: timeout(1) signals the command and then its whole process
+    group, so the command gets two. Every wait of the teardown is bounded, and SIGKILL still
+    stops it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def process_environment(extra: dict[str, str]) -> dict[str, str]:
@@ -221,6 +241,10 @@ class Fleet:
             self._wait_for_tcp(name, AGENT_PORT)
 
     def close(self) -> None:
+        with uninterrupted():
+            self._close()
+
+    def _close(self) -> None:
         for client in self.clients.values():
             try:
                 client.send("quit")
