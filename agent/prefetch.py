@@ -38,6 +38,7 @@ from kvsp_moq.holder.store import BlockId, BlockStore
 from kvsp_moq.index_client import IndexClient
 from kvsp_moq.protocol.records import PrefetchBlock, PrefetchDirective, ReplicaRecord
 from kvsp_moq.protocol.urls import base_url
+from kvsp_moq.tasks import TaskSet
 
 log = logging.getLogger("kvsp.agent.prefetch")
 
@@ -102,7 +103,7 @@ class Prefetcher:
         self.directives: dict[str, DirectiveState] = {}
         self._loading: dict[BlockId, asyncio.Task[str | None]] = {}  # block loads in flight
         self._adopted: set[BlockId] = set()  # ... that a request waits for
-        self._releases: set[asyncio.Task[None]] = set()  # batch leases being released
+        self._releases = TaskSet()  # batch leases being released
 
     def adopt(self, bid: BlockId) -> "asyncio.Task[str | None] | None":
         """The load of `bid` in flight for a directive, now awaited by a request (None when
@@ -162,7 +163,7 @@ class Prefetcher:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await asyncio.gather(*self._releases, return_exceptions=True)
+        await asyncio.gather(*self._releases, return_exceptions=True)  # let releases finish
 
     async def _run(self, state: DirectiveState, loads: dict[BlockId, "asyncio.Task[str | None]"]) -> None:
         d = state.directive
@@ -254,9 +255,7 @@ class Prefetcher:
             if left == 0:  # (adopted loads may outlast the directive)
                 tally.report(self.on_transfer)
                 if batch:
-                    release = asyncio.ensure_future(self._release_batch(batch, keeper))
-                    self._releases.add(release)
-                    release.add_done_callback(self._releases.discard)
+                    self._releases.add(asyncio.ensure_future(self._release_batch(batch, keeper)))
 
         for task in loads.values():
             task.add_done_callback(done)
