@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 from kvsp_moq.arguments import parse_listen
 from kvsp_moq.cpus import format_cpu_list, parse_cpu_list, reserved_cpus, usable_cpus
 from kvsp_moq.errors import KvspError, SettingError
-from kvsp_moq.moqt.quic.settings import QuicSettings, quic_settings
+from kvsp_moq.moqt.quic.settings import QuicSettings, check_engine, quic_settings
 from kvsp_moq.scope_keys import OPEN_SCOPE, OPEN_SCOPE_KEY, choose_scope, read_scope_keys
 
 __all__ = ["ConnectorConfig", "parse_extra_config"]
@@ -233,12 +233,13 @@ def parse_extra_config(data: Mapping[str, Any] | None) -> ConnectorConfig:
     layers_per_request = data.get("layers_per_request")
     if layers_per_request is not None:
         layers_per_request = _number(data, "layers_per_request", 1)
+    engine, size = _text(data, "quic_engine"), data.get("datagram_size")
     try:
-        quic_settings(engine=_text(data, "quic_engine"))
+        engine = check_engine(engine) if engine else None
     except SettingError as e:
         raise _fail("quic_engine", str(e)) from None
     try:
-        quic = quic_settings(_text(data, "quic_engine"), data.get("datagram_size"))
+        quic = quic_settings(engine, size)
     except SettingError as e:
         raise _fail("datagram_size", str(e)) from None
     return ConnectorConfig(
