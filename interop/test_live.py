@@ -34,8 +34,10 @@ import pytest
 
 from kvsp_moq.holder.moqt_publisher import BlockPublisher, LiveBlock
 from kvsp_moq.holder.store import BlockId, BlockStore
+from kvsp_moq.moqt.certs import generate_self_signed
 from kvsp_moq.moqt.quic import QuicSettings
 from kvsp_moq.naming import BlockTrack
+from relay.relay import Relay, RelaySettings
 
 from .conftest import HERE, PEER_PYTHON, PEERS, Process, our_relay, spawn
 
@@ -251,12 +253,30 @@ async def test_live_block_reaches_moqrs_layer_by_layer(tmp_path, draft):
 
 @pytest.mark.matrix("our holder (live block) -> aiomoqt and moq-rs subscribers at once", "our relay")
 async def test_live_block_reaches_aiomoqt_and_moqrs_together(tmp_path):
+    """The relay (in this process, for its counters) holds one upstream subscription to the
+    block and fans it out to both peers. aiomoqt subscribes first, from the start of the
+    track; moq-rs joins once the relay has forwarded the first BEFORE layers, so it gets those
+    by its joining FETCH (from the relay's cache) and the rest live."""
     layers = layers_of(3)
-    async with our_relay(tmp_path) as url, live_block(url, b"live both", 18) as (live, track):
-        start(live, layers)
-        async with AsyncExitStack() as stack:
-            peers = [await stack.enter_async_context(aiomoqt_subscriber(url, track, 18, tmp_path)),
-                     await stack.enter_async_context(moqrs_subscriber(url, track, tmp_path))]
-            for peer in peers:
-                await peer.subscribed()
-            await produce_for(live, layers, peers)
+    relay = await Relay(RelaySettings(certificate=generate_self_signed())).start()
+    try:
+        async with live_block(relay.url, b"live both", 18) as (live, track), AsyncExitStack() as stack:
+            start(live, layers)
+            aiomoqt = await stack.enter_async_context(aiomoqt_subscriber(relay.url, track, 18, tmp_path))
+            await aiomoqt.subscribed()
+            for _ in range(400):  # until the relay has had the first layers (bounded)
+                if relay.stats.objects_in >= BEFORE:
+                    break
+                await asyncio.sleep(0.05)
+            assert relay.stats.objects_in == BEFORE, relay.snapshot()
+            moqrs = await stack.enter_async_context(moqrs_subscriber(relay.url, track, tmp_path))
+            await moqrs.subscribed()
+            await produce_for(live, layers, [aiomoqt, moqrs])
+        counters = relay.snapshot()
+    finally:
+        await relay.aclose()
+    # One subscription to the holder, its LAYERS objects taken once, the first BEFORE
+    # served again from the cache for moq-rs's joining FETCH.
+    assert counters["upstream_subscribes"] == 1 and counters["objects_in"] == LAYERS, counters
+    assert counters["subscribes"] == 2 and counters["upstream_fetches"] == 0, counters
+    assert counters["cache_objects_served"] >= BEFORE, counters
