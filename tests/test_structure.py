@@ -1,6 +1,11 @@
 """The shape of the source: no import cycle among its modules (imports inside functions count,
 those under `if TYPE_CHECKING:` do not), and no module over 1,000 lines but the two drafts'
-codec tables. A cycle makes two modules one in all but name; a long module, several concepts."""
+codec tables. A cycle makes two modules one in all but name; a long module, several concepts.
+
+In the MOQT QUIC binding (kvsp_moq/moqt/quic) annotation-only imports count too, and the
+table of live requests of ConnectionCore is written by its own methods only: the handles
+register and forget themselves through them, and the connection sees them only through
+the RequestHandle protocol."""
 
 from __future__ import annotations
 
@@ -23,13 +28,15 @@ def modules() -> dict[str, Path]:
     return out
 
 
-def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+def imports(name: str, path: Path, known: dict[str, Path], *, typing_too: bool = False) -> set[str]:
     """The modules of `known` that `name` imports; `from P import m` counts as importing P.m
-    when that is a module (not P itself, whose names the import reads)."""
+    when that is a module (not P itself, whose names the import reads). Imports under
+    `if TYPE_CHECKING:` count only with `typing_too`."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
-    typing_only = {id(n) for node in ast.walk(tree)
-                   if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-                   for n in ast.walk(node)}
+    typing_only = set() if typing_too else {
+        id(n) for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for n in ast.walk(node)}
     found: set[str] = set()
     for node in ast.walk(tree):
         if id(node) in typing_only or not isinstance(node, (ast.Import, ast.ImportFrom)):
@@ -109,3 +116,73 @@ def test_no_module_over_a_thousand_lines() -> None:
     long = {str(p.relative_to(ROOT)): n for p in modules().values()
             if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
     assert set(long) <= LONG_ALLOWED, long
+
+
+QUIC = "kvsp_moq.moqt.quic"
+#: ConnectionCore's table of live requests, and the methods allowed to write and to read it
+TABLE = "_request_table"
+TABLE_MODULE = "kvsp_moq/moqt/quic/core.py"
+TABLE_WRITERS = {"ConnectionCore.__init__", "ConnectionCore.register", "ConnectionCore.forget"}
+TABLE_READERS = {"ConnectionCore.register", "ConnectionCore.request_handle", "ConnectionCore.request_handles"}
+MUTATORS = {"pop", "popitem", "clear", "setdefault", "update", "__setitem__", "__delitem__"}
+
+
+def test_no_cycle_in_the_quic_binding_even_for_annotations() -> None:
+    known = modules()
+    quic = {name: path for name, path in known.items() if name == QUIC or name.startswith(QUIC + ".")}
+    graph = {name: imports(name, path, known, typing_too=True) & set(quic) for name, path in quic.items()}
+    assert {"kvsp_moq.moqt.quic.core", "kvsp_moq.moqt.quic.handles"} <= set(graph)
+    assert cycles(graph) == []
+
+
+def table_uses(source: str) -> list[tuple[str, bool]]:
+    """Each use of the attribute TABLE in `source`: the qualified name of the function it
+    is in ("" at module level) and whether it writes the table (assigns or deletes it or
+    an item of it, or calls a mutating method on it)."""
+    tree = ast.parse(source)
+    parent = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    uses = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Attribute) and node.attr == TABLE):
+            continue
+        up = parent.get(node)
+        write = (
+            isinstance(node.ctx, (ast.Store, ast.Del))
+            or (isinstance(up, ast.Subscript) and up.value is node and isinstance(up.ctx, (ast.Store, ast.Del)))
+            or (isinstance(up, ast.Attribute) and up.attr in MUTATORS and isinstance(parent.get(up), ast.Call))
+        )
+        names = []
+        scope = up
+        while scope is not None:
+            if isinstance(scope, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.append(scope.name)
+            scope = parent.get(scope)
+        uses.append((".".join(reversed(names)), write))
+    return uses
+
+
+def test_the_table_use_finder_tells_writes_from_reads() -> None:
+    source = """
+class C:
+    def a(self):
+        self._request_table = {}
+        self._request_table[1] = 2
+        del self._request_table[1]
+        self._request_table.pop(1, None)
+    def b(self):
+        return self._request_table.get(1), list(self._request_table.values())
+"""
+    assert sorted(table_uses(source)) == [("C.a", True)] * 4 + [("C.b", False)] * 2
+
+
+def test_only_the_table_methods_touch_the_request_table() -> None:
+    touched = {}
+    for package in PACKAGES + ("tests",):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            uses = table_uses(path.read_text(encoding="utf-8"))
+            if uses:
+                touched[str(path.relative_to(ROOT))] = uses
+    assert set(touched) == {TABLE_MODULE}
+    uses = touched[TABLE_MODULE]
+    assert {name for name, write in uses if write} <= TABLE_WRITERS
+    assert {name for name, write in uses if not write} <= TABLE_READERS

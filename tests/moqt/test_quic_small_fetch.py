@@ -231,8 +231,8 @@ async def test_a_served_fetch_leaves_nothing_behind():
         for _ in range(20):
             result = await asyncio.wait_for(client.fetch(NS, "t", (0, 0), (0, 1)), 10)
             assert [o.payload async for o in result] == [b"a", b"b"]
-        assert served[0].fetch_senders == {}
-        assert client.fetches == {}
+        assert served[0].request_handles() == []
+        assert client.request_handles() == []
     finally:
         await client.aclose()
         await server.aclose()

@@ -9,7 +9,7 @@ import pytest
 
 from kvsp_moq.moqt.errors import NotSupported, SessionClosed, Uninterested
 from kvsp_moq.moqt.quic import BlockedTrack as PublishBlocked
-from kvsp_moq.moqt.quic import IncomingPublish, MoqtConnection, TrackSubscriptions
+from kvsp_moq.moqt.quic import IncomingPublish, MoqtConnection, NamespacePublisher, TrackSubscriptions
 
 from .test_quic import STEP, collect, dial, start
 
@@ -61,7 +61,8 @@ async def test_publishes_under_the_prefix_come_to_the_subscription():
             await asyncio.wait_for(peer.publish(OUTSIDE, b"t2", timeout=STEP), STEP)
         assert other_publishes == [OUTSIDE]
         # PUBLISH_BLOCKED names a track that will not come.
-        publisher = peer.registrations[requests[0].request_id]
+        publisher = peer.request_handle(requests[0].request_id)
+        assert isinstance(publisher, NamespacePublisher)
         publisher.publish_blocked(INSIDE, "t3")
         assert await next_item(subscription) == PublishBlocked(INSIDE, b"t3")
         with pytest.raises(ValueError):

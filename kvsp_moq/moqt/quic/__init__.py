@@ -60,11 +60,11 @@ from .incoming import (
     IncomingSubscribeNamespace,
     IncomingSubscribeTracks,
     IncomingTrackStatus,
-    IncomingUpdate,
 )
 from .protocol import Liveness
 from .publisher import (
     FetchSender,
+    IncomingUpdate,
     NamespacePublisher,
     NamespaceRegistration,
     OutgoingSubscription,
@@ -92,8 +92,8 @@ from .subscriber import (
     PublishedNamespace,
     Subscription,
     TrackStatusInfo,
-    TrackSubscriptions,
 )
+from .track_subscriptions import TrackSubscriptions
 
 __all__ = [
     "QuicSettings",

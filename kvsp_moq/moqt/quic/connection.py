@@ -1,8 +1,9 @@
 """MoqtConnection: one MOQT session over one QUIC connection, with an asyncio API.
 
 It drives a `MoqtSession` (draft-18, ALPN ``moqt-18``) or `MoqtSession14` (draft-14,
-``moq-00``), chosen when ALPN is negotiated, turns its events into the handles of
-subscriber.py, publisher.py and incoming.py, and offers the requests of both roles:
+``moq-00``), chosen when ALPN is negotiated, turns the peer's requests into those of
+incoming.py, delivers each event of a live request to its handle (the table of
+ConnectionCore), and offers the requests of both roles:
 `subscribe()`, `fetch()`, `track_status()`, `subscribe_namespace()`,
 `subscribe_tracks()` to read; `publish_namespace()`, `publish()` and handlers for the
 peer's requests (`on_subscribe()`, `on_fetch()`, ...) to publish.
@@ -31,7 +32,6 @@ from ..errors import (
     InternalRequestError,
     KvspError,
     NotSupported,
-    PublishDoneError,
     RequestError,
     RequestErrorCode,
     SessionCloseCode,
@@ -60,21 +60,18 @@ from .incoming import (
     IncomingSubscribeNamespace,
     IncomingSubscribeTracks,
     IncomingTrackStatus,
-    IncomingUpdate,
 )
-from .publisher import OutgoingSubscription
+from .publisher import IncomingUpdate, OutgoingSubscription
 from .settings import QuicSettings
 from .subscriber import (
-    BlockedTrack,
     FetchResponse,
     NamespaceSubscription,
-    NamespaceUpdate,
     PublishedNamespace,
     S,
     Subscription,
     TrackStatusInfo,
-    TrackSubscriptions,
 )
+from .track_subscriptions import TrackSubscriptions
 
 if TYPE_CHECKING:
     from ..session_base import SessionBase
@@ -84,6 +81,20 @@ __all__ = ["Handler", "MoqtConnection"]
 logger = logging.getLogger("kvsp_moq.moqt.quic")
 
 Handler = Callable[[Any], "Awaitable[None] | None"]
+
+#: events addressed to one request of ours or the peer's: its handle takes them
+_ADDRESSED = frozenset({
+    ev.ObjectReceived,
+    ev.FetchObjectReceived,
+    ev.SubgroupStreamOpened,
+    ev.DataStreamEnded,
+    ev.PublishDoneReceived,
+    ev.PublishBlockedReceived,
+    ev.NamespaceReceived,
+    ev.NamespaceDoneReceived,
+    ev.FetchRangeReceived,
+})
+_ANSWERS = frozenset({ev.SubscribeAccepted, ev.FetchAccepted, ev.RequestAccepted, ev.RequestRejected})
 
 
 class MoqtConnection(ConnectionCore):
@@ -241,50 +252,25 @@ class MoqtConnection(ConnectionCore):
 
     def on_moqt_event(self, event: ev.MoqtEvent) -> None:
         kind = type(event)
-        # `type(event) is X` (not isinstance): events have no subclasses, and this narrows too.
-        if type(event) is ev.ObjectReceived:
-            subscription = self.subscriptions.get(event.request_id)
-            if subscription is not None:
-                subscription._object(event)
-        elif type(event) is ev.FetchObjectReceived:
-            fetch = self.fetches.get(event.request_id)
-            if fetch is not None:
-                fetch._object(event)
-        elif type(event) is ev.SubgroupStreamOpened:
-            subscription = self.subscriptions.get(event.request_id)
-            if subscription is not None:
-                subscription._stream_opened(event.stream_id)
-        elif type(event) is ev.DataStreamEnded:
-            self._on_stream_ended(event)
+        if kind in _ADDRESSED:
+            request_id: int | None = event.request_id  # type: ignore[attr-defined]  # every kind of _ADDRESSED has one
+            handle = None if request_id is None else self.request_handle(request_id)
+            if handle is not None:
+                handle.deliver(event)
         elif kind in INCOMING:
             self._dispatch_request(event)
+        elif kind in _ANSWERS:
+            self._on_answer(event)
+        # `type(event) is X` (not isinstance): events have no subclasses, and this narrows too.
+        elif type(event) is ev.RequestCancelled:
+            self._on_cancelled(event)
+        elif type(event) is ev.RequestUpdateReceived:
+            self._on_update(event)
         elif type(event) is ev.SetupCompleted:
             if not self._ready.done():
                 self._ready.set_result(event.setup)
         elif type(event) is ev.SessionTerminated:
             self.fail_all(SessionClosed(event.reason or "session closed", error_code=event.error_code))
-        elif kind in (ev.SubscribeAccepted, ev.FetchAccepted, ev.RequestAccepted, ev.RequestRejected):
-            self._on_answer(event)
-        elif type(event) is ev.PublishDoneReceived:
-            subscription = self.subscriptions.get(event.request_id)
-            if subscription is not None:
-                subscription._publish_done(event)
-        elif type(event) is ev.RequestCancelled:
-            self._on_cancelled(event)
-        elif type(event) is ev.PublishBlockedReceived:
-            namespaces = self.namespace_subscriptions.get(event.request_id)
-            if namespaces is not None:
-                namespaces._items.put_nowait(BlockedTrack(event.namespace, event.track_name))
-        elif type(event) is ev.NamespaceReceived or type(event) is ev.NamespaceDoneReceived:
-            namespaces = self.namespace_subscriptions.get(event.request_id)
-            if namespaces is not None:
-                namespaces._items.put_nowait(NamespaceUpdate(event.namespace, kind is ev.NamespaceReceived))
-        elif type(event) is ev.FetchRangeReceived:
-            fetch = self.fetches.get(event.request_id)
-            if fetch is not None:
-                fetch.ranges.append(event)
-        elif type(event) is ev.RequestUpdateReceived:
-            self._on_update(event)
         elif type(event) is ev.DataStreamStopped:
             self.writing.discard(event.stream_id)
             self.wake_writers()
@@ -294,21 +280,12 @@ class MoqtConnection(ConnectionCore):
             if self.on_goaway is not None:
                 self.on_goaway(event)
 
-    def _on_stream_ended(self, event: ev.DataStreamEnded) -> None:
-        if event.request_id is None:
-            return
-        if event.fetch:
-            fetch = self.fetches.get(event.request_id)
-            if fetch is not None:
-                fetch._stream_ended(event)
-        else:
-            subscription = self.subscriptions.get(event.request_id)
-            if subscription is not None:
-                subscription._stream_ended(event)
-
     def _on_answer(self, event: Any) -> None:
+        """The answer to a request of ours: the first resolves its awaited future; a
+        later one (a rejection after acceptance: a fetch that failed late) goes to
+        the request's handle."""
         rid = event.request_id
-        future = self.pending.pop(rid, None)
+        future = self.take_pending(rid)
         if future is not None:
             if not future.done():
                 if isinstance(event, ev.RequestRejected):
@@ -320,68 +297,24 @@ class MoqtConnection(ConnectionCore):
                 else:
                     future.set_result(event)
             return
-        if isinstance(event, ev.RequestRejected):
-            # A rejection after acceptance: a fetch that failed late.
-            error = request_error_for(event.error_code, event.reason, retry_interval=event.retry_interval)
-            fetch = self.fetches.get(rid)
-            if fetch is not None:
-                fetch._finish(error)
-            subscription = self.subscriptions.get(rid)
-            if subscription is not None:
-                subscription._finish(error)
+        handle = self.request_handle(rid)
+        if handle is not None:
+            handle.deliver(event)
 
     def _on_cancelled(self, event: ev.RequestCancelled) -> None:
         rid = event.request_id
         if event.local_request:
-            error = SessionClosed(f"request {rid} cancelled by the peer", error_code=event.error_code)
-            future = self.pending.pop(rid, None)
+            future = self.take_pending(rid)
             if future is not None and not future.done():
                 future.set_exception(request_error_for(RequestErrorCode.INTERNAL_ERROR, "cancelled by the peer"))
-            subscription = self.subscriptions.get(rid)
-            if subscription is not None:
-                subscription._finish(
-                    PublishDoneError("subscription cancelled by the publisher", error_code=event.error_code)
-                )
-            fetch = self.fetches.get(rid)
-            if fetch is not None:
-                fetch._finish(error)
-            announcement = self.announcements.pop(rid, None)
-            if announcement is not None and not announcement.closed.done():
-                announcement.closed.set_result(event.error_code)
-            namespaces = self.namespace_subscriptions.get(rid)
-            if namespaces is not None:
-                namespaces._finish(None)
-            outgoing = self.outgoing.get(rid)  # our PUBLISH, cancelled by the subscriber
-            if outgoing is not None:
-                outgoing._on_cancelled(event.error_code)
-            return
-        outgoing = self.outgoing.get(rid)
-        if outgoing is not None:
-            outgoing._on_cancelled(event.error_code)
-        sender = self.fetch_senders.pop(rid, None)
-        if sender is not None and not sender.cancelled.done():
-            sender.cancelled.set_result(event.error_code)
-            self.wake_writers()
-        registration = self.registrations.get(rid)
-        if registration is not None:
-            registration._on_cancelled(event.error_code)
-        subscription = self.subscriptions.get(rid)  # a peer PUBLISH ended without PUBLISH_DONE
-        if subscription is not None:
-            subscription._finish(PublishDoneError("publication cancelled", error_code=event.error_code))
-
-    def _update_target(self, request_id: int) -> Any:
-        for table in (self.outgoing, self.subscriptions, self.fetch_senders, self.registrations):
-            target = table.get(request_id)
-            if target is not None:
-                return target
-        return None
+        handle = self.request_handle(rid)
+        if handle is not None:
+            handle.deliver(event)
 
     def _on_update(self, event: ev.RequestUpdateReceived) -> None:
-        rid = event.existing_request_id
-        if rid in self.unanswered:
-            self.held_updates.setdefault(rid, []).append(event)  # answered after the request
+        if self.hold_update(event):  # answered after the request
             return
-        target = self._update_target(rid)
+        target = self.request_handle(event.existing_request_id)
         update = IncomingUpdate(self, event, target)
         handler = getattr(target, "on_update", None)
         if handler is None:
@@ -390,7 +323,7 @@ class MoqtConnection(ConnectionCore):
         self._tasks.spawn(self._run_update_handler(handler, update), loop=self._loop)
 
     def release_updates(self, request_id: int) -> None:
-        for event in self.held_updates.pop(request_id, []):
+        for event in self.take_held_updates(request_id):
             self._on_update(event)
 
     def _default_update(self, update: IncomingUpdate) -> None:
@@ -417,26 +350,23 @@ class MoqtConnection(ConnectionCore):
     def _dispatch_request(self, event: Any) -> None:
         kind, cls = INCOMING[type(event)]
         request = cls(self, event)
-        if kind == "publish":
-            for subscription in self.namespace_subscriptions.values():
-                if isinstance(subscription, TrackSubscriptions) and not subscription._finished \
-                        and subscription.covers(event.namespace):
-                    subscription._items.put_nowait(request)
+        if isinstance(request, IncomingPublish):
+            for handle in self.request_handles():
+                if isinstance(handle, TrackSubscriptions) and handle.offer(request):
                     return
         handler = self._handlers.get(kind)
         if handler is None:
             request.reject(request.default_error(f"no {kind} handler"))
             return
-        self.unanswered.add(request.request_id)
+        self.await_handler(request.request_id)
         self._tasks.spawn(self._run_handler(handler, request), loop=self._loop)
 
     async def _run_handler(self, handler: Handler, request: IncomingRequest) -> None:
         try:
             await self._handle(handler, request)
         finally:
-            self.unanswered.discard(request.request_id)
             if not request.answered:
-                self.held_updates.pop(request.request_id, None)
+                self.settle(request.request_id, accepted=False)
 
     async def _handle(self, handler: Callable[[Any], Any], request: "IncomingRequest | IncomingUpdate",
                       what: str = "handler", unanswered: Callable[[], None] | None = None) -> None:
@@ -508,14 +438,13 @@ class MoqtConnection(ConnectionCore):
         request_id = session.subscribe(namespace, name, parameters)
         subscription = Subscription(self, request_id, namespace, name)
         subscription.parameters = parameters
-        self.subscriptions[request_id] = subscription
         future = self.begin_request(request_id)
         try:
             accepted = await self.await_answer(request_id, future, timeout)
         except BaseException:
-            self.subscriptions.pop(request_id, None)
+            subscription.end(None)
             raise
-        subscription._accepted(accepted)
+        subscription.deliver(accepted)
         return subscription
 
     async def fetch(
@@ -568,16 +497,14 @@ class MoqtConnection(ConnectionCore):
 
     async def _start_fetch(self, request_id: int, timeout: float | None) -> FetchResponse:
         fetch = FetchResponse(self, request_id)
-        self.fetches[request_id] = fetch
         future = self.begin_request(request_id)
         try:
             accepted = await self.await_answer(request_id, future, timeout)
         except BaseException:
-            fetch._finished = True
-            fetch._queue.discard()
-            self.fetches.pop(request_id, None)
+            fetch.end(None)
+            fetch.close()  # objects that came before the refusal return their credit
             raise
-        fetch._on_accepted(accepted)
+        fetch.deliver(accepted)
         return fetch
 
     async def track_status(
@@ -619,11 +546,10 @@ class MoqtConnection(ConnectionCore):
         send = session.subscribe_tracks if kind is TrackSubscriptions else session.subscribe_namespace
         request_id = send(prefix, parameters)
         subscription = kind(self, request_id, prefix)
-        self.namespace_subscriptions[request_id] = subscription
         try:
             await self.await_answer(request_id, self.begin_request(request_id), timeout)
         except BaseException:
-            self.namespace_subscriptions.pop(request_id, None)
+            subscription.end(None)
             raise
         return subscription
 
@@ -642,11 +568,10 @@ class MoqtConnection(ConnectionCore):
         parameters = Parameters(authorization_tokens=token_parameters(authorization))
         request_id = session.publish_namespace(namespace, parameters)
         announcement = PublishedNamespace(self, request_id, namespace)
-        self.announcements[request_id] = announcement
         try:
             await self.await_answer(request_id, self.begin_request(request_id), timeout)
         except BaseException:
-            self.announcements.pop(request_id, None)
+            announcement.end(None)
             raise
         return announcement
 
@@ -677,11 +602,10 @@ class MoqtConnection(ConnectionCore):
         outgoing = OutgoingSubscription(self, request_id, alias)
         outgoing.track_properties = track_properties
         outgoing.largest = parameters.largest_object
-        self.outgoing[request_id] = outgoing
         try:
             accepted = await self.await_answer(request_id, self.begin_request(request_id), timeout)
         except BaseException:
-            self.outgoing.pop(request_id, None)
+            outgoing.end(None)
             raise
         outgoing.parameters = accepted.parameters
         return outgoing

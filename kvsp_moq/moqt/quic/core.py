@@ -1,10 +1,15 @@
 """The connection as the handle classes of this package see it: `ConnectionCore`.
 
 Subscriptions, fetches, senders and incoming requests (subscriber.py, publisher.py,
-incoming.py) are handles on one connection. They need its session, its tables of live
+incoming.py) are handles on one connection. They need its session, its table of live
 requests, transmission and backpressure: that is this class, and all they use. The
 MOQT API and the dispatch of events (connection.py) build on it, so no handle module
 imports the connection, and none imports another in a cycle.
+
+The table holds every live request's handle by Request ID, seen only through the
+`RequestHandle` protocol (handles.py): handles register and forget themselves through
+`register()` and `forget()`, the only writers of the table; the connection delivers
+each event addressed to a request to its handle, and `fail_all()` ends them all.
 
 Backpressure, both ways:
 
@@ -22,31 +27,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import Any, Iterable
 
+from .. import events as ev
 from ..d14.session import MoqtSession14
 from ..d18.messages import Setup
 from ..d18.session import MoqtSession
 from ..engine import EngineConnection
 from ..errors import MoqtError, SessionClosed, StreamClosed, StreamResetCode
 from ..wire import AuthToken
+from .handles import RequestHandle
 from .protocol import QuicProtocol
 from .settings import QuicSettings
-
-if TYPE_CHECKING:  # annotations only: the handle modules import this one
-    from .. import events as ev
-    from .publisher import (
-        FetchSender,
-        NamespacePublisher,
-        NamespaceRegistration,
-        OutgoingSubscription,
-    )
-    from .subscriber import (
-        FetchResponse,
-        NamespaceSubscription,
-        PublishedNamespace,
-        Subscription,
-    )
 
 __all__ = ["ConnectionCore", "token_parameters"]
 
@@ -54,8 +46,8 @@ logger = logging.getLogger("kvsp_moq.moqt.quic")
 
 
 class ConnectionCore(QuicProtocol):
-    """One QUIC connection's MOQT state shared with its handles (tables by Request ID,
-    the session, transmission, backpressure); the public API is MoqtConnection's."""
+    """One QUIC connection's MOQT state shared with its handles (the table of live
+    requests, the session, transmission, backpressure); the public API is MoqtConnection's."""
 
     def __init__(self, quic: EngineConnection, settings: QuicSettings) -> None:
         super().__init__(quic)
@@ -64,19 +56,13 @@ class ConnectionCore(QuicProtocol):
         #: the error that ended the session, None while it lives
         self.error: MoqtError | None = None
         self._ready: asyncio.Future[Setup] = self._loop.create_future()
-        #: answers awaited, by Request ID
-        self.pending: dict[int, asyncio.Future[Any]] = {}
-        # handles of live requests, by Request ID
-        self.subscriptions: dict[int, Subscription] = {}
-        self.fetches: dict[int, FetchResponse] = {}
-        self.namespace_subscriptions: dict[int, NamespaceSubscription] = {}
-        self.announcements: dict[int, PublishedNamespace] = {}
-        self.outgoing: dict[int, OutgoingSubscription] = {}
-        self.fetch_senders: dict[int, FetchSender] = {}
-        self.registrations: dict[int, NamespaceRegistration | NamespacePublisher] = {}
-        #: peer requests a handler has not answered yet, and REQUEST_UPDATEs held for them
-        self.unanswered: set[int] = set()
-        self.held_updates: dict[int, list[ev.RequestUpdateReceived]] = {}
+        # answers awaited, by Request ID (begin_request(), take_pending())
+        self._pending: dict[int, asyncio.Future[Any]] = {}
+        # the handles of live requests of both directions, by Request ID (register(), forget())
+        self._request_table: dict[int, RequestHandle] = {}
+        # peer requests a handler has not answered yet, and REQUEST_UPDATEs held for them
+        self._unanswered: set[int] = set()
+        self._held_updates: dict[int, list[ev.RequestUpdateReceived]] = {}
         #: data streams we write on (their buffered bytes count against the connection)
         self.writing: set[int] = set()
         self._drain_waiters: list[tuple[int, asyncio.Future[None]]] = []
@@ -94,6 +80,53 @@ class ConnectionCore(QuicProtocol):
     def release_updates(self, request_id: int) -> None:
         """Handle the REQUEST_UPDATEs held while a request was unanswered (MoqtConnection)."""
         raise NotImplementedError
+
+    # -- the table of live requests ---------------------------------------------
+
+    def register(self, handle: RequestHandle) -> None:
+        """Address the events of a request to its handle until it is forgotten."""
+        request_id = handle.request_id
+        assert self._request_table.get(request_id, handle) is handle, f"request {request_id} has a handle already"
+        self._request_table[request_id] = handle
+
+    def forget(self, request_id: int) -> None:
+        """Events of the request are no longer delivered (its handle is done with them)."""
+        self._request_table.pop(request_id, None)
+
+    def request_handle(self, request_id: int) -> RequestHandle | None:
+        """The handle of a live request, None when it has none (or no longer)."""
+        return self._request_table.get(request_id)
+
+    def request_handles(self) -> list[RequestHandle]:
+        """The handles of the live requests, oldest first (a copy: handles may forget
+        themselves while the caller walks it)."""
+        return list(self._request_table.values())
+
+    # -- peer requests awaiting the application ---------------------------------
+
+    def await_handler(self, request_id: int) -> None:
+        """A handler was given a peer request: REQUEST_UPDATEs for it wait for its answer."""
+        self._unanswered.add(request_id)
+
+    def hold_update(self, event: ev.RequestUpdateReceived) -> bool:
+        """Keep an update of a request not yet answered (True) for after its answer."""
+        request_id = event.existing_request_id
+        if request_id not in self._unanswered:
+            return False
+        self._held_updates.setdefault(request_id, []).append(event)
+        return True
+
+    def settle(self, request_id: int, *, accepted: bool) -> None:
+        """A peer request was answered (or given up): the updates held for it follow
+        an acceptance, and are dropped with a refusal."""
+        self._unanswered.discard(request_id)
+        if not accepted:
+            self._held_updates.pop(request_id, None)
+        elif request_id in self._held_updates:
+            self._loop.call_soon(self.release_updates, request_id)
+
+    def take_held_updates(self, request_id: int) -> list[ev.RequestUpdateReceived]:
+        return self._held_updates.pop(request_id, [])
 
     def hold(self, stream_id: int, size: int) -> None:
         """`size` bytes of a stream were handed to the application (see `consumed()`)."""
@@ -126,26 +159,12 @@ class ConnectionCore(QuicProtocol):
         if not self._ready.done():
             self._ready.set_exception(error)
             self._ready.exception()  # retrieved: not every caller waits for it
-        for future in self.pending.values():
+        for future in self._pending.values():
             if not future.done():
                 future.set_exception(error)
-        self.pending.clear()
-        for subscription in list(self.subscriptions.values()):
-            subscription._finish(error)
-        for fetch in list(self.fetches.values()):
-            fetch._finish(error)
-        for namespaces in list(self.namespace_subscriptions.values()):
-            namespaces._finish(error)
-        for announcement in self.announcements.values():
-            if not announcement.closed.done():
-                announcement.closed.set_result(StreamResetCode.SESSION_CLOSED)
-        for outgoing in list(self.outgoing.values()):
-            outgoing._on_cancelled(StreamResetCode.SESSION_CLOSED)
-        for sender in self.fetch_senders.values():
-            if not sender.cancelled.done():
-                sender.cancelled.set_result(StreamResetCode.SESSION_CLOSED)
-        for registration in list(self.registrations.values()):
-            registration._on_cancelled(StreamResetCode.SESSION_CLOSED)
+        self._pending.clear()
+        for handle in self.request_handles():
+            handle.end(error)
         for _, waiter in self._drain_waiters:
             if not waiter.done():
                 waiter.set_exception(error)
@@ -260,16 +279,21 @@ class ConnectionCore(QuicProtocol):
             self.process_soon()
 
     def begin_request(self, request_id: int) -> asyncio.Future[Any]:
+        """The future of a request's answer (resolved by the dispatch of the answer)."""
         future = self._loop.create_future()
-        self.pending[request_id] = future
+        self._pending[request_id] = future
         self.transmit_soon()
         return future
+
+    def take_pending(self, request_id: int) -> asyncio.Future[Any] | None:
+        """The future of an answer still awaited, no longer awaited from now on."""
+        return self._pending.pop(request_id, None)
 
     async def await_answer(self, request_id: int, future: asyncio.Future[Any], timeout: float | None) -> Any:
         try:
             return await asyncio.wait_for(future, timeout)
         except asyncio.TimeoutError:
-            self.pending.pop(request_id, None)
+            self._pending.pop(request_id, None)
             session = self.session
             if session is not None and not session.closed:
                 session.cancel_request(request_id)

@@ -2,8 +2,8 @@
 
 A handler gets an `Incoming...` request; `accept()` answers it and returns the handle
 to publish on (publisher.py) or, for a PUBLISH, the Subscription to read
-(subscriber.py); `reject()` refuses it with a REQUEST_ERROR code. `IncomingUpdate` is a
-REQUEST_UPDATE of a request already accepted.
+(subscriber.py); `reject()` refuses it with a REQUEST_ERROR code. `IncomingUpdate`, a
+REQUEST_UPDATE of a request already accepted, lives with what it updates (publisher.py).
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from ..errors import (
     RequestError,
     RequestErrorCode,
     StreamClosed,
-    StreamResetCode,
     Uninterested,
 )
 from ..wire import (
@@ -34,6 +33,7 @@ from ..wire import (
 from .core import ConnectionCore
 from .publisher import (
     FetchSender,
+    IncomingUpdate,
     NamespacePublisher,
     NamespaceRegistration,
     OutgoingSubscription,
@@ -82,8 +82,7 @@ class IncomingRequest:
         if self.answered:
             return
         self.answered = True
-        self.connection.unanswered.discard(self.request_id)
-        self.connection.held_updates.pop(self.request_id, None)
+        self.connection.settle(self.request_id, accepted=False)
         if isinstance(error, RequestError):
             code, reason, retry_interval = int(error.error_code), reason or error.reason, error.retry_interval
         else:
@@ -101,11 +100,13 @@ class IncomingRequest:
         if self.answered:
             raise ValueError(f"request {self.request_id} was already answered")
         self.answered = True
-        self.connection.unanswered.discard(self.request_id)
-        session = self.connection.live_session()
-        if self.request_id in self.connection.held_updates:
-            # REQUEST_UPDATEs that arrived while the request was pending follow the answer.
-            self.connection.loop.call_soon(self.connection.release_updates, self.request_id)
+        try:
+            session = self.connection.live_session()
+        except BaseException:
+            self.connection.settle(self.request_id, accepted=False)
+            raise
+        # REQUEST_UPDATEs that arrived while the request was pending follow the answer.
+        self.connection.settle(self.request_id, accepted=True)
         return session
 
 
@@ -146,7 +147,6 @@ class IncomingSubscribe(IncomingRequest):
         outgoing.parameters = self.parameters
         outgoing.track_properties = track_properties
         outgoing.largest = None if largest is None else Location(*largest)
-        self.connection.outgoing[self.request_id] = outgoing
         # Joining FETCHes that waited for this SUBSCRIBE_OK go to the fetch handler now.
         self.connection.dispatch_released()
         self.connection.transmit_soon()
@@ -204,7 +204,6 @@ class IncomingFetch(IncomingRequest):
         )
         sender = FetchSender(self.connection, self.request_id, stream_id)
         self.connection.writing.add(stream_id)
-        self.connection.fetch_senders[self.request_id] = sender
         self.connection.transmit_soon()
         return sender
 
@@ -235,7 +234,6 @@ class IncomingPublishNamespace(IncomingRequest):
         session = self._answer()
         session.request_ok(self.request_id)
         registration = NamespaceRegistration(self.connection, self.request_id, self.namespace)
-        self.connection.registrations[self.request_id] = registration
         self.connection.transmit_soon()
         return registration
 
@@ -251,7 +249,6 @@ class IncomingSubscribeNamespace(IncomingRequest):
         session = self._answer()
         session.request_ok(self.request_id)
         publisher = NamespacePublisher(self.connection, self.request_id, self.namespace_prefix)
-        self.connection.registrations[self.request_id] = publisher
         self.connection.transmit_soon()
         return publisher
 
@@ -268,7 +265,6 @@ class IncomingSubscribeTracks(IncomingRequest):
         session = self._answer()
         session.request_ok(self.request_id)
         publisher = NamespacePublisher(self.connection, self.request_id, self.namespace_prefix)
-        self.connection.registrations[self.request_id] = publisher
         self.connection.transmit_soon()
         return publisher
 
@@ -288,8 +284,8 @@ class IncomingPublish(IncomingRequest):
         self.subscription.track_alias = event.track_alias
         self.subscription.largest = event.parameters.largest_object
         self.subscription.track_properties = event.track_properties
-        # Objects may precede PUBLISH_OK; the subscription collects them from now.
-        connection.subscriptions[self.request_id] = self.subscription
+        # Objects may precede PUBLISH_OK: the subscription, registered as it was made,
+        # collects them from now.
 
     def accept(self, *, forward: bool | None = None, parameters: Parameters | None = None) -> Subscription:
         session = self._answer()
@@ -301,78 +297,8 @@ class IncomingPublish(IncomingRequest):
         return self.subscription
 
     def reject(self, error: RequestError | int = RequestErrorCode.UNINTERESTED, reason: str = "", **kw: Any) -> None:
-        self.connection.subscriptions.pop(self.request_id, None)
+        self.connection.forget(self.request_id)
         super().reject(error, reason, **kw)
-
-
-class IncomingUpdate:
-    """A REQUEST_UPDATE from the peer (draft-18 "REQUEST_UPDATE"): answer it exactly once.
-
-    `target` is what it updates: an OutgoingSubscription (a subscription we
-    publish), a Subscription (a PUBLISH the peer sent us), a FetchSender, a
-    NamespaceRegistration or a NamespacePublisher. Refusing an update of a
-    subscription we publish ends it with PUBLISH_DONE UPDATE_FAILED; of a FETCH,
-    resets its stream; of a namespace request, closes it.
-    """
-
-    def __init__(self, connection: ConnectionCore, event: ev.RequestUpdateReceived, target: Any):
-        self.connection = connection
-        self.request_id = event.request_id
-        self.existing_request_id = event.existing_request_id
-        self.parameters: Parameters = event.parameters
-        self.authorization_tokens: tuple[AuthToken, ...] = event.authorization_tokens
-        self.target = target
-        self.answered = False
-
-    @property
-    def authorization(self) -> list[bytes]:
-        """The token values sent with the update."""
-        return [t.value or b"" for t in self.authorization_tokens]
-
-    def accept(self, *, largest: Location | tuple[int, int] | None = None, expires: int | None = None) -> None:
-        """Send REQUEST_UPDATE_OK and apply the update; `largest` defaults to the
-        largest Location a subscription we publish has sent."""
-        if self.answered:
-            raise ValueError(f"REQUEST_UPDATE {self.request_id} was already answered")
-        self.answered = True
-        session = self.connection.live_session()
-        if largest is None and isinstance(self.target, OutgoingSubscription):
-            largest = self.target.largest
-        parameters = Parameters(largest_object=None if largest is None else Location(*largest), expires=expires)
-        try:
-            session.request_ok(self.request_id, parameters)
-        except StreamClosed:
-            return
-        apply = getattr(self.target, "_apply_update", None)
-        if apply is not None:
-            apply(self.parameters)
-        self.connection.transmit_soon()
-
-    def reject(self, error: RequestError | int = RequestErrorCode.INTERNAL_ERROR, reason: str = "") -> None:
-        if self.answered:
-            return
-        self.answered = True
-        if isinstance(error, RequestError):
-            code, reason = int(error.error_code), reason or error.reason
-        else:
-            code = int(error)
-        session = self.connection.session
-        if session is None or session.closed:
-            return
-        target = self.target
-        if isinstance(target, FetchSender):
-            target.reset(StreamResetCode.CANCELLED)
-        try:
-            session.request_error(self.request_id, code, reason)
-        except StreamClosed:
-            pass
-        if isinstance(target, OutgoingSubscription):
-            target._update_failed()
-        elif isinstance(target, (NamespaceRegistration, NamespacePublisher)):
-            target._on_cancelled(StreamResetCode.CANCELLED)
-        elif isinstance(target, FetchSender) and not target.cancelled.done():
-            target.cancelled.set_result(StreamResetCode.CANCELLED)
-        self.connection.transmit_soon()
 
 
 INCOMING: dict[type, tuple[str, type[IncomingRequest]]] = {
@@ -385,5 +311,3 @@ INCOMING: dict[type, tuple[str, type[IncomingRequest]]] = {
     ev.PublishReceived: ("publish", IncomingPublish),
 }
 HANDLER_KINDS = tuple(kind for kind, _ in INCOMING.values())
-
-

@@ -3,19 +3,32 @@
 `OutgoingSubscription` is a subscription we publish (an accepted SUBSCRIBE, or our
 PUBLISH), written through one `SubgroupSender` per subgroup stream; `FetchSender` writes
 one FETCH response; `NamespaceRegistration` and `NamespacePublisher` answer the peer's
-PUBLISH_NAMESPACE and SUBSCRIBE_NAMESPACE / SUBSCRIBE_TRACKS. Writers wait for the
-stream to drain, and delivery timeouts are enforced where objects are handed to QUIC.
+PUBLISH_NAMESPACE and SUBSCRIBE_NAMESPACE / SUBSCRIBE_TRACKS; `IncomingUpdate` is the
+peer's REQUEST_UPDATE of one of them. Each but the senders of subgroups is a
+`RequestHandle` that registers with its connection when made and forgets itself when
+done. Writers wait for the stream to drain, and delivery timeouts are enforced where
+objects are handed to QUIC.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
+from .. import events as ev
 from ..d18.messages import Parameters
-from ..errors import InvalidRange, PublishDoneCode, StreamClosed, StreamResetCode
+from ..errors import (
+    InvalidRange,
+    MoqtError,
+    PublishDoneCode,
+    RequestError,
+    RequestErrorCode,
+    StreamClosed,
+    StreamResetCode,
+)
 from ..wire import (
     DEFAULT_PUBLISHER_PRIORITY,
+    AuthToken,
     Location,
     ObjectStatus,
     Properties,
@@ -26,10 +39,14 @@ from ..wire import (
 )
 from .core import ConnectionCore
 
-if TYPE_CHECKING:
-    from .incoming import IncomingUpdate
-
-__all__ = ["FetchSender", "NamespacePublisher", "NamespaceRegistration", "OutgoingSubscription", "SubgroupSender"]
+__all__ = [
+    "FetchSender",
+    "IncomingUpdate",
+    "NamespacePublisher",
+    "NamespaceRegistration",
+    "OutgoingSubscription",
+    "SubgroupSender",
+]
 
 
 def _smaller_timeout(*values: int | None) -> int | None:
@@ -37,6 +54,11 @@ def _smaller_timeout(*values: int | None) -> int | None:
     set_values = [v for v in values if v]
     return min(set_values) if set_values else None
 
+
+def _ended_code(error: MoqtError | None) -> int:
+    """The code a handle's `cancelled` / `closed` resolves with when its request ends
+    on this side (RequestHandle.end()): SESSION_CLOSED, or CANCELLED without an error."""
+    return StreamResetCode.CANCELLED if error is None else StreamResetCode.SESSION_CLOSED
 
 
 class SubgroupSender:
@@ -160,6 +182,7 @@ class OutgoingSubscription:
         self._done = False
         self._forward_waiters: list[asyncio.Future[None]] = []
         self.cancelled.add_done_callback(lambda _: self._wake_forward())
+        connection.register(self)
 
     @property
     def active(self) -> bool:
@@ -230,7 +253,7 @@ class OutgoingSubscription:
     def _update_failed(self) -> None:
         """A refused update ended the subscription with PUBLISH_DONE UPDATE_FAILED."""
         self._done = True
-        self.connection.outgoing.pop(self.request_id, None)
+        self.connection.forget(self.request_id)
         if not self.cancelled.done():
             self.cancelled.set_result(PublishDoneCode.UPDATE_FAILED)
         self._wake_forward()
@@ -286,7 +309,7 @@ class OutgoingSubscription:
             return
         self._done = True
         self._wake_forward()
-        self.connection.outgoing.pop(self.request_id, None)
+        self.connection.forget(self.request_id)
         session = self.connection.session
         if session is not None and not session.closed:
             try:
@@ -295,10 +318,19 @@ class OutgoingSubscription:
                 pass
             self.connection.transmit_soon()
 
+    def deliver(self, event: ev.MoqtEvent) -> None:
+        """An event of this subscription (RequestHandle): the subscriber's cancellation."""
+        if isinstance(event, ev.RequestCancelled):
+            self._on_cancelled(event.error_code)
+
+    def end(self, error: MoqtError | None) -> None:
+        """The subscription is over (RequestHandle): `cancelled` resolves (see _ended_code())."""
+        self._on_cancelled(_ended_code(error))
+
     def _on_cancelled(self, error_code: int) -> None:
         if not self.cancelled.done():
             self.cancelled.set_result(error_code)
-        self.connection.outgoing.pop(self.request_id, None)
+        self.connection.forget(self.request_id)
         self.connection.wake_writers()
 
 
@@ -310,6 +342,7 @@ class FetchSender:
         self.request_id = request_id
         self.stream_id = stream_id
         self.cancelled: asyncio.Future[int] = connection.loop.create_future()
+        connection.register(self)
 
     async def send(
         self,
@@ -393,12 +426,25 @@ class FetchSender:
             session.reset_data_stream(self.stream_id, error_code)
             self.connection.transmit_soon()
 
+    def deliver(self, event: ev.MoqtEvent) -> None:
+        """An event of this FETCH (RequestHandle): the subscriber's cancellation."""
+        if isinstance(event, ev.RequestCancelled):
+            self._forget()
+            if not self.cancelled.done():
+                self.cancelled.set_result(event.error_code)
+                self.connection.wake_writers()
+
+    def end(self, error: MoqtError | None) -> None:
+        """The FETCH is over (RequestHandle): `cancelled` resolves (see _ended_code())."""
+        self._forget()
+        if not self.cancelled.done():
+            self.cancelled.set_result(_ended_code(error))
+
     def _forget(self) -> None:
         # Done writing: nothing can cancel or update it any more. A session that serves
         # FETCHes for days would otherwise keep one sender per FETCH it ever answered.
-        senders = self.connection.fetch_senders
-        if senders.get(self.request_id) is self:
-            del senders[self.request_id]
+        if self.connection.request_handle(self.request_id) is self:
+            self.connection.forget(self.request_id)
 
 
 class NamespaceRegistration:
@@ -409,6 +455,7 @@ class NamespaceRegistration:
         self.request_id = request_id
         self.namespace = namespace
         self.closed: asyncio.Future[int] = connection.loop.create_future()
+        connection.register(self)
 
     def revoke(self, error_code: int = StreamResetCode.CANCELLED) -> None:
         """Revoke the acceptance (cancel the peer's request)."""
@@ -418,10 +465,19 @@ class NamespaceRegistration:
             session.cancel_request(self.request_id, error_code)
             self.connection.transmit_soon()
 
+    def deliver(self, event: ev.MoqtEvent) -> None:
+        """An event of this request (RequestHandle): the peer's cancellation closes it."""
+        if isinstance(event, ev.RequestCancelled):
+            self._on_cancelled(event.error_code)
+
+    def end(self, error: MoqtError | None) -> None:
+        """The request is over (RequestHandle): `closed` resolves (see _ended_code())."""
+        self._on_cancelled(_ended_code(error))
+
     def _on_cancelled(self, error_code: int) -> None:
         if not self.closed.done():
             self.closed.set_result(error_code)
-        self.connection.registrations.pop(self.request_id, None)
+        self.connection.forget(self.request_id)
 
 
 class NamespacePublisher:
@@ -432,6 +488,7 @@ class NamespacePublisher:
         self.request_id = request_id
         self.prefix = prefix
         self.closed: asyncio.Future[int] = connection.loop.create_future()
+        connection.register(self)
 
     def announce(self, namespace: TrackNamespace) -> None:
         """Send NAMESPACE for a full namespace under the prefix."""
@@ -455,7 +512,86 @@ class NamespacePublisher:
             raise ValueError(f"{namespace} is not under {self.prefix}")
         return namespace[len(self.prefix) :]
 
+    def deliver(self, event: ev.MoqtEvent) -> None:
+        """An event of this request (RequestHandle): the peer's cancellation closes it."""
+        if isinstance(event, ev.RequestCancelled):
+            self._on_cancelled(event.error_code)
+
+    def end(self, error: MoqtError | None) -> None:
+        """The request is over (RequestHandle): `closed` resolves (see _ended_code())."""
+        self._on_cancelled(_ended_code(error))
+
     def _on_cancelled(self, error_code: int) -> None:
         if not self.closed.done():
             self.closed.set_result(error_code)
-        self.connection.registrations.pop(self.request_id, None)
+        self.connection.forget(self.request_id)
+
+
+class IncomingUpdate:
+    """A REQUEST_UPDATE from the peer (draft-18 "REQUEST_UPDATE"): answer it exactly once.
+
+    `target` is what it updates: an OutgoingSubscription (a subscription we
+    publish), a Subscription (a PUBLISH the peer sent us), a FetchSender, a
+    NamespaceRegistration or a NamespacePublisher. Refusing an update of a
+    subscription we publish ends it with PUBLISH_DONE UPDATE_FAILED; of a FETCH,
+    resets its stream; of a namespace request, closes it.
+    """
+
+    def __init__(self, connection: ConnectionCore, event: ev.RequestUpdateReceived, target: Any):
+        self.connection = connection
+        self.request_id = event.request_id
+        self.existing_request_id = event.existing_request_id
+        self.parameters: Parameters = event.parameters
+        self.authorization_tokens: tuple[AuthToken, ...] = event.authorization_tokens
+        self.target = target
+        self.answered = False
+
+    @property
+    def authorization(self) -> list[bytes]:
+        """The token values sent with the update."""
+        return [t.value or b"" for t in self.authorization_tokens]
+
+    def accept(self, *, largest: Location | tuple[int, int] | None = None, expires: int | None = None) -> None:
+        """Send REQUEST_UPDATE_OK and apply the update; `largest` defaults to the
+        largest Location a subscription we publish has sent."""
+        if self.answered:
+            raise ValueError(f"REQUEST_UPDATE {self.request_id} was already answered")
+        self.answered = True
+        session = self.connection.live_session()
+        if largest is None and isinstance(self.target, OutgoingSubscription):
+            largest = self.target.largest
+        parameters = Parameters(largest_object=None if largest is None else Location(*largest), expires=expires)
+        try:
+            session.request_ok(self.request_id, parameters)
+        except StreamClosed:
+            return
+        apply = getattr(self.target, "_apply_update", None)
+        if apply is not None:
+            apply(self.parameters)
+        self.connection.transmit_soon()
+
+    def reject(self, error: RequestError | int = RequestErrorCode.INTERNAL_ERROR, reason: str = "") -> None:
+        if self.answered:
+            return
+        self.answered = True
+        if isinstance(error, RequestError):
+            code, reason = int(error.error_code), reason or error.reason
+        else:
+            code = int(error)
+        session = self.connection.session
+        if session is None or session.closed:
+            return
+        target = self.target
+        if isinstance(target, FetchSender):
+            target.reset(StreamResetCode.CANCELLED)
+        try:
+            session.request_error(self.request_id, code, reason)
+        except StreamClosed:
+            pass
+        if isinstance(target, OutgoingSubscription):
+            target._update_failed()
+        elif isinstance(target, (NamespaceRegistration, NamespacePublisher)):
+            target._on_cancelled(StreamResetCode.CANCELLED)
+        elif isinstance(target, FetchSender) and not target.cancelled.done():
+            target.cancelled.set_result(StreamResetCode.CANCELLED)
+        self.connection.transmit_soon()

@@ -1,10 +1,12 @@
 """The subscriber side: what this endpoint receives, as async iterators.
 
 `Subscription` (our SUBSCRIBE, or a PUBLISH we accepted) and `FetchResponse` (our FETCH)
-yield `MoqtObject`s; `NamespaceSubscription` and `TrackSubscriptions` yield the peer's
-NAMESPACE / NAMESPACE_DONE and PUBLISHes; `PublishedNamespace` is our accepted
-PUBLISH_NAMESPACE. Objects hold their flow-control bytes until the application takes
-them, so a slow reader slows its publisher instead of filling memory.
+yield `MoqtObject`s; `NamespaceSubscription` yields the peer's NAMESPACE /
+NAMESPACE_DONE (`TrackSubscriptions`, in track_subscriptions.py, its PUBLISHes);
+`PublishedNamespace` is our accepted PUBLISH_NAMESPACE. Each is a `RequestHandle`: it
+registers with its connection when made, takes the events of its request through
+`deliver()`, and forgets itself when done. Objects hold their flow-control bytes until
+the application takes them, so a slow reader slows its publisher instead of filling memory.
 """
 
 from __future__ import annotations
@@ -12,19 +14,20 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, AsyncIterator, TypeVar, cast
+from typing import Any, AsyncIterator, TypeVar
 
 from .. import events as ev
 from ..d18.messages import Parameters
 from ..errors import (
     DataStreamReset,
+    MoqtError,
     PublishDoneCode,
     PublishDoneError,
     RequestError,
     SessionClosed,
     StreamClosed,
     StreamResetCode,
-    Uninterested,
+    request_error_for,
 )
 from ..objects import MoqtObject, SubgroupEnd
 from ..state import UNKNOWN_STREAM_COUNT
@@ -37,9 +40,6 @@ from ..wire import (
 )
 from .core import ConnectionCore, token_parameters
 
-if TYPE_CHECKING:
-    from .incoming import IncomingPublish
-
 __all__ = [
     "BlockedTrack",
     "FetchResponse",
@@ -48,7 +48,6 @@ __all__ = [
     "PublishedNamespace",
     "Subscription",
     "TrackStatusInfo",
-    "TrackSubscriptions",
 ]
 
 _END = object()
@@ -173,6 +172,7 @@ class Subscription:
         self._open_streams: set[int] = set()
         self._grace: asyncio.TimerHandle | None = None
         self._finished = False
+        connection.register(self)
 
     def __aiter__(self) -> AsyncIterator[MoqtObject]:
         return self
@@ -231,7 +231,7 @@ class Subscription:
         try:
             accepted = await asyncio.wait_for(future, timeout)
         finally:
-            connection.pending.pop(update_id, None)
+            connection.take_pending(update_id)
         self.parameters = self.parameters.merged(parameters)
         if accepted.parameters.largest_object is not None:
             self.largest = accepted.parameters.largest_object
@@ -247,6 +247,31 @@ class Subscription:
             self._queue.discard()
         else:
             self._finish(None, cancel=True)
+
+    def deliver(self, event: ev.MoqtEvent) -> None:
+        """An event of this subscription (RequestHandle)."""
+        if isinstance(event, ev.ObjectReceived):
+            self._object(event)
+        elif isinstance(event, ev.SubgroupStreamOpened):
+            self._stream_opened(event.stream_id)
+        elif isinstance(event, ev.DataStreamEnded):
+            if not event.fetch:
+                self._stream_ended(event)
+        elif isinstance(event, ev.PublishDoneReceived):
+            self._publish_done(event)
+        elif isinstance(event, ev.SubscribeAccepted):
+            self._accepted(event)
+        elif isinstance(event, ev.RequestRejected):  # after the acceptance
+            self._finish(request_error_for(event.error_code, event.reason, retry_interval=event.retry_interval))
+        elif isinstance(event, ev.RequestCancelled):
+            # our SUBSCRIBE cancelled by its publisher, or the peer's PUBLISH ended without PUBLISH_DONE
+            reason = "subscription cancelled by the publisher" if event.local_request else "publication cancelled"
+            self._finish(PublishDoneError(reason, error_code=event.error_code))
+
+    def end(self, error: MoqtError | None) -> None:
+        """The subscription is over (RequestHandle): objects queued are still yielded,
+        then `error` is raised (None: iteration ends)."""
+        self._finish(error)
 
     def _accepted(self, event: ev.SubscribeAccepted) -> None:
         self.track_alias = event.track_alias
@@ -340,7 +365,7 @@ class Subscription:
             return
         self._finished = True
         connection = self.connection
-        connection.subscriptions.pop(self.request_id, None)
+        connection.forget(self.request_id)
         if cancel:
             self._queue.discard()
         # Objects already queued are still delivered, then the error is raised.
@@ -372,6 +397,7 @@ class FetchResponse:
         self._accepted = False
         self._stream_done = False
         self._finished = False
+        connection.register(self)
 
     def __aiter__(self) -> AsyncIterator[MoqtObject]:
         return self
@@ -405,6 +431,27 @@ class FetchResponse:
             self._queue.discard()
         else:
             self._finish(None, cancel=True)
+
+    def deliver(self, event: ev.MoqtEvent) -> None:
+        """An event of this fetch (RequestHandle)."""
+        if isinstance(event, ev.FetchObjectReceived):
+            self._object(event)
+        elif isinstance(event, ev.DataStreamEnded):
+            if event.fetch:
+                self._stream_ended(event)
+        elif isinstance(event, ev.FetchRangeReceived):
+            self.ranges.append(event)
+        elif isinstance(event, ev.FetchAccepted):
+            self._on_accepted(event)
+        elif isinstance(event, ev.RequestRejected):  # after FETCH_OK: a fetch that failed late
+            self._finish(request_error_for(event.error_code, event.reason, retry_interval=event.retry_interval))
+        elif isinstance(event, ev.RequestCancelled):
+            self._finish(SessionClosed(f"request {self.request_id} cancelled by the peer", error_code=event.error_code))
+
+    def end(self, error: MoqtError | None) -> None:
+        """The fetch is over (RequestHandle): objects queued are still yielded, then
+        `error` is raised (None: iteration ends)."""
+        self._finish(error)
 
     def _on_accepted(self, event: ev.FetchAccepted) -> None:
         self._accepted = True
@@ -443,7 +490,7 @@ class FetchResponse:
             return
         self._finished = True
         connection = self.connection
-        connection.fetches.pop(self.request_id, None)
+        connection.forget(self.request_id)
         if cancel:
             self._queue.discard()
         if cancel or isinstance(error, (DataStreamReset, RequestError)):
@@ -479,6 +526,7 @@ class NamespaceSubscription:
         self.prefix = prefix
         self._items: asyncio.Queue[Any] = asyncio.Queue()
         self._finished = False
+        connection.register(self)
 
     def __aiter__(self) -> AsyncIterator[NamespaceUpdate]:
         return self
@@ -496,11 +544,24 @@ class NamespaceSubscription:
     async def cancel(self) -> None:
         self._finish(None, cancel=True)
 
+    def deliver(self, event: ev.MoqtEvent) -> None:
+        """An event of this namespace subscription (RequestHandle)."""
+        if isinstance(event, (ev.NamespaceReceived, ev.NamespaceDoneReceived)):
+            self._items.put_nowait(NamespaceUpdate(event.namespace, isinstance(event, ev.NamespaceReceived)))
+        elif isinstance(event, ev.PublishBlockedReceived):
+            self._items.put_nowait(BlockedTrack(event.namespace, event.track_name))
+        elif isinstance(event, ev.RequestCancelled):
+            self._finish(None)
+
+    def end(self, error: MoqtError | None) -> None:
+        """The subscription is over (RequestHandle): iteration raises `error` (None: ends)."""
+        self._finish(error)
+
     def _finish(self, error: BaseException | None, *, cancel: bool = False) -> None:
         if self._finished:
             return
         self._finished = True
-        self.connection.namespace_subscriptions.pop(self.request_id, None)
+        self.connection.forget(self.request_id)
         if cancel and self.connection.session is not None and not self.connection.session.closed:
             self.connection.session.cancel_request(self.request_id)
             self.connection.transmit_soon()
@@ -515,33 +576,6 @@ class BlockedTrack:
     track_name: bytes
 
 
-class TrackSubscriptions(NamespaceSubscription):
-    """Our SUBSCRIBE_TRACKS: iterate it for the peer's PUBLISHes of tracks under the prefix
-    (IncomingPublish: `accept()` returns the Subscription to read, or `reject()`) and for
-    BlockedTrack notices. The PUBLISHes it covers come here, not to the "publish" handler;
-    `cancel()` refuses those still queued."""
-
-    # Its items are the peer's PUBLISHes and BlockedTrack notices, not NamespaceUpdates.
-    def __aiter__(self) -> AsyncIterator["IncomingPublish | BlockedTrack"]:  # type: ignore[override]  # items differ
-        return self
-
-    async def __anext__(self) -> "IncomingPublish | BlockedTrack":  # type: ignore[override]  # items differ
-        return cast("IncomingPublish | BlockedTrack", await super().__anext__())
-
-    def covers(self, namespace: TrackNamespace) -> bool:
-        return tuple(namespace[:len(self.prefix)]) == tuple(self.prefix)
-
-    async def cancel(self) -> None:
-        while not self._items.empty():
-            item = self._items.get_nowait()
-            if not isinstance(item, BlockedTrack) and not item.answered:  # an IncomingPublish
-                try:
-                    item.reject(Uninterested("SUBSCRIBE_TRACKS cancelled"))
-                except (SessionClosed, StreamClosed):
-                    pass
-        await super().cancel()
-
-
 #: a kind of namespace subscription (MoqtConnection makes either)
 S = TypeVar("S", bound=NamespaceSubscription)
 
@@ -554,14 +588,26 @@ class PublishedNamespace:
         self.request_id = request_id
         self.namespace = namespace
         self.closed: asyncio.Future[int] = connection.loop.create_future()
+        connection.register(self)
 
     async def withdraw(self) -> None:
-        if not self.closed.done():
-            self.closed.set_result(StreamResetCode.CANCELLED)
-        self.connection.announcements.pop(self.request_id, None)
+        self._close(StreamResetCode.CANCELLED)
         session = self.connection.session
         if session is not None and not session.closed:
             session.cancel_request(self.request_id)
             self.connection.transmit_soon()
 
+    def deliver(self, event: ev.MoqtEvent) -> None:
+        """An event of this request (RequestHandle): the peer's cancellation closes it."""
+        if isinstance(event, ev.RequestCancelled):
+            self._close(event.error_code)
 
+    def end(self, error: MoqtError | None) -> None:
+        """The request is over (RequestHandle): `closed` resolves with SESSION_CLOSED
+        (CANCELLED without an error)."""
+        self._close(StreamResetCode.CANCELLED if error is None else StreamResetCode.SESSION_CLOSED)
+
+    def _close(self, code: int) -> None:
+        if not self.closed.done():
+            self.closed.set_result(code)
+        self.connection.forget(self.request_id)
