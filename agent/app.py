@@ -66,7 +66,7 @@ from kvsp_moq.fetch.moqt import MoqtBlockFetcher
 from kvsp_moq.fetch.sources import HttpLayerSource, LocalLayerSource, MoqtLayerSource
 from kvsp_moq.holder.api import repr_digest
 from kvsp_moq.holder.assembly import HolderAssembly
-from kvsp_moq.holder.moqt_publisher import BlockPublisher
+from kvsp_moq.holder.moqt_publisher import BlockPublisher, LiveBlock
 from kvsp_moq.holder.store import BlockId
 from kvsp_moq.protocol import validate as v
 from kvsp_moq.protocol.compat import CompatDescriptor
@@ -136,7 +136,7 @@ class AgentContext:
             local=self.local, scope_keys=settings.scope_keys, default_scope=settings.scope,
             self_url=lambda: self.url, pc_url=settings.pc_url, token=settings.token,
             options=options, meters=self.meters, prefetching=self.prefetcher.adopt,
-            measure_link=self.prefetcher.measure)
+            measure_link=self.prefetcher.measure, produce=self._produce if settings.relay else None)
         default_scope = self.engine.scope_keys.get(settings.scope or "") if settings.scope else None
         self.shards = ShardKeeper(adapter, self.engine.run_model, self.client, token=settings.token,
                                   default_scope_id=(scope_id_of(default_scope).hex()
@@ -175,6 +175,13 @@ class AgentContext:
     @property
     def compat_id(self) -> str:
         return self.engine.compat_id
+
+    def _produce(self, bid: BlockId, layer_count: int, token_count: int) -> LiveBlock:
+        """A block published live through the pool's MOQT publisher (`agent.live`)."""
+        moqt = self.moqt_publisher
+        if moqt is None:
+            raise NotActive("the MOQT publisher is not running")
+        return moqt.produce(bid, layer_count=layer_count, token_count=token_count)
 
     def _set_state(self, state: str) -> None:
         self.engine.state = state

@@ -33,7 +33,8 @@ import torch
 from agent.checkpoints import Checkpointer, read_resume, resume_point
 from agent.choice import choose
 from agent.export import BlockExporter
-from agent.model import DecodeState, KVPrefix, ModelAdapter, TokenSampler
+from agent.live import LivePass, LiveProducer, Produce
+from agent.model import DecodeState, KVPrefix, ModelAdapter, OnLayer, TokenSampler
 from agent.options import EngineOptions
 from agent.pool import KVPool
 from agent.requests import GenerateRequest
@@ -77,7 +78,8 @@ class Engine:
                  self_url: Callable[[], str], pc_url: str | None = None, token: str | None = None,
                  options: EngineOptions | None = None, meters: "Meters | None" = None,
                  prefetching: Callable[[BlockId], "asyncio.Future[Any] | None"] | None = None,
-                 measure_link: Callable[[str, Sequence[ReplicaRecord]], object] | None = None) -> None:
+                 measure_link: Callable[[str, Sequence[ReplicaRecord]], object] | None = None,
+                 produce: Produce | None = None) -> None:
         self.adapter = adapter
         #: a prefetch's load of a block in flight (`Prefetcher.adopt`): a request waits for it
         #: rather than loading the same block a second time beside it
@@ -109,6 +111,10 @@ class Engine:
         self.meters = meters
         self.model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvsp-model")
         self.sessions: dict[str, Session] = {}
+        #: live KV (DESIGN §9): prompt blocks published layer by layer while they are computed
+        self.live = (LiveProducer(produce, num_layers=adapter.num_layers, block_tokens=self.block_tokens,
+                                  compat_id=self.compat_id)
+                     if produce is not None and self.options.live_kv else None)
         #: requests (generate and resume) admitted since start: the status record's "admitted"
         self.admitted = 0
         self.state = "active"
@@ -371,6 +377,9 @@ class Engine:
             session.end("failed", f"{type(e).__name__}: {e}")
         finally:
             self._last_logits.pop(session.id, None)
+            for live in session.live.values():  # not stored: their records are withdrawn
+                live.abort(f"session {session.state}")
+            session.live.clear()
             self._forget_later(session)
 
     async def _generate(self, session: Session, plan: list[list[Candidate]] | None,
@@ -426,8 +435,8 @@ class Engine:
         session.timing["plan_ms"] = round((time.perf_counter() - session.started) * 1000, 3)
         if not plan:
             started = time.perf_counter()
-            state, token = await self.run_model(self._prefill_sample, session.id, seq.tokens_from(0),
-                                             None, sampler, step)
+            live = self._open_live(session, 0)
+            state, token = await self._run_prefill(live, session.id, seq.tokens_from(0), None, sampler, step)
             self._note_prefill(session, seq.length, time.perf_counter() - started)
             session.timing["forward_ms"] = round((time.perf_counter() - started) * 1000, 3)
             loaded = 0
@@ -444,14 +453,17 @@ class Engine:
             self._loaders.add(loader)
             prefix = KVPrefix(length=n * b, layers=pool.prefix(n), wait_for_layer=loader.wait_for_layer)
             suffix = seq.tokens_from(n * b)
-            run_forward = functools.partial(self.run_model, self._prefill_sample, session.id, suffix,
-                                            prefix, sampler, step, timeline)
+            live = self._open_live(session, n)
+            run_forward = functools.partial(self._run_prefill, live, session.id, suffix, prefix, sampler,
+                                            step, timeline)
             forward = asyncio.ensure_future(run_forward()) if self.options.pipelined else None
             try:
                 report = await loader.run()
             except BaseException:
                 if forward is not None:
                     forward.cancel()
+                if live is not None:
+                    live.abort("the prefill failed")
                 raise
             finally:
                 self._loaders.discard(loader)
@@ -479,8 +491,10 @@ class Engine:
                 past = KVPrefix.from_kv(pool.prefix(loaded)) if loaded else None
                 started = time.perf_counter()
                 rest = seq.tokens_from(loaded * b)
-                state, token = await self.run_model(self._prefill_sample, session.id, rest, past,
-                                                 sampler, step)
+                if live is not None:  # computed again from block `loaded`: published anew
+                    live.abort("the prefix could not be loaded; computing it again")
+                live = self._open_live(session, loaded)
+                state, token = await self._run_prefill(live, session.id, rest, past, sampler, step)
                 self._note_prefill(session, len(rest), time.perf_counter() - started)
             by_kind = report.by_kind
             session.sources["moqt"] = by_kind.get("moqt", 0)
@@ -501,6 +515,33 @@ class Engine:
         session.ttft_ms = round((time.perf_counter() - session.started) * 1000, 3)
         return state, token, report, timeline
 
+    def _open_live(self, session: Session, first: int) -> LivePass | None:
+        """The live blocks of a prefill computing the sequence from block `first` on: the
+        complete blocks of the sequence it computes, which the session then stores."""
+        if self.live is None:
+            return None
+        seq = session.sequence
+        keys = [k.hex() for k in seq.chain.keys[:seq.length // self.block_tokens]]
+        live = self.live.open(session.scope_id, keys, first, first * self.block_tokens,
+                              skip=lambda bid: bid in self.store)
+        if live is not None:
+            for j, block in enumerate(live.blocks):
+                session.live[keys[first + j]] = block
+        return live
+
+    async def _run_prefill(self, live: LivePass | None, sid: str, tokens: list[int], past: KVPrefix | None,
+                           sampler: TokenSampler, step: int,
+                           timeline: Timeline | None = None) -> tuple[DecodeState, int]:
+        """The prefill pass on the model thread, publishing its blocks' layers as they are
+        computed when `live`; a failed pass abandons them."""
+        try:
+            return await self.run_model(self._prefill_sample, sid, tokens, past, sampler, step, timeline,
+                                        live.on_layer if live is not None else None)
+        except BaseException:
+            if live is not None:
+                live.abort("the prefill failed")
+            raise
+
     def _note_prefill(self, session: Session, tokens: int, seconds: float) -> None:
         if self.meters is not None and tokens > 0:
             self.meters.prefilled(tokens, seconds)
@@ -508,10 +549,11 @@ class Engine:
     # model-thread functions ------------------------------------------------
 
     def _prefill_sample(self, sid: str, tokens: list[int], past: KVPrefix | None, sampler: TokenSampler,
-                        step: int, timeline: Timeline | None = None) -> tuple[DecodeState, int]:
+                        step: int, timeline: Timeline | None = None,
+                        on_layer: OnLayer | None = None) -> tuple[DecodeState, int]:
         if timeline is not None:
             timeline.forward_start = time.perf_counter()
-        result = self.adapter.prefill(tokens, past=past, return_kv=False)
+        result = self.adapter.prefill(tokens, past=past, return_kv=False, on_layer=on_layer)
         if timeline is not None:
             timeline.forward_end = time.perf_counter()
         if self.options.keep_first_logits:

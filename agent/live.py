@@ -1,0 +1,98 @@
+"""Live KV at the producer (DESIGN §9): the prompt blocks a prefill computes, published layer
+by layer while the forward pass runs.
+
+Before the pass, every complete prompt block it will compute (and that is neither stored nor
+already being produced here) is opened with the holder's `BlockPublisher.produce`, which makes
+its track servable and, through the index publisher, puts an in-production record. A hook
+after each decoder layer (`ModelAdapter.prefill(on_layer=...)`) hands layer l of the pass's new
+tokens over on the model thread; each block's slice is copied to octets and hashed there, and
+added to its live block on the event loop, so subscribers receive layer l while layer l+1
+computes. After the pass the exporter stores the blocks from their live layers (`finish`);
+a pass that fails abandons them, which withdraws their records.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from agent.pool import tensor_octets
+from kvsp_moq.errors import KvspError
+from kvsp_moq.holder.moqt_publisher import LiveBlock
+from kvsp_moq.holder.store import BlockId
+
+log = logging.getLogger("kvsp.agent.live")
+
+#: opens a live block: (block, layer count, token count)
+Produce = Callable[[BlockId, int, int], LiveBlock]
+
+
+@dataclass
+class LivePass:
+    """The live blocks of one forward pass: block ``first + j`` is ``blocks[j]``, and the
+    pass's new tokens start at position ``start``."""
+
+    blocks: list[LiveBlock]
+    first: int
+    start: int
+    block_tokens: int
+    loop: asyncio.AbstractEventLoop
+
+    def on_layer(self, index: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """On the model thread, right after decoder layer ``index`` ran."""
+        b = self.block_tokens
+        for j, live in enumerate(self.blocks):
+            a = (self.first + j) * b - self.start
+            k_octets = bytes(tensor_octets(k[a:a + b]))
+            v_octets = bytes(tensor_octets(v[a:a + b]))
+            payload = k_octets + v_octets
+            digest = hashlib.sha256(payload).digest()
+            self.loop.call_soon_threadsafe(self._add, live, index, k_octets, v_octets, payload, digest)
+
+    @staticmethod
+    def _add(live: LiveBlock, index: int, k: bytes, v: bytes, payload: bytes, digest: bytes) -> None:
+        if live.error is not None or live.available != index:
+            return  # abandoned meanwhile
+        live.add_layer(k, v, payload=payload, digest=digest)
+
+    def abort(self, reason: str) -> None:
+        for live in self.blocks:
+            if not live.complete:
+                live.abort(reason)
+
+
+class LiveProducer:
+    """Opens the live blocks of a pass through the holder's publisher."""
+
+    def __init__(self, produce: Produce, *, num_layers: int, block_tokens: int, compat_id: str) -> None:
+        self.produce = produce
+        self.num_layers = num_layers
+        self.block_tokens = block_tokens
+        self.compat_id = compat_id
+
+    def open(self, scope_id: str, keys: list[str], first: int, start: int,
+             skip: Callable[[BlockId], bool]) -> LivePass | None:
+        """A pass computing blocks ``first..len(keys)-1`` (tokens from ``start``): their live
+        blocks, opened in order up to the first one `skip` says is held already (a stored
+        block is not produced twice). None when there is nothing to produce."""
+        blocks: list[LiveBlock] = []
+        for key in keys[first:]:
+            bid = BlockId(self.compat_id, scope_id, key)
+            if skip(bid):
+                break
+            try:
+                blocks.append(self.produce(bid, self.num_layers, self.block_tokens))
+            except KvspError as e:  # produced here already by another session
+                log.debug("block %s not produced live: %s", key[:12], e.detail)
+                break
+        if not blocks:
+            return None
+        return LivePass(blocks, first, start, self.block_tokens, asyncio.get_running_loop())
+
+
+__all__ = ["LivePass", "LiveProducer", "Produce"]
