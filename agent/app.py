@@ -1,7 +1,9 @@
 """The inference instance's HTTP resources (DESIGN §3, §6; KVSP §6.3, §6.5, §6.8, §6.9).
 
     POST  generate                      {"tokens", "max_new_tokens", "sampler", "session"?,
-                                         "stream"?, "scope"?, "timeline"?}
+                                         "stream"?, "scope"?, "timeline"?, "prefill_at"?}
+    POST  prefill                       {"tokens", "scope"?} -> 202 {"prompt_blocks", "stored",
+                                         "live": [keys]}: computed here, published live
     GET   sessions/{id}                 the session's state and tokens so far
     GET   sessions/{id}/stream?from=k   NDJSON {"index", "epoch", "token"}, then {"done": true}
     POST  sessions/{id}/resume          {"checkpoint", "epoch"} -> 202
@@ -32,6 +34,13 @@ With a relay (`AgentSettings.relay`) the agent is a MOQT publisher too, as a hol
 is (`kvsp_moq.holder`): its store is served through the relay by a `BlockPublisher`, and each of
 its replicas gets a MOQT record in the index beside the HTTP one. The status of a prefetch
 directive counts the blocks loaded per transport under "sources" ({"moqt", "http"}).
+
+Prefill and decode apart (DESIGN §9): `POST prefill` computes a prompt's complete blocks for
+another instance and publishes each layer as it is computed (`agent.live`); it answers as soon
+as the blocks' tracks exist, before the pass. A generate with "prefill_at" (that instance's
+base URL) subscribes to those tracks through this instance's relay at once, loads each layer
+as it lands (verified against the digest it carries) while computing the rest of the prompt
+behind it, and decodes. A producer that fails is a failed source: the prompt is computed here.
 """
 
 from __future__ import annotations
@@ -54,7 +63,7 @@ from agent.cores import CoreSplit
 from agent.engine import Engine
 from agent.model import ModelAdapter, load_model
 from agent.prefetch import Prefetcher
-from agent.requests import GenerateRequest
+from agent.requests import GenerateRequest, PrefillRequest
 from agent.settings import AgentSettings
 from agent.shards import ShardKeeper
 from agent.status import Meters, StatusReporter
@@ -275,6 +284,12 @@ def _routes(ctx: AgentContext) -> list[Route]:
             out["timeline"] = session.timeline.to_json()
         return json_response(out)
 
+    async def prefill(request: Request) -> Response:
+        who = principal(request, Action.GENERATE)
+        req = PrefillRequest.from_json(await read_json(request))
+        who.require_scope(scope_id_of(engine.scope_key(req.scope)).hex())
+        return json_response(await engine.prefill_for_other(req), status=202)
+
     def session_of(request: Request) -> Any:
         who = principal(request, Action.READ_SESSIONS)
         sid = v.uuid_text(request.path_params["session"], "session")
@@ -374,6 +389,7 @@ def _routes(ctx: AgentContext) -> list[Route]:
 
     return [
         Route("/generate", generate, methods=["POST"]),
+        Route("/prefill", prefill, methods=["POST"]),
         Route("/sessions/{session}", get_session, methods=["GET"]),
         Route("/sessions/{session}/stream", stream, methods=["GET"]),
         Route("/sessions/{session}/resume", resume, methods=["POST"]),

@@ -37,27 +37,29 @@ from agent.live import LivePass, LiveProducer, Produce
 from agent.model import DecodeState, KVPrefix, ModelAdapter, OnLayer, TokenSampler
 from agent.options import EngineOptions
 from agent.pool import KVPool
-from agent.requests import GenerateRequest
+from agent.requests import GenerateRequest, PrefillRequest
 from agent.sessions import Session, TokenSequence
 from kvsp_moq.auth import OPEN, Principal
 from kvsp_moq.errors import (
     BadRecord,
     ForbiddenScope,
     KvspError,
+    NoLiveKV,
     NotActive,
     PrefixUnavailable,
     SessionConflict,
 )
 from kvsp_moq.fetch.leases import LeaseClient
 from kvsp_moq.fetch.prefix import LoadReport, PrefixLoader, Timeline
-from kvsp_moq.fetch.sources import LayerSource, LocalLayerSource, order_candidates
+from kvsp_moq.fetch.sources import LayerSource, LocalLayerSource, MoqtLayerSource, order_candidates
 from kvsp_moq.fetch.sources import SourceCandidate as Candidate
 from kvsp_moq.holder.store import BlockId, BlockStore
 from kvsp_moq.index_client import IndexClient
 from kvsp_moq.protocol.compat import CompatDescriptor
 from kvsp_moq.protocol.keys import BlockKeyChain
 from kvsp_moq.protocol.keys import scope_id as scope_id_of
-from kvsp_moq.protocol.records import ReplicaRecord
+from kvsp_moq.naming import BlockTrack
+from kvsp_moq.protocol.records import LIVE_DIGEST, ReplicaRecord
 from kvsp_moq.protocol.urls import base_url
 from kvsp_moq.tasks import TaskSet
 
@@ -117,6 +119,8 @@ class Engine:
                      if produce is not None and self.options.live_kv else None)
         #: requests (generate and resume) admitted since start: the status record's "admitted"
         self.admitted = 0
+        #: prefills computed for other instances, running now (`prefill_for_other`)
+        self.prefilling = 0
         self.state = "active"
         self._tasks = TaskSet()
         self._finished: deque[tuple[float, Session]] = deque()  # (forget at, session), in order
@@ -138,7 +142,8 @@ class Engine:
 
     @property
     def running(self) -> int:
-        return sum(1 for s in self.sessions.values() if s.state == "running")
+        """Sessions decoding, and prefills computed for other instances."""
+        return sum(1 for s in self.sessions.values() if s.state == "running") + self.prefilling
 
     @property
     def queued(self) -> int:
@@ -228,6 +233,8 @@ class Engine:
         if max(req.tokens) >= self.adapter.vocab_size:
             raise BadRecord(f"token ids must be below {self.adapter.vocab_size}", member="tokens")
         key = self.scope_key(req.scope)
+        if req.prefill_at is not None and self._moqt_source() is None:
+            raise BadRecord("this instance has no relay to receive a prefill through", member="prefill_at")
         sid = req.session or str(uuid.uuid4())
         existing = self.sessions.get(sid)
         if existing is not None and (req.session is not None or not existing.finished):
@@ -242,11 +249,59 @@ class Engine:
                           prompt_blocks=[k.hex() for k in chain.keys[:full]],
                           prompt_tail=list(req.tokens[full * b:]), sampler=req.sampler,
                           max_new_tokens=req.max_new_tokens)
+        if req.prefill_at is not None and base_url(req.prefill_at) != base_url(self.self_url()):
+            session.prefill_at = base_url(req.prefill_at)
         self.sessions[sid] = session
         self.admitted += 1
         session.task = self._spawn(self._run(session, None, want_timeline=req.timeline),
                                    name=f"session-{sid}")
         return session
+
+    async def prefill_for_other(self, req: PrefillRequest) -> dict[str, Any]:
+        """POST {ii}prefill: compute the prompt's complete blocks for another instance, which
+        subscribes to them (DESIGN §9); answered once their live blocks exist, before the pass."""
+        if self.state != "active":
+            raise NotActive(f"this instance is {self.state}")
+        if self.live is None:
+            raise NoLiveKV("this instance publishes no live KV (it has no relay, or --no-live-kv)")
+        if max(req.tokens) >= self.adapter.vocab_size:
+            raise BadRecord(f"token ids must be below {self.adapter.vocab_size}", member="tokens")
+        if len(req.tokens) > self.adapter.config.max_position_embeddings:
+            raise BadRecord("the prompt exceeds the model's context", member="tokens")
+        key = self.scope_key(req.scope)
+        b = self.block_tokens
+        chain = BlockKeyChain(key, self.descriptor.compat_id, b)
+        full = len(req.tokens) // b
+        chain.extend(list(req.tokens[:full * b]))
+        keys = [k.hex() for k in chain.keys[:full]]
+        sid = scope_id_of(key).hex()
+        stored = next((i for i, k in enumerate(keys) if BlockId(self.compat_id, sid, k) not in self.store),
+                      full)
+        live = self.live.open(sid, keys, stored, 0, skip=lambda bid: bid in self.store) if stored < full else None
+        produced = len(live.blocks) if live is not None else 0
+        if live is not None:
+            self.prefilling += 1
+            self._spawn(self._prefill_only(live, list(req.tokens[:(stored + produced) * b])),
+                        name="prefill-for-other")
+        return {"prompt_blocks": full, "stored": stored, "live": keys[stored:stored + produced]}
+
+    async def _prefill_only(self, live: LivePass, tokens: list[int]) -> None:
+        try:
+            started = time.perf_counter()
+            await self.run_model(self._prefill_pass, tokens, live.on_layer)
+            if self.meters is not None:
+                self.meters.prefilled(len(tokens), time.perf_counter() - started)
+            for block in live.blocks:
+                entry = await block.finish()
+                if entry is not None:
+                    self.announce(entry)
+        except BaseException as e:
+            live.abort(f"the prefill failed: {type(e).__name__}")
+            if not isinstance(e, Exception):
+                raise
+            log.warning("prefill for another instance failed: %s", e)
+        finally:
+            self.prefilling -= 1
 
     async def resume(self, sid: str, body: Any, by: Principal = OPEN) -> Session:
         """POST {ii}sessions/{id}/resume (§6.8): continue a session under a new epoch, for
@@ -332,6 +387,33 @@ class Engine:
             plan.append(candidates)
         return plan
 
+    def _moqt_source(self) -> MoqtLayerSource | None:
+        return next((s for s in self.sources if isinstance(s, MoqtLayerSource)), None)
+
+    def _plan_live(self, session: Session, producer: str) -> list[list[Candidate]]:
+        """Candidates for the prompt blocks another instance computes for this session: its
+        live tracks through this instance's relay (DESIGN §9), after any replica held here.
+        Subscribed at once: no lookup, and the relay holds a SUBSCRIBE for a track whose
+        producer has not announced it yet."""
+        source = self._moqt_source()
+        assert source is not None  # checked when the request came
+        seq = session.sequence
+        b = self.block_tokens
+        limit = min(len(seq.chain.keys), (seq.length - 1) // b)
+        plan: list[list[Candidate]] = []
+        for i in range(limit):
+            key = seq.chain.keys[i].hex()
+            bid = BlockId(self.compat_id, session.scope_id, key)
+            track = BlockTrack.for_holder(self.compat_id, session.scope_id, key, producer)
+            live = ReplicaRecord(block_key=key, compat_id=self.compat_id, scope_id=session.scope_id,
+                                 holder=source.relay, codec=1, size=0, digest=LIVE_DIGEST,
+                                 ttl_ms=self.options.lease_ms, moqt_namespace=track.moqt_namespace,
+                                 http_holder=producer, live=True)
+            entry = self.store.get(bid)
+            records = [self.record_for(entry), live] if entry is not None else [live]
+            plan.append(order_candidates(records, [self.local, *self.sources]))
+        return plan
+
     def _choose(self, session: Session, plan: list[list[Candidate]]) -> list[list[Candidate]]:
         """The plan, or only its leading resident blocks when recomputing the rest is cheaper
         than loading it (`agent.choice`); the choice is kept on the session."""
@@ -389,7 +471,9 @@ class Engine:
         if len(session.generated) >= session.max_new_tokens:
             await self._finish(session)
             return
-        if plan is None:
+        if plan is None and session.prefill_at is not None:
+            plan = self._plan_live(session, session.prefill_at)
+        elif plan is None:
             plan = await self._plan(session.scope_id, [k.hex() for k in seq.chain.keys], seq,
                                     session.prefetched)
             if self.options.choose_by_cost and seq.known_blocks == 0:
@@ -559,6 +643,9 @@ class Engine:
         if self.options.keep_first_logits:
             self._last_logits[sid] = result.logits.detach().to("cpu")
         return result.state, sampler.sample(result.logits, step)
+
+    def _prefill_pass(self, tokens: list[int], on_layer: OnLayer) -> None:
+        self.adapter.prefill(tokens, return_kv=False, on_layer=on_layer)
 
     def _decode_sample(self, token: int, state: DecodeState, sampler: TokenSampler, step: int) -> int:
         return sampler.sample(self.adapter.decode(token, state), step)

@@ -105,6 +105,9 @@ class Session:
         self.loaded = 0  # blocks [0, loaded) came from other holders (not replicated again)
         #: blocks this session's prefill publishes live (`agent.live`), by key, until stored
         self.live: dict[str, LiveBlock] = {}
+        #: the instance computing this session's prompt blocks live for it (prefill and decode
+        #: apart), None when this instance loads or computes them itself
+        self.prefill_at: str | None = None
         self.started = time.perf_counter()
         self.task: asyncio.Task | None = None
         self.done = asyncio.Event()

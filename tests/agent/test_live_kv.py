@@ -18,6 +18,7 @@ import torch
 from agent.live import LivePass
 from agent.service import Agent, AgentSettings
 from kvsp_moq.holder.moqt_publisher import LiveBlock
+from kvsp_moq.holder.store import BlockId
 from kvsp_moq.index_client import IndexClient
 from kvsp_moq.moqt.wire import Properties
 from kvsp_moq.naming import LAYER_DIGEST_PROPERTY
@@ -225,3 +226,46 @@ def test_a_layer_that_does_not_match_its_digest_is_never_used(model_dir: Path, i
         assert rb["body"]["tokens"] == a.context.adapter.generate_greedy(prompt, NEW)
         failures = b.engine.sessions[rb["body"]["session"]].load["failures"]
         assert any("digest" in str(f) for f in failures), failures
+
+
+def test_prefill_and_decode_on_two_instances(model_dir: Path, index_url: str,
+                                             relay: BackgroundRelay) -> None:
+    """POST prefill at A, then a generate at B with "prefill_at": A: B subscribes to A's blocks
+    while A computes them, decodes, and answers exactly as one instance alone."""
+    prompt = tokens(PROMPT, 94)
+    with Agent(settings(model_dir, index_url, relay.url)) as a, \
+            Agent(settings(model_dir, index_url, relay.url)) as b:
+        keys = prompt_keys(a, prompt)
+        pace = Paced(a, per_layer_s=0.05)
+        r = httpx.post(a.url + "prefill", json={"tokens": prompt}, timeout=30)
+        assert r.status_code == 202, r.text
+        assert r.json() == {"prompt_blocks": len(keys), "stored": 0, "live": keys}
+        tb, rb = post_async(b.url + "generate", {"tokens": prompt, "max_new_tokens": NEW,
+                                                 "prefill_at": a.url})
+        wait_until(lambda: a.context.moqt_publisher is not None
+                   and a.context.moqt_publisher.stats.subscribes >= len(keys),
+                   timeout=20, what="B subscribing to every block A computes")
+        pace.release.set()
+        tb.join(60)
+        assert rb["status"] == 200, rb
+        assert pace.subscribed_while_computing
+        assert rb["body"]["sources"] == {"moqt": len(keys), "http": 0, "recompute": 0}
+        assert rb["body"]["tokens"] == a.context.adapter.generate_greedy(prompt, NEW)
+        # A stored what it computed; B has every block too (loaded ones are stored).
+        compat = a.context.compat_id
+        wait_until(lambda: all(a.context.store.get(BlockId(compat, SCOPE, k)) for k in keys),
+                   timeout=20, what="A storing its blocks")
+        for k in keys:
+            mine = a.context.store.get(BlockId(compat, SCOPE, k))
+            theirs = b.context.store.get(BlockId(compat, SCOPE, k))
+            assert theirs is not None and bytes(theirs.host.buffer) == bytes(mine.host.buffer)
+
+
+def test_prefill_at_an_instance_without_relay_is_refused(model_dir: Path, index_url: str) -> None:
+    with Agent(AgentSettings(listen="127.0.0.1:0", model=str(model_dir), index_url=index_url,
+                             block_tokens=B, warmup_tokens=0)) as a:
+        r = httpx.post(a.url + "prefill", json={"tokens": tokens(PROMPT, 95)}, timeout=30)
+        assert r.status_code == 409 and r.json()["type"].endswith("kvsp-no-live-kv"), r.text
+        r = httpx.post(a.url + "generate", json={"tokens": tokens(PROMPT, 95), "max_new_tokens": 1,
+                                                 "prefill_at": "http://127.0.0.1:9/"}, timeout=30)
+        assert r.status_code == 400 and "prefill_at" in r.text, r.text
