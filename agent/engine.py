@@ -55,10 +55,10 @@ from kvsp_moq.fetch.sources import LayerSource, LocalLayerSource, MoqtLayerSourc
 from kvsp_moq.fetch.sources import SourceCandidate as Candidate
 from kvsp_moq.holder.store import BlockId, BlockStore
 from kvsp_moq.index_client import IndexClient
+from kvsp_moq.naming import BlockTrack
 from kvsp_moq.protocol.compat import CompatDescriptor
 from kvsp_moq.protocol.keys import BlockKeyChain
 from kvsp_moq.protocol.keys import scope_id as scope_id_of
-from kvsp_moq.naming import BlockTrack
 from kvsp_moq.protocol.records import LIVE_DIGEST, ReplicaRecord
 from kvsp_moq.protocol.urls import base_url
 from kvsp_moq.tasks import TaskSet

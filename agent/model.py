@@ -206,6 +206,8 @@ class _KVSPCache(DynamicCache):
             return
         start, on_layer = produce
         layer = self.layers[index]
+        if not isinstance(layer, DynamicLayer):
+            return
         keys, values = layer.keys, layer.values
         if keys is None or values is None:
             return

@@ -130,7 +130,7 @@ def test_a_prefix_being_computed_streams_to_another_instance(model_dir: Path, in
         record = next(r for r in found[0] if r.live)
         assert record.holder == relay.url and record.http_holder == a.url
         assert record.digest == LIVE_DIGEST and record.layer_digests is None
-        assert pace.layers_done == 1
+        wait_until(lambda: pace.layers_done == 1, timeout=20, what="A's pass holding after layer 0")
         tb, rb = post_async(b.url + "generate", {"tokens": prompt, "max_new_tokens": NEW})
         wait_until(lambda: a.context.moqt_publisher is not None and a.context.moqt_publisher.stats.subscribes > 0,
                    timeout=20, what="B subscribing to A's blocks in production")
@@ -269,3 +269,42 @@ def test_prefill_at_an_instance_without_relay_is_refused(model_dir: Path, index_
         r = httpx.post(a.url + "generate", json={"tokens": tokens(PROMPT, 95), "max_new_tokens": 1,
                                                  "prefill_at": "http://127.0.0.1:9/"}, timeout=30)
         assert r.status_code == 400 and "prefill_at" in r.text, r.text
+
+
+async def test_the_pc_places_prefill_and_decode_apart(model_dir: Path, index_url: str,
+                                                      relay: BackgroundRelay, tmp_path: Path) -> None:
+    """`kvsp index --pd length:N`: the route names a decode instance and a prefill instance; the
+    front end starts both, and the tokens it delivers are those of one instance alone."""
+    import asyncio
+
+    from kvsp_moq.frontend import FrontEnd, Restart
+    from kvsp_moq.scope_keys import OPEN_SCOPE
+    from kvsp_moq.web import BackgroundServer
+    from pc.app import PCSettings, create_pc_app
+    from pc.disaggregation import SplitPolicy
+    from pc.placement import ScopeKeys
+
+    prompt = tokens(PROMPT, 96)
+    pc_settings = PCSettings(database=str(tmp_path / "pc.sqlite3"), index_url=index_url,
+                             sweep_interval_s=0.05, pd=SplitPolicy.parse("length:64"))
+    pc_app = create_pc_app(pc_settings, keys=ScopeKeys({OPEN_SCOPE: OPEN_SCOPE_KEY}))
+    with BackgroundServer(pc_app) as pc, \
+            Agent(settings(model_dir, index_url, relay.url, pc_url=pc.url)) as a, \
+            Agent(settings(model_dir, index_url, relay.url, pc_url=pc.url)) as b:
+        agents = {a.url: a, b.url: b}
+        wait_until(lambda: len(httpx.get(pc.url + "instances", timeout=5).json()["instances"]) == 2,
+                   timeout=20, what="both agents reporting to the PC")
+        route = {"tokens": prompt, "scope": OPEN_SCOPE, "compat_id": a.context.compat_id}
+        generate = {"tokens": prompt, "max_new_tokens": NEW}
+        async with FrontEnd(pc.url, timeout_s=60) as fe:
+            started = await fe.start(route, generate)
+            assert started.prefill is not None and started.prefill != started.instance
+            assert set(agents) == {started.instance, started.prefill}
+            assert started.decision["prefill"]["instance"] == started.prefill
+            got = [t.token async for t in fe.stream(started.session, instance=started.instance,
+                                                    max_tokens=NEW, restart=Restart(route, generate))]
+        assert got == a.context.adapter.generate_greedy(prompt, NEW)
+        decode = agents[started.instance].engine.sessions[started.session]
+        assert decode.sources["moqt"] == len(prompt_keys(a, prompt))
+        assert decode.sources.get("recompute", 0) == 0
+        await asyncio.sleep(0)
