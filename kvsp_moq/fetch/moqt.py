@@ -6,7 +6,12 @@ yielded, in ascending order. It FETCHes the range; when the block is still being
 (the FETCH is refused with INVALID_RANGE or ends early) it SUBSCRIBEs for the rest, and a gap
 between the layers it has and the first one the subscription delivers (a subscription
 joined mid-way at a relay) is FETCHed. A digest mismatch raises `DigestMismatch`; the bad
-layer is never yielded. The track naming and the layer objects' payload and properties are
+layer is never yielded.
+
+A block still in production (an in-production record, `live`, DESIGN §9) is SUBSCRIBEd at once,
+with a rendezvous timeout; its record lists no digests, so each layer is checked against the
+digest it carries. A subscriber its relay drops as too far behind catches up by FETCH and
+subscribes again; a producer that stops sending for `live_layer_timeout` is a missed source. The track naming and the layer objects' payload and properties are
 `kvsp_moq.naming`'s, shared with the holder's publisher.
 """
 
@@ -20,7 +25,16 @@ from typing import AsyncGenerator, AsyncIterator, Sequence
 from kvsp_moq.errors import BadRecord, KvspError, LayersUnavailable, reason_of
 from kvsp_moq.fetch.stream import FailureKind, FetchedBlock, SourceFailed, VerifiedLayerStream, record_layer_digests
 from kvsp_moq.moqt.certs import CertificateRejected, ClientTls, check_trusted
-from kvsp_moq.moqt.errors import DoesNotExist, InvalidRange, MoqtError, RequestError, RequestErrorCode
+from kvsp_moq.moqt.errors import (
+    DataStreamReset,
+    DoesNotExist,
+    InvalidRange,
+    MoqtError,
+    PublishDoneCode,
+    PublishDoneError,
+    RequestError,
+    RequestErrorCode,
+)
 from kvsp_moq.moqt.quic import MoqtConnection, MoqtObject, QuicSettings, connect
 from kvsp_moq.moqt.wire import SubscriptionFilter
 from kvsp_moq.naming import GROUP, BlockTrack, carried_digest, split_layer
@@ -28,6 +42,9 @@ from kvsp_moq.protocol.container import Container, Layer, encode, layer_digest, 
 from kvsp_moq.protocol.records import ReplicaRecord
 
 __all__ = ["MoqtBlockFetcher", "MoqtLayerStream"]
+
+#: how many times a subscriber dropped by its relay as too far behind catches up and subscribes again
+CATCH_UPS = 3
 
 
 def _failure_of(error: BaseException) -> SourceFailed:
@@ -176,8 +193,29 @@ class MoqtLayerStream(VerifiedLayerStream):
             if next_layer > last:
                 return
             self._note(f"{source}: layers from {next_layer} were not there yet; subscribed for them")
-        async for layer in self._subscribe_range(connection, next_layer, last, digests):
-            yield layer
+        for attempt in range(CATCH_UPS + 1):
+            try:
+                async for layer in self._subscribe_range(connection, next_layer, last, digests):
+                    next_layer = layer.index + 1
+                    yield layer
+                return
+            except (PublishDoneError, DataStreamReset) as e:
+                # A relay drops a subscriber too far behind: its streams are reset, then the
+                # subscription ends with TOO_FAR_BEHIND (whichever the subscriber sees first).
+                behind = isinstance(e, DataStreamReset) or e.error_code == PublishDoneCode.TOO_FAR_BEHIND
+                if not behind or attempt == CATCH_UPS:
+                    raise
+            # Too slow for the relay's queue (it never slows the producer for us): what exists
+            # by FETCH, then a new subscription for the rest.
+            self._note(f"{source}: dropped as too far behind at layer {next_layer}; catching up by FETCH")
+            try:
+                async for layer in self._fetch_range(connection, next_layer, last, digests):
+                    next_layer = layer.index + 1
+                    yield layer
+            except InvalidRange:
+                pass
+            if next_layer > last:
+                return
 
     async def _subscribe_range(self, connection: MoqtConnection, first: int, last: int,
                                digests: list[bytes] | None) -> AsyncIterator[Layer]:
