@@ -11,8 +11,10 @@ layer is never yielded.
 A block still in production (an in-production record, `live`, DESIGN §9) is SUBSCRIBEd at once,
 with a rendezvous timeout; its record lists no digests, so each layer is checked against the
 digest it carries. A subscriber its relay drops as too far behind catches up by FETCH and
-subscribes again; a producer that stops sending for `live_layer_timeout` is a missed source. The track naming and the layer objects' payload and properties are
-`kvsp_moq.naming`'s, shared with the holder's publisher.
+subscribes again; a producer that stops sending for `live_layer_timeout` is a missed source.
+
+The track naming and the layer objects' payload and properties are `kvsp_moq.naming`'s, shared
+with the holder's publisher.
 """
 
 from __future__ import annotations
