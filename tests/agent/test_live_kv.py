@@ -46,8 +46,9 @@ def relay() -> Iterator[BackgroundRelay]:
 
 
 def settings(model_dir: Path, index_url: str, relay: str, **kw: Any) -> AgentSettings:
+    kw.setdefault("choose_by_cost", False)
     return AgentSettings(listen="127.0.0.1:0", model=str(model_dir), index_url=index_url, relay=relay,
-                         relay_timeout_s=5.0, block_tokens=B, warmup_tokens=0, choose_by_cost=False, **kw)
+                         relay_timeout_s=5.0, block_tokens=B, warmup_tokens=0, **kw)
 
 
 def lookup(index_url: str, compat: str, keys: list[str]) -> list[list[ReplicaRecord]]:
@@ -308,3 +309,39 @@ async def test_the_pc_places_prefill_and_decode_apart(model_dir: Path, index_url
         assert decode.sources["moqt"] == len(prompt_keys(a, prompt))
         assert decode.sources.get("recompute", 0) == 0
         await asyncio.sleep(0)
+
+
+def test_one_prefill_for_a_herd(model_dir: Path, index_url: str, relay: BackgroundRelay) -> None:
+    """Three instances get requests sharing a new prefix while a fourth computes it: each finds
+    the in-production records, subscribes through the relay instead of computing the prefix,
+    computes only its own suffix, and answers as one instance alone; the relay sends the
+    producer's layers on to all three from one subscription per block."""
+    shared = tokens(6 * B, 97)
+    prompts = [shared + tokens(2 * B + 3, 200 + i) for i in range(4)]
+    with Agent(settings(model_dir, index_url, relay.url)) as a, \
+            Agent(settings(model_dir, index_url, relay.url, choose_by_cost=True)) as b, \
+            Agent(settings(model_dir, index_url, relay.url, choose_by_cost=True)) as c, \
+            Agent(settings(model_dir, index_url, relay.url, choose_by_cost=True)) as d:
+        compat = a.context.compat_id
+        keys = prompt_keys(a, shared)
+        pace = Paced(a, per_layer_s=0.1)
+        ta, ra = post_async(a.url + "generate", {"tokens": prompts[0], "max_new_tokens": NEW})
+        wait_until(lambda: (lambda rs: rs if len(rs) == len(keys) and all(
+            any(r.live for r in rep) for rep in rs) else None)(lookup(index_url, compat, keys)),
+            timeout=20, what="in-production records of the shared prefix")
+        herd = [post_async(x.url + "generate", {"tokens": p, "max_new_tokens": NEW})
+                for x, p in zip((b, c, d), prompts[1:])]
+        wait_until(lambda: relay.snapshot()["subscribes"] >= 3 * len(keys),
+                   timeout=20, what="the herd subscribing to the shared blocks")
+        pace.release.set()
+        for t, _ in [(ta, ra), *herd]:
+            t.join(60)
+        adapter = a.context.adapter
+        assert ra["status"] == 200 and ra["body"]["tokens"] == adapter.generate_greedy(prompts[0], NEW)
+        for (_, r), p in zip(herd, prompts[1:]):
+            assert r["status"] == 200, r
+            assert r["body"]["sources"]["moqt"] == len(keys), r["body"]
+            assert r["body"]["sources"]["recompute"] == len(prompt_keys(a, p)) - len(keys)
+            assert r["body"]["tokens"] == adapter.generate_greedy(p, NEW)
+        moqt = a.context.moqt_publisher
+        assert moqt is not None and moqt.stats.subscribes == len(keys)  # one per block, fanned out
