@@ -44,21 +44,27 @@ class LivePass:
     loop: asyncio.AbstractEventLoop
 
     def on_layer(self, index: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """On the model thread, right after decoder layer ``index`` ran."""
-        b = self.block_tokens
+        """On the model thread, right after decoder layer ``index`` ran: each block's payload
+        (its K section, then its V section) is made by one copy out of the cache for all the
+        blocks of the pass, then hashed."""
+        b, n = self.block_tokens, len(self.blocks)
+        a = self.first * b - self.start
+        rows = k[a:a + n * b]
+        payloads = torch.empty((n, 2, b, *rows.shape[1:]), dtype=rows.dtype, device="cpu")
+        payloads[:, 0].copy_(rows.reshape(n, b, *rows.shape[1:]))
+        payloads[:, 1].copy_(v[a:a + n * b].reshape(n, b, *rows.shape[1:]))
+        flat = tensor_octets(payloads).cast("B").toreadonly()
+        size = len(flat) // n
         for j, live in enumerate(self.blocks):
-            a = (self.first + j) * b - self.start
-            k_octets = bytes(tensor_octets(k[a:a + b]))
-            v_octets = bytes(tensor_octets(v[a:a + b]))
-            payload = k_octets + v_octets
+            payload = flat[j * size:(j + 1) * size]
             digest = hashlib.sha256(payload).digest()
-            self.loop.call_soon_threadsafe(self._add, live, index, k_octets, v_octets, payload, digest)
+            self.loop.call_soon_threadsafe(self._add, live, index, payload, size // 2, digest)
 
     @staticmethod
-    def _add(live: LiveBlock, index: int, k: bytes, v: bytes, payload: bytes, digest: bytes) -> None:
+    def _add(live: LiveBlock, index: int, payload: memoryview, k_length: int, digest: bytes) -> None:
         if live.error is not None or live.available != index:
             return  # abandoned meanwhile
-        live.add_layer(k, v, payload=payload, digest=digest)
+        live.add_layer(payload[:k_length], payload[k_length:], payload=payload, digest=digest)
 
     def abort(self, reason: str) -> None:
         for live in self.blocks:

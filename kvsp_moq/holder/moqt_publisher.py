@@ -76,7 +76,7 @@ class LiveBlock:
         self.layer_count = layer_count
         self.token_count = token_count
         self.codec = codec
-        self.payloads: list[bytes] = []
+        self.payloads: list[bytes | memoryview] = []
         self.k_lengths: list[int] = []
         self.digests: list[bytes] = []
         self.error: str | None = None
@@ -91,8 +91,8 @@ class LiveBlock:
     def complete(self) -> bool:
         return len(self.payloads) == self.layer_count
 
-    def add_layer(self, k: bytes | memoryview, v: bytes | memoryview, *, payload: bytes | None = None,
-                  digest: bytes | None = None) -> int:
+    def add_layer(self, k: bytes | memoryview, v: bytes | memoryview, *,
+                  payload: bytes | memoryview | None = None, digest: bytes | None = None) -> int:
         """Append the next layer (K and V sections); returns its number.
 
         A producer on another thread may hand the joined `payload` (K then V) and its SHA-256
@@ -113,7 +113,7 @@ class LiveBlock:
         digests yet, so each layer carries its own."""
         return layer_properties(self.token_count, self.k_lengths[index], self.digests[index])
 
-    async def wait_for(self, index: int, timeout: float) -> bytes:
+    async def wait_for(self, index: int, timeout: float) -> bytes | memoryview:
         """Layer `index` once it exists."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
