@@ -33,7 +33,7 @@ import torch
 from agent.checkpoints import Checkpointer, read_resume, resume_point
 from agent.choice import choose
 from agent.export import BlockExporter
-from agent.live import LivePass, LiveProducer, Produce
+from agent.live import LivePass, LiveProducer, Produce, audit_live_loads
 from agent.model import DecodeState, KVPrefix, ModelAdapter, OnLayer, TokenSampler
 from agent.options import EngineOptions
 from agent.pool import KVPool
@@ -121,6 +121,10 @@ class Engine:
         self.admitted = 0
         #: prefills computed for other instances, running now (`prefill_for_other`)
         self.prefilling = 0
+        #: blocks loaded live and compared with their producer's complete record, and those
+        #: whose record listed other digests (`agent.live.audit_live_loads`)
+        self.live_audited = 0
+        self.live_mismatches = 0
         self.state = "active"
         self._tasks = TaskSet()
         self._finished: deque[tuple[float, Session]] = deque()  # (forget at, session), in order
@@ -489,6 +493,8 @@ class Engine:
         session.loaded = report.loaded if report else 0
         self._produced(session, token)
         await self.exporter.export(session, state)
+        if session.live_loaded and self.index is not None:
+            self._spawn(self._audit_live(session.scope_id, dict(session.live_loaded)), name="audit-live")
         while len(session.generated) < session.max_new_tokens:
             if session.finished:
                 return
@@ -580,6 +586,9 @@ class Engine:
                 live = self._open_live(session, loaded)
                 state, token = await self._run_prefill(live, session.id, rest, past, sampler, step)
                 self._note_prefill(session, len(rest), time.perf_counter() - started)
+            # Blocks loaded from a producer's live track: held to its complete record later.
+            session.live_loaded = {keys[i]: base_url(c[0].record.http_holder or c[0].record.holder)
+                                   for i, c in enumerate(plan[:report.loaded]) if c and c[0].record.live}
             by_kind = report.by_kind
             session.sources["moqt"] = by_kind.get("moqt", 0)
             session.sources["http"] = by_kind.get("http", 0)
@@ -625,6 +634,13 @@ class Engine:
             if live is not None:
                 live.abort("the prefill failed")
             raise
+
+    async def _audit_live(self, scope_id: str, producers: dict[str, str]) -> None:
+        assert self.index is not None
+        compared, bad = await audit_live_loads(self.index, self.store, compat_id=self.compat_id,
+                                               scope_id=scope_id, producers=producers)
+        self.live_audited += len(compared)
+        self.live_mismatches += len(bad)
 
     def _note_prefill(self, session: Session, tokens: int, seconds: float) -> None:
         if self.meters is not None and tokens > 0:

@@ -9,6 +9,12 @@ tokens over on the model thread; each block's slice is copied to octets and hash
 added to its live block on the event loop, so subscribers receive layer l while layer l+1
 computes. After the pass the exporter stores the blocks from their live layers (`finish`);
 a pass that fails abandons them, which withdraws their records.
+
+A consumer holds the producer to what it sent (`audit_live_loads`): the layers of a live block
+were checked against the digests they carried, and the copy stored from them lists those
+digests; once the producer's complete record is in the index it must list the same ones. A
+block whose record differs is discarded here and counted: the producer published one thing and
+stored another.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +30,9 @@ import torch
 from agent.pool import tensor_octets
 from kvsp_moq.errors import KvspError
 from kvsp_moq.holder.moqt_publisher import LiveBlock
-from kvsp_moq.holder.store import BlockId
+from kvsp_moq.holder.store import BlockId, BlockStore
+from kvsp_moq.index_client import IndexClient
+from kvsp_moq.protocol.urls import base_url
 
 log = logging.getLogger("kvsp.agent.live")
 
@@ -101,4 +109,47 @@ class LiveProducer:
         return LivePass(blocks, first, start, self.block_tokens, asyncio.get_running_loop())
 
 
-__all__ = ["LivePass", "LiveProducer", "Produce"]
+async def audit_live_loads(index: IndexClient, store: BlockStore, *, compat_id: str, scope_id: str,
+                           producers: Mapping[str, str], wait_s: float = 10.0,
+                           step_s: float = 0.1) -> tuple[list[str], list[str]]:
+    """Compare the copies stored from live layers with their producers' complete records.
+
+    `producers` maps each block key (leading blocks of one prompt, in order) to the HTTP base of
+    the holder that produced it live. Waits (bounded) for the complete records; returns the keys
+    compared, and those whose record lists other layer digests than the stored copy (discarded)."""
+    pending = dict(producers)
+    compared: list[str] = []
+    mismatched: list[str] = []
+    for _ in range(max(1, int(wait_s / step_s))):
+        keys = [k for k in producers if k in pending]
+        if not keys:
+            break
+        try:
+            result = await index.lookup(scope_id, compat_id, keys)
+        except KvspError as e:
+            log.info("auditing live loads: lookup failed (%s)", e.detail)
+            result = None
+        for block in result.blocks[:result.matched] if result is not None else ():
+            producer = pending.get(block.block_key)
+            entry = store.get(BlockId(compat_id, scope_id, block.block_key))
+            if producer is None or entry is None:
+                pending.pop(block.block_key, None)
+                continue
+            record = next((r for r in block.replicas if not r.live and r.layer_digests
+                           and base_url(r.http_holder or r.holder) == producer), None)
+            if record is None:
+                continue  # not complete yet
+            del pending[block.block_key]
+            compared.append(block.block_key)
+            if tuple(record.layer_digest_bytes()) != tuple(entry.meta.layer_digests):
+                log.error("block %s: %s published layers live whose digests its complete record "
+                          "does not list; the copy made from them is discarded", block.block_key[:12],
+                          producer)
+                mismatched.append(block.block_key)
+                await store.discard(entry.id)
+        if pending:
+            await asyncio.sleep(step_s)
+    return compared, mismatched
+
+
+__all__ = ["LivePass", "LiveProducer", "Produce", "audit_live_loads"]

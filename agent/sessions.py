@@ -108,6 +108,8 @@ class Session:
         #: the instance computing this session's prompt blocks live for it (prefill and decode
         #: apart), None when this instance loads or computes them itself
         self.prefill_at: str | None = None
+        #: prompt blocks loaded from live tracks: key -> their producer's HTTP base
+        self.live_loaded: dict[str, str] = {}
         self.started = time.perf_counter()
         self.task: asyncio.Task | None = None
         self.done = asyncio.Event()

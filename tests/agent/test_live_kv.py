@@ -260,6 +260,10 @@ def test_prefill_and_decode_on_two_instances(model_dir: Path, index_url: str,
             mine = a.context.store.get(BlockId(compat, SCOPE, k))
             theirs = b.context.store.get(BlockId(compat, SCOPE, k))
             assert theirs is not None and bytes(theirs.host.buffer) == bytes(mine.host.buffer)
+        # B held A to what it sent: A's complete records list the digests the layers carried.
+        wait_until(lambda: b.engine.live_audited == len(keys), timeout=20,
+                   what="B comparing A's complete records with what it received")
+        assert b.engine.live_mismatches == 0
 
 
 def test_prefill_at_an_instance_without_relay_is_refused(model_dir: Path, index_url: str) -> None:
@@ -345,3 +349,43 @@ def test_one_prefill_for_a_herd(model_dir: Path, index_url: str, relay: Backgrou
             assert r["body"]["tokens"] == adapter.generate_greedy(p, NEW)
         moqt = a.context.moqt_publisher
         assert moqt is not None and moqt.stats.subscribes == len(keys)  # one per block, fanned out
+
+
+def test_a_producer_whose_complete_record_differs_from_what_it_sent_is_caught(
+        model_dir: Path, index_url: str, relay: BackgroundRelay) -> None:
+    """The layers a decode instance received live matched the digests they carried, but the
+    producer's complete record lists others: the decode instance discards the copy it stored
+    from those layers (and counts it), so it is not handed on as the producer's block."""
+    import dataclasses
+    import hashlib
+
+    prompt = tokens(PROMPT, 98)
+    with Agent(settings(model_dir, index_url, relay.url)) as a, \
+            Agent(settings(model_dir, index_url, relay.url)) as b:
+        compat = a.context.compat_id
+        keys = prompt_keys(a, prompt)
+        publisher = a.context.publisher
+        honest = publisher.records_for
+
+        def lying(entry: Any) -> list[ReplicaRecord]:
+            out = []
+            for r in honest(entry):
+                digests = tuple(hashlib.sha256(b"other" + bytes.fromhex(d)).hexdigest()
+                                for d in r.layer_digests or ())
+                whole = hashlib.sha256(b"".join(bytes.fromhex(d) for d in digests)).hexdigest()
+                out.append(dataclasses.replace(r, layer_digests=digests, digest="sha-256:" + whole))
+            return out
+
+        publisher.records_for = lying  # type: ignore[method-assign]
+        r = httpx.post(a.url + "prefill", json={"tokens": prompt}, timeout=30)
+        assert r.status_code == 202, r.text
+        rb = httpx.post(b.url + "generate", json={"tokens": prompt, "max_new_tokens": NEW,
+                                                  "prefill_at": a.url}, timeout=60)
+        assert rb.status_code == 200, rb.text
+        assert rb.json()["sources"]["moqt"] == len(keys)
+        # The answer itself was right: every layer matched the digest it carried.
+        assert rb.json()["tokens"] == a.context.adapter.generate_greedy(prompt, NEW)
+        wait_until(lambda: b.engine.live_audited == len(keys), timeout=20,
+                   what="B finding the producer's records at odds with what it sent")
+        assert b.engine.live_mismatches == len(keys)
+        assert all(b.context.store.get(BlockId(compat, SCOPE, k)) is None for k in keys)

@@ -22,7 +22,8 @@ from relay.relay import RelaySettings
 from relay.service import BackgroundRelay
 from tests.agent.conftest import model_dir as model_dir  # a fixture, re-exported for pytest
 from tests.agent.conftest import tokens
-from tests.pc.test_failover_sigkill import AgentProcess, agent_processes  # noqa: F401  (fixture)
+from tests.pc.test_failover_sigkill import AgentProcess
+from tests.pc.test_failover_sigkill import agent_processes as agent_processes  # a fixture, re-exported
 from tests.polling import wait_until
 
 B = 16
