@@ -52,7 +52,7 @@ test-unit: $(BIN)/.installed
 # the default engine, qh3); the interop suite runs on both engines below.
 test-aioquic: $(BIN)/.installed
 	KVSP_QUIC_ENGINE=aioquic $(BIN)/python -m pytest -q tests/moqt tests/relay tests/holder/test_moqt_publisher.py \
-		tests/holder/test_moqt_publisher_fuzz.py tests/fetch/test_moqt.py
+		tests/holder/test_moqt_publisher_fuzz.py tests/fetch/test_moqt.py tests/fetch/test_moqt_live.py
 
 # The independent peers (aiomoqt, moq-rs) live in venvs of their own. aiomoqt binds wildcard
 # addresses, so the interop suite runs in a private network namespace with only loopback up.

@@ -1,7 +1,9 @@
 """The inference instance's HTTP resources (DESIGN §3, §6; KVSP §6.3, §6.5, §6.8, §6.9).
 
     POST  generate                      {"tokens", "max_new_tokens", "sampler", "session"?,
-                                         "stream"?, "scope"?, "timeline"?}
+                                         "stream"?, "scope"?, "timeline"?, "prefill_at"?}
+    POST  prefill                       {"tokens", "scope"?} -> 202 {"prompt_blocks", "stored",
+                                         "live": [keys]}: computed here, published live
     GET   sessions/{id}                 the session's state and tokens so far
     GET   sessions/{id}/stream?from=k   NDJSON {"index", "epoch", "token"}, then {"done": true}
     POST  sessions/{id}/resume          {"checkpoint", "epoch"} -> 202
@@ -32,6 +34,13 @@ With a relay (`AgentSettings.relay`) the agent is a MOQT publisher too, as a hol
 is (`kvsp_moq.holder`): its store is served through the relay by a `BlockPublisher`, and each of
 its replicas gets a MOQT record in the index beside the HTTP one. The status of a prefetch
 directive counts the blocks loaded per transport under "sources" ({"moqt", "http"}).
+
+Prefill and decode apart (DESIGN §9): `POST prefill` computes a prompt's complete blocks for
+another instance and publishes each layer as it is computed (`agent.live`); it answers as soon
+as the blocks' tracks exist, before the pass. A generate with "prefill_at" (that instance's
+base URL) subscribes to those tracks through this instance's relay at once, loads each layer
+as it lands (verified against the digest it carries) while computing the rest of the prompt
+behind it, and decodes. A producer that fails is a failed source: the prompt is computed here.
 """
 
 from __future__ import annotations
@@ -54,7 +63,7 @@ from agent.cores import CoreSplit
 from agent.engine import Engine
 from agent.model import ModelAdapter, load_model
 from agent.prefetch import Prefetcher
-from agent.requests import GenerateRequest
+from agent.requests import GenerateRequest, PrefillRequest
 from agent.settings import AgentSettings
 from agent.shards import ShardKeeper
 from agent.status import Meters, StatusReporter
@@ -66,7 +75,7 @@ from kvsp_moq.fetch.moqt import MoqtBlockFetcher
 from kvsp_moq.fetch.sources import HttpLayerSource, LocalLayerSource, MoqtLayerSource
 from kvsp_moq.holder.api import repr_digest
 from kvsp_moq.holder.assembly import HolderAssembly
-from kvsp_moq.holder.moqt_publisher import BlockPublisher
+from kvsp_moq.holder.moqt_publisher import BlockPublisher, LiveBlock
 from kvsp_moq.holder.store import BlockId
 from kvsp_moq.protocol import validate as v
 from kvsp_moq.protocol.compat import CompatDescriptor
@@ -136,7 +145,7 @@ class AgentContext:
             local=self.local, scope_keys=settings.scope_keys, default_scope=settings.scope,
             self_url=lambda: self.url, pc_url=settings.pc_url, token=settings.token,
             options=options, meters=self.meters, prefetching=self.prefetcher.adopt,
-            measure_link=self.prefetcher.measure)
+            measure_link=self.prefetcher.measure, produce=self._produce if settings.relay else None)
         default_scope = self.engine.scope_keys.get(settings.scope or "") if settings.scope else None
         self.shards = ShardKeeper(adapter, self.engine.run_model, self.client, token=settings.token,
                                   default_scope_id=(scope_id_of(default_scope).hex()
@@ -175,6 +184,13 @@ class AgentContext:
     @property
     def compat_id(self) -> str:
         return self.engine.compat_id
+
+    def _produce(self, bid: BlockId, layer_count: int, token_count: int) -> LiveBlock:
+        """A block published live through the pool's MOQT publisher (`agent.live`)."""
+        moqt = self.moqt_publisher
+        if moqt is None:
+            raise NotActive("the MOQT publisher is not running")
+        return moqt.produce(bid, layer_count=layer_count, token_count=token_count)
 
     def _set_state(self, state: str) -> None:
         self.engine.state = state
@@ -267,6 +283,12 @@ def _routes(ctx: AgentContext) -> list[Route]:
         if req.timeline and session.timeline is not None:
             out["timeline"] = session.timeline.to_json()
         return json_response(out)
+
+    async def prefill(request: Request) -> Response:
+        who = principal(request, Action.GENERATE)
+        req = PrefillRequest.from_json(await read_json(request))
+        who.require_scope(scope_id_of(engine.scope_key(req.scope)).hex())
+        return json_response(await engine.prefill_for_other(req), status=202)
 
     def session_of(request: Request) -> Any:
         who = principal(request, Action.READ_SESSIONS)
@@ -367,6 +389,7 @@ def _routes(ctx: AgentContext) -> list[Route]:
 
     return [
         Route("/generate", generate, methods=["POST"]),
+        Route("/prefill", prefill, methods=["POST"]),
         Route("/sessions/{session}", get_session, methods=["GET"]),
         Route("/sessions/{session}/stream", stream, methods=["GET"]),
         Route("/sessions/{session}/resume", resume, methods=["POST"]),

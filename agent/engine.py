@@ -33,30 +33,33 @@ import torch
 from agent.checkpoints import Checkpointer, read_resume, resume_point
 from agent.choice import choose
 from agent.export import BlockExporter
-from agent.model import DecodeState, KVPrefix, ModelAdapter, TokenSampler
+from agent.live import LivePass, LiveProducer, Produce, audit_live_loads
+from agent.model import DecodeState, KVPrefix, ModelAdapter, OnLayer, TokenSampler
 from agent.options import EngineOptions
 from agent.pool import KVPool
-from agent.requests import GenerateRequest
+from agent.requests import GenerateRequest, PrefillRequest
 from agent.sessions import Session, TokenSequence
 from kvsp_moq.auth import OPEN, Principal
 from kvsp_moq.errors import (
     BadRecord,
     ForbiddenScope,
     KvspError,
+    NoLiveKV,
     NotActive,
     PrefixUnavailable,
     SessionConflict,
 )
 from kvsp_moq.fetch.leases import LeaseClient
 from kvsp_moq.fetch.prefix import LoadReport, PrefixLoader, Timeline
-from kvsp_moq.fetch.sources import LayerSource, LocalLayerSource, order_candidates
+from kvsp_moq.fetch.sources import LayerSource, LocalLayerSource, MoqtLayerSource, order_candidates
 from kvsp_moq.fetch.sources import SourceCandidate as Candidate
 from kvsp_moq.holder.store import BlockId, BlockStore
 from kvsp_moq.index_client import IndexClient
+from kvsp_moq.naming import BlockTrack
 from kvsp_moq.protocol.compat import CompatDescriptor
 from kvsp_moq.protocol.keys import BlockKeyChain
 from kvsp_moq.protocol.keys import scope_id as scope_id_of
-from kvsp_moq.protocol.records import ReplicaRecord
+from kvsp_moq.protocol.records import LIVE_DIGEST, ReplicaRecord
 from kvsp_moq.protocol.urls import base_url
 from kvsp_moq.tasks import TaskSet
 
@@ -77,7 +80,8 @@ class Engine:
                  self_url: Callable[[], str], pc_url: str | None = None, token: str | None = None,
                  options: EngineOptions | None = None, meters: "Meters | None" = None,
                  prefetching: Callable[[BlockId], "asyncio.Future[Any] | None"] | None = None,
-                 measure_link: Callable[[str, Sequence[ReplicaRecord]], object] | None = None) -> None:
+                 measure_link: Callable[[str, Sequence[ReplicaRecord]], object] | None = None,
+                 produce: Produce | None = None) -> None:
         self.adapter = adapter
         #: a prefetch's load of a block in flight (`Prefetcher.adopt`): a request waits for it
         #: rather than loading the same block a second time beside it
@@ -109,8 +113,18 @@ class Engine:
         self.meters = meters
         self.model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvsp-model")
         self.sessions: dict[str, Session] = {}
+        #: live KV (DESIGN §9): prompt blocks published layer by layer while they are computed
+        self.live = (LiveProducer(produce, num_layers=adapter.num_layers, block_tokens=self.block_tokens,
+                                  compat_id=self.compat_id)
+                     if produce is not None and self.options.live_kv else None)
         #: requests (generate and resume) admitted since start: the status record's "admitted"
         self.admitted = 0
+        #: prefills computed for other instances, running now (`prefill_for_other`)
+        self.prefilling = 0
+        #: blocks loaded live and compared with their producer's complete record, and those
+        #: whose record listed other digests (`agent.live.audit_live_loads`)
+        self.live_audited = 0
+        self.live_mismatches = 0
         self.state = "active"
         self._tasks = TaskSet()
         self._finished: deque[tuple[float, Session]] = deque()  # (forget at, session), in order
@@ -132,7 +146,8 @@ class Engine:
 
     @property
     def running(self) -> int:
-        return sum(1 for s in self.sessions.values() if s.state == "running")
+        """Sessions decoding, and prefills computed for other instances."""
+        return sum(1 for s in self.sessions.values() if s.state == "running") + self.prefilling
 
     @property
     def queued(self) -> int:
@@ -222,6 +237,8 @@ class Engine:
         if max(req.tokens) >= self.adapter.vocab_size:
             raise BadRecord(f"token ids must be below {self.adapter.vocab_size}", member="tokens")
         key = self.scope_key(req.scope)
+        if req.prefill_at is not None and self._moqt_source() is None:
+            raise BadRecord("this instance has no relay to receive a prefill through", member="prefill_at")
         sid = req.session or str(uuid.uuid4())
         existing = self.sessions.get(sid)
         if existing is not None and (req.session is not None or not existing.finished):
@@ -236,11 +253,59 @@ class Engine:
                           prompt_blocks=[k.hex() for k in chain.keys[:full]],
                           prompt_tail=list(req.tokens[full * b:]), sampler=req.sampler,
                           max_new_tokens=req.max_new_tokens)
+        if req.prefill_at is not None and base_url(req.prefill_at) != base_url(self.self_url()):
+            session.prefill_at = base_url(req.prefill_at)
         self.sessions[sid] = session
         self.admitted += 1
         session.task = self._spawn(self._run(session, None, want_timeline=req.timeline),
                                    name=f"session-{sid}")
         return session
+
+    async def prefill_for_other(self, req: PrefillRequest) -> dict[str, Any]:
+        """POST {ii}prefill: compute the prompt's complete blocks for another instance, which
+        subscribes to them (DESIGN §9); answered once their live blocks exist, before the pass."""
+        if self.state != "active":
+            raise NotActive(f"this instance is {self.state}")
+        if self.live is None:
+            raise NoLiveKV("this instance publishes no live KV (it has no relay, or --no-live-kv)")
+        if max(req.tokens) >= self.adapter.vocab_size:
+            raise BadRecord(f"token ids must be below {self.adapter.vocab_size}", member="tokens")
+        if len(req.tokens) > self.adapter.config.max_position_embeddings:
+            raise BadRecord("the prompt exceeds the model's context", member="tokens")
+        key = self.scope_key(req.scope)
+        b = self.block_tokens
+        chain = BlockKeyChain(key, self.descriptor.compat_id, b)
+        full = len(req.tokens) // b
+        chain.extend(list(req.tokens[:full * b]))
+        keys = [k.hex() for k in chain.keys[:full]]
+        sid = scope_id_of(key).hex()
+        stored = next((i for i, k in enumerate(keys) if BlockId(self.compat_id, sid, k) not in self.store),
+                      full)
+        live = self.live.open(sid, keys, stored, 0, skip=lambda bid: bid in self.store) if stored < full else None
+        produced = len(live.blocks) if live is not None else 0
+        if live is not None:
+            self.prefilling += 1
+            self._spawn(self._prefill_only(live, list(req.tokens[:(stored + produced) * b])),
+                        name="prefill-for-other")
+        return {"prompt_blocks": full, "stored": stored, "live": keys[stored:stored + produced]}
+
+    async def _prefill_only(self, live: LivePass, tokens: list[int]) -> None:
+        try:
+            started = time.perf_counter()
+            await self.run_model(self._prefill_pass, tokens, live.on_layer)
+            if self.meters is not None:
+                self.meters.prefilled(len(tokens), time.perf_counter() - started)
+            for block in live.blocks:
+                entry = await block.finish()
+                if entry is not None:
+                    self.announce(entry)
+        except BaseException as e:
+            live.abort(f"the prefill failed: {type(e).__name__}")
+            if not isinstance(e, Exception):
+                raise
+            log.warning("prefill for another instance failed: %s", e)
+        finally:
+            self.prefilling -= 1
 
     async def resume(self, sid: str, body: Any, by: Principal = OPEN) -> Session:
         """POST {ii}sessions/{id}/resume (§6.8): continue a session under a new epoch, for
@@ -326,6 +391,33 @@ class Engine:
             plan.append(candidates)
         return plan
 
+    def _moqt_source(self) -> MoqtLayerSource | None:
+        return next((s for s in self.sources if isinstance(s, MoqtLayerSource)), None)
+
+    def _plan_live(self, session: Session, producer: str) -> list[list[Candidate]]:
+        """Candidates for the prompt blocks another instance computes for this session: its
+        live tracks through this instance's relay (DESIGN §9), after any replica held here.
+        Subscribed at once: no lookup, and the relay holds a SUBSCRIBE for a track whose
+        producer has not announced it yet."""
+        source = self._moqt_source()
+        assert source is not None  # checked when the request came
+        seq = session.sequence
+        b = self.block_tokens
+        limit = min(len(seq.chain.keys), (seq.length - 1) // b)
+        plan: list[list[Candidate]] = []
+        for i in range(limit):
+            key = seq.chain.keys[i].hex()
+            bid = BlockId(self.compat_id, session.scope_id, key)
+            track = BlockTrack.for_holder(self.compat_id, session.scope_id, key, producer)
+            live = ReplicaRecord(block_key=key, compat_id=self.compat_id, scope_id=session.scope_id,
+                                 holder=source.relay, codec=1, size=0, digest=LIVE_DIGEST,
+                                 ttl_ms=self.options.lease_ms, moqt_namespace=track.moqt_namespace,
+                                 http_holder=producer, live=True)
+            entry = self.store.get(bid)
+            records = [self.record_for(entry), live] if entry is not None else [live]
+            plan.append(order_candidates(records, [self.local, *self.sources]))
+        return plan
+
     def _choose(self, session: Session, plan: list[list[Candidate]]) -> list[list[Candidate]]:
         """The plan, or only its leading resident blocks when recomputing the rest is cheaper
         than loading it (`agent.choice`); the choice is kept on the session."""
@@ -371,6 +463,9 @@ class Engine:
             session.end("failed", f"{type(e).__name__}: {e}")
         finally:
             self._last_logits.pop(session.id, None)
+            for live in session.live.values():  # not stored: their records are withdrawn
+                live.abort(f"session {session.state}")
+            session.live.clear()
             self._forget_later(session)
 
     async def _generate(self, session: Session, plan: list[list[Candidate]] | None,
@@ -380,7 +475,9 @@ class Engine:
         if len(session.generated) >= session.max_new_tokens:
             await self._finish(session)
             return
-        if plan is None:
+        if plan is None and session.prefill_at is not None:
+            plan = self._plan_live(session, session.prefill_at)
+        elif plan is None:
             plan = await self._plan(session.scope_id, [k.hex() for k in seq.chain.keys], seq,
                                     session.prefetched)
             if self.options.choose_by_cost and seq.known_blocks == 0:
@@ -396,6 +493,8 @@ class Engine:
         session.loaded = report.loaded if report else 0
         self._produced(session, token)
         await self.exporter.export(session, state)
+        if session.live_loaded and self.index is not None:
+            self._spawn(self._audit_live(session.scope_id, dict(session.live_loaded)), name="audit-live")
         while len(session.generated) < session.max_new_tokens:
             if session.finished:
                 return
@@ -426,8 +525,8 @@ class Engine:
         session.timing["plan_ms"] = round((time.perf_counter() - session.started) * 1000, 3)
         if not plan:
             started = time.perf_counter()
-            state, token = await self.run_model(self._prefill_sample, session.id, seq.tokens_from(0),
-                                             None, sampler, step)
+            live = self._open_live(session, 0)
+            state, token = await self._run_prefill(live, session.id, seq.tokens_from(0), None, sampler, step)
             self._note_prefill(session, seq.length, time.perf_counter() - started)
             session.timing["forward_ms"] = round((time.perf_counter() - started) * 1000, 3)
             loaded = 0
@@ -444,14 +543,17 @@ class Engine:
             self._loaders.add(loader)
             prefix = KVPrefix(length=n * b, layers=pool.prefix(n), wait_for_layer=loader.wait_for_layer)
             suffix = seq.tokens_from(n * b)
-            run_forward = functools.partial(self.run_model, self._prefill_sample, session.id, suffix,
-                                            prefix, sampler, step, timeline)
+            live = self._open_live(session, n)
+            run_forward = functools.partial(self._run_prefill, live, session.id, suffix, prefix, sampler,
+                                            step, timeline)
             forward = asyncio.ensure_future(run_forward()) if self.options.pipelined else None
             try:
                 report = await loader.run()
             except BaseException:
                 if forward is not None:
                     forward.cancel()
+                if live is not None:
+                    live.abort("the prefill failed")
                 raise
             finally:
                 self._loaders.discard(loader)
@@ -479,9 +581,14 @@ class Engine:
                 past = KVPrefix.from_kv(pool.prefix(loaded)) if loaded else None
                 started = time.perf_counter()
                 rest = seq.tokens_from(loaded * b)
-                state, token = await self.run_model(self._prefill_sample, session.id, rest, past,
-                                                 sampler, step)
+                if live is not None:  # computed again from block `loaded`: published anew
+                    live.abort("the prefix could not be loaded; computing it again")
+                live = self._open_live(session, loaded)
+                state, token = await self._run_prefill(live, session.id, rest, past, sampler, step)
                 self._note_prefill(session, len(rest), time.perf_counter() - started)
+            # Blocks loaded from a producer's live track: held to its complete record later.
+            session.live_loaded = {keys[i]: base_url(c[0].record.http_holder or c[0].record.holder)
+                                   for i, c in enumerate(plan[:report.loaded]) if c and c[0].record.live}
             by_kind = report.by_kind
             session.sources["moqt"] = by_kind.get("moqt", 0)
             session.sources["http"] = by_kind.get("http", 0)
@@ -501,6 +608,40 @@ class Engine:
         session.ttft_ms = round((time.perf_counter() - session.started) * 1000, 3)
         return state, token, report, timeline
 
+    def _open_live(self, session: Session, first: int) -> LivePass | None:
+        """The live blocks of a prefill computing the sequence from block `first` on: the
+        complete blocks of the sequence it computes, which the session then stores."""
+        if self.live is None:
+            return None
+        seq = session.sequence
+        keys = [k.hex() for k in seq.chain.keys[:seq.length // self.block_tokens]]
+        live = self.live.open(session.scope_id, keys, first, first * self.block_tokens,
+                              skip=lambda bid: bid in self.store)
+        if live is not None:
+            for j, block in enumerate(live.blocks):
+                session.live[keys[first + j]] = block
+        return live
+
+    async def _run_prefill(self, live: LivePass | None, sid: str, tokens: list[int], past: KVPrefix | None,
+                           sampler: TokenSampler, step: int,
+                           timeline: Timeline | None = None) -> tuple[DecodeState, int]:
+        """The prefill pass on the model thread, publishing its blocks' layers as they are
+        computed when `live`; a failed pass abandons them."""
+        try:
+            return await self.run_model(self._prefill_sample, sid, tokens, past, sampler, step, timeline,
+                                        live.on_layer if live is not None else None)
+        except BaseException:
+            if live is not None:
+                live.abort("the prefill failed")
+            raise
+
+    async def _audit_live(self, scope_id: str, producers: dict[str, str]) -> None:
+        assert self.index is not None
+        compared, bad = await audit_live_loads(self.index, self.store, compat_id=self.compat_id,
+                                               scope_id=scope_id, producers=producers)
+        self.live_audited += len(compared)
+        self.live_mismatches += len(bad)
+
     def _note_prefill(self, session: Session, tokens: int, seconds: float) -> None:
         if self.meters is not None and tokens > 0:
             self.meters.prefilled(tokens, seconds)
@@ -508,15 +649,19 @@ class Engine:
     # model-thread functions ------------------------------------------------
 
     def _prefill_sample(self, sid: str, tokens: list[int], past: KVPrefix | None, sampler: TokenSampler,
-                        step: int, timeline: Timeline | None = None) -> tuple[DecodeState, int]:
+                        step: int, timeline: Timeline | None = None,
+                        on_layer: OnLayer | None = None) -> tuple[DecodeState, int]:
         if timeline is not None:
             timeline.forward_start = time.perf_counter()
-        result = self.adapter.prefill(tokens, past=past, return_kv=False)
+        result = self.adapter.prefill(tokens, past=past, return_kv=False, on_layer=on_layer)
         if timeline is not None:
             timeline.forward_end = time.perf_counter()
         if self.options.keep_first_logits:
             self._last_logits[sid] = result.logits.detach().to("cpu")
         return result.state, sampler.sample(result.logits, step)
+
+    def _prefill_pass(self, tokens: list[int], on_layer: OnLayer) -> None:
+        self.adapter.prefill(tokens, return_kv=False, on_layer=on_layer)
 
     def _decode_sample(self, token: int, state: DecodeState, sampler: TokenSampler, step: int) -> int:
         return sampler.sample(self.adapter.decode(token, state), step)

@@ -55,11 +55,24 @@ class BlockExporter:
         for i in range(session.exported, ready):
             key = session.sequence.chain.keys[i].hex()
             bid = BlockId(self.compat_id, session.scope_id, key)
+            live = session.live.pop(key, None)
             if bid in self.store:
+                if live is not None:
+                    live.abort("stored already")
                 continue
-            octets = await self.run_model(self._block_octets, state, i * b, (i + 1) * b)
             try:
-                entry = await self.store.put(bid, octets)
+                if live is not None and live.complete:
+                    # Produced live: its layers are the block's octets already.
+                    octets = live.container()
+                    stored = await live.finish()
+                    if stored is None:
+                        continue
+                    entry = stored
+                else:
+                    if live is not None:
+                        live.abort("the pass did not produce every layer")
+                    octets = await self.run_model(self._block_octets, state, i * b, (i + 1) * b)
+                    entry = await self.store.put(bid, octets)
             except KvspError as e:  # e.g. 412 from a concurrent put, or a full store
                 log.info("block %s not stored: %s", key[:12], e.detail)
                 continue

@@ -50,6 +50,7 @@ __all__ = [
     "KVPrefix",
     "LayerReadiness",
     "ModelAdapter",
+    "OnLayer",
     "PrefillResult",
     "TokenSampler",
     "positional_descriptor",
@@ -59,6 +60,9 @@ __all__ = [
 
 KV = tuple[torch.Tensor, torch.Tensor]
 WaitForLayer = Callable[[int], None]
+#: called on the model thread right after decoder layer l ran, with layer l's K and V of the
+#: pass's new tokens (``[tokens, kv_heads, head_dim]`` views, valid only during the call)
+OnLayer = Callable[[int, torch.Tensor, torch.Tensor], None]
 LayerSource = Sequence[KV] | Callable[[int], KV]
 
 
@@ -171,6 +175,8 @@ class _KVSPCache(DynamicCache):
         pending = prefix.length if prefix is not None else None
         Cache.__init__(self, layers=[_PrefixCacheLayer(pending) for _ in range(num_layers)])
         self._prefix = prefix
+        #: (first new position, callback) while a pass publishes its layers as they are computed
+        self.produce: tuple[int, OnLayer] | None = None
         self._shape = shape
         self._dtype = dtype
         self._device = device
@@ -193,6 +199,20 @@ class _KVSPCache(DynamicCache):
             values.to(device=self._device, dtype=self._dtype),
         )
 
+    def after_layer(self, index: int) -> None:
+        """Hand layer ``index``'s K/V of this pass's new positions to the producer, if any."""
+        produce = self.produce
+        if produce is None:
+            return
+        start, on_layer = produce
+        layer = self.layers[index]
+        if not isinstance(layer, DynamicLayer):
+            return
+        keys, values = layer.keys, layer.values
+        if keys is None or values is None:
+            return
+        on_layer(index, keys[0, :, start:, :].permute(1, 0, 2), values[0, :, start:, :].permute(1, 0, 2))
+
     def drop_prefix(self) -> None:
         """Release the caller's prefix tensors so its pool can be reused or freed."""
         self._prefix = None
@@ -210,6 +230,16 @@ def _decoder_pre_hook(index: int) -> Callable[..., None]:
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         if isinstance(cache, _KVSPCache):
             cache.before_layer(index)
+        return None
+
+    return hook
+
+
+def _decoder_post_hook(index: int) -> Callable[..., None]:
+    def hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if isinstance(cache, _KVSPCache):
+            cache.after_layer(index)
         return None
 
     return hook
@@ -326,6 +356,7 @@ class ModelAdapter:
             if layer_idx != index:
                 raise ValueError(f"decoder layer {index} caches as layer {layer_idx}")
             self._hooks.append(layer.register_forward_pre_hook(_decoder_pre_hook(index), with_kwargs=True))
+            self._hooks.append(layer.register_forward_hook(_decoder_post_hook(index), with_kwargs=True))
 
     @classmethod
     def load(
@@ -427,11 +458,14 @@ class ModelAdapter:
 
     # ---------------------------------------------------------------- inference
 
-    def prefill(self, tokens: Sequence[int], *, past: KVPrefix | None = None, return_kv: bool = True) -> PrefillResult:
+    def prefill(self, tokens: Sequence[int], *, past: KVPrefix | None = None, return_kv: bool = True,
+                on_layer: OnLayer | None = None) -> PrefillResult:
         """Run ``tokens`` (which follow ``past``, if given) and start a decode state.
 
         With ``past``, layer ``l``'s prefix is read right after
-        ``past.wait_for_layer(l)`` returns, immediately before layer ``l`` runs.
+        ``past.wait_for_layer(l)`` returns, immediately before layer ``l`` runs. With
+        ``on_layer``, layer ``l``'s K/V of ``tokens`` is handed over as soon as layer ``l`` ran,
+        while the later layers still compute (live KV).
         """
         if len(tokens) == 0:
             raise ValueError("prefill needs at least one token")
@@ -442,11 +476,14 @@ class ModelAdapter:
             start = past.length
         cache = _KVSPCache(self.num_layers, past, (self.num_kv_heads, self.head_dim), self.dtype, self.device)
         state = DecodeState(cache=cache, length=start)
+        cache.produce = (start, on_layer) if on_layer is not None else None
         try:
             logits = self._forward(state, tokens)
         except BaseException:
             cache.drop_prefix()
             raise
+        finally:
+            cache.produce = None
         cache.finish_prefix()
         kv = self.kv_for_range(state, start, state.length) if return_kv else []
         return PrefillResult(logits=logits, kv=kv, state=state)

@@ -38,6 +38,9 @@ class EngineOptions:
     choose_by_cost: bool = True
     #: after this many recomputes in a row the link is measured again (in the background)
     probe_every: int = 8
+    #: with a relay, publish the prompt blocks a prefill computes layer by layer while they are
+    #: computed (DESIGN §9), with in-production records in the index
+    live_kv: bool = True
 
 
 __all__ = ["EngineOptions"]

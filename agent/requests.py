@@ -65,6 +65,9 @@ class GenerateRequest:
     #: because its instance was lost before the PC acknowledged a checkpoint, starts it above
     #: the epoch it has seen, so that the lost instance's tokens and checkpoints are stale
     epoch: int = 1
+    #: prefill and decode apart (DESIGN §9): the instance (its base URL) that computes the
+    #: prompt's blocks and publishes them live; this one subscribes to them and decodes
+    prefill_at: str | None = None
 
     @classmethod
     def from_json(cls, data: Any, *, max_tokens: int) -> "GenerateRequest":
@@ -80,9 +83,32 @@ class GenerateRequest:
         if scope is not None:
             scope = v.string(scope, "scope", max_len=256)
         epoch = v.integer(data.get("epoch", 1), "epoch", low=1, high=(1 << 53) - 1)
+        prefill_at = data.get("prefill_at")
+        if prefill_at is not None:
+            prefill_at = v.url(prefill_at, "prefill_at", schemes=("http", "https"))
         return cls(tuple(tokens), n, SamplerSpec.from_json(data.get("sampler", {})), session,
                    v.boolean(data.get("stream", False), "stream"), scope,
-                   v.boolean(data.get("timeline", False), "timeline"), epoch)
+                   v.boolean(data.get("timeline", False), "timeline"), epoch, prefill_at)
 
 
-__all__ = ["METHODS", "GenerateRequest", "SamplerSpec"]
+@dataclass(frozen=True)
+class PrefillRequest:
+    """POST {ii}prefill (DESIGN §9): compute a prompt's complete blocks and publish them live,
+    for the instance that decodes it."""
+
+    tokens: tuple[int, ...]
+    scope: str | None = None
+
+    @classmethod
+    def from_json(cls, data: Any) -> "PrefillRequest":
+        data = v.obj(data, "body")
+        tokens = v.tokens(v.required(data, "tokens"), "tokens")
+        if not tokens:
+            raise BadRecord("needs at least one token", member="tokens")
+        scope = data.get("scope")
+        if scope is not None:
+            scope = v.string(scope, "scope", max_len=256)
+        return cls(tuple(tokens), scope)
+
+
+__all__ = ["METHODS", "GenerateRequest", "PrefillRequest", "SamplerSpec"]

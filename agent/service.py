@@ -171,6 +171,10 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                         "last core of each NUMA node) or a CPU list such as 6,7; by default every "
                         "thread runs everywhere. Worth it where cores are plenty: the loader then "
                         "no longer slows the forward pass it overlaps")
+    p.add_argument("--no-live-kv", dest="live_kv", action="store_false",
+                   help="do not publish the prompt blocks a prefill computes while it computes them "
+                        "(live KV over the relay, with in-production records in the index); they are "
+                        "published once stored, as every block")
     p.add_argument("--always-load", action="store_true",
                    help="load every cached block found, even when recomputing it would be "
                         "cheaper by the measured rates (by default the agent chooses, KVSP §6.4)")
@@ -187,7 +191,7 @@ def settings_from_args(args: argparse.Namespace) -> AgentSettings:
         scope_keys=keys, scope=args.scope, public_url=public, principals=args.principals,
         token=token_from_args(args), block_tokens=args.block_tokens, status_ttl_ms=args.status_ttl_ms,
         host_bytes=args.host_bytes, disk_bytes=args.disk_bytes,
-        replicate_to=tuple(args.replicate_to), choose_by_cost=not args.always_load,
+        replicate_to=tuple(args.replicate_to), choose_by_cost=not args.always_load, live_kv=args.live_kv,
         loader_cpus=loader_cpus(args.loader_cpus),
         quic=quic_settings(getattr(args, "quic_engine", None), getattr(args, "datagram_size", None)))
 

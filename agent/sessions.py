@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Sequence
+from typing import TYPE_CHECKING, Any, AsyncIterator, Sequence
 
 import torch
 
@@ -27,6 +27,9 @@ from kvsp_moq.fetch.prefix import Timeline
 from kvsp_moq.protocol.keys import BlockKeyChain
 from kvsp_moq.protocol.keys import scope_id as scope_id_of
 from kvsp_moq.protocol.records import SessionCheckpoint
+
+if TYPE_CHECKING:
+    from kvsp_moq.holder.moqt_publisher import LiveBlock
 
 
 class StreamBroken(Exception):
@@ -100,6 +103,13 @@ class Session:
         self.first_logits: torch.Tensor | None = None
         self.exported = 0  # blocks [0, exported) are stored (or were not stored, and never will be)
         self.loaded = 0  # blocks [0, loaded) came from other holders (not replicated again)
+        #: blocks this session's prefill publishes live (`agent.live`), by key, until stored
+        self.live: dict[str, LiveBlock] = {}
+        #: the instance computing this session's prompt blocks live for it (prefill and decode
+        #: apart), None when this instance loads or computes them itself
+        self.prefill_at: str | None = None
+        #: prompt blocks loaded from live tracks: key -> their producer's HTTP base
+        self.live_loaded: dict[str, str] = {}
         self.started = time.perf_counter()
         self.task: asyncio.Task | None = None
         self.done = asyncio.Event()

@@ -81,6 +81,8 @@ class AgentSettings:
     #: load or recompute a cached prefix by the §6.4 estimates with measured rates
     #: (`agent.choice`); False loads whatever is cached (benchmarks of the load path)
     choose_by_cost: bool = True
+    #: with a relay, publish computed prompt blocks layer by layer while computed (DESIGN §9)
+    live_kv: bool = True
     #: tokens of a prefill at start, so the first status report carries measured rates
     warmup_tokens: int = 32
     http_timeout_s: float = 10.0

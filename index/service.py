@@ -66,6 +66,11 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                         "only when requests are queued ahead of it there (default), or always. "
                         "A request that starts at once loads its prefix layer by layer while it "
                         "computes; a directive just before it makes it wait for whole blocks")
+    p.add_argument("--pd", type=_split_policy, default="never", metavar="POLICY",
+                   help="PC: when a request's prefill runs on another instance than its decode, "
+                        "which subscribes to the prompt's layers as they are computed (live KV): "
+                        "never (default), length:N (at least N uncached prompt tokens), or cost "
+                        "(when the KVSP §6.4 estimates say it is sooner)")
     p.add_argument("--start-command", metavar="CMD",
                    help="PC: shell command that starts an instance when none has acceptable "
                         "cost and prints its base URL (see pc.instances_client.command_start_hook)")
@@ -113,8 +118,18 @@ def settings_from_args(args: argparse.Namespace) -> IndexSettings:
                          default_block_tokens=args.block_tokens)
 
 
+def _split_policy(text: str) -> str:
+    from pc.disaggregation import SplitPolicy
+
+    try:
+        return str(SplitPolicy.parse(text))
+    except KvspError as e:
+        raise argparse.ArgumentTypeError(e.detail) from None
+
+
 def pc_settings_from_args(args: argparse.Namespace) -> "PCSettings":
     from pc.controller import PCSettings
+    from pc.disaggregation import SplitPolicy
     from pc.placement import PlacementSettings
 
     token = token_from_args(args)
@@ -131,7 +146,7 @@ def pc_settings_from_args(args: argparse.Namespace) -> "PCSettings":
     return PCSettings(database=args.db or "kvsp-pc.sqlite3", principals=args.principals,
                       scope_keys=args.scope_keys, index_url=args.index, token=token,
                       placement=placement, start_command=args.start_command,
-                      start_command_env=start_env)
+                      start_command_env=start_env, pd=SplitPolicy.parse(str(args.pd)))
 
 
 def create_combined_app(index_settings: IndexSettings, pc_settings: "PCSettings") -> "Starlette":

@@ -32,6 +32,7 @@ reports an error therefore needs no table of its own, on either transport.
     ├── NotActive                        kvsp-not-active 503 · GOING_AWAY
     ├── PrefixUnavailable                kvsp-prefix-unavailable 409 · DOES_NOT_EXIST
     ├── SessionConflict                  kvsp-session-exists 409
+    ├── NoLiveKV                         kvsp-no-live-kv 409: this instance publishes no live KV
     ├── SettingError                     kvsp-bad-setting (also a ValueError): exit status 2
     │   └── UsageError                   command-line arguments that cannot be acted on
     ├── Failed                           an operation a command tried: exit status 1
@@ -386,6 +387,15 @@ class SessionConflict(KvspError):
     problem = "kvsp-session-exists"
     status = 409
     title = "Session exists"
+
+
+class NoLiveKV(KvspError):
+    """A prefill for another instance asked of one that cannot publish it live (no relay, or
+    live KV turned off): the front end sends the whole request to one instance instead."""
+
+    problem = "kvsp-no-live-kv"
+    status = 409
+    title = "No live KV here"
 
 
 class SettingError(KvspError, ValueError):

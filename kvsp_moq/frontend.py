@@ -29,6 +29,7 @@ import inspect
 import json
 import logging
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 
@@ -67,6 +68,19 @@ class Restart:
 
     route: Mapping[str, Any]
     generate: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class Started:
+    """A session started where the PC placed it (`FrontEnd.start`)."""
+
+    session: str
+    instance: str
+    """The instance that decodes (and streams) the session."""
+    prefill: str | None
+    """The instance that computed its prompt apart, publishing it live; None: `instance` did."""
+    decision: Mapping[str, Any]
+    """The PC's route decision."""
 
 
 class _Broken(Exception):
@@ -235,6 +249,51 @@ class FrontEnd:
             await asyncio.sleep(min(pause, remaining()))
             pause = min(pause * 2, self.max_backoff_s)
             where = None  # ask the PC where the session is now
+
+    async def start(self, route: Mapping[str, Any], generate: Mapping[str, Any], *,
+                    session: str | None = None) -> Started:
+        """`POST {pc}route`, then start the session where the decision says; read its tokens with
+        `stream(started.session, instance=started.instance, restart=Restart(route, generate))`.
+
+        A decision with "prefill" (prefill and decode apart, `pc.disaggregation`) first asks that
+        instance to compute the prompt (`POST {ii}prefill`), then starts the generate with
+        "prefill_at": the decode instance subscribes to the prompt's layers as they are computed.
+        A prefill instance that refuses or cannot be reached leaves the whole request to the
+        decode instance."""
+        try:
+            r = await self.client.post(f"{self.pc_url}route", json=dict(route), headers=self.headers,
+                                       timeout=self.read_timeout_s)
+        except httpx.HTTPError as e:
+            raise TransportError(f"PC {self.pc_url} unreachable: {reason_of(e, named=True)}") from None
+        raise_for_problem(r)
+        decision = r.json()
+        instance = base_url(decision["instance"])
+        body = {**generate, "session": session or str(uuid.uuid4()), "stream": True}
+        prefill: str | None = None
+        split = decision.get("prefill")
+        if isinstance(split, dict) and split.get("instance"):
+            at = base_url(split["instance"])
+            ask = {"tokens": generate["tokens"]}
+            if generate.get("scope") is not None:
+                ask["scope"] = generate["scope"]
+            try:
+                p = await self.client.post(f"{at}prefill", json=ask, headers=self.headers,
+                                           timeout=self.read_timeout_s)
+                raise_for_problem(p)
+                prefill = at
+                body["prefill_at"] = at
+            except (httpx.HTTPError, KvspError) as e:
+                log.info("prefill at %s refused or unreachable (%s); %s computes the prompt", at,
+                         getattr(e, "detail", e), instance)
+        try:
+            async with self.client.stream("POST", f"{instance}generate", json=body, headers=self.headers,
+                                          timeout=self.read_timeout_s) as g:
+                if g.status_code >= 400:
+                    await g.aread()
+                    raise_for_problem(g)
+        except httpx.HTTPError as e:
+            raise TransportError(f"instance {instance} unreachable: {reason_of(e, named=True)}") from None
+        return Started(body["session"], instance, prefill, decision)
 
     async def _restart(self, session: str, restart: Restart, lost: str, epoch: int,
                        remaining: Callable[[], float]) -> str:

@@ -19,6 +19,13 @@ with even types, so their values are varints):
     0x3802  KVSP K Length     octets of the K section; the V section is the rest
 
 so a receiver can split K from V and rebuild a container for codecs whose halves differ.
+A layer of a block still being computed (a live block, whose record has no layer digests yet)
+carries a third, odd-typed (octets) property:
+
+    0x3803  KVSP Layer Digest  SHA-256 of the payload (the §4.3 layer digest)
+
+which the receiver checks before the layer is used; the complete record that replaces the
+in-production one lists the same digests, so the publisher stays accountable for them.
 
 Publisher (`kvsp_moq.holder.moqt_publisher`) and fetcher (`kvsp_moq.fetch.moqt`) both build on
 this module, which imports neither.
@@ -163,11 +170,22 @@ def decode_namespace(text: str) -> tuple[bytes, ...]:
 TOKEN_COUNT_PROPERTY = 0x3800
 #: Object property: octets of the layer's K section (even type: a varint value).
 K_LENGTH_PROPERTY = 0x3802
+#: Object property: the layer digest, SHA-256 of the payload (odd type: 32 octets); sent with
+#: the layers of a live block, whose record cannot list their digests yet.
+LAYER_DIGEST_PROPERTY = 0x3803
 
 
-def layer_properties(token_count: int, k_length: int) -> Properties:
+def layer_properties(token_count: int, k_length: int, digest: bytes | None = None) -> Properties:
     """The application properties of one layer object (in ascending type order)."""
-    return ((TOKEN_COUNT_PROPERTY, token_count), (K_LENGTH_PROPERTY, k_length))
+    if digest is None:
+        return ((TOKEN_COUNT_PROPERTY, token_count), (K_LENGTH_PROPERTY, k_length))
+    return ((TOKEN_COUNT_PROPERTY, token_count), (K_LENGTH_PROPERTY, k_length), (LAYER_DIGEST_PROPERTY, digest))
+
+
+def carried_digest(properties: Properties) -> bytes | None:
+    """The layer digest an object carries (live blocks), None when it carries none."""
+    value = property_value(properties, LAYER_DIGEST_PROPERTY)
+    return bytes(value) if isinstance(value, (bytes, bytearray, memoryview)) else None
 
 
 def split_layer(index: int, payload: bytes | memoryview, properties: Properties) -> tuple[Layer, int | None]:

@@ -17,6 +17,7 @@ from kvsp_moq.index_client import IndexClient
 from kvsp_moq.protocol.keys import BlockKeyChain
 from kvsp_moq.protocol.records import SessionCheckpoint
 from kvsp_moq.tasks import TaskSet, cancel_and_wait
+from pc.disaggregation import SplitPolicy
 from pc.instances_client import InstanceClient, command_start_hook
 from pc.lifecycle import InstanceFailed, InstanceRegistry, LifecycleSettings, StateChanged
 from pc.placement import (
@@ -62,6 +63,8 @@ class PCSettings:
     start_command_timeout_s: float = 60.0
     start_command_env: dict[str, str] = field(default_factory=dict)
     """Added to the start command's environment (`kvsp index`: KVSP_PC_URL, KVSP_INDEX_URL)."""
+    pd: SplitPolicy = field(default_factory=SplitPolicy)
+    """When a request's prefill runs on another instance than its decode (`pc.disaggregation`)."""
 
 
 

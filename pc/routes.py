@@ -16,7 +16,9 @@ Resources (all JSON, `application/kvsp+json`; errors are problem documents):
   and forwards `PUT {ii}state` with `{"state": ..., "epoch": <instance epoch>}`. Role "pc".
 - `PUT /sessions/{session}/checkpoint`, `GET /sessions/{session}`, `DELETE /sessions/{session}`
   (our extension: the session ended, do not resume it): see `pc.sessions`.
-- `POST /route`: see `pc.placement`. Role "pc", or "client" holding the scope.
+- `POST /route`: see `pc.placement`; with a split policy, "prefill" names the instance that
+  computes the prompt apart from its decode (`pc.disaggregation`). Role "pc", or "client"
+  holding the scope.
 - `POST /reshard/{map}`: a Shard Map of version v+1 (plus an optional top-level
   "deadline_ms"); runs §6.9 and answers the outcome. A map the PC does not know yet is
   installed as given (201), with no traffic. Role "admin".
@@ -36,6 +38,7 @@ from kvsp_moq.protocol import validate as v
 from kvsp_moq.protocol.records import InstanceStatus, SessionCheckpoint, ShardMap
 from kvsp_moq.web import json_response, principal, read_json
 from pc.controller import PlacementController
+from pc.disaggregation import choose_prefill
 from pc.lifecycle import id_matches
 
 __all__ = ["create_pc_routes"]
@@ -105,7 +108,15 @@ def create_pc_routes(pc: PlacementController) -> list[Route]:
         req = pc.router.parse(await read_json(request))
         who.require_scope(req.scope_id)
         decision = await pc.router.route(req)
-        return json_response(decision.to_json())
+        body = decision.to_json()
+        prefill = choose_prefill(
+            pc.settings.pd, decision.instance, decision.candidates,
+            uncached_tokens=req.token_count - decision.matched_tokens,
+            is_usable=lambda i: pc.registry.is_active(i) and pc.registry.serves(i, req.scope_id))
+        if prefill is not None:
+            pc.registry.note_routed(prefill.instance, req.scope_id)
+            body["prefill"] = prefill.to_json()
+        return json_response(body)
 
     async def reshard(request: Request) -> Response:
         principal(request, Action.RESHARD)

@@ -30,6 +30,11 @@ def test_demo_runs_the_whole_system_and_reports_measured_results(tmp_path):
     assert moved.get("http", 0) + moved.get("moqt", 0) == BLOCKS, moved
     # ... so that the last one finds it local wherever it goes.
     assert rows[3]["sources"].get("local") == BLOCKS, rows[3]
+    pd = report["prefill_apart"]
+    assert pd["equals_one_instance"] is True, pd
+    assert pd["live_blocks"] == pd["prompt_tokens"] // Cluster.block_tokens
+    assert pd["sources"]["moqt"] == pd["live_blocks"] and pd["sources"]["recompute"] == 0, pd
+    assert pd["streamed_vs_single"] == round(pd["ttft_ms"]["streamed"] / pd["ttft_ms"]["single"], 3)
     fo = report["failover"]
     assert fo["every_index_once"] and fo["equals_uninterrupted_run"] and fo["epochs"][-1] > fo["epochs"][0]
     rs = report["reshard"]

@@ -161,7 +161,7 @@ class BlockCandidates:
                 cand = self.candidates[self.current]
                 holder = cand.lease_holder
                 keeper = self.keeper
-                if keeper is None or not cand.source.needs_lease or holder in self.leases:
+                if keeper is None or not cand.needs_lease or holder in self.leases:
                     return cand
                 if base_url(holder) in keeper.unavailable:
                     self.leases[holder] = None  # its lease endpoint failed once this load
@@ -291,7 +291,7 @@ async def lease_first_candidates(blocks: Sequence[BlockCandidates], keeper: Leas
     that refuses the batch leaves each block to lease its own when it gets there."""
     by_holder: dict[str, list[BlockCandidates]] = {}
     for block in blocks:
-        if block.candidates and block.candidates[0].source.needs_lease:
+        if block.candidates and block.candidates[0].needs_lease:
             by_holder.setdefault(block.candidates[0].lease_holder, []).append(block)
 
     async def one(holder: str, group: list[BlockCandidates]) -> None:

@@ -6,8 +6,15 @@ yielded, in ascending order. It FETCHes the range; when the block is still being
 (the FETCH is refused with INVALID_RANGE or ends early) it SUBSCRIBEs for the rest, and a gap
 between the layers it has and the first one the subscription delivers (a subscription
 joined mid-way at a relay) is FETCHed. A digest mismatch raises `DigestMismatch`; the bad
-layer is never yielded. The track naming and the layer objects' payload and properties are
-`kvsp_moq.naming`'s, shared with the holder's publisher.
+layer is never yielded.
+
+A block still in production (an in-production record, `live`, DESIGN §9) is SUBSCRIBEd at once,
+with a rendezvous timeout; its record lists no digests, so each layer is checked against the
+digest it carries. A subscriber its relay drops as too far behind catches up by FETCH and
+subscribes again; a producer that stops sending for `live_layer_timeout` is a missed source.
+
+The track naming and the layer objects' payload and properties are `kvsp_moq.naming`'s, shared
+with the holder's publisher.
 """
 
 from __future__ import annotations
@@ -20,14 +27,26 @@ from typing import AsyncGenerator, AsyncIterator, Sequence
 from kvsp_moq.errors import BadRecord, KvspError, LayersUnavailable, reason_of
 from kvsp_moq.fetch.stream import FailureKind, FetchedBlock, SourceFailed, VerifiedLayerStream, record_layer_digests
 from kvsp_moq.moqt.certs import CertificateRejected, ClientTls, check_trusted
-from kvsp_moq.moqt.errors import DoesNotExist, InvalidRange, MoqtError, RequestError, RequestErrorCode
+from kvsp_moq.moqt.errors import (
+    DataStreamReset,
+    DoesNotExist,
+    InvalidRange,
+    MoqtError,
+    PublishDoneCode,
+    PublishDoneError,
+    RequestError,
+    RequestErrorCode,
+)
 from kvsp_moq.moqt.quic import MoqtConnection, MoqtObject, QuicSettings, connect
 from kvsp_moq.moqt.wire import SubscriptionFilter
-from kvsp_moq.naming import GROUP, BlockTrack, split_layer
+from kvsp_moq.naming import GROUP, BlockTrack, carried_digest, split_layer
 from kvsp_moq.protocol.container import Container, Layer, encode, layer_digest, replica_digest
 from kvsp_moq.protocol.records import ReplicaRecord
 
 __all__ = ["MoqtBlockFetcher", "MoqtLayerStream"]
+
+#: how many times a subscriber dropped by its relay as too far behind catches up and subscribes again
+CATCH_UPS = 3
 
 
 def _failure_of(error: BaseException) -> SourceFailed:
@@ -57,7 +76,9 @@ class MoqtLayerStream(VerifiedLayerStream):
         self.track = BlockTrack.from_record_namespace(record.moqt_namespace, record.codec)
         super().__init__(list(sources) or [record.holder], record, layers)
         self.fetcher = fetcher
-        self.live = live
+        self.live = live if not record.live else True
+        #: the digests live layers carried, by layer (checked later against the complete record)
+        self.carried: dict[int, bytes] = {}
         if self.range is None:
             raise LayersUnavailable("the record lists no layer digests; give the layer range")
         self._start()
@@ -78,7 +99,7 @@ class MoqtLayerStream(VerifiedLayerStream):
                 continue
             start_layer = next_layer
             try:
-                if digests is None:
+                if digests is None and not record.live:
                     layers = [layer async for layer in self._from_source(source, next_layer, last, None)]
                     self._check_whole(layers)
                     for layer in layers:
@@ -123,8 +144,18 @@ class MoqtLayerStream(VerifiedLayerStream):
             layer, tokens = split_layer(obj.object_id, obj.payload, obj.properties)
         except BadRecord as e:
             raise SourceFailed(FailureKind.MALFORMED, str(e)) from None
-        if digests is not None and layer_digest(layer.k, layer.v) != digests[obj.object_id]:
-            raise SourceFailed(FailureKind.DIGEST, f"layer {obj.object_id} does not match its layer digest")
+        if digests is not None:
+            if layer_digest(layer.k, layer.v) != digests[obj.object_id]:
+                raise SourceFailed(FailureKind.DIGEST, f"layer {obj.object_id} does not match its layer digest")
+        else:
+            # A live block's record lists no layer digests yet: the layer's own must match, and
+            # the complete record that replaces it is held to the same (`carried`).
+            carried = carried_digest(obj.properties)
+            if carried is None:
+                raise SourceFailed(FailureKind.DIGEST, f"layer {obj.object_id} of a live block carries no digest")
+            if layer_digest(layer.k, layer.v) != carried:
+                raise SourceFailed(FailureKind.DIGEST, f"layer {obj.object_id} does not match the digest it carries")
+            self.carried[obj.object_id] = carried
         if tokens is not None:
             if self.token_count is None:
                 self.token_count = tokens
@@ -164,25 +195,57 @@ class MoqtLayerStream(VerifiedLayerStream):
             if next_layer > last:
                 return
             self._note(f"{source}: layers from {next_layer} were not there yet; subscribed for them")
-        async for layer in self._subscribe_range(connection, next_layer, last, digests):
-            yield layer
+        for attempt in range(CATCH_UPS + 1):
+            try:
+                async for layer in self._subscribe_range(connection, next_layer, last, digests):
+                    next_layer = layer.index + 1
+                    yield layer
+                return
+            except (PublishDoneError, DataStreamReset) as e:
+                # A relay drops a subscriber too far behind: its streams are reset, then the
+                # subscription ends with TOO_FAR_BEHIND (whichever the subscriber sees first).
+                behind = isinstance(e, DataStreamReset) or e.error_code == PublishDoneCode.TOO_FAR_BEHIND
+                if not behind or attempt == CATCH_UPS:
+                    raise
+            # Too slow for the relay's queue (it never slows the producer for us): what exists
+            # by FETCH, then a new subscription for the rest.
+            self._note(f"{source}: dropped as too far behind at layer {next_layer}; catching up by FETCH")
+            try:
+                async for layer in self._fetch_range(connection, next_layer, last, digests):
+                    next_layer = layer.index + 1
+                    yield layer
+            except InvalidRange:
+                pass
+            if next_layer > last:
+                return
 
     async def _subscribe_range(self, connection: MoqtConnection, first: int, last: int,
                                digests: list[bytes] | None) -> AsyncIterator[Layer]:
         """Layers first..last of a block being produced, by SUBSCRIBE (gaps by FETCH)."""
         fetcher = self.fetcher
+        # A block in production may not be announced at the relay yet: the relay holds the
+        # SUBSCRIBE until its publisher appears (rendezvous), within the request's timeout.
+        rendezvous_ms = int(fetcher.timeout * 1000) if self.live else None
         subscription = await connection.subscribe(
             self.track.namespace, self.track.track_name,
             subscription_filter=SubscriptionFilter.absolute_start(GROUP, first), forward=True,
-            authorization=fetcher.token, timeout=fetcher.timeout)
+            authorization=fetcher.token, rendezvous_timeout=rendezvous_ms, timeout=fetcher.timeout)
+        # A producer that stops (or dies) mid-block must not hold its subscribers for long.
+        layer_timeout = fetcher.live_layer_timeout if self.live else fetcher.layer_timeout
         next_layer = first
         try:
             iterator = subscription.__aiter__()
             while next_layer <= last:
                 try:
-                    obj = await asyncio.wait_for(iterator.__anext__(), fetcher.layer_timeout)
+                    obj = await asyncio.wait_for(iterator.__anext__(), layer_timeout)
                 except StopAsyncIteration:
                     obj = None
+                except asyncio.TimeoutError:
+                    if not self.live:
+                        raise
+                    # The relay is fine; the block's producer stalled or is gone.
+                    raise SourceFailed(FailureKind.MISS, f"layer {next_layer} of the block in production "
+                                       f"did not come within {layer_timeout:g} s") from None
                 if obj is not None and (obj.group_id != GROUP or obj.object_id < next_layer):
                     continue  # a layer we already have
                 stop = last if obj is None else min(last, obj.object_id - 1)
@@ -215,7 +278,7 @@ class MoqtBlockFetcher:
     def __init__(self, *, token: str | None = None, settings: QuicSettings | None = None,
                  verify: bool = True, cadata: bytes | None = None, cafile: str | None = None,
                  tls: ClientTls | None = None, timeout: float = 10.0, layer_timeout: float = 30.0,
-                 probe_timeout: float = 2.0) -> None:
+                 probe_timeout: float = 2.0, live_layer_timeout: float = 10.0) -> None:
         self.token = token
         self.probe_timeout = probe_timeout
         self.settings = settings or QuicSettings()
@@ -226,6 +289,8 @@ class MoqtBlockFetcher:
         self.untrusted: dict[str, str] = {}
         self.timeout = timeout
         self.layer_timeout = layer_timeout
+        #: the longest wait for the next layer of a block in production (its producer's pace)
+        self.live_layer_timeout = live_layer_timeout
         self._pool = _Pool()
 
     async def connection(self, url: str) -> MoqtConnection:

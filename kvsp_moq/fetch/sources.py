@@ -255,6 +255,12 @@ class SourceCandidate:
     def lease_holder(self) -> str:
         return lease_holder(self.record)
 
+    @property
+    def needs_lease(self) -> bool:
+        """A lease pins a stored replica; a block still being produced (`live`) has none yet
+        and lives at its producer until it is stored."""
+        return self.source.needs_lease and not self.record.live
+
 
 def lease_holder(record: ReplicaRecord) -> str:
     """Where a replica's leases are taken and its blocks are served over HTTP: a MOQT
@@ -264,12 +270,14 @@ def lease_holder(record: ReplicaRecord) -> str:
 
 def order_candidates(records: Sequence[ReplicaRecord],
                      sources: Sequence[LayerSource]) -> list[SourceCandidate]:
-    """Replicas ordered by the sources' order (local, MOQT, HTTP), one per holder and kind."""
+    """Replicas ordered by the sources' order (local, MOQT, HTTP), one per holder, track and
+    kind; within a source, stored replicas before blocks still being produced (`live`)."""
     out: list[SourceCandidate] = []
-    seen: set[tuple[str, str]] = set()
+    seen: set[tuple[str, str, str]] = set()
+    records = sorted(records, key=lambda r: r.live)  # stable: the given order otherwise
     for source in sources:
         for record in records:
-            ident = (source.kind, base_url(record.holder))
+            ident = (source.kind, base_url(record.holder), record.moqt_namespace or "")
             if ident in seen or not source.accepts(record):
                 continue
             seen.add(ident)

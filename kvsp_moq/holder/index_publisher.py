@@ -17,6 +17,11 @@ holder this holder's principal may not publish) would otherwise keep every other
 of the index, retried forever. A refused batch is split in halves until the refused records
 are alone; those are dropped (logged once each, counted in `refused`, not sent again while
 the replica is held) and the rest are published.
+
+A block the holder's publisher is producing (`BlockPublisher.produce`, layers still being
+computed) gets an in-production record (`"live": true`, a short TTL renewed while it lasts) as
+soon as production starts, so that other instances find the block before it is done; the
+complete record replaces it when the block is stored, and it is DELETEd if production stops.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import time
 from typing import Callable
 
 from kvsp_moq.errors import ForbiddenRole, KvspError, reason_of
-from kvsp_moq.holder.moqt_publisher import BlockPublisher
+from kvsp_moq.holder.moqt_publisher import BlockPublisher, LiveBlock
 from kvsp_moq.holder.store import BlockId, BlockStore, StoredBlock
 from kvsp_moq.index_client import IndexClient
 from kvsp_moq.naming import moqt_record
@@ -92,6 +97,11 @@ class IndexPublisher:
         self.moqt_ready: Callable[[str, str], bool] | None = None
         self._moqt_waiting: set[BlockId] = set()  # HTTP record put, MOQT one held back
         self._moqt: BlockPublisher | None = None
+        #: in-production records: to put (or renew), by block, and when each was last put
+        self.live_ttl_ms = min(record_ttl_ms, 10_000)
+        self._live: dict[BlockId, ReplicaRecord] = {}
+        self._live_put_at: dict[BlockId, float] = {}
+        self._live_deletes: list[ReplicaRecord] = []
 
     @property
     def holder_url(self) -> str:
@@ -200,6 +210,24 @@ class IndexPublisher:
         namespace announced to the relay, and its MOQT record waits until the relay accepts it."""
         self._moqt = block_publisher
         self.moqt_ready = block_publisher.is_announced
+        block_publisher.on_live = self.live_changed
+
+    def live_changed(self, live: LiveBlock, stored: bool | None) -> None:
+        """A live block started (None), was stored (True) or abandoned (False)."""
+        if self.index is None or self._moqt is None:
+            return
+        bid = live.id
+        if stored is None:
+            self._live[bid] = self._moqt.live_record(live, ttl_ms=self.live_ttl_ms)
+            self._live_put_at.pop(bid, None)
+        else:
+            record = self._live.pop(bid, None)
+            put = self._live_put_at.pop(bid, None)
+            # Stored: the complete record (same replica) replaces it when announced.
+            if not stored and record is not None and put is not None:
+                self._live_deletes.append(record)
+        if self._wake is not None:
+            self._wake.set()
 
     def announce(self, entry: StoredBlock) -> None:
         """Publish (or republish, after a tier change) this replica soon."""
@@ -284,6 +312,11 @@ class IndexPublisher:
             delay = max(0.0, self._next_refresh - self.clock())
             if self._moqt_waiting:
                 delay = min(delay, 0.05)  # soon after the relay accepts the namespace
+            live = self.live_delay()
+            if live is not None:
+                delay = min(delay, live)
+            if self._live_deletes:
+                delay = 0.0
             try:
                 await asyncio.wait_for(self._wake.wait(), delay)
             except asyncio.TimeoutError:
@@ -292,6 +325,7 @@ class IndexPublisher:
     async def step(self) -> None:
         """One round: pending deletes, then a full refresh when due, else new records."""
         assert self.index is not None
+        await self._step_live()
         for bid, records in list(self._deletes.items()):
             await self._delete_all(records)
             if self._deletes.get(bid) is records:
@@ -314,6 +348,39 @@ class IndexPublisher:
             for bid in stale:
                 self._pending.pop(bid, None)
             await self._publish(entries, full=False)
+
+    async def _step_live(self) -> None:
+        """Put new in-production records, renew those a third of their TTL old, delete those
+        of abandoned blocks."""
+        assert self.index is not None
+        deletes, self._live_deletes = self._live_deletes, []
+        if deletes:
+            await self._delete_all(deletes)
+        now = self.clock()
+        renew_s = self.live_ttl_ms / 1000 / 3
+        due = [bid for bid in self._live
+               if bid not in self._live_put_at or now - self._live_put_at[bid] >= renew_s]
+        if not due:
+            return
+        records = [self._live[bid] for bid in due]
+        refused = await self._put_isolating(records, batch=len(records) > 1)
+        for bid, record in zip(due, records):
+            if _record_id(record) in refused:
+                if self._live.get(bid) is record:
+                    del self._live[bid]  # not sent again (the refusal is logged once)
+            elif self._live.get(bid) is record:
+                self._live_put_at[bid] = now
+            elif self.store.get(bid) is None:
+                self._live_deletes.append(record)  # abandoned while being put
+
+    def live_delay(self) -> float | None:
+        """Seconds until an in-production record needs renewing (None: there is none)."""
+        if not self._live:
+            return None
+        renew_s = self.live_ttl_ms / 1000 / 3
+        now = self.clock()
+        return max(0.0, min(self._live_put_at[bid] + renew_s - now if bid in self._live_put_at else 0.0
+                            for bid in self._live))
 
     async def _publish(self, entries: list[StoredBlock], *, full: bool) -> None:
         assert self.index is not None

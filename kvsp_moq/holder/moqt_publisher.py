@@ -17,10 +17,11 @@ Next Group Start gives nothing, as a block has one group.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 from kvsp_moq.errors import KvspError, LayersUnavailable, PreconditionFailed, reason_of
 from kvsp_moq.holder.store import BlockId, BlockRead, BlockStore, StoredBlock
@@ -47,7 +48,7 @@ from kvsp_moq.moqt.quic import (
 from kvsp_moq.moqt.wire import FilterType, Location, Properties, SubscriptionFilter
 from kvsp_moq.naming import GROUP, BlockTrack, layer_properties, moqt_record, publisher_id
 from kvsp_moq.protocol.container import encode, format_digest
-from kvsp_moq.protocol.records import ReplicaRecord
+from kvsp_moq.protocol.records import LIVE_DIGEST, ReplicaRecord
 from kvsp_moq.tasks import cancel_and_wait
 
 __all__ = ["BlockPublisher", "LiveBlock", "PublisherStats"]
@@ -75,8 +76,9 @@ class LiveBlock:
         self.layer_count = layer_count
         self.token_count = token_count
         self.codec = codec
-        self.payloads: list[bytes] = []
+        self.payloads: list[bytes | memoryview] = []
         self.k_lengths: list[int] = []
+        self.digests: list[bytes] = []
         self.error: str | None = None
         self._changed = asyncio.Event()
 
@@ -89,21 +91,29 @@ class LiveBlock:
     def complete(self) -> bool:
         return len(self.payloads) == self.layer_count
 
-    def add_layer(self, k: bytes | memoryview, v: bytes | memoryview) -> int:
-        """Append the next layer (K and V sections); returns its number."""
+    def add_layer(self, k: bytes | memoryview, v: bytes | memoryview, *,
+                  payload: bytes | memoryview | None = None, digest: bytes | None = None) -> int:
+        """Append the next layer (K and V sections); returns its number.
+
+        A producer on another thread may hand the joined `payload` (K then V) and its SHA-256
+        `digest` computed there, so that the event loop neither copies nor hashes it."""
         if self.complete:
             raise LayersUnavailable(f"the block has only {self.layer_count} layers")
         if self.error is not None:
             raise LayersUnavailable(f"the block was abandoned: {self.error}")
-        self.payloads.append(bytes(k) + bytes(v))
+        joined = payload if payload is not None else bytes(k) + bytes(v)
+        self.payloads.append(joined)
         self.k_lengths.append(len(k))
+        self.digests.append(digest if digest is not None else hashlib.sha256(joined).digest())
         self._wake()
         return len(self.payloads) - 1
 
     def properties(self, index: int) -> Properties:
-        return layer_properties(self.token_count, self.k_lengths[index])
+        """Token count, K length and the layer's digest: a live block's record lists no layer
+        digests yet, so each layer carries its own."""
+        return layer_properties(self.token_count, self.k_lengths[index], self.digests[index])
 
-    async def wait_for(self, index: int, timeout: float) -> bytes:
+    async def wait_for(self, index: int, timeout: float) -> bytes | memoryview:
         """Layer `index` once it exists."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
@@ -128,19 +138,23 @@ class LiveBlock:
         """Store the complete block (None when the store already had it)."""
         if not self.complete:
             raise LayersUnavailable(f"{self.available} of {self.layer_count} layers were added")
+        stored = False
         try:
             entry = await self.publisher.store.put(self.id, self.container())
+            stored = True
         except PreconditionFailed:
-            entry = None
+            entry, stored = None, True  # stored already: its complete record is there
         finally:
-            self.publisher._live.pop(self.id, None)
+            self.publisher._ended(self, stored=stored)
         return entry
 
     def abort(self, reason: str = "production failed") -> None:
-        """Give up: subscribers waiting for more layers are told."""
+        """Give up: subscribers waiting for more layers are told, the in-production record goes."""
+        if self.error is not None:
+            return
         self.error = reason
-        self.publisher._live.pop(self.id, None)
         self._wake()
+        self.publisher._ended(self, stored=False)
 
     def _wake(self) -> None:
         self._changed.set()
@@ -228,6 +242,9 @@ class BlockPublisher:
         self.stats = PublisherStats()
         self.connection: MoqtConnection | None = None
         self._live: dict[BlockId, LiveBlock] = {}
+        #: told when a live block starts (None) and when it ends (True: stored, False: abandoned);
+        #: the index publisher puts and withdraws in-production records by it
+        self.on_live: Callable[[LiveBlock, bool | None], None] | None = None
         self._wanted: set[tuple[str, str]] = set()
         self._announced: dict[tuple[str, str], PublishedNamespace] = {}
         self._refused: set[tuple[str, str]] = set()
@@ -288,7 +305,27 @@ class BlockPublisher:
             raise PreconditionFailed("this block is already being produced")
         live = self._live[bid] = LiveBlock(self, bid, layer_count, token_count, codec)
         self.announce(bid.compat_id, bid.scope_id)
+        if self.on_live is not None:
+            self.on_live(live, None)
         return live
+
+    def live_blocks(self) -> list[LiveBlock]:
+        return list(self._live.values())
+
+    def _ended(self, live: LiveBlock, *, stored: bool) -> None:
+        if self._live.get(live.id) is live:
+            del self._live[live.id]
+            if self.on_live is not None:
+                self.on_live(live, stored)
+
+    def live_record(self, live: LiveBlock, *, ttl_ms: int = 10_000) -> ReplicaRecord:
+        """The in-production record of a live block: its track through this publisher's relay,
+        `live`, and no digests yet (each layer carries its own)."""
+        track = self.track(live.id, live.codec)
+        return ReplicaRecord(block_key=live.id.block_key, compat_id=live.id.compat_id,
+                             scope_id=live.id.scope_id, holder=self.relay_url, codec=live.codec, size=0,
+                             digest=LIVE_DIGEST, ttl_ms=ttl_ms, moqt_namespace=track.moqt_namespace,
+                             http_holder=self.http_holder, live=True)
 
     def record(self, entry: StoredBlock, *, ttl_ms: int = 60_000) -> ReplicaRecord:
         """The MOQT Replica Record of a stored block, through this publisher's relay."""
@@ -434,7 +471,8 @@ class BlockPublisher:
                 meta = entry.meta
                 for index, payload in _layer_views(read, meta.lengths):
                     await sender.send(GROUP, index, payload,
-                                      properties=layer_properties(meta.token_count, meta.lengths[index][0]))
+                                      properties=layer_properties(meta.token_count, meta.lengths[index][0],
+                                                                  meta.layer_digests[index]))
                     self._count(payload)
                 sender.close()
             finally:
@@ -470,7 +508,8 @@ class BlockPublisher:
                 meta = entry.meta
                 for index, payload in _layer_views(read, meta.lengths):
                     await sender.send(index, payload,
-                                      properties=layer_properties(meta.token_count, meta.lengths[index][0]))
+                                      properties=layer_properties(meta.token_count, meta.lengths[index][0],
+                                                                  meta.layer_digests[index]))
                     self._count(payload)
             else:
                 assert live is not None

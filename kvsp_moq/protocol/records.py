@@ -93,6 +93,10 @@ class ReplicaRecord:
     residency: tuple[Residency, ...] = ()
     moqt_namespace: str | None = None
     http_holder: str | None = None
+    #: In production (an extension member, `"live": true`): the block's track exists and its
+    #: layers are being computed; no digests are known yet (`digest` is `LIVE_DIGEST`), each
+    #: layer carries its own. The complete record replaces it, or it is withdrawn.
+    live: bool = False
 
     @classmethod
     def from_json(cls, data: Any) -> "ReplicaRecord":
@@ -131,6 +135,10 @@ class ReplicaRecord:
         http_holder = data.get("http_holder")
         if http_holder is not None:
             http_holder = v.url(http_holder, "http_holder", schemes=("http", "https"))
+        live = v.boolean(data.get("live", False), "live")
+        if live and (not holder.lower().startswith("moqt://") or layer_digests is not None):
+            raise BadRecord("an in-production record is a MOQT replica's, without layer digests",
+                            member="live")
         return cls(
             block_key=v.hexn(req("block_key"), 32, "block_key"),
             compat_id=v.hexn(req("compat_id"), 32, "compat_id"),
@@ -144,6 +152,7 @@ class ReplicaRecord:
             residency=residency,
             moqt_namespace=moqt_namespace,
             http_holder=http_holder,
+            live=live,
         )
 
     def to_json(self) -> dict:
@@ -165,6 +174,8 @@ class ReplicaRecord:
             out["moqt_namespace"] = self.moqt_namespace
         if self.http_holder is not None:
             out["http_holder"] = self.http_holder
+        if self.live:
+            out["live"] = True
         return out
 
     @property
@@ -183,6 +194,11 @@ class ReplicaRecord:
             if r.layers[0] <= layer <= r.layers[1]:
                 return r
         return None
+
+
+#: The `digest` of an in-production record: nothing matches it, so a peer that ignores `live`
+#: and fetches the block fails its check (a failed source) rather than using unverified data.
+LIVE_DIGEST = "sha-256:" + "0" * 64
 
 
 def replica_id(holder: str, moqt_namespace: str | None = None) -> str:

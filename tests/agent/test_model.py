@@ -209,6 +209,41 @@ def test_wait_hook_gates_each_layer(adapter: ModelAdapter) -> None:
     assert torch.isfinite(adapter.decode(tokens[0], tail.state)).all()
 
 
+def test_on_layer_hands_each_layer_over_before_the_next_runs(adapter: ModelAdapter) -> None:
+    """Live KV: layer l's K/V of the new tokens is handed over right after layer l ran (before
+    layer l+1's attention), and equals what the finished pass exports."""
+    tokens = _prompt(adapter, seed=5)
+    head = adapter.prefill(tokens[:SPLIT])
+    events: list[tuple[str, int]] = []
+    got: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def on_attention(index: int):
+        def hook(module, args, kwargs):
+            events.append(("attn", index))
+        return hook
+
+    def on_layer(index: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        events.append(("layer", index))
+        got[index] = (k.clone(), v.clone())
+
+    handles = [layer.self_attn.register_forward_pre_hook(on_attention(i), with_kwargs=True)
+               for i, layer in enumerate(adapter.model.model.layers)]
+    try:
+        tail = adapter.prefill(tokens[SPLIT:], past=KVPrefix.from_kv(head.kv), on_layer=on_layer)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert events == [e for i in range(adapter.num_layers) for e in (("attn", i), ("layer", i))]
+    for index in range(adapter.num_layers):
+        assert got[index][0].shape == (PROMPT_LEN - SPLIT, adapter.num_kv_heads, adapter.head_dim)
+        torch.testing.assert_close(got[index][0], tail.kv[index][0], atol=0, rtol=0)
+        torch.testing.assert_close(got[index][1], tail.kv[index][1], atol=0, rtol=0)
+    # Only the pass that asked for it hands layers over.
+    events.clear()
+    adapter.decode(tokens[0], tail.state)
+    assert ("layer", 0) not in events
+
+
 def test_prefix_loaded_by_another_thread(adapter: ModelAdapter) -> None:
     tokens = _prompt(adapter, seed=3)
     full = adapter.prefill(tokens)

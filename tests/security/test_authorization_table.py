@@ -561,6 +561,16 @@ def _(env: Env, base: str) -> None:
     ok(generate(env, base, "client-a"))
 
 
+@case("agent", "POST", "/prefill")
+def _(env: Env, base: str) -> None:
+    def prefill(who: str) -> httpx.Response:
+        return env.http.post(base + "prefill", headers=tok(who), json={"tokens": PROMPT, "scope": "a"})
+    refused(prefill("client-b"))
+    # Past the scope check: this agent has no relay, so it cannot publish a prefill live.
+    r = prefill("client-a")
+    assert r.status_code == 409 and r.json()["type"].endswith("kvsp-no-live-kv"), r.text
+
+
 def agent_session(env: Env, base: str) -> dict[str, Any]:
     return ok(generate(env, base, "client-a")).json()
 

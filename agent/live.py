@@ -1,0 +1,155 @@
+"""Live KV at the producer (DESIGN §9): the prompt blocks a prefill computes, published layer
+by layer while the forward pass runs.
+
+Before the pass, every complete prompt block it will compute (and that is neither stored nor
+already being produced here) is opened with the holder's `BlockPublisher.produce`, which makes
+its track servable and, through the index publisher, puts an in-production record. A hook
+after each decoder layer (`ModelAdapter.prefill(on_layer=...)`) hands layer l of the pass's new
+tokens over on the model thread; each block's slice is copied to octets and hashed there, and
+added to its live block on the event loop, so subscribers receive layer l while layer l+1
+computes. After the pass the exporter stores the blocks from their live layers (`finish`);
+a pass that fails abandons them, which withdraws their records.
+
+A consumer holds the producer to what it sent (`audit_live_loads`): the layers of a live block
+were checked against the digests they carried, and the copy stored from them lists those
+digests; once the producer's complete record is in the index it must list the same ones. A
+block whose record differs is discarded here and counted: the producer published one thing and
+stored another.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from agent.pool import tensor_octets
+from kvsp_moq.errors import KvspError
+from kvsp_moq.holder.moqt_publisher import LiveBlock
+from kvsp_moq.holder.store import BlockId, BlockStore
+from kvsp_moq.index_client import IndexClient
+from kvsp_moq.protocol.urls import base_url
+
+log = logging.getLogger("kvsp.agent.live")
+
+#: opens a live block: (block, layer count, token count)
+Produce = Callable[[BlockId, int, int], LiveBlock]
+
+
+@dataclass
+class LivePass:
+    """The live blocks of one forward pass: block ``first + j`` is ``blocks[j]``, and the
+    pass's new tokens start at position ``start``."""
+
+    blocks: list[LiveBlock]
+    first: int
+    start: int
+    block_tokens: int
+    loop: asyncio.AbstractEventLoop
+
+    def on_layer(self, index: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """On the model thread, right after decoder layer ``index`` ran: each block's payload
+        (its K section, then its V section) is made by one copy out of the cache for all the
+        blocks of the pass, then hashed."""
+        b, n = self.block_tokens, len(self.blocks)
+        a = self.first * b - self.start
+        rows = k[a:a + n * b]
+        payloads = torch.empty((n, 2, b, *rows.shape[1:]), dtype=rows.dtype, device="cpu")
+        payloads[:, 0].copy_(rows.reshape(n, b, *rows.shape[1:]))
+        payloads[:, 1].copy_(v[a:a + n * b].reshape(n, b, *rows.shape[1:]))
+        flat = tensor_octets(payloads).cast("B").toreadonly()
+        size = len(flat) // n
+        for j, live in enumerate(self.blocks):
+            payload = flat[j * size:(j + 1) * size]
+            digest = hashlib.sha256(payload).digest()
+            self.loop.call_soon_threadsafe(self._add, live, index, payload, size // 2, digest)
+
+    @staticmethod
+    def _add(live: LiveBlock, index: int, payload: memoryview, k_length: int, digest: bytes) -> None:
+        if live.error is not None or live.available != index:
+            return  # abandoned meanwhile
+        live.add_layer(payload[:k_length], payload[k_length:], payload=payload, digest=digest)
+
+    def abort(self, reason: str) -> None:
+        for live in self.blocks:
+            if not live.complete:
+                live.abort(reason)
+
+
+class LiveProducer:
+    """Opens the live blocks of a pass through the holder's publisher."""
+
+    def __init__(self, produce: Produce, *, num_layers: int, block_tokens: int, compat_id: str) -> None:
+        self.produce = produce
+        self.num_layers = num_layers
+        self.block_tokens = block_tokens
+        self.compat_id = compat_id
+
+    def open(self, scope_id: str, keys: list[str], first: int, start: int,
+             skip: Callable[[BlockId], bool]) -> LivePass | None:
+        """A pass computing blocks ``first..len(keys)-1`` (tokens from ``start``): their live
+        blocks, opened in order up to the first one `skip` says is held already (a stored
+        block is not produced twice). None when there is nothing to produce."""
+        blocks: list[LiveBlock] = []
+        for key in keys[first:]:
+            bid = BlockId(self.compat_id, scope_id, key)
+            if skip(bid):
+                break
+            try:
+                blocks.append(self.produce(bid, self.num_layers, self.block_tokens))
+            except KvspError as e:  # produced here already by another session
+                log.debug("block %s not produced live: %s", key[:12], e.detail)
+                break
+        if not blocks:
+            return None
+        return LivePass(blocks, first, start, self.block_tokens, asyncio.get_running_loop())
+
+
+async def audit_live_loads(index: IndexClient, store: BlockStore, *, compat_id: str, scope_id: str,
+                           producers: Mapping[str, str], wait_s: float = 10.0,
+                           step_s: float = 0.1) -> tuple[list[str], list[str]]:
+    """Compare the copies stored from live layers with their producers' complete records.
+
+    `producers` maps each block key (leading blocks of one prompt, in order) to the HTTP base of
+    the holder that produced it live. Waits (bounded) for the complete records; returns the keys
+    compared, and those whose record lists other layer digests than the stored copy (discarded)."""
+    pending = dict(producers)
+    compared: list[str] = []
+    mismatched: list[str] = []
+    for _ in range(max(1, int(wait_s / step_s))):
+        keys = [k for k in producers if k in pending]
+        if not keys:
+            break
+        try:
+            result = await index.lookup(scope_id, compat_id, keys)
+        except KvspError as e:
+            log.info("auditing live loads: lookup failed (%s)", e.detail)
+            result = None
+        for block in result.blocks[:result.matched] if result is not None else ():
+            producer = pending.get(block.block_key)
+            entry = store.get(BlockId(compat_id, scope_id, block.block_key))
+            if producer is None or entry is None:
+                pending.pop(block.block_key, None)
+                continue
+            record = next((r for r in block.replicas if not r.live and r.layer_digests
+                           and base_url(r.http_holder or r.holder) == producer), None)
+            if record is None:
+                continue  # not complete yet
+            del pending[block.block_key]
+            compared.append(block.block_key)
+            if tuple(record.layer_digest_bytes()) != tuple(entry.meta.layer_digests):
+                log.error("block %s: %s published layers live whose digests its complete record "
+                          "does not list; the copy made from them is discarded", block.block_key[:12],
+                          producer)
+                mismatched.append(block.block_key)
+                await store.discard(entry.id)
+        if pending:
+            await asyncio.sleep(step_s)
+    return compared, mismatched
+
+
+__all__ = ["LivePass", "LiveProducer", "Produce", "audit_live_loads"]
