@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any, Callable, ClassVar, Iterable, NamedTuple, Union
 
-from .errors import BufferReadError, KeyValueFormattingError, ProtocolViolation
+from .errors import BufferReadError, KeyValueFormattingError, MalformedAuthority, MalformedPath, ProtocolViolation
 from .varint import U64_MAX, VI64, Buffer, IntegerCodec
 
 MAX_MESSAGE_LENGTH = 0xFFFF
@@ -508,3 +508,39 @@ class ObjectStatus(IntEnum):
     NORMAL = 0x0
     END_OF_GROUP = 0x3
     END_OF_TRACK = 0x4
+
+
+# --------------------------------------------------------------------------- shared by the drafts' codecs
+
+def _text_option(value: bytes, error: type[Exception], what: str) -> str:
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError:
+        raise error(f"{what} is not UTF-8") from None
+
+
+def setup_value(name: str, value: int | bytes) -> Any:
+    """A setup option's value as a Setup field (the text ones decoded); the same
+    options exist in every draft."""
+    if isinstance(value, bytes):  # PATH, AUTHORITY and MOQT_IMPLEMENTATION: odd types
+        if name == "path":
+            return _text_option(value, MalformedPath, "PATH")
+        if name == "authority":
+            return _text_option(value, MalformedAuthority, "AUTHORITY")
+        if name == "implementation":
+            return value.decode("utf-8", errors="replace")
+    return value
+
+
+def put_goaway_uri(w: Writer, uri: str) -> None:
+    encoded = uri.encode("utf-8")
+    if len(encoded) > MAX_GOAWAY_URI:
+        raise ValueError(f"GOAWAY URI over {MAX_GOAWAY_URI} bytes")
+    w.length_prefixed(encoded)
+
+
+def pull_goaway_uri(buf: Buffer) -> str:
+    length = buf.pull_varint()
+    if length > MAX_GOAWAY_URI:
+        raise ProtocolViolation(f"GOAWAY URI of {length} bytes (max {MAX_GOAWAY_URI})")
+    return buf.pull_bytes(length).decode("utf-8", errors="replace")

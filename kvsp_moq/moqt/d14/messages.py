@@ -100,8 +100,11 @@ from ..wire import (
     Location,
     SubscriptionFilter,
     TrackNamespace,
+    pull_goaway_uri,
     pull_location,
     pull_reason,
+    put_goaway_uri,
+    setup_value,
 )
 
 __all__ = [
@@ -635,7 +638,7 @@ class SetupParameters:
                 continue
             if name in values:
                 raise ProtocolViolation(f"setup parameter 0x{ktype:x} repeated")
-            values[name] = m18._setup_value(name, value)
+            values[name] = setup_value(name, value)
         return cls(authorization_tokens=tuple(tokens), unknown=tuple(unknown), **values)
 
 
@@ -764,7 +767,7 @@ _PARAMETERS: _Codec = (
 )
 _SETUP: _Codec = (lambda w, v, c: v.encode(w), lambda b, c: SetupParameters.decode(b))
 _VERSION: _Codec = (_put_version, lambda b, c: _pull_version(b))
-_GOAWAY_URI: _Codec = (lambda w, v, c: m18._put_goaway_uri(w, v), lambda b, c: m18._pull_goaway_uri(b))
+_GOAWAY_URI: _Codec = (lambda w, v, c: put_goaway_uri(w, v), lambda b, c: pull_goaway_uri(b))
 _TRACK = ("namespace", "track_name")
 
 

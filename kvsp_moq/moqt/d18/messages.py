@@ -29,8 +29,6 @@ from enum import IntEnum
 from typing import Any, ClassVar
 
 from ..errors import (
-    MalformedAuthority,
-    MalformedPath,
     ProtocolViolation,
     RequestErrorCode,
 )
@@ -57,9 +55,12 @@ from ..wire import (
     encode_properties,
     frame_message,
     pull_full_track_name,
+    pull_goaway_uri,
     pull_location,
     pull_namespace,
     pull_reason,
+    put_goaway_uri,
+    setup_value,
 )
 from .profiles import D18, Profile, profile
 
@@ -753,13 +754,6 @@ class Message:
         raise NotImplementedError
 
 
-def _text_option(value: bytes, error: type[Exception], what: str) -> str:
-    try:
-        return value.decode("utf-8")
-    except UnicodeDecodeError:
-        raise error(f"{what} is not UTF-8") from None
-
-
 #: The Setup field of each known Setup Option.
 _SETUP_OPTION_NAMES: dict[int, str] = {
     SetupOption.PATH: "path",
@@ -767,33 +761,6 @@ _SETUP_OPTION_NAMES: dict[int, str] = {
     SetupOption.AUTHORITY: "authority",
     SetupOption.MOQT_IMPLEMENTATION: "implementation",
 }
-
-
-def _setup_value(name: str, value: int | bytes) -> Any:
-    """A setup option's value as a Setup field (the text ones decoded); the same
-    options exist in every draft."""
-    if isinstance(value, bytes):  # PATH, AUTHORITY and MOQT_IMPLEMENTATION: odd types
-        if name == "path":
-            return _text_option(value, MalformedPath, "PATH")
-        if name == "authority":
-            return _text_option(value, MalformedAuthority, "AUTHORITY")
-        if name == "implementation":
-            return value.decode("utf-8", errors="replace")
-    return value
-
-
-def _put_goaway_uri(w: Writer, uri: str) -> None:
-    encoded = uri.encode("utf-8")
-    if len(encoded) > MAX_GOAWAY_URI:
-        raise ValueError(f"GOAWAY URI over {MAX_GOAWAY_URI} bytes")
-    w.length_prefixed(encoded)
-
-
-def _pull_goaway_uri(buf: Buffer) -> str:
-    length = buf.pull_varint()
-    if length > MAX_GOAWAY_URI:
-        raise ProtocolViolation(f"GOAWAY URI of {length} bytes (max {MAX_GOAWAY_URI})")
-    return buf.pull_bytes(length).decode("utf-8", errors="replace")
 
 
 @dataclass(frozen=True, slots=True)
@@ -841,7 +808,7 @@ class Setup(Message):
                 continue
             if name in values:
                 raise ProtocolViolation(f"SETUP option 0x{otype:x} repeated")
-            values[name] = _setup_value(name, value)
+            values[name] = setup_value(name, value)
         return cls(authorization_tokens=tuple(tokens), unknown_options=tuple(unknown), **values)
 
 
@@ -855,14 +822,14 @@ class Goaway(Message):
     request_id: int | None = None
 
     def _encode18(self, w: Writer, p: Profile) -> None:
-        _put_goaway_uri(w, self.new_session_uri)
+        put_goaway_uri(w, self.new_session_uri)
         w.varint(self.timeout_ms)
         if self.request_id is not None and p.goaway_request_id:
             w.varint(self.request_id)
 
     @classmethod
     def _decode18(cls, buf: Buffer, p: Profile) -> "Goaway":
-        uri = _pull_goaway_uri(buf)
+        uri = pull_goaway_uri(buf)
         timeout = buf.pull_varint()
         request_id = None if buf.eof() or not p.goaway_request_id else buf.pull_varint()
         return cls(uri, timeout, request_id)
