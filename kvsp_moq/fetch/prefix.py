@@ -300,9 +300,19 @@ class PrefixLoader:
         started = time.perf_counter()
         if self._blocks:
             await self._batch_leases()
-            queue = deque((a, b, blk) for a, b in self.ranges for blk in self._blocks)
+            # A block still being produced (its first candidate a live record) is one
+            # subscription from layer 0, each layer taken as it is computed: ranges would each
+            # be a subscription of their own, and the relay's feed could end between them and
+            # make the producer send the block again. They wait on the producer, not on the
+            # links, so they do not take the workers' turns.
+            live = [blk for blk in self._blocks if blk.candidates.candidates
+                    and blk.candidates.candidates[0].record.live]
+            stored = [blk for blk in self._blocks if blk not in live]
+            last = self.pool.num_layers - 1
+            queue = deque((a, b, blk) for a, b in self.ranges for blk in stored)
             count = min(self.concurrency, len(queue))
             workers = [asyncio.create_task(self._worker(queue)) for _ in range(count)]
+            workers += [asyncio.create_task(self._load_range(blk, 0, last)) for blk in live]
             try:
                 await asyncio.gather(*workers)
             except BaseException as e:

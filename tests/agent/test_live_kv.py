@@ -234,8 +234,9 @@ def test_prefill_and_decode_on_two_instances(model_dir: Path, index_url: str,
     """POST prefill at A, then a generate at B with "prefill_at": A: B subscribes to A's blocks
     while A computes them, decodes, and answers exactly as one instance alone."""
     prompt = tokens(PROMPT, 94)
+    # B would load a stored prefix in ranges of two layers; a live block is one subscription.
     with Agent(settings(model_dir, index_url, relay.url)) as a, \
-            Agent(settings(model_dir, index_url, relay.url)) as b:
+            Agent(settings(model_dir, index_url, relay.url, layers_per_request=2)) as b:
         keys = prompt_keys(a, prompt)
         pace = Paced(a, per_layer_s=0.05)
         r = httpx.post(a.url + "prefill", json={"tokens": prompt}, timeout=30)
@@ -260,6 +261,13 @@ def test_prefill_and_decode_on_two_instances(model_dir: Path, index_url: str,
             mine = a.context.store.get(BlockId(compat, SCOPE, k))
             theirs = b.context.store.get(BlockId(compat, SCOPE, k))
             assert theirs is not None and bytes(theirs.host.buffer) == bytes(mine.host.buffer)
+        # One subscription per block, from B at the relay and from the relay at A, and one
+        # copy of each layer out of A.
+        assert relay.snapshot()["subscribes"] == len(keys)
+        moqt = a.context.moqt_publisher
+        assert moqt is not None and moqt.stats.subscribes == len(keys)
+        containers = sum(a.context.store.get(BlockId(compat, SCOPE, k)).meta.size for k in keys)
+        assert moqt.stats.bytes_sent <= containers  # the layers' payloads, once
         # B held A to what it sent: A's complete records list the digests the layers carried.
         wait_until(lambda: b.engine.live_audited == len(keys), timeout=20,
                    what="B comparing A's complete records with what it received")
