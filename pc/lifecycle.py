@@ -142,6 +142,9 @@ class _Entry:
     """The Scope IDs the instance serves: those of the principal that reports it ("*": all)."""
     owner: str | None = None
     """The name of that principal; None for a provisional entry."""
+    view: tuple[InstanceStatus, str, int, InstanceStatus] | None = None
+    """The last view built of the record: (record, state, routed count, view). Routing reads
+    every active instance's view twice per request; it changes far less often."""
 
     def serves(self, scope_id: str) -> bool:
         return ANY in self.scopes or scope_id.lower() in self.scopes
@@ -372,9 +375,15 @@ class InstanceRegistry:
         if state != "failed" and now >= entry.expires_at:
             state = "failed"  # expired but not swept yet: never offered as active
         extra = self._pending(entry, now) if routed else 0
-        if state == entry.record.state and not extra:
-            return entry.record
-        return dataclasses.replace(entry.record, state=state, queued=entry.record.queued + extra)
+        record = entry.record
+        if state == record.state and not extra:
+            return record
+        last = entry.view
+        if last is not None and last[0] is record and last[1] == state and last[2] == extra:
+            return last[3]
+        view = dataclasses.replace(record, state=state, queued=record.queued + extra)
+        entry.view = (record, state, extra, view)
+        return view
 
     def get(self, instance_url: str) -> InstanceStatus | None:
         """`InstanceDirectory.get` of the Index Service: the unexpired record of an instance,
