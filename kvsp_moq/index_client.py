@@ -56,6 +56,11 @@ class LookupBlock:
         every replica of every block."""
         return replica_shape(self.replicas)
 
+    @functools.cached_property
+    def shape_id(self) -> int:
+        """id() of `shape`, which the block holds (so no other live shape has it)."""
+        return id(self.shape)
+
 
 @dataclass(frozen=True)
 class LookupResult:

@@ -216,7 +216,7 @@ def directive_for(result: LookupResult, request: RouteRequest, instance: Instanc
                      if links is not None else range(len(g.replicas)))
             sources.append(tuple(dict.fromkeys(g.replicas[j].holder for j in order)))
     if reuse is not None:
-        blocks = reuse.blocks(result, grouping.of_block, sources)
+        blocks = reuse.blocks(result, grouping.of_block, sources, grouping.runs)
     else:
         blocks = tuple(PrefetchBlock(b.block_key, sources[gi])
                        for b, gi in zip(result.blocks, grouping.of_block) if sources[gi])
@@ -243,19 +243,29 @@ class PrefetchBlocks:
         self._count = 0
 
     def blocks(self, result: LookupResult, of_block: Sequence[int],
-               sources: Sequence[tuple[str, ...]]) -> tuple[PrefetchBlock, ...]:
+               sources: Sequence[tuple[str, ...]], runs: Sequence[int] | None = None
+               ) -> tuple[PrefetchBlock, ...]:
         """The entries of the matched blocks (group `of_block[i]` loads from
-        `sources[of_block[i]]`), blocks without a source left out."""
+        `sources[of_block[i]]`), blocks without a source left out. `runs`: where each run of
+        blocks of one group starts (a prompt's blocks come in spans held alike)."""
         if self._count > self.LIMIT:
             self._by_sources.clear()
             self._count = 0
         tables = [self._by_sources.setdefault(s, {}) for s in sources]
-        keys = map(_block_key, result.blocks)
         if all(sources):
             try:  # every entry built before: C-level lookups only
-                return tuple(map(dict.__getitem__, map(tables.__getitem__, of_block), keys))
+                n = len(of_block)
+                if runs is not None and len(runs) * 16 <= n:
+                    in_order = list(map(_block_key, result.blocks[:n]))
+                    found: list[PrefetchBlock] = []
+                    for a, b in zip(runs, (*runs[1:], n)):
+                        found += map(tables[of_block[a]].__getitem__, in_order[a:b])
+                    return tuple(found)
+                return tuple(map(dict.__getitem__, map(tables.__getitem__, of_block),
+                                 map(_block_key, result.blocks)))
             except KeyError:
-                keys = map(_block_key, result.blocks)
+                pass
+        keys = map(_block_key, result.blocks)
         out = []
         for key, gi in zip(keys, of_block):
             src = sources[gi]

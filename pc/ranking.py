@@ -112,6 +112,8 @@ class Grouping:
     groups: tuple[ReplicaGroup, ...]
     of_block: tuple[int, ...]
     """Group index of each matched block, in prefix order."""
+    runs: tuple[int, ...] | None = dataclasses.field(default=None, compare=False)
+    """Where each run of consecutive blocks of one group starts, when known."""
 
     @classmethod
     def of(cls, result: LookupResult) -> "Grouping":
@@ -122,7 +124,7 @@ class Grouping:
         n = len(blocks)
         if not n:
             return cls((), ())
-        ids = np.fromiter(map(id, map(_shape, blocks)), np.uintp, n)
+        ids = np.fromiter(map(_shape_id, blocks), np.uintp, n)
         _, first, inverse, counts = np.unique(ids, return_index=True, return_inverse=True,
                                               return_counts=True)
         order = np.argsort(first)  # distinct shape objects by first appearance
@@ -141,7 +143,8 @@ class Grouping:
                 heads = [heads[i] for i in keep.tolist()]
         groups = tuple(ReplicaGroup(c, b.replicas, b.shape)
                        for c, b in zip(counts.tolist(), heads))
-        return cls(groups, tuple(of_block.tolist()))
+        runs = np.flatnonzero(of_block[1:] != of_block[:-1]) + 1
+        return cls(groups, tuple(of_block.tolist()), (0, *runs.tolist()))
 
     @classmethod
     def by_signature(cls, result: LookupResult) -> "Grouping":
@@ -234,7 +237,9 @@ def _rank_reference(groups: Sequence[ReplicaGroup], candidates: Iterable[Instanc
 # --------------------------------------------------------------------------- arrays
 
 
-_shape = operator.attrgetter("shape")
+_shape_id = operator.attrgetter("shape_id")
+_prefill = operator.attrgetter("prefill_tokens_per_s")
+_queued = operator.attrgetter("queued")
 
 
 class LinkArrays:
@@ -432,8 +437,8 @@ def _recompute_us(tokens: int, prefill: np.ndarray) -> np.ndarray:
     """`cost.recompute_us` over the candidates' prefill rates."""
     if tokens <= 0:
         return np.zeros(len(prefill))
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return np.where(prefill <= 0, math.inf, (1e6 * tokens) / prefill)
+    unmeasured = prefill <= 0
+    return np.where(unmeasured, math.inf, (1e6 * tokens) / np.where(unmeasured, 1.0, prefill))
 
 
 def _rank_arrays(groups: Sequence[ReplicaGroup], statuses: list[InstanceStatus],
@@ -446,8 +451,8 @@ def _rank_arrays(groups: Sequence[ReplicaGroup], statuses: list[InstanceStatus],
         return _rank_reference(groups, statuses, matched_tokens, token_count,
                                mean_service_tokens)
     fetch, resident = fetched
-    prefill = np.array([s.prefill_tokens_per_s for s in statuses], float)
-    queued = np.array([s.queued for s in statuses], float)
+    prefill = np.fromiter(map(_prefill, statuses), float, C)
+    queued = np.fromiter(map(_queued, statuses), float, C)
     service = np.where(prefill == 0, 0.0, _recompute_us(int(mean_service_tokens), prefill))
     wait = queued * service
     recompute = _recompute_us(token_count - matched_tokens, prefill)

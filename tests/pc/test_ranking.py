@@ -53,10 +53,13 @@ def worlds(draw):
                         draw(st.sampled_from([None, INSTANCES[0], HOLDERS[0]])))
                        for h in where])
     blocks = []
-    for n in range(draw(st.integers(0, 40))):
+    count = draw(st.integers(0, 80))
+    spans = draw(st.booleans())  # blocks in long runs of one replica set, or mixed
+    for n in range(count):
         key = f"{n:064x}"
         reps = []
-        for h, size, res, layers, http in draw(st.sampled_from(shapes)):
+        shape = shapes[n * len(shapes) // count] if spans else draw(st.sampled_from(shapes))
+        for h, size, res, layers, http in shape:
             if layers is None:
                 res = ()
             reps.append(record(key, h, size, res, layers, http))
@@ -79,11 +82,12 @@ def check_same(statuses, result, tokens):
         assert [(c.instance, c.resident_blocks, c.estimate) for c in fast] == \
             [(c.instance, c.resident_blocks, c.estimate) for c in ref]
     req = RouteRequest(SCOPE, COMPAT, tuple(b.block_key for b in result.blocks), tokens, 16, "r")
-    for status in statuses:
+    reuse = PrefetchBlocks()
+    for status in statuses * 2:  # the second time from entries built the first
         want = directive_for(result, req, status, PlacementSettings(), directive="d",
                              grouping=ref_groups)
         got = directive_for(result, req, status, PlacementSettings(), directive="d",
-                            grouping=fast_groups, reuse=PrefetchBlocks(), ranked=arrays)
+                            grouping=fast_groups, reuse=reuse, ranked=arrays)
         assert got == want
 
 
