@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import httpx
@@ -44,22 +43,26 @@ def shapes_interned_once() -> bool:
     return _shape_tables[0] == 1
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class LookupBlock:
     block_key: str
     replicas: tuple[ReplicaRecord, ...]
+    shape_id: int = field(default=0, init=False, repr=False, compare=False)
+    """id() of `shape` once computed, else 0 (the block holds the shape: no other live shape
+    has this id). Kept in a slot, so that grouping a prompt's blocks reads one word each."""
+    _shape: ReplicaShape | None = field(default=None, init=False, repr=False, compare=False)
 
-    @functools.cached_property
+    @property
     def shape(self) -> ReplicaShape:
         """`replica_shape` of the replicas, computed once per block: an index that hands out
         the same block objects again (the PC's in-process lookups) spares routing a walk over
         every replica of every block."""
-        return replica_shape(self.replicas)
-
-    @functools.cached_property
-    def shape_id(self) -> int:
-        """id() of `shape`, which the block holds (so no other live shape has it)."""
-        return id(self.shape)
+        shape = self._shape
+        if shape is None:
+            shape = replica_shape(self.replicas)
+            object.__setattr__(self, "_shape", shape)
+            object.__setattr__(self, "shape_id", id(shape))
+        return shape
 
 
 @dataclass(frozen=True)

@@ -125,6 +125,10 @@ class Grouping:
         if not n:
             return cls((), ())
         ids = np.fromiter(map(_shape_id, blocks), np.uintp, n)
+        if not ids.all():  # blocks not grouped before: their shapes first
+            for b in blocks:
+                b.shape
+            ids = np.fromiter(map(_shape_id, blocks), np.uintp, n)
         _, first, inverse, counts = np.unique(ids, return_index=True, return_inverse=True,
                                               return_counts=True)
         order = np.argsort(first)  # distinct shape objects by first appearance
