@@ -422,11 +422,12 @@ class InstanceRegistry:
         skip = {base_url(u) for u in exclude}
         out = []
         for url, entry in self._entries.items():
-            if url in skip or (scope_id is not None and not entry.serves(scope_id)):
+            # The view's state is the entry's, failed once expired: only an active one is
+            # viewed (routing asks this twice per request).
+            if (entry.state != "active" or now >= entry.expires_at or url in skip
+                    or (scope_id is not None and not entry.serves(scope_id))):
                 continue
-            view = self._view(entry, now)
-            if view.state == "active":
-                out.append(view)
+            out.append(self._view(entry, now))
         return out
 
     def all(self) -> list[InstanceStatus]:

@@ -428,10 +428,11 @@ def _shape_arrays(shape: ReplicaShape) -> _ShapeArrays:
 def _bytes_us(octets: np.ndarray, caps: np.ndarray, rate: np.ndarray) -> np.ndarray:
     """`cost.bytes_us` for rows of pieces (P, T) over links (P, C): a row's pieces added left
     to right; padding pieces are 0 octets, which add nothing."""
+    bits = 8 * octets
     out = None
     for t in range(octets.shape[1]):
-        cap = caps[:, t:t + 1]
-        term = (8 * octets[:, t:t + 1]) / np.where(cap > rate, rate, cap)
+        # min(link, tier): `rate if cap > rate else cap`, as neither is NaN (both validated)
+        term = bits[:, t:t + 1] / np.minimum(rate, caps[:, t:t + 1])
         out = term if out is None else out + term
     assert out is not None
     return out
@@ -515,16 +516,22 @@ def _fetch_arrays(groups: Sequence[ReplicaGroup], arrays: LinkArrays, C: int
     fetch_total = (size * count).astype(float)
     choose_bytes = _bytes_us(
         np.where(profiled, choose_total / layers, choose_total)[:, None] * pieces, caps, rate)
-    fetch_bytes = (choose_bytes if np.array_equal(choose_total, fetch_total) else _bytes_us(
+    fetch_bytes = (choose_bytes if (choose_total == fetch_total).all() else _bytes_us(
         np.where(profiled, fetch_total / layers, fetch_total)[:, None] * pieces, caps, rate))
     load = rtt + choose_bytes
     arrays._last = _Loads(groups, load, holders)
-    # Per group and candidate, the first of its fastest replicas (as min() picks).
-    P = len(pairs)
-    fastest = np.repeat(np.minimum.reduceat(load, starts, axis=0), per_group, axis=0)
-    picked = np.minimum.reduceat(np.where(load == fastest, np.arange(P)[:, None], P), starts,
-                                 axis=0)
-    at_home = np.logical_or.reduceat(here, starts, axis=0)
+    # Per group and candidate, the first of its fastest replicas (as min() picks), and
+    # whether one of them sits at the candidate.
+    G, J = len(kept), per_group[0]
+    if per_group.count(J) == G:  # as many replicas in every group: a (G, J, C) view
+        picked = load.reshape(G, J, C).argmin(axis=1) + (np.arange(G) * J)[:, None]
+        at_home = here.reshape(G, J, C).any(axis=1)
+    else:
+        P = len(pairs)
+        fastest = np.repeat(np.minimum.reduceat(load, starts, axis=0), per_group, axis=0)
+        picked = np.minimum.reduceat(np.where(load == fastest, np.arange(P)[:, None], P),
+                                     starts, axis=0)
+        at_home = np.logical_or.reduceat(here, starts, axis=0)
     resident = (np.array(count_of, np.int64)[:, None] * at_home).sum(axis=0)
     gi, ci = np.nonzero(~at_home)  # group-major: a source's loads add up in prefix order
     rows = picked[gi, ci]
