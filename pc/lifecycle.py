@@ -427,7 +427,9 @@ class InstanceRegistry:
             if (entry.state != "active" or now >= entry.expires_at or url in skip
                     or (scope_id is not None and not entry.serves(scope_id))):
                 continue
-            out.append(self._view(entry, now))
+            record = entry.record
+            out.append(record if not entry.routed and record.state == "active"
+                       else self._view(entry, now))
         return out
 
     def all(self) -> list[InstanceStatus]:

@@ -27,7 +27,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from kvsp_moq.index_client import LookupResult, ReplicaShape, replica_shape, shapes_interned_once
+from kvsp_moq.index_client import LookupBlock, LookupResult, ReplicaShape, replica_shape, shapes_interned_once
 from kvsp_moq.protocol.cost import (
     Estimate,
     LinkTable,
@@ -129,14 +129,29 @@ class Grouping:
             for b in blocks:
                 b.shape
             ids = np.fromiter(map(_shape_id, blocks), np.uintp, n)
-        _, first, inverse, counts = np.unique(ids, return_index=True, return_inverse=True,
-                                              return_counts=True)
-        order = np.argsort(first)  # distinct shape objects by first appearance
-        heads = [blocks[i] for i in first[order].tolist()]
-        rank_of = np.empty(len(order), np.intp)
-        rank_of[order] = np.arange(len(order))
-        of_block = rank_of[inverse.reshape(-1)]
-        counts = counts[order]
+        cuts = np.flatnonzero(ids[1:] != ids[:-1]) + 1
+        if len(cuts) * 8 < n:  # a prompt's blocks come in spans held alike: group the runs
+            starts = [0, *cuts.tolist()]
+            lengths = np.diff(starts + [n])
+            group_of: dict[int, int] = {}
+            heads: list[LookupBlock] = []
+            run_group = []
+            for i, start in zip(ids[starts].tolist(), starts):
+                g = group_of.setdefault(i, len(heads))
+                if g == len(heads):
+                    heads.append(blocks[start])
+                run_group.append(g)
+            of_block = np.repeat(np.array(run_group, np.intp), lengths)
+            counts = np.bincount(run_group, weights=lengths, minlength=len(heads)).astype(int)
+        else:
+            _, first, inverse, counts = np.unique(ids, return_index=True, return_inverse=True,
+                                                  return_counts=True)
+            order = np.argsort(first)  # distinct shape objects by first appearance
+            heads = [blocks[i] for i in first[order].tolist()]
+            rank_of = np.empty(len(order), np.intp)
+            rank_of[order] = np.arange(len(order))
+            of_block = rank_of[inverse.reshape(-1)]
+            counts = counts[order]
         if len(heads) > 1 and not shapes_interned_once():
             merged: dict[ReplicaShape, int] = {}
             to = np.array([merged.setdefault(b.shape, len(merged)) for b in heads], np.intp)
