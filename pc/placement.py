@@ -1,10 +1,13 @@
 """Routing and prefetch (KVSP §6.4, §6.5): which active instance serves a prompt, and what it
 should load before the request reaches it.
 
-`rank` is pure: a lookup answer and the candidates' status records in, candidates ordered by
-the §6.4 cost out. `Router` adds the I/O: the Index Service lookup (an injected async function,
-so an in-process index and a remote one both work), the prefetch directive sent before the
-answer, and the start hook for when no active instance is good enough.
+`rank` (`pc.ranking`) is pure: a lookup answer and the candidates' status records in,
+candidates ordered by the §6.4 cost out. `Router` adds the I/O: the Index Service lookup (an
+injected async function, so an in-process index and a remote one both work), the prefetch
+directive sent before the answer, and the start hook for when no active instance is good
+enough. Between routes it keeps the candidates' links as arrays and the directive entries it
+built (`LinkArrays`, `PrefetchBlocks`); `Router(reference=True)` keeps nothing and ranks with
+the reference implementation, which decides the same.
 
 `POST {pc}route` (our extension, DESIGN §3) body:
 
