@@ -142,6 +142,9 @@ class _Entry:
     """The Scope IDs the instance serves: those of the principal that reports it ("*": all)."""
     owner: str | None = None
     """The name of that principal; None for a provisional entry."""
+    counted: tuple[list, int, int] | None = None
+    """The last count of `routed` under the per-scope cap: (the list, its length, count). The
+    list only grows until it is replaced, so the same list at the same length counts the same."""
     view: tuple[InstanceStatus, str, int, InstanceStatus] | None = None
     """The last view built of the record: (record, state, routed count, view). Routing reads
     every active instance's view twice per request; it changes far less often."""
@@ -320,12 +323,18 @@ class InstanceRegistry:
             if entry.routed[0][0] <= oldest:
                 entry.routed = [r for r in entry.routed if r[0] > oldest]
         cap = self.settings.routed_cap_per_scope
-        if len(entry.routed) <= cap:
-            return len(entry.routed)
+        routed = entry.routed
+        if len(routed) <= cap:
+            return len(routed)
+        last = entry.counted
+        if last is not None and last[0] is routed and last[1] == len(routed):
+            return last[2]
         per_scope: dict[str, int] = {}
-        for _, scope in entry.routed:
+        for _, scope in routed:
             per_scope[scope] = per_scope.get(scope, 0) + 1
-        return sum(min(n, cap) for n in per_scope.values())
+        count = sum(min(n, cap) for n in per_scope.values())
+        entry.counted = (routed, len(routed), count)
+        return count
 
     def register_started(self, started: str | InstanceStatus, scope_id: str = ANY) -> bool:
         """Make an instance the start hook launched known, active, before its first record.
