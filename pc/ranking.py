@@ -118,8 +118,9 @@ class Grouping:
     @classmethod
     def of(cls, result: LookupResult) -> "Grouping":
         """Groups in order of first appearance, by block shape: by the identity of the
-        interned shapes (one C-level pass over the blocks, then numpy), the distinct shape
-        objects merged by value only if the intern table was ever emptied."""
+        interned shapes (one C-level pass over the blocks, then numpy over the runs of alike
+        blocks, or a sort when there are many), the distinct shape objects merged by value
+        only if the intern table was ever emptied. The same groups as `by_signature`."""
         blocks = result.blocks[:result.matched]
         n = len(blocks)
         if not n:
