@@ -2,24 +2,67 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import httpx
 
 from kvsp_moq.errors import KvspError, TransportError, reason_of
 from kvsp_moq.protocol.problems import Problem
-from kvsp_moq.protocol.records import LookupRequest, ReplicaRecord, replica_id
+from kvsp_moq.protocol.records import LookupRequest, ReplicaRecord, Residency, replica_id
 from kvsp_moq.protocol.urls import base_url
 
 #: The most records one POST replicas:batch may carry.
 BATCH_LIMIT = 1000
 
 
-@dataclass(frozen=True)
+#: A replica set as placement costs it: per replica (holder, http_holder, size, layer count,
+#: residency), the block key and digests aside.
+ReplicaShape = tuple[tuple[str, str | None, int, int | None, tuple[Residency, ...]], ...]
+
+_SHAPES: dict[ReplicaShape, ReplicaShape] = {}
+_SHAPES_LIMIT = 1 << 16
+_shape_tables = [1]  # how many intern tables there have been
+
+
+def replica_shape(replicas: Sequence[ReplicaRecord]) -> ReplicaShape:
+    """The shape of a replica set, interned: equal shapes are one object while the table holds
+    them (it is emptied when full, see `shapes_interned_once`), so blocks can be grouped by
+    identity."""
+    shape = tuple([(r.holder, r.http_holder, r.size, r.layer_count, r.residency)
+                   for r in replicas])
+    if len(_SHAPES) >= _SHAPES_LIMIT:
+        _SHAPES.clear()
+        _shape_tables[0] += 1
+    return _SHAPES.setdefault(shape, shape)
+
+
+def shapes_interned_once() -> bool:
+    """True while the intern table was never emptied: two shape objects are then equal only
+    when they are the same object. Afterwards equal shapes may be distinct objects."""
+    return _shape_tables[0] == 1
+
+
+@dataclass(frozen=True, slots=True)
 class LookupBlock:
     block_key: str
     replicas: tuple[ReplicaRecord, ...]
+    shape_id: int = field(default=0, init=False, repr=False, compare=False)
+    """id() of `shape` once computed, else 0 (the block holds the shape: no other live shape
+    has this id). Kept in a slot, so that grouping a prompt's blocks reads one word each."""
+    _shape: ReplicaShape | None = field(default=None, init=False, repr=False, compare=False)
+
+    @property
+    def shape(self) -> ReplicaShape:
+        """`replica_shape` of the replicas, computed once per block: an index that hands out
+        the same block objects again (the PC's in-process lookups) spares routing a walk over
+        every replica of every block."""
+        shape = self._shape
+        if shape is None:
+            shape = replica_shape(self.replicas)
+            object.__setattr__(self, "_shape", shape)
+            object.__setattr__(self, "shape_id", id(shape))
+        return shape
 
 
 @dataclass(frozen=True)

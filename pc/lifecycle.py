@@ -142,6 +142,12 @@ class _Entry:
     """The Scope IDs the instance serves: those of the principal that reports it ("*": all)."""
     owner: str | None = None
     """The name of that principal; None for a provisional entry."""
+    counted: tuple[list, int, int] | None = None
+    """The last count of `routed` under the per-scope cap: (the list, its length, count). The
+    list only grows until it is replaced, so the same list at the same length counts the same."""
+    view: tuple[InstanceStatus, str, int, InstanceStatus] | None = None
+    """The last view built of the record: (record, state, routed count, view). Routing reads
+    every active instance's view twice per request; it changes far less often."""
 
     def serves(self, scope_id: str) -> bool:
         return ANY in self.scopes or scope_id.lower() in self.scopes
@@ -317,12 +323,18 @@ class InstanceRegistry:
             if entry.routed[0][0] <= oldest:
                 entry.routed = [r for r in entry.routed if r[0] > oldest]
         cap = self.settings.routed_cap_per_scope
-        if len(entry.routed) <= cap:
-            return len(entry.routed)
+        routed = entry.routed
+        if len(routed) <= cap:
+            return len(routed)
+        last = entry.counted
+        if last is not None and last[0] is routed and last[1] == len(routed):
+            return last[2]
         per_scope: dict[str, int] = {}
-        for _, scope in entry.routed:
+        for _, scope in routed:
             per_scope[scope] = per_scope.get(scope, 0) + 1
-        return sum(min(n, cap) for n in per_scope.values())
+        count = sum(min(n, cap) for n in per_scope.values())
+        entry.counted = (routed, len(routed), count)
+        return count
 
     def register_started(self, started: str | InstanceStatus, scope_id: str = ANY) -> bool:
         """Make an instance the start hook launched known, active, before its first record.
@@ -372,9 +384,15 @@ class InstanceRegistry:
         if state != "failed" and now >= entry.expires_at:
             state = "failed"  # expired but not swept yet: never offered as active
         extra = self._pending(entry, now) if routed else 0
-        if state == entry.record.state and not extra:
-            return entry.record
-        return dataclasses.replace(entry.record, state=state, queued=entry.record.queued + extra)
+        record = entry.record
+        if state == record.state and not extra:
+            return record
+        last = entry.view
+        if last is not None and last[0] is record and last[1] == state and last[2] == extra:
+            return last[3]
+        view = dataclasses.replace(record, state=state, queued=record.queued + extra)
+        entry.view = (record, state, extra, view)
+        return view
 
     def get(self, instance_url: str) -> InstanceStatus | None:
         """`InstanceDirectory.get` of the Index Service: the unexpired record of an instance,
@@ -413,11 +431,14 @@ class InstanceRegistry:
         skip = {base_url(u) for u in exclude}
         out = []
         for url, entry in self._entries.items():
-            if url in skip or (scope_id is not None and not entry.serves(scope_id)):
+            # The view's state is the entry's, failed once expired: only an active one is
+            # viewed (routing asks this twice per request).
+            if (entry.state != "active" or now >= entry.expires_at or url in skip
+                    or (scope_id is not None and not entry.serves(scope_id))):
                 continue
-            view = self._view(entry, now)
-            if view.state == "active":
-                out.append(view)
+            record = entry.record
+            out.append(record if not entry.routed and record.state == "active"
+                       else self._view(entry, now))
         return out
 
     def all(self) -> list[InstanceStatus]:

@@ -1,10 +1,13 @@
 """Routing and prefetch (KVSP §6.4, §6.5): which active instance serves a prompt, and what it
 should load before the request reaches it.
 
-`rank` is pure: a lookup answer and the candidates' status records in, candidates ordered by
-the §6.4 cost out. `Router` adds the I/O: the Index Service lookup (an injected async function,
-so an in-process index and a remote one both work), the prefetch directive sent before the
-answer, and the start hook for when no active instance is good enough.
+`rank` (`pc.ranking`) is pure: a lookup answer and the candidates' status records in,
+candidates ordered by the §6.4 cost out. `Router` adds the I/O: the Index Service lookup (an
+injected async function, so an in-process index and a remote one both work), the prefetch
+directive sent before the answer, and the start hook for when no active instance is good
+enough. Between routes it keeps the candidates' links as arrays and the directive entries it
+built (`LinkArrays`, `PrefetchBlocks`); `Router(reference=True)` keeps nothing and ranks with
+the reference implementation, which decides the same.
 
 `POST {pc}route` (our extension, DESIGN §3) body:
 
@@ -41,39 +44,33 @@ that the next route already sees it (`InstanceRegistry.note_routed`).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
+import itertools
 import json
 import logging
-import math
+import operator
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Iterable, Mapping, Sequence
+from typing import Any, Awaitable, Callable, Iterable, Mapping, Sequence, cast
 
 from kvsp_moq.errors import BadRecord, KvspError, NoActiveInstance
 from kvsp_moq.index_client import IndexClient, LookupBlock, LookupResult
 from kvsp_moq.model_descriptor import DEFAULT_BLOCK_TOKENS
 from kvsp_moq.protocol import validate as v
-from kvsp_moq.protocol.cost import (
-    Estimate,
-    LinkTable,
-    Profile,
-    assumed_link,
-    bytes_us,
-    estimate,
-    link_table,
-    mean_service_us,
-    replica_link,
-    resides_at,
-    tier_octets,
-)
 from kvsp_moq.protocol.keys import block_keys
 from kvsp_moq.protocol.keys import scope_id as scope_id_of
 from kvsp_moq.protocol.records import InstanceStatus, LookupRequest, PrefetchBlock, PrefetchDirective, ReplicaRecord
 from kvsp_moq.protocol.urls import base_url
 from kvsp_moq.scope_keys import parse_scope_keys, read_scope_keys
 from pc.lifecycle import InstanceRegistry
+from pc.ranking import Candidate, Grouping, LinkArrays, ReplicaGroup, holds, links_of, load_us, rank
+
+__all__ = [
+    "Candidate", "Grouping", "LookupFn", "MemoryIndex", "PlacementSettings", "PrefetchBlocks",
+    "PrefetchSender", "ReplicaGroup", "RouteDecision", "RouteRequest", "Router", "ScopeKeys",
+    "StartHook", "directive_for", "holds", "index_client_lookup", "rank", "replica_store_lookup",
+]
 
 log = logging.getLogger("kvsp.pc.placement")
 
@@ -199,155 +196,33 @@ class RouteRequest:
         return cls(sid, compat, keys_hex, count, b, ref, exclude)
 
 
-# --------------------------------------------------------------------------- ranking (pure)
-
-
-def holds(instance: str, record: ReplicaRecord) -> bool:
-    """Whether the replica sits at the instance itself (§6.4's rule, `cost.resides_at`)."""
-    return resides_at(instance, record)
-
-
-def _finite(x: float) -> float | None:
-    return round(x, 3) if math.isfinite(x) else None
-
-
-@dataclass(frozen=True)
-class Candidate:
-    status: InstanceStatus
-    estimate: Estimate
-    resident_blocks: int
-    """Matched blocks the instance holds itself (nothing to load for them)."""
-
-    @property
-    def instance(self) -> str:
-        return self.status.instance
-
-    @property
-    def cost_us(self) -> float:
-        return self.estimate.cost_us
-
-    def to_json(self) -> dict:
-        e = self.estimate
-        return {"instance": self.instance, "fetch_us": _finite(e.fetch_us),
-                "recompute_us": _finite(e.recompute_us), "wait_us": _finite(e.wait_us),
-                "recompute_all_us": _finite(e.recompute_all_us), "cost_us": _finite(e.cost_us),
-                "resident_blocks": self.resident_blocks, "uses_cache": e.uses_cache}
-
-
-@dataclass(frozen=True)
-class ReplicaGroup:
-    """Matched blocks whose replica sets look alike (same holders, sizes, layer counts and
-    residency) cost alike, and are loaded from one source together."""
-
-    count: int
-    replicas: tuple[ReplicaRecord, ...]
-    """The replicas of the group's first block."""
-    scaled: tuple[ReplicaRecord, ...]
-    """The same replicas with the size of the whole group, for fetch_us (linear in size)."""
-    profiles: tuple[Profile, ...]
-    """Per replica, the group's octets by tier read rate: what choosing a source needs."""
-
-
-@dataclass(frozen=True)
-class Grouping:
-    """The matched blocks of a lookup, grouped so that ranking costs O(groups) per candidate
-    instead of O(blocks)."""
-
-    groups: tuple[ReplicaGroup, ...]
-    of_block: tuple[int, ...]
-    """Group index of each matched block, in prefix order."""
-
-    @classmethod
-    def of(cls, result: LookupResult) -> "Grouping":
-        index: dict[tuple, int] = {}
-        members: list[list] = []
-        of_block = []
-        for block in result.blocks[:result.matched]:
-            reps = block.replicas
-            sig = tuple([(r.holder, r.http_holder, r.size,
-                          None if r.layer_digests is None else len(r.layer_digests), r.residency)
-                         for r in reps])
-            g = index.get(sig)
-            if g is None:
-                g = index[sig] = len(members)
-                members.append([0, reps])
-            members[g][0] += 1
-            of_block.append(g)
-        groups = tuple(
-            ReplicaGroup(n, reps, reps if n == 1 else
-                         tuple(dataclasses.replace(r, size=r.size * n) for r in reps),
-                         tuple(tier_octets(r, n) for r in reps))
-            for n, reps in members)
-        return cls(groups, tuple(of_block))
-
-
-#: An instance's reported links by holder, and the link assumed for any other holder.
-_Links = tuple[LinkTable, tuple[float, float]]
-
-
-def _links(status: InstanceStatus) -> _Links:
-    return link_table(status.links), assumed_link(tuple(status.links))
-
-
-def _load_us(links: _Links, record: ReplicaRecord, profile: Profile) -> float:
-    """rtt + 8 * octets / rate from one source, each tier at min(link, tier read rate): the
-    fetch_us of §6.4 for a single source, used to pick the source of a group."""
-    known, assumed = links
-    rate, rtt = replica_link(known, record) or assumed
-    return rtt + bytes_us(profile, rate)
-
-
-def rank(result: LookupResult, candidates: Iterable[InstanceStatus], *, token_count: int,
-         block_tokens: int, mean_service_tokens: float = 512.0,
-         grouping: Grouping | None = None) -> list[Candidate]:
-    """Candidates by ascending §6.4 cost; ties go to the one holding more, then by URL.
-
-    Blocks resident at an instance cost nothing there; each other group of alike blocks is
-    charged to the replica holder that loads the whole group fastest for that instance; bytes
-    from one source add up and sources load in parallel (fetch_us is a max over sources).
-    """
-    matched_tokens = min(result.matched * block_tokens, token_count)
-    groups = (grouping or Grouping.of(result)).groups
-    out = []
-    for status in candidates:
-        url = status.instance
-        links = _links(status)
-        plan: list[ReplicaRecord] = []
-        resident = 0
-        for g in groups:
-            if any(holds(url, r) for r in g.replicas):
-                resident += g.count
-            elif len(g.scaled) == 1:
-                plan.append(g.scaled[0])
-            elif g.scaled:
-                j = min(range(len(g.replicas)),
-                        key=lambda j: _load_us(links, g.replicas[j], g.profiles[j]))
-                plan.append(g.scaled[j])
-        est = estimate(status, matched_tokens=matched_tokens, total_tokens=token_count, plan=plan,
-                       service_us=mean_service_us(status, mean_service_tokens))
-        out.append(Candidate(status, est, resident))
-    out.sort(key=lambda c: (c.cost_us, -c.resident_blocks, c.instance))
-    return out
-
-
 def directive_for(result: LookupResult, request: RouteRequest, instance: InstanceStatus | None,
                   settings: PlacementSettings, *, directive: str | None = None,
-                  request_ref: str | None = None,
-                  grouping: Grouping | None = None) -> PrefetchDirective | None:
+                  request_ref: str | None = None, grouping: Grouping | None = None,
+                  reuse: "PrefetchBlocks | None" = None,
+                  ranked: LinkArrays | None = None) -> PrefetchDirective | None:
     """The prefetch directive for the matched blocks, sources fastest first for the instance
-    (in listed order when the PC has no status for it yet); None when nothing matched."""
+    (in listed order when the PC has no status for it yet); None when nothing matched.
+    `reuse` hands out block entries built for earlier directives, `ranked` has the load
+    times of the ranking that chose the instance (a router keeps both)."""
     grouping = grouping or Grouping.of(result)
     if not grouping.of_block:
         return None
-    sources = []
-    links = _links(instance) if instance is not None else None
-    for g in grouping.groups:
-        ranked = (sorted(range(len(g.replicas)),
-                         key=lambda j: _load_us(links, g.replicas[j], g.profiles[j]))
-                  if links is not None else range(len(g.replicas)))
-        sources.append(tuple(dict.fromkeys(g.replicas[j].holder for j in ranked)))
-    blocks = tuple(PrefetchBlock(b.block_key, sources[gi])
-                   for b, gi in zip(result.blocks, grouping.of_block) if sources[gi])
+    sources = (ranked.sources(grouping.groups, instance)
+               if ranked is not None and instance is not None else None)
+    if sources is None:
+        sources = []
+        links = links_of(instance) if instance is not None else None
+        for g in grouping.groups:
+            order = (sorted(range(len(g.replicas)),
+                            key=lambda j: load_us(links, g.replicas[j], g.profiles[j]))
+                     if links is not None else range(len(g.replicas)))
+            sources.append(tuple(dict.fromkeys(g.replicas[j].holder for j in order)))
+    if reuse is not None:
+        blocks = reuse.blocks(result, grouping.of_block, sources, grouping.runs)
+    else:
+        blocks = tuple(PrefetchBlock(b.block_key, sources[gi])
+                       for b, gi in zip(result.blocks, grouping.of_block) if sources[gi])
     if not blocks:
         return None
     return PrefetchDirective(
@@ -355,6 +230,60 @@ def directive_for(result: LookupResult, request: RouteRequest, instance: Instanc
         compat_id=request.compat_id, blocks=blocks,
         deadline_ms=settings.prefetch_deadline_ms, lease_ms=settings.lease_ms,
         request_ref=request_ref or request.request_ref)
+
+
+class PrefetchBlocks:
+    """Directive block entries by sources and block key, kept between routes. A prefix routed
+    again with the same sources (a shared system prompt, a session's next turn) gets the same
+    immutable entries back instead of one new record per block, which for a long prompt cost
+    more than ranking it."""
+
+    LIMIT = 1 << 18
+    """Entries kept before they are all dropped."""
+
+    def __init__(self) -> None:
+        self._by_sources: dict[tuple[str, ...], dict[str, PrefetchBlock]] = {}
+        self._count = 0
+
+    def blocks(self, result: LookupResult, of_block: Sequence[int],
+               sources: Sequence[tuple[str, ...]], runs: Sequence[int] | None = None
+               ) -> tuple[PrefetchBlock, ...]:
+        """The entries of the matched blocks (group `of_block[i]` loads from
+        `sources[of_block[i]]`), blocks without a source left out. `runs`: where each run of
+        blocks of one group starts (a prompt's blocks come in spans held alike)."""
+        if self._count > self.LIMIT:
+            self._by_sources.clear()
+            self._count = 0
+        tables = [self._by_sources.setdefault(s, {}) for s in sources]
+        if all(sources):
+            try:  # every entry built before: C-level lookups only
+                n = len(of_block)
+                if runs is not None and len(runs) * 16 <= n:
+                    in_order = list(map(_block_key, result.blocks[:n]))
+                    found: list[PrefetchBlock] = []
+                    for a, b in zip(runs, (*runs[1:], n)):
+                        found += map(tables[of_block[a]].__getitem__, in_order[a:b])
+                    return tuple(found)
+                return tuple(map(dict.__getitem__, map(tables.__getitem__, of_block),
+                                 map(_block_key, result.blocks)))
+            except KeyError:
+                pass
+        keys = map(_block_key, result.blocks)
+        out = []
+        for key, gi in zip(keys, of_block):
+            src = sources[gi]
+            if not src:
+                continue
+            table = tables[gi]
+            entry = table.get(key)
+            if entry is None:
+                entry = table[key] = PrefetchBlock(key, src)
+                self._count += 1
+            out.append(entry)
+        return tuple(out)
+
+
+_block_key = operator.attrgetter("block_key")
 
 
 # --------------------------------------------------------------------------- routing (I/O)
@@ -425,24 +354,31 @@ def replica_store_lookup(store: Any, clock: Callable[[], float]) -> LookupFn:
 
 class MemoryIndex:
     """An in-process replica table with the lookup semantics of §6.2 (for running the PC on
-    its own, tests and benchmarks): matched stops at the first key without a replica."""
+    its own, tests and benchmarks): matched stops at the first key without a replica.
+
+    Each key's answer is kept as a ready `LookupBlock` (rebuilt when a replica is added), so
+    a lookup is a C-level pass over the keys, and hands out the same block objects each time:
+    what ranking computes once per block (`LookupBlock.shape`) stays computed."""
 
     def __init__(self) -> None:
-        self._by_key: dict[tuple[str, str, str], list[ReplicaRecord]] = {}
+        self._spaces: dict[tuple[str, str], dict[str, LookupBlock]] = {}
 
     def add(self, record: ReplicaRecord) -> None:
-        self._by_key.setdefault((record.compat_id, record.scope_id, record.block_key),
-                                []).append(record)
+        space = self._spaces.setdefault((record.compat_id, record.scope_id), {})
+        old = space.get(record.block_key)
+        space[record.block_key] = LookupBlock(
+            record.block_key, (old.replicas if old is not None else ()) + (record,))
 
     async def lookup(self, req: LookupRequest) -> LookupResult:
-        blocks = []
-        table = self._by_key
-        for key in req.block_keys:
-            reps = table.get((req.compat_id, req.scope_id, key))
-            if not reps:
-                break
-            blocks.append(LookupBlock(key, tuple(reps)))
-        return LookupResult(len(blocks), tuple(blocks))
+        space = self._spaces.get((req.compat_id, req.scope_id))
+        if space is None:
+            return LookupResult(0, ())
+        found = itertools.takewhile(_is_block, map(space.get, req.block_keys))
+        blocks = cast("tuple[LookupBlock, ...]", tuple(found))  # None ends takewhile
+        return LookupResult(len(blocks), blocks)
+
+
+_is_block = functools.partial(operator.is_not, None)
 
 
 class Router:
@@ -450,13 +386,18 @@ class Router:
 
     def __init__(self, registry: InstanceRegistry, lookup: LookupFn, send_prefetch: PrefetchSender,
                  settings: PlacementSettings | None = None, *, keys: ScopeKeys | None = None,
-                 start_hook: StartHook | None = None) -> None:
+                 start_hook: StartHook | None = None, reference: bool = False) -> None:
+        """`reference` ranks and builds directives with the reference implementation (see
+        `pc.ranking`), keeping nothing between routes: what benchmarks and tests compare to."""
         self.registry = registry
         self.lookup = lookup
         self.send_prefetch = send_prefetch
         self.settings = settings or PlacementSettings()
         self.keys = keys or ScopeKeys()
         self.start_hook = start_hook
+        self.reference = reference
+        self._links = LinkArrays()
+        self._prefetch_blocks = None if reference else PrefetchBlocks()
 
     def parse(self, data: Any) -> RouteRequest:
         return RouteRequest.from_json(data, keys=self.keys, settings=self.settings)
@@ -469,10 +410,11 @@ class Router:
                                                  request.block_keys, targets))
         # Statuses are read again after the await: an instance may have left "active".
         actives = self.registry.active(exclude=exclude, scope_id=request.scope_id)
-        grouping = Grouping.of(result)
+        grouping = Grouping.by_signature(result) if self.reference else Grouping.of(result)
         ranked = rank(result, actives, token_count=request.token_count,
                       block_tokens=request.block_tokens,
-                      mean_service_tokens=self.settings.mean_service_tokens, grouping=grouping)
+                      mean_service_tokens=self.settings.mean_service_tokens, grouping=grouping,
+                      links=self._links, reference=self.reference)
         return result, grouping, ranked
 
     def _acceptable(self, best: Candidate | None) -> bool:
@@ -512,7 +454,8 @@ class Router:
         directive = None
         if self._prefetches(reason, next((c for c in ranked if c.instance == target), None)):
             directive = directive_for(result, request, status, self.settings, request_ref=ref,
-                                      grouping=grouping)
+                                      grouping=grouping, reuse=self._prefetch_blocks,
+                                      ranked=None if self.reference else self._links)
         prefetch = "none"
         if directive is not None:
             try:

@@ -2,21 +2,28 @@
 
 64 active instances, 2,048-key prompts, an in-memory Index Service lookup filled with replicas
 (several per block, some at the instances themselves, with device/host residency). Prefetch
-directives are built but handed to a no-op sender: no HTTP is measured. The baseline, measured
-in the same run, ranks the same candidates by calling the §6.4 estimate on every block's replica
-one by one, without grouping blocks that cost alike.
+directives are built but handed to a no-op sender: no HTTP is measured.
+
+Two baselines, measured in the same run on the same inputs:
+
+- the reference router (`Router(reference=True)` over an index that builds its answer on every
+  lookup, as `MemoryIndex` did): the per-candidate ranking that the array ranking replaced. A
+  fresh pair of routers routes the same requests one after the other, and every decision is
+  compared: instance, reason, every candidate's estimate, the directive's blocks
+  (`same_choices_as_reference`);
+- the ranking of the same candidates by calling the §6.4 estimate on every block's replica one
+  by one, without grouping blocks that cost alike (`same_choice_as_baseline`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import statistics
 import time
 from typing import Any
 
-from kvsp_moq.index_client import LookupResult
+from kvsp_moq.index_client import LookupBlock, LookupResult
 from kvsp_moq.protocol.cost import estimate, fetch_us, mean_service_us
 from kvsp_moq.protocol.keys import block_keys, scope_id
 from kvsp_moq.protocol.records import InstanceStatus, Link, LookupRequest, PrefetchDirective, ReplicaRecord, Residency
@@ -28,13 +35,33 @@ LAYERS = 32
 HOLDERS = 8  # dedicated block stores besides the instances
 
 
-def _world(seed: int = 7) -> dict[str, Any]:
+class _ReferenceIndex:
+    """The in-memory index as it was: a list of replicas per (compat, scope, key), a new
+    answer built on every lookup."""
+
+    def __init__(self) -> None:
+        self._by_key: dict[tuple[str, str, str], list[ReplicaRecord]] = {}
+
+    def add(self, record: ReplicaRecord) -> None:
+        self._by_key.setdefault((record.compat_id, record.scope_id, record.block_key),
+                                []).append(record)
+
+    async def lookup(self, req: LookupRequest) -> LookupResult:
+        blocks = []
+        table = self._by_key
+        for key in req.block_keys:
+            reps = table.get((req.compat_id, req.scope_id, key))
+            if not reps:
+                break
+            blocks.append(LookupBlock(key, tuple(reps)))
+        return LookupResult(len(blocks), tuple(blocks))
+
+
+def _registry(seed: int) -> Any:
+    """64 active instances with their links; the same for the same seed."""
     from pc.lifecycle import InstanceRegistry
-    from pc.placement import MemoryIndex
 
     rng = random.Random(seed)
-    scope_key, compat = os.urandom(32), os.urandom(32)
-    sid = scope_id(scope_key).hex()
     instances = [f"http://10.0.{i // 250}.{i % 250 + 1}:8000/" for i in range(INSTANCES)]
     holders = [f"http://10.1.0.{i + 1}:8100/" for i in range(HOLDERS)]
     registry = InstanceRegistry()
@@ -46,7 +73,18 @@ def _world(seed: int = 7) -> dict[str, Any]:
             queued=rng.randint(0, 6), batch_size=32, kv_utilization=0.5,
             prefill_tokens_per_s=rng.choice([20_000.0, 40_000.0]), decode_tokens_per_s=3000.0,
             links=links))
-    index = MemoryIndex()
+    return registry
+
+
+def _world(seed: int = 7) -> dict[str, Any]:
+    from pc.placement import MemoryIndex
+
+    rng = random.Random(seed)
+    scope_key, compat = rng.randbytes(32), rng.randbytes(32)
+    sid = scope_id(scope_key).hex()
+    instances = [f"http://10.0.{i // 250}.{i % 250 + 1}:8000/" for i in range(INSTANCES)]
+    holders = [f"http://10.1.0.{i + 1}:8100/" for i in range(HOLDERS)]
+    index, reference_index = MemoryIndex(), _ReferenceIndex()
     tokens = [rng.randrange(1 << 31) for _ in range(KEYS * BLOCK_TOKENS)]
     keys = [k.hex() for k in block_keys(scope_key, compat, tokens, BLOCK_TOKENS)]
     digests = tuple("00" * 32 for _ in range(LAYERS))
@@ -59,10 +97,13 @@ def _world(seed: int = 7) -> dict[str, Any]:
         where = [rng.choice(holders), *rng.sample(instances, 2)]
         for k in keys[start:start + span]:
             for h in where:
-                index.add(ReplicaRecord(k, compat.hex(), sid, h, 1, size, "sha-256:" + "00" * 32,
-                                        600_000, digests, split if h in instances else ()))
-    return {"registry": registry, "index": index, "keys": keys, "tokens": tokens,
-            "scope_key": scope_key, "compat": compat.hex(), "sid": sid}
+                record = ReplicaRecord(k, compat.hex(), sid, h, 1, size, "sha-256:" + "00" * 32,
+                                       600_000, digests, split if h in instances else ())
+                index.add(record)
+                reference_index.add(record)
+    return {"registry": _registry(seed), "index": index, "reference_index": reference_index,
+            "keys": keys, "tokens": tokens, "scope_key": scope_key, "compat": compat.hex(),
+            "sid": sid, "seed": seed}
 
 
 def _baseline_rank(result: LookupResult, statuses: list[InstanceStatus], token_count: int
@@ -137,12 +178,28 @@ async def _run(quick: bool) -> dict[str, Any]:
             await router.route(router.parse(body))
         token_rates.append(m / (time.perf_counter() - t))
 
+    # The reference router on the same inputs: a fresh pair of routers, the same requests in
+    # turn, every decision compared (each route counts in its instance's queue, so the later
+    # decisions also check that both saw the same state).
+    checked = 8 if quick else 24
+    same_choices = await _same_choices(w, checked)
+    reference = Router(_registry(w["seed"]), w["reference_index"].lookup, no_op_sender,
+                       PlacementSettings(block_tokens=BLOCK_TOKENS), keys=keys, reference=True)
+    await reference.route(request)  # warm-up
+    ref_n = 5 if quick else 20
+    ref_rates = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        for _ in range(ref_n):
+            await reference.route(request)
+        ref_rates.append(ref_n / (time.perf_counter() - t))
+
     # Baseline: the same ranking without grouping. Every route counts in its instance's queue
     # until that instance reports, so the decision compared is taken on the same registry state.
     result = await w["index"].lookup(LookupRequest(w["sid"], w["compat"], tuple(w["keys"])))
     statuses = w["registry"].active()
     decision = await router.route(request)
-    base_n = 2 if quick else 5
+    base_n = 1 if quick else 3
     t = time.perf_counter()
     for _ in range(base_n):
         base = _baseline_rank(result, statuses, KEYS * BLOCK_TOKENS)
@@ -152,6 +209,7 @@ async def _run(quick: bool) -> dict[str, Any]:
         abs(a[0] - b[0]) <= 1e-6 * max(1.0, abs(b[0])) for a, b in zip(sorted(ours), base))
 
     rate = statistics.median(rates)
+    ref_rate = statistics.median(ref_rates)
     return {
         "instances": INSTANCES,
         "keys_per_prompt": KEYS,
@@ -162,6 +220,10 @@ async def _run(quick: bool) -> dict[str, Any]:
         "route_ms": round(1000 / rate, 3),
         "lookup_share": round(statistics.median(shares), 3),
         "routes_per_s_from_tokens": round(statistics.median(token_rates), 1),
+        "reference_routes_per_s": round(ref_rate, 1),
+        "ratio_to_reference": round(rate / ref_rate, 1),
+        "same_choices_as_reference": same_choices,
+        "checked_routes": checked,
         "baseline_ungrouped_routes_per_s": round(base_rate, 2),
         "ratio": round(rate / base_rate, 1),
         "same_choice_as_baseline": agree,
@@ -170,3 +232,36 @@ async def _run(quick: bool) -> dict[str, Any]:
         "directive_blocks": len(sent[-1].blocks) if sent else 0,
         "quick": quick,
     }
+
+
+async def _same_choices(w: dict[str, Any], n: int) -> bool:
+    """Whether a router and the reference router, each with a fresh copy of the registry,
+    decide the same for the same `n` requests in turn."""
+    from pc.placement import PlacementSettings, RouteDecision, Router, RouteRequest
+
+    def recorder(into: list[PrefetchDirective]) -> Any:
+        async def send(instance: str, directive: PrefetchDirective) -> None:
+            into.append(directive)
+        return send
+
+    sent: tuple[list[PrefetchDirective], list[PrefetchDirective]] = ([], [])
+    settings = PlacementSettings(block_tokens=BLOCK_TOKENS)
+    routers = (Router(_registry(w["seed"]), w["index"].lookup, recorder(sent[0]), settings),
+               Router(_registry(w["seed"]), w["reference_index"].lookup, recorder(sent[1]),
+                      settings, reference=True))
+
+    def seen(d: RouteDecision, directives: list[PrefetchDirective]) -> tuple:
+        blocks = directives[-1].blocks if d.directive is not None else ()
+        return (d.instance, d.reason, d.prefetch, d.matched, blocks,
+                [(c.instance, c.resident_blocks, c.estimate) for c in d.candidates])
+
+    for i in range(n):
+        # Every other request a shorter prompt: other groups, other counts.
+        keys = tuple(w["keys"][:KEYS - (i % 2) * (KEYS // 3 + i)])
+        request = RouteRequest(w["sid"], w["compat"], keys, len(keys) * BLOCK_TOKENS + i,
+                               BLOCK_TOKENS, request_ref=f"check-{i}")
+        fast = seen(await routers[0].route(request), sent[0])
+        ref = seen(await routers[1].route(request), sent[1])
+        if fast != ref:
+            return False
+    return True

@@ -105,9 +105,11 @@ def tokens(value: Any, member: str) -> list[int]:
     """A token array; checked in bulk since prompts hold many thousands of tokens."""
     if not isinstance(value, list):
         raise BadRecord("must be an array of integers", member=member)
-    for i, t in enumerate(value):
-        if type(t) is not int or not 0 <= t <= 0xFFFFFFFF:
-            raise BadRecord("must be an integer in [0, 2^32)", member=f"{member}[{i}]")
+    # C-level passes first (types, then the range); the loop only to name the bad element.
+    if value and (set(map(type, value)) != {int} or min(value) < 0 or max(value) > 0xFFFFFFFF):
+        for i, t in enumerate(value):
+            if type(t) is not int or not 0 <= t <= 0xFFFFFFFF:
+                raise BadRecord("must be an integer in [0, 2^32)", member=f"{member}[{i}]")
     return value
 
 

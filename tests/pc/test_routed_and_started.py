@@ -307,3 +307,25 @@ async def test_start_command_from_the_command_line(tmp_path, http):
             assert d["reason"] == "started" and d["instance"] == fresh.url
             assert seen.read_text().split() == ["ref-9", SCOPE, str(len(tokens))]
             assert (await instances(http, pc))[fresh.url]["provisional"]
+
+
+def test_routed_requests_count_up_to_the_cap_per_scope_as_they_come_and_go():
+    clock = Clock()
+    reg = InstanceRegistry(LifecycleSettings(routed_cap_per_scope=3, routed_settle_ms=100,
+                                             routed_hold_ms=10_000), clock=clock)
+    reg.report(record())
+    other = "22" * 16
+    for _ in range(5):
+        reg.note_routed(URL, SCOPE)
+    assert reg.pending(URL) == 3 and reg.active()[0].queued == 3
+    reg.note_routed(URL, other)
+    assert reg.pending(URL) == 4 and reg.pending(URL) == 4   # counted again only on change
+    reg.note_routed(URL, other)
+    assert reg.pending(URL) == 5 and reg.active()[0].queued == 5
+    clock.now += 1.0
+    reg.note_routed(URL, other)  # a record a second later accounts for all but this one
+    clock.now += 0.05
+    reg.report(record(queued=7))
+    assert reg.pending(URL) == 1 and reg.active()[0].queued == 8
+    clock.now += 11.0  # and the last is forgotten after routed_hold_ms
+    assert reg.pending(URL) == 0

@@ -200,3 +200,14 @@ def test_arbitrary_json_gives_a_record_or_bad_record(data):
             parser(data)
         except BadRecord:
             pass
+
+
+@pytest.mark.parametrize("bad, index", [([1, 2, -1], 2), ([1, True], 1), ([1, 2.0, 3], 1),
+                                        ([5, 1 << 32], 1), ([0, "x"], 1)])
+def test_token_arrays_name_their_first_bad_element(bad, index):
+    from kvsp_moq.protocol import validate as v
+
+    with pytest.raises(BadRecord) as e:
+        v.tokens(bad, "tokens")
+    assert e.value.member == f"tokens[{index}]"
+    assert v.tokens([0, 0xFFFFFFFF], "tokens") == [0, 0xFFFFFFFF] and v.tokens([], "t") == []
