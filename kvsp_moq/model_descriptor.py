@@ -22,7 +22,7 @@ from typing import Any, Iterator, Mapping
 from kvsp_moq.protocol import compat
 
 __all__ = [
-    "DEFAULT_ROPE_THETA", "KV_LAYOUT", "SUPPORTED_MODEL_TYPES", "file_chunks", "geometry",
+    "DEFAULT_ROPE_THETA", "KV_LAYOUT", "SUPPORTED_MODEL_TYPES", "file_chunks", "geometry", "partial_state",
     "load_config", "model_descriptor", "model_name", "positional_descriptor", "tokenizer_digest",
     "weight_digest", "weight_files",
 ]
@@ -123,6 +123,32 @@ def positional_descriptor(config: Any) -> str:
         out["type"] = rope_type
         out.update({k: v for k, v in params.items() if v is not None})
     return "".join(["rope", *(f";{name}={_format_value(out[name])}" for name in sorted(out))])
+
+
+def partial_state(config: Any) -> str | None:
+    """Why a model's state is not all full-attention KV that a block can be keyed by exactly,
+    or None when it is.
+
+    A Block Key names a prompt prefix, and a loaded block must hand the attention exactly what
+    computing it would have: that holds for full attention, whose KV of a position depends on
+    the prefix only. A layer of linear attention or a state-space layer (hybrid models) keeps
+    state that is not per-position KV; a sliding-window layer drops what lies outside its window
+    (an engine such as vLLM frees those blocks). Caching either by prefix would hand a hit
+    something else than a recompute: a silent wrong answer, so such models are refused."""
+    kinds = getattr(config, "layer_types", None)
+    if kinds:
+        other = sorted({str(k) for k in kinds} - {"full_attention"})
+        if other:
+            return f"its layers are not all full attention ({', '.join(other)})"
+    for name in ("attn_type_list", "hybrid_override_pattern", "layers_block_type"):
+        if getattr(config, name, None):
+            return f"it is a hybrid model ({name})"
+    window = getattr(config, "sliding_window", None)
+    if window is not None and getattr(config, "use_sliding_window", True):
+        positions = getattr(config, "max_position_embeddings", None)
+        if positions is None or int(window) < int(positions):
+            return f"it uses sliding-window attention (a window of {int(window)} tokens)"
+    return None
 
 
 def check_model_type(config: Any) -> None:

@@ -131,3 +131,25 @@ def test_a_bad_setting_stops_the_engine_naming_the_key(model_dir: Path, index_ur
         chain = chain.__cause__ or chain.__context__
     assert chain is not None, text
     assert "\n" not in str(chain)
+
+
+def test_a_sliding_window_model_is_refused_at_start(model_dir: Path, index_url: str,
+                                                    tmp_path: Path) -> None:
+    """A model whose cache is not all full-attention KV (here the tiny model as a Mistral with a
+    window shorter than its context) stops the engine at start with one line: a cache hit would
+    not equal a recompute."""
+    import shutil
+
+    model = tmp_path / "windowed"
+    shutil.copytree(model_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    config.update({"model_type": "mistral", "architectures": ["MistralForCausalLM"],
+                   "sliding_window": 64})
+    (model / "config.json").write_text(json.dumps(config))
+    with pytest.raises(Exception) as caught:
+        Engine(model, {"index": index_url})
+    chain: BaseException | None = caught.value
+    while chain is not None and "sliding-window" not in str(chain):
+        chain = chain.__cause__ or chain.__context__
+    assert chain is not None, str(caught.value)
+    assert "cannot be cached by KVSP" in str(chain) and "\n" not in str(chain)

@@ -4,7 +4,8 @@
 and `kvsp descriptor` do; vLLM contributes the element type of its cache and its block size
 (KVSP block_tokens = vLLM's block size). vLLM's own view of the cache geometry (layers, KV
 heads, head size) must agree with the descriptor's, or blocks would be cut and read wrongly:
-a disagreement, a sharded cache (tensor or pipeline parallel) or a quantized cache stops the
+a disagreement, a sharded cache (tensor or pipeline parallel), a quantized cache, or a model
+whose state is not all full-attention KV (hybrid, sliding-window: `partial_state`) stops the
 engine at start with one line.
 """
 
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kvsp_moq.errors import SettingError
-from kvsp_moq.model_descriptor import model_descriptor
+from kvsp_moq.model_descriptor import model_descriptor, partial_state
 from kvsp_moq.protocol.compat import ELEMENT_SIZES, CompatDescriptor
 
 __all__ = ["EngineFacts", "engine_descriptor", "engine_facts"]
@@ -47,6 +48,10 @@ def engine_facts(vllm_config: Any) -> EngineFacts:
     if pc.tensor_parallel_size != 1 or pc.pipeline_parallel_size != 1:
         raise SettingError("KVSPConnector: tensor and pipeline parallel caches are not supported "
                            "yet (each worker would hold a shard of every block)")
+    reason = partial_state(mc.hf_config)
+    if reason is not None:
+        raise SettingError(f"KVSPConnector: {mc.model} cannot be cached by KVSP: {reason}; a cache "
+                           "hit would not equal a recompute (KVSP keys full-attention KV only)")
     kv_dtype = str(mc.dtype).removeprefix("torch.")
     if kv_dtype not in ELEMENT_SIZES:
         raise SettingError(f"KVSPConnector: no KVSP element type for the model dtype {kv_dtype}")
