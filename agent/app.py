@@ -66,7 +66,6 @@ from agent.prefetch import Prefetcher
 from agent.requests import GenerateRequest, PrefillRequest
 from agent.settings import AgentSettings
 from agent.shards import ShardKeeper
-from agent.status import Meters, StatusReporter
 from kvsp_moq.auth import ANY, Action, Authenticator
 from kvsp_moq.errors import BadRecord, ForbiddenScope, KvspError, NotActive, NotFound, StaleEpoch
 from kvsp_moq.fetch.http import HttpFetcher
@@ -77,6 +76,7 @@ from kvsp_moq.holder.api import repr_digest
 from kvsp_moq.holder.assembly import HolderAssembly
 from kvsp_moq.holder.moqt_publisher import BlockPublisher, LiveBlock
 from kvsp_moq.holder.store import BlockId
+from kvsp_moq.instance_status import Meters, StatusReporter
 from kvsp_moq.protocol import validate as v
 from kvsp_moq.protocol.compat import CompatDescriptor
 from kvsp_moq.protocol.container import MEDIA_TYPE as BLOCK_MEDIA_TYPE

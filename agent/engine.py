@@ -64,7 +64,7 @@ from kvsp_moq.protocol.urls import base_url
 from kvsp_moq.tasks import TaskSet
 
 if TYPE_CHECKING:
-    from agent.status import Meters
+    from kvsp_moq.instance_status import Meters
 
 log = logging.getLogger("kvsp.agent.engine")
 

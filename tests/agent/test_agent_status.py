@@ -16,7 +16,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from agent.service import Agent, AgentSettings
-from agent.status import Meters, StatusReporter, instance_id
+from kvsp_moq.instance_status import Meters, StatusReporter, instance_id
 from kvsp_moq.protocol.records import InstanceStatus
 from kvsp_moq.web import BackgroundServer
 from pc.lifecycle import instance_id as pc_instance_id

@@ -4,6 +4,9 @@
         "scope": "team", "relay": "moqt://RELAY:4443", "holder": "embedded",
         "listen": "127.0.0.1:8801", "data": "DIR", "token_file": "TOKEN"}
 
+With "pc" and "instance_url" the engine reports its status to the Placement Controller
+(`integrations.vllm.status`).
+
 A wrong value stops vLLM at start with one line that names the key (`SettingError`), never a
 traceback from deep inside a worker: an engine that silently runs without its cache would
 only be noticed in the latency graphs. Unknown keys are refused for the same reason (a typo
@@ -83,6 +86,11 @@ class ConnectorConfig:
     #: the QUIC engine and datagram size of MOQT loads and of the embedded holder's publishing
     #: (keys "quic_engine" and "datagram_size"; by default those of the environment)
     quic: QuicSettings = field(default_factory=QuicSettings)
+    #: the Placement Controller this engine reports its KVSP §6.3 status to (None: it does not)
+    pc: str | None = None
+    #: this engine's OpenAI-compatible base URL, as the PC routes to it and the gateway reaches it
+    instance_url: str | None = None
+    status_ttl_ms: int = 3_000
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     @property
@@ -157,7 +165,7 @@ _KEYS = frozenset({
     "disk_bytes", "relay", "relay_ca", "relay_insecure", "relay_timeout_s", "token", "token_file",
     "principals", "lease_ms", "lookup_timeout_ms", "load_timeout_s", "record_ttl_ms",
     "layers_per_request", "load_concurrency", "timeline", "pipelined", "switch_interval_us",
-    "cpus", "quic_engine", "datagram_size",
+    "cpus", "quic_engine", "datagram_size", "pc", "instance_url", "status_ttl_ms",
 })
 
 
@@ -233,6 +241,10 @@ def parse_extra_config(data: Mapping[str, Any] | None) -> ConnectorConfig:
     layers_per_request = data.get("layers_per_request")
     if layers_per_request is not None:
         layers_per_request = _number(data, "layers_per_request", 1)
+    pc, instance_url = _http_url(data, "pc"), _http_url(data, "instance_url")
+    if pc is not None and instance_url is None:
+        raise _fail("instance_url", "required with pc: this engine's OpenAI-compatible base URL, "
+                                    "e.g. http://HOST:8000/")
     engine, size = _text(data, "quic_engine"), data.get("datagram_size")
     try:
         engine = check_engine(engine) if engine else None
@@ -258,4 +270,5 @@ def parse_extra_config(data: Mapping[str, Any] | None) -> ConnectorConfig:
         load_concurrency=_number(data, "load_concurrency", 8),
         timeline=_flag(data, "timeline"), pipelined=_flag(data, "pipelined", True),
         switch_interval_us=_number(data, "switch_interval_us", 200, low=0), cpus=cpus,
+        pc=pc, instance_url=instance_url, status_ttl_ms=_number(data, "status_ttl_ms", 3_000, low=300),
         quic=quic, extra=data)

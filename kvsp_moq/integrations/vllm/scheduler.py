@@ -28,6 +28,7 @@ from kvsp_moq.index_client import IndexClient, LookupResult
 from kvsp_moq.integrations.vllm.config import ConnectorConfig
 from kvsp_moq.integrations.vllm.loop import LoopThread
 from kvsp_moq.integrations.vllm.metadata import KVSPMetadata, LoadSpec, RequestSpec, SaveSpec
+from kvsp_moq.integrations.vllm.status import EngineStatus
 from kvsp_moq.protocol.compat import CompatDescriptor
 from kvsp_moq.protocol.keys import BlockKeyChain
 from kvsp_moq.protocol.keys import scope_id as scope_id_of
@@ -43,6 +44,7 @@ class _Request:
     keys: list[str]
     #: the leading complete blocks before the prompt's last token
     cap: int
+    prompt_tokens: int = 0
     asked_at: float = field(default_factory=time.monotonic)
     lookup: "concurrent.futures.Future[LookupResult] | None" = None
     #: Replica Records (JSON text) of each leading block the IS has; None until answered
@@ -71,10 +73,12 @@ class SchedulerSide:
         self.stats: dict[str, int] = {"lookups": 0, "lookup_failures": 0, "lookup_timeouts": 0,
                                       "hit_requests": 0, "hit_tokens": 0, "load_errors": 0,
                                       "saves_planned": 0}
-        self._loop = LoopThread("kvsp-vllm-scheduler") if load else None
+        self._loop = LoopThread("kvsp-vllm-scheduler") if load or config.pc else None
         self._index: IndexClient | None = None
-        if self._loop is not None:
+        if self._loop is not None and load:
             self._index = self._loop.call(self._make_index())
+        #: the engine's status at the PC, with `pc` configured (`integrations.vllm.status`)
+        self.status = EngineStatus(config, self._loop) if config.pc and self._loop is not None else None
 
     async def _make_index(self) -> IndexClient:
         return IndexClient(self.config.index, token=self.config.token, timeout=5.0)
@@ -93,7 +97,8 @@ class SchedulerSide:
         if tokens is None:  # prompt embeddings: no tokens, no Block Keys
             return None
         keys = self._keys(tokens)
-        st = _Request(request.request_id, keys, cap=min(len(keys), (len(tokens) - 1) // self.block_size))
+        st = _Request(request.request_id, keys, cap=min(len(keys), (len(tokens) - 1) // self.block_size),
+                      prompt_tokens=len(tokens))
         self._reqs[st.req_id] = st
         if self.load and st.cap > 0 and self._loop is not None and self._index is not None:
             st.lookup = self._loop.submit(self._index.lookup(self.scope_id, self.compat_id, keys[:st.cap]))
@@ -105,6 +110,8 @@ class SchedulerSide:
     def on_new_request(self, request: Any) -> None:
         """Start the lookup now, so it is likely in by the time the request is scheduled."""
         self._state(request)
+        if self.status is not None:
+            self.status.seen(request.request_id)
 
     def _answer(self, st: _Request) -> list[tuple[str, ...]] | None:
         """The lookup's blocks, or None while it is still out (and not timed out)."""
@@ -162,6 +169,8 @@ class SchedulerSide:
         st = self._reqs.pop(request.request_id, None)
         if st is not None and st.lookup is not None and not st.lookup.done():
             st.lookup.cancel()
+        if self.status is not None:
+            self.status.finished(request.request_id)
         return False, None
 
     def connector_output(self, output: Any) -> None:
@@ -176,6 +185,8 @@ class SchedulerSide:
         """vLLM's build_connector_meta: this step's loads and saves, as plain data."""
         meta = KVSPMetadata(compat_id=self.compat_id)
         scheduled = scheduler_output.num_scheduled_tokens
+        if self.status is not None:
+            self.status.stepped(self._steps(scheduler_output))
         for new in scheduler_output.scheduled_new_reqs:
             st = self._reqs.get(new.req_id)
             if st is None:
@@ -198,6 +209,21 @@ class SchedulerSide:
         for req_id in scheduler_output.finished_req_ids:
             self._reqs.pop(req_id, None)
         return meta
+
+    def _steps(self, scheduler_output: Any) -> list[tuple[str, int, int, int | None]]:
+        """(request, tokens computed, tokens scheduled, prompt length) of every request of a step."""
+        scheduled = scheduler_output.num_scheduled_tokens
+        out: list[tuple[str, int, int, int | None]] = []
+        for new in scheduler_output.scheduled_new_reqs:
+            st = self._reqs.get(new.req_id)
+            out.append((new.req_id, new.num_computed_tokens, scheduled.get(new.req_id, 0),
+                        st.prompt_tokens if st is not None else None))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            st = self._reqs.get(req_id)
+            out.append((req_id, cached.num_computed_tokens[i], scheduled.get(req_id, 0),
+                        st.prompt_tokens if st is not None else None))
+        return out
 
     def _step(self, meta: KVSPMetadata, st: _Request, computed: int, scheduled: int, *,
               resumed: bool) -> None:
@@ -227,6 +253,9 @@ class SchedulerSide:
             meta.requests.append(RequestSpec(st.req_id, self.scope_id, tuple(loads), tuple(saves)))
 
     def shutdown(self) -> None:
+        if self.status is not None:
+            self.status.stop()
+            self.status = None
         if self._loop is None:
             return
         if self._index is not None:

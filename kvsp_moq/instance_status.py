@@ -1,5 +1,5 @@
-"""Instance status (KVSP §6.3): what the agent measures about itself and reports to the PC.
-
+"""Instance status (KVSP §6.3): what an inference instance (a `kvsp agent`, a vLLM engine with
+the KVSP connector) measures about itself and reports to the PC.
 `Meters` keeps moving averages of prefill and decode throughput and, per holder, of the link
 rate and round-trip time observed by the loader (transfers and lease round trips), the inputs
 the PC's placement estimates consume (§6.4). `StatusReporter` sends the Instance Status Record
@@ -25,7 +25,7 @@ from kvsp_moq.protocol.records import INSTANCE_STATES, InstanceStatus, Link
 from kvsp_moq.protocol.urls import base_url
 from kvsp_moq.tasks import TaskSet, cancel_and_wait
 
-log = logging.getLogger("kvsp.agent.status")
+log = logging.getLogger("kvsp.status")
 
 __all__ = ["Ewma", "Meters", "StatusReporter"]
 
