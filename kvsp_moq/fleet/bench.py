@@ -23,6 +23,10 @@ loss    one client on the fan-out's links loads a 16 MiB prefix with no loss and
         (MOQT first, HTTP from the layer where MOQT failed): loads complete, verified, the
         slowdown, and which source delivered the layers.
 
+live    prefill and decode apart across links (`kvsp_moq.fleet.live`): a prompt prefilled at a
+        producer and decoded at a consumer that subscribes to its layers while they are
+        computed, against the consumer alone and against loading the blocks once stored.
+
 The fan-out is also drawn (clients done over time, octets out of the holder and the relay;
 `kvsp_moq.bench.figures`) and the PNG's path reported as `fanout.fanout_png`.
 
@@ -41,6 +45,7 @@ from typing import Any
 
 from kvsp_moq.bench import figures
 from kvsp_moq.errors import Failed, NamespaceError
+from kvsp_moq.fleet.live import live
 from kvsp_moq.fleet.network import fleet_unavailable
 from kvsp_moq.fleet.placement import placement
 from kvsp_moq.fleet.services import Fleet, terminate_as_interrupt
@@ -70,6 +75,9 @@ NOTE = (
     "routed.ttft_ms is what the front end saw through the PC (route, then generation), and "
     "regret_routed = routed.ttft_ms / the best candidate's TTFT; reported_mbit is what each "
     "instance measured and reported to the PC. "
+    "live: TTFT from the front end's first request to the consumer's first token; "
+    "producer_egress_copies = octets out of the producer's interface while a prompt streams / "
+    "the prompt's KV (headers included). "
     "There is no delay on any link (no netem here): round trips are the machine's. "
     "The machine's CPUs are shared with other work: "
     "figures vary from run to run.")
@@ -294,11 +302,13 @@ def run(*, quick: bool = False) -> dict[str, Any]:
             placed = placement(trials=2)
             mtus = [mtu_rates(m, blocks=1, block_bytes=8 * MiB) for m in (1500, 9000)]
             lossy = loss(blocks=1, rounds=1)
+            streamed = live(rounds=1)
         else:
             fan = fanout()
             placed = placement()
             mtus = [mtu_rates(m) for m in (1500, 9000)]
             lossy = loss()
+            streamed = live()
     by_mtu = {str(m["mtu"]): m for m in mtus}
     fan["fanout_png"] = figures.write(figures.out_dir() / "kvsp-bench-fleet-fanout.png",
                                       figures.fanout_figure, fan)
@@ -312,6 +322,7 @@ def run(*, quick: bool = False) -> dict[str, Any]:
         "mtu": {**by_mtu, "ratio_moqt_9000_vs_1500": _ratio(by_mtu["9000"]["moqt_mb_per_s"],
                                                              by_mtu["1500"]["moqt_mb_per_s"])},
         "loss": lossy,
+        "live": streamed,
         "targets": {"moqt_holder_egress_vs_prefix": "<= 1.2 (HTTP: N)",
                     "ratio_time_moqt_vs_http": "<= 0.6"},
         "seconds": round(time.perf_counter() - started, 1),

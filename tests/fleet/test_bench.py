@@ -38,4 +38,12 @@ def test_the_quick_benchmark_reports_the_fan_out_the_mtus_and_the_loss() -> None
     loss = report["loss"]
     assert loss["percent"] == 5 and loss["frames_dropped"] > 0
     assert all(loss[t]["seconds_with_loss"] > 0 for t in ("moqt", "http"))
+    live = report["live"]
+    assert set(live["ttft_ms"]) == {"single", "streamed", "load_after_prefill"}
+    assert live["streamed_vs_single"] == round(live["ttft_ms"]["streamed"] / live["ttft_ms"]["single"], 3)
+    first = live["rounds"][0]
+    # The consumer loaded every prompt block it could over MOQT, live, and alone it computed them.
+    blocks = (live["prompt_tokens"] - 1) // 16
+    assert first["streamed"]["sources"]["moqt"] == blocks, first
+    assert first["single"]["sources"]["recompute"] == live["prompt_tokens"] // 16, first
     assert report["machine"]["cpus"] == os.cpu_count()
