@@ -186,3 +186,15 @@ def test_only_the_table_methods_touch_the_request_table() -> None:
     uses = touched[TABLE_MODULE]
     assert {name for name, write in uses if write} <= TABLE_WRITERS
     assert {name for name, write in uses if not write} <= TABLE_READERS
+
+
+def test_every_profile_switch_is_read() -> None:
+    """A draft difference with a switch that nothing reads is a difference nobody implemented."""
+    from dataclasses import fields
+
+    from kvsp_moq.moqt.d18.profiles import Profile
+
+    sources = "\n".join(p.read_text() for d in ("kvsp_moq", "relay") for p in (ROOT / d).rglob("*.py")
+                        if p.name != "profiles.py")
+    unread = [f.name for f in fields(Profile) if f.name != "draft" and f".{f.name}" not in sources]
+    assert not unread, unread

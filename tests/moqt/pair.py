@@ -26,8 +26,9 @@ class SessionPair:
 
     def __init__(self, *, client_setup: Setup | None = None, server_kwargs: dict | None = None,
                  client_kwargs: dict | None = None, max_datagram_size: int = 1350,
-                 client_session: bool = True) -> None:
-        alpn = [alpn_of(18)]
+                 client_session: bool = True, draft: int = 18) -> None:
+        alpn = [alpn_of(draft)]
+        self.draft = draft
         self.now = 0.0
         client_config = QuicConfiguration(is_client=True, alpn_protocols=alpn, max_datagram_size=max_datagram_size,
                                           max_datagram_frame_size=65536)
@@ -61,9 +62,10 @@ class SessionPair:
                 if is_client and not self._client_session:
                     continue
                 if is_client:
-                    self.client = MoqtSession(quic, is_client=True, setup=self._client_setup, **self._client_kwargs)
+                    self.client = MoqtSession(quic, is_client=True, draft=self.draft, setup=self._client_setup,
+                                              **self._client_kwargs)
                 else:
-                    self.server = MoqtSession(quic, is_client=False, **self._server_kwargs)
+                    self.server = MoqtSession(quic, is_client=False, draft=self.draft, **self._server_kwargs)
                 continue
             if session is not None:
                 (self.client_events if is_client else self.server_events).extend(session.handle_event(event))

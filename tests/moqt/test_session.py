@@ -81,6 +81,23 @@ def test_subscribe_objects_and_publish_done(pair):
     assert pair.client._requests == {} and pair.server._requests == {}
 
 
+@pytest.mark.parametrize(("draft", "sent"), [(18, PublishDoneCode.SUBSCRIPTION_ENDED),
+                                             (20, PublishDoneCode.TRACK_ENDED),
+                                             (22, PublishDoneCode.TRACK_ENDED)])
+def test_subscription_ended_is_track_ended_from_draft_20(draft, sent):
+    """Draft-20 removed PUBLISH_DONE SUBSCRIPTION_ENDED; TRACK_ENDED goes in its place."""
+    pair = SessionPair(draft=draft)
+    pair.take("client")
+    pair.take("server")
+    rid = pair.client.subscribe(NS, b"1", m.Parameters(forward=True))
+    pair.exchange()
+    one(pair.take("server"), ev.SubscribeReceived)
+    pair.server.subscribe_ok(rid)
+    pair.server.publish_done(rid, PublishDoneCode.SUBSCRIPTION_ENDED)
+    pair.exchange()
+    assert one(pair.take("client"), ev.PublishDoneReceived).status_code == sent
+
+
 def test_objects_arriving_before_subscribe_ok_are_held_until_the_alias_is_known(pair):
     rid = pair.client.subscribe(NS, b"1")
     pair.exchange()

@@ -39,10 +39,11 @@ class Profile:
     fin_cancels_discovery: bool = True
     #: REQUEST_ERROR codes DUPLICATE_SUBSCRIPTION and INVALID_JOINING_REQUEST_ID exist (d18).
     joining_error_codes: bool = True
-    #: PUBLISH_DONE SUBSCRIPTION_ENDED (0x3) is sent when a subscription passes its end (d18).
+    #: PUBLISH_DONE SUBSCRIPTION_ENDED (0x3) exists (d18); draft-20 removed it, and TRACK_ENDED
+    #: (0x2) is sent in its place. (A relay forwarding PUBLISH_NAMESPACE downstream, which
+    #: draft-22 stopped, needs no switch: our relay answers SUBSCRIBE_NAMESPACE with NAMESPACE
+    #: in every draft and forwards PUBLISH_NAMESPACE only upstream.)
     subscription_ended: bool = True
-    #: A relay forwards PUBLISH_NAMESPACE downstream (stopped in d22).
-    relay_forwards_publish_namespace: bool = True
 
 
 D18 = Profile(18)
@@ -57,8 +58,7 @@ D20 = replace(
     joining_error_codes=False,
     subscription_ended=False,
 )
-D22 = replace(D20, draft=22, location_filter_typed=True, bare_namespace_prefix=True,
-              relay_forwards_publish_namespace=False)
+D22 = replace(D20, draft=22, location_filter_typed=True, bare_namespace_prefix=True)
 
 PROFILES: dict[int, Profile] = {18: D18, 20: D20, 22: D22}
 

@@ -51,7 +51,7 @@ from __future__ import annotations
 from typing import Iterable
 
 from ..engine import QuicEngine
-from ..errors import StreamResetCode
+from ..errors import PublishDoneCode, StreamResetCode
 from ..state import RequestIdTracker
 from ..wire import DEFAULT_MAX_OBJECT_SIZE, TrackNamespace
 from .control import ControlMessageHandling
@@ -192,6 +192,8 @@ class MoqtSession(FillServing, StreamRouting, ControlMessageHandling, MessageSen
         """PUBLISH_DONE ends the request stream too."""
         assert isinstance(request, RequestStream)  # a subscription, not a fill
         request.closed = True
+        if status_code == PublishDoneCode.SUBSCRIPTION_ENDED and not self.profile.subscription_ended:
+            status_code = PublishDoneCode.TRACK_ENDED  # the code draft-20 sends in its place
         done = PublishDone(status_code, request.data_streams_opened, reason)
         self._send_on_request(request, done, end_stream=True)
 
