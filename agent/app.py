@@ -1,7 +1,8 @@
 """The inference instance's HTTP resources (DESIGN §3, §6; KVSP §6.3, §6.5, §6.8, §6.9).
 
     POST  generate                      {"tokens", "max_new_tokens", "sampler", "session"?,
-                                         "stream"?, "scope"?, "timeline"?, "prefill_at"?}
+                                         "stream"?, "scope"?, "timeline"?, "prefill_at"?,
+                                         "prefill_blocks"?}
     POST  prefill                       {"tokens", "scope"?} -> 202 {"prompt_blocks", "stored",
                                          "live": [keys]}: computed here, published live
     GET   sessions/{id}                 the session's state and tokens so far

@@ -255,6 +255,7 @@ class Engine:
                           max_new_tokens=req.max_new_tokens)
         if req.prefill_at is not None and base_url(req.prefill_at) != base_url(self.self_url()):
             session.prefill_at = base_url(req.prefill_at)
+            session.prefill_blocks = req.prefill_blocks
         self.sessions[sid] = session
         self.admitted += 1
         session.task = self._spawn(self._run(session, None, want_timeline=req.timeline),
@@ -404,6 +405,8 @@ class Engine:
         seq = session.sequence
         b = self.block_tokens
         limit = min(len(seq.chain.keys), (seq.length - 1) // b)
+        if session.prefill_blocks is not None:
+            limit = min(limit, session.prefill_blocks)
         plan: list[list[Candidate]] = []
         for i in range(limit):
             key = seq.chain.keys[i].hex()

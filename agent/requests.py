@@ -68,6 +68,9 @@ class GenerateRequest:
     #: prefill and decode apart (DESIGN §9): the instance (its base URL) that computes the
     #: prompt's blocks and publishes them live; this one subscribes to them and decodes
     prefill_at: str | None = None
+    #: with prefill_at: how many leading prompt blocks that instance computes (the rest are
+    #: computed here); None: every prompt block it can
+    prefill_blocks: int | None = None
 
     @classmethod
     def from_json(cls, data: Any, *, max_tokens: int) -> "GenerateRequest":
@@ -86,9 +89,14 @@ class GenerateRequest:
         prefill_at = data.get("prefill_at")
         if prefill_at is not None:
             prefill_at = v.url(prefill_at, "prefill_at", schemes=("http", "https"))
+        prefill_blocks = data.get("prefill_blocks")
+        if prefill_blocks is not None:
+            if prefill_at is None:
+                raise BadRecord("needs prefill_at", member="prefill_blocks")
+            prefill_blocks = v.integer(prefill_blocks, "prefill_blocks", low=1, high=1 << 20)
         return cls(tuple(tokens), n, SamplerSpec.from_json(data.get("sampler", {})), session,
                    v.boolean(data.get("stream", False), "stream"), scope,
-                   v.boolean(data.get("timeline", False), "timeline"), epoch, prefill_at)
+                   v.boolean(data.get("timeline", False), "timeline"), epoch, prefill_at, prefill_blocks)
 
 
 @dataclass(frozen=True)

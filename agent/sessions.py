@@ -108,6 +108,8 @@ class Session:
         #: the instance computing this session's prompt blocks live for it (prefill and decode
         #: apart), None when this instance loads or computes them itself
         self.prefill_at: str | None = None
+        #: how many leading prompt blocks `prefill_at` computes (None: all it can)
+        self.prefill_blocks: int | None = None
         #: prompt blocks loaded from live tracks: key -> their producer's HTTP base
         self.live_loaded: dict[str, str] = {}
         self.started = time.perf_counter()

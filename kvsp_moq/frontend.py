@@ -259,7 +259,9 @@ class FrontEnd:
         instance to compute the prompt (`POST {ii}prefill`), then starts the generate with
         "prefill_at": the decode instance subscribes to the prompt's layers as they are computed.
         A prefill instance that refuses or cannot be reached leaves the whole request to the
-        decode instance."""
+        decode instance. One that is computing the prompt's first blocks already, for another
+        request ("running"), is not asked again: the generate subscribes to those blocks
+        ("prefill_blocks") and computes the rest."""
         try:
             r = await self.client.post(f"{self.pc_url}route", json=dict(route), headers=self.headers,
                                        timeout=self.read_timeout_s)
@@ -271,7 +273,11 @@ class FrontEnd:
         body = {**generate, "session": session or str(uuid.uuid4()), "stream": True}
         prefill: str | None = None
         split = decision.get("prefill")
-        if isinstance(split, dict) and split.get("instance"):
+        if isinstance(split, dict) and split.get("instance") and split.get("running"):
+            # That instance computes these blocks already, for another request: subscribe only.
+            prefill = body["prefill_at"] = base_url(split["instance"])
+            body["prefill_blocks"] = split.get("blocks")
+        elif isinstance(split, dict) and split.get("instance"):
             at = base_url(split["instance"])
             ask = {"tokens": generate["tokens"]}
             if generate.get("scope") is not None:

@@ -17,7 +17,7 @@ from kvsp_moq.index_client import IndexClient
 from kvsp_moq.protocol.keys import BlockKeyChain
 from kvsp_moq.protocol.records import SessionCheckpoint
 from kvsp_moq.tasks import TaskSet, cancel_and_wait
-from pc.disaggregation import SplitPolicy
+from pc.disaggregation import InFlight, SplitPolicy
 from pc.instances_client import InstanceClient, command_start_hook
 from pc.lifecycle import InstanceFailed, InstanceRegistry, LifecycleSettings, StateChanged
 from pc.placement import (
@@ -98,6 +98,8 @@ class PlacementController:
                                             env=settings.start_command_env)
         self.router = Router(self.registry, lookup, self.instances.prefetch, settings.placement,
                              keys=self.keys, start_hook=start_hook)
+        #: uncached blocks recent routes sent to each instance (one prefill for many)
+        self.in_flight = InFlight()
         self.failover = Failover(self.sessions, self._choose_for, self.instances.resume,
                                  settings.failover)
         self.resharder = Resharder(self.maps, self.instances.reshard, settings.reshard)

@@ -17,7 +17,17 @@ Policies (`kvsp index --pd`):
   recompute of the prompt, or the decode instance's own wait, whichever is later (the two run
   side by side), is below `margin` times the decode instance's own cost.
 
-Sans I/O: `choose_prefill` reads the candidates the router ranked and nothing else.
+One prefill for many (whatever the policy): a route whose prompt begins with blocks the PC
+routed to another instance moments ago, not in the index yet, gets `"prefill": {"instance":
+that one, "reason", "running": true, "blocks": n}`: that instance is computing the first n
+blocks already, and publishes them live; the front end sends only the generate, with
+"prefill_at" and "prefill_blocks", and its instance subscribes to those n blocks and computes
+the rest. `InFlight` remembers, for `ttl_s`, the uncached blocks each route sent somewhere:
+longer than an instance takes to put its in-production records in the index, from which on a
+lookup finds them anyway.
+
+Sans I/O: `choose_prefill` reads the candidates the router ranked and nothing else; `InFlight`
+takes the time as an argument.
 """
 
 from __future__ import annotations
@@ -28,7 +38,7 @@ from typing import Callable, Sequence
 from kvsp_moq.errors import BadRecord
 from pc.placement import Candidate
 
-__all__ = ["PrefillChoice", "SplitPolicy", "choose_prefill"]
+__all__ = ["InFlight", "PrefillChoice", "SplitPolicy", "choose_prefill"]
 
 MODES = ("never", "length", "cost")
 
@@ -60,9 +70,57 @@ class SplitPolicy:
 class PrefillChoice:
     instance: str
     reason: str
+    #: the instance computes these blocks already (for another request): nothing to ask it
+    running: bool = False
+    blocks: int | None = None
 
     def to_json(self) -> dict:
-        return {"instance": self.instance, "reason": self.reason}
+        out: dict = {"instance": self.instance, "reason": self.reason}
+        if self.running:
+            out["running"] = True
+            out["blocks"] = self.blocks
+        return out
+
+
+class InFlight:
+    """The uncached prompt blocks recent routes sent to each instance, by scope and key."""
+
+    def __init__(self, ttl_s: float = 5.0, max_entries: int = 65_536) -> None:
+        self.ttl_s = ttl_s
+        self.max_entries = max_entries
+        #: (scope, compat, key) -> (instance, expires); in insertion (so expiry) order
+        self._keys: dict[tuple[str, str, str], tuple[str, float]] = {}
+
+    def _expire(self, now: float) -> None:
+        while self._keys:
+            first = next(iter(self._keys))
+            if self._keys[first][1] > now and len(self._keys) <= self.max_entries:
+                break
+            del self._keys[first]
+
+    def note(self, scope_id: str, compat_id: str, keys: Sequence[str], instance: str, now: float) -> None:
+        """`keys` (uncached, in prompt order) were routed to `instance`, which computes them."""
+        self._expire(now)
+        for key in keys:
+            ident = (scope_id, compat_id, key)
+            self._keys.pop(ident, None)
+            self._keys[ident] = (instance, now + self.ttl_s)
+        self._expire(now)
+
+    def computing(self, scope_id: str, compat_id: str, keys: Sequence[str], first: int,
+                  now: float) -> tuple[str, int] | None:
+        """(instance, n) when blocks first..n-1 of `keys` are being computed at one instance,
+        from `first` (the blocks before it are cached); None when block `first` is not."""
+        self._expire(now)
+        instance: str | None = None
+        n = first
+        for key in keys[first:]:
+            held = self._keys.get((scope_id, compat_id, key))
+            if held is None or (instance is not None and held[0] != instance):
+                break
+            instance = held[0]
+            n += 1
+        return (instance, n) if instance is not None else None
 
 
 def _prefill_us(c: Candidate) -> float:

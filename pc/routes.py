@@ -17,7 +17,8 @@ Resources (all JSON, `application/kvsp+json`; errors are problem documents):
 - `PUT /sessions/{session}/checkpoint`, `GET /sessions/{session}`, `DELETE /sessions/{session}`
   (our extension: the session ended, do not resume it): see `pc.sessions`.
 - `POST /route`: see `pc.placement`; with a split policy, "prefill" names the instance that
-  computes the prompt apart from its decode (`pc.disaggregation`). Role "pc", or "client"
+  computes the prompt apart from its decode, and a prompt whose blocks another route sent
+  somewhere moments ago names that instance as computing them (`pc.disaggregation`). Role "pc", or "client"
   holding the scope.
 - `POST /reshard/{map}`: a Shard Map of version v+1 (plus an optional top-level
   "deadline_ms"); runs §6.9 and answers the outcome. A map the PC does not know yet is
@@ -27,6 +28,8 @@ Resources (all JSON, `application/kvsp+json`; errors are problem documents):
 
 
 from __future__ import annotations
+
+import time
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -38,7 +41,7 @@ from kvsp_moq.protocol import validate as v
 from kvsp_moq.protocol.records import InstanceStatus, SessionCheckpoint, ShardMap
 from kvsp_moq.web import json_response, principal, read_json
 from pc.controller import PlacementController
-from pc.disaggregation import choose_prefill
+from pc.disaggregation import PrefillChoice, choose_prefill
 from pc.lifecycle import id_matches
 
 __all__ = ["create_pc_routes"]
@@ -109,12 +112,27 @@ def create_pc_routes(pc: PlacementController) -> list[Route]:
         who.require_scope(req.scope_id)
         decision = await pc.router.route(req)
         body = decision.to_json()
-        prefill = choose_prefill(
-            pc.settings.pd, decision.instance, decision.candidates,
-            uncached_tokens=req.token_count - decision.matched_tokens,
-            is_usable=lambda i: pc.registry.is_active(i) and pc.registry.serves(i, req.scope_id))
+
+        def usable(instance: str) -> bool:
+            return pc.registry.is_active(instance) and pc.registry.serves(instance, req.scope_id)
+
+        now = time.monotonic()
+        prefill = None
+        if decision.matched == 0:  # nothing cached, but maybe being computed for another route
+            running = pc.in_flight.computing(req.scope_id, req.compat_id, req.block_keys, 0, now)
+            if running is not None and running[0] != decision.instance and usable(running[0]):
+                prefill = PrefillChoice(running[0], "computing this prefix for another request",
+                                        running=True, blocks=running[1])
+        if prefill is None:
+            prefill = choose_prefill(pc.settings.pd, decision.instance, decision.candidates,
+                                     uncached_tokens=req.token_count - decision.matched_tokens,
+                                     is_usable=usable)
+            if prefill is not None:
+                pc.registry.note_routed(prefill.instance, req.scope_id)
+        computed_from = prefill.blocks if prefill is not None and prefill.running else decision.matched
+        computer = prefill.instance if prefill is not None and not prefill.running else decision.instance
+        pc.in_flight.note(req.scope_id, req.compat_id, req.block_keys[computed_from or 0:], computer, now)
         if prefill is not None:
-            pc.registry.note_routed(prefill.instance, req.scope_id)
             body["prefill"] = prefill.to_json()
         return json_response(body)
 

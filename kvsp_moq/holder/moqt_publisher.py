@@ -220,6 +220,7 @@ class BlockPublisher:
         layer_timeout: float = 60.0,
         probe_interval: float = 2.0,
         probe_timeout: float = 5.0,
+        subscribe_wait_s: float = 3.0,
     ) -> None:
         self.store = store
         self.relay_url = relay_url
@@ -242,6 +243,9 @@ class BlockPublisher:
         self.stats = PublisherStats()
         self.connection: MoqtConnection | None = None
         self._live: dict[BlockId, LiveBlock] = {}
+        #: how long a SUBSCRIBE for a block neither stored nor produced here waits for it
+        self.subscribe_wait_s = subscribe_wait_s
+        self._appeared = asyncio.Event()
         #: told when a live block starts (None) and when it ends (True: stored, False: abandoned);
         #: the index publisher puts and withdraws in-production records by it
         self.on_live: Callable[[LiveBlock, bool | None], None] | None = None
@@ -305,6 +309,8 @@ class BlockPublisher:
             raise PreconditionFailed("this block is already being produced")
         live = self._live[bid] = LiveBlock(self, bid, layer_count, token_count, codec)
         self.announce(bid.compat_id, bid.scope_id)
+        self._appeared.set()  # subscriptions waiting for a block (`_locate_soon`) look again
+        self._appeared = asyncio.Event()
         if self.on_live is not None:
             self.on_live(live, None)
         return live
@@ -486,8 +492,28 @@ class BlockPublisher:
             self._count(payload)
         sender.close()
 
+    async def _locate_soon(self, namespace: tuple[bytes, ...], track_name: bytes) -> tuple[
+            BlockId, LiveBlock | None, StoredBlock | None]:
+        """`_locate`, but a block that is neither stored nor produced yet is waited for (at most
+        `subscribe_wait_s`): a SUBSCRIBE is how a block about to be computed here is asked for
+        (prefill and decode apart, a herd routed to it), and may come before its production
+        starts. Stored blocks are asked for by FETCH, which is answered at once."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.subscribe_wait_s
+        while True:
+            try:
+                return self._locate(namespace, track_name)
+            except DoesNotExist:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    raise
+            try:
+                await asyncio.wait_for(self._appeared.wait(), remaining)
+            except asyncio.TimeoutError:
+                pass
+
     async def _on_subscribe(self, req: IncomingSubscribe) -> None:
-        bid, live, entry = self._locate(req.namespace, req.track_name)
+        bid, live, entry = await self._locate_soon(req.namespace, req.track_name)
         self.stats.subscribes += 1
         if entry is not None:
             total = available = entry.meta.layer_count

@@ -397,3 +397,52 @@ def test_a_producer_whose_complete_record_differs_from_what_it_sent_is_caught(
                    what="B finding the producer's records at odds with what it sent")
         assert b.engine.live_mismatches == len(keys)
         assert all(b.context.store.get(BlockId(compat, SCOPE, k)) is None for k in keys)
+
+
+async def test_the_pc_sends_a_herd_to_the_instance_computing_its_prefix(
+        model_dir: Path, index_url: str, relay: BackgroundRelay, tmp_path: Path) -> None:
+    """Two requests sharing a new prefix, routed before either instance has published anything:
+    the PC remembers where it sent the first one's blocks and tells the second one's instance to
+    subscribe to them there ("prefill": {"running": true, "blocks": n}); that instance computes
+    only its own suffix, and both answer as one instance alone."""
+    from kvsp_moq.frontend import FrontEnd
+    from kvsp_moq.scope_keys import OPEN_SCOPE
+    from kvsp_moq.web import BackgroundServer
+    from pc.app import PCSettings, create_pc_app
+    from pc.placement import ScopeKeys
+
+    shared = tokens(6 * B, 99)
+    prompts = [shared + tokens(2 * B + 3, 300 + i) for i in range(2)]
+    pc_app = create_pc_app(PCSettings(database=str(tmp_path / "pc.sqlite3"), index_url=index_url,
+                                      sweep_interval_s=0.05),
+                           keys=ScopeKeys({OPEN_SCOPE: OPEN_SCOPE_KEY}))
+    with BackgroundServer(pc_app) as pc, \
+            Agent(settings(model_dir, index_url, relay.url, pc_url=pc.url)) as a, \
+            Agent(settings(model_dir, index_url, relay.url, pc_url=pc.url)) as b:
+        agents = {a.url: a, b.url: b}
+        wait_until(lambda: len(httpx.get(pc.url + "instances", timeout=5).json()["instances"]) == 2,
+                   timeout=20, what="both agents reporting to the PC")
+        for agent in agents.values():
+            # No in-production records reach the index: what the second route knows of the
+            # first one's blocks, it knows from the PC alone.
+            moqt = agent.context.moqt_publisher
+            assert moqt is not None
+            moqt.on_live = None
+        compat = a.context.compat_id
+        routes = [{"tokens": p, "scope": OPEN_SCOPE, "compat_id": compat} for p in prompts]
+        async with FrontEnd(pc.url, timeout_s=60) as fe:
+            first = await fe.start(routes[0], {"tokens": prompts[0], "max_new_tokens": NEW})
+            # Routed away from the first instance (as if it were busy), at once.
+            second = await fe.start({**routes[1], "exclude": [first.instance]},
+                                    {"tokens": prompts[1], "max_new_tokens": NEW})
+            split = second.decision.get("prefill")
+            assert split == {"instance": first.instance, "reason": "computing this prefix for another request",
+                             "running": True, "blocks": len(shared) // B}, second.decision
+            assert second.prefill == first.instance and second.instance != first.instance
+            got = [[t.token async for t in fe.stream(s.session, instance=s.instance, max_tokens=NEW)]
+                   for s in (first, second)]
+        adapter = a.context.adapter
+        assert got == [adapter.generate_greedy(p, NEW) for p in prompts]
+        follower = agents[second.instance].engine.sessions[second.session]
+        assert follower.sources["moqt"] == len(shared) // B, follower.sources
+        assert follower.sources["recompute"] == len(prompts[1]) // B - len(shared) // B

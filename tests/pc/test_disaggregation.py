@@ -66,3 +66,30 @@ def test_cost_splits_only_when_apart_is_sooner() -> None:
     assert choose_prefill(policy, A, idle, uncached_tokens=1000, is_usable=lambda i: True) is None
     # Nothing to compute: nothing to split.
     assert choose_prefill(policy, A, busy, uncached_tokens=0, is_usable=lambda i: True) is None
+
+
+def test_in_flight_blocks_name_the_instance_computing_them() -> None:
+    from pc.disaggregation import InFlight
+
+    table = InFlight(ttl_s=5.0)
+    table.note("s", "c", ["k0", "k1", "k2"], A, now=0.0)
+    assert table.computing("s", "c", ["k0", "k1", "x2"], 0, now=1.0) == (A, 2)
+    assert table.computing("s", "c", ["k0", "k1", "k2", "k3"], 0, now=1.0) == (A, 3)
+    assert table.computing("s", "c", ["x0", "k1"], 0, now=1.0) is None
+    assert table.computing("other-scope", "c", ["k0"], 0, now=1.0) is None
+    # A later route of the same blocks to another instance: the run stops where owners change.
+    table.note("s", "c", ["k1"], B, now=2.0)
+    assert table.computing("s", "c", ["k0", "k1"], 0, now=2.5) == (A, 1)
+    # Forgotten after the TTL (by then the index lists in-production records).
+    assert table.computing("s", "c", ["k0"], 0, now=5.5) is None
+    assert table.computing("s", "c", ["k1"], 0, now=6.5) == (B, 1)
+    assert table.computing("s", "c", ["k1"], 0, now=7.5) is None
+
+
+def test_in_flight_is_bounded() -> None:
+    from pc.disaggregation import InFlight
+
+    table = InFlight(ttl_s=60.0, max_entries=4)
+    table.note("s", "c", [f"k{i}" for i in range(10)], A, now=0.0)
+    assert table.computing("s", "c", ["k0"], 0, now=0.0) is None  # the oldest went first
+    assert table.computing("s", "c", ["k9"], 0, now=0.0) == (A, 1)
