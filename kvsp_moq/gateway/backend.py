@@ -19,7 +19,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Mapping, Protocol
+from typing import Any, AsyncGenerator, Mapping, Protocol
 
 import httpx
 
@@ -54,7 +54,7 @@ class Run(Protocol):
     """Time spent asking the PC, in ms."""
     decision: Mapping[str, Any]
 
-    def tokens(self) -> AsyncIterator[int]:
+    def tokens(self) -> AsyncGenerator[int, None]:
         """The output token ids, each once, in order (at most `Job.max_tokens`)."""
         ...
 
@@ -86,7 +86,7 @@ class AgentRun:
         self.route_ms = route_ms
         self._restart = Restart(route, generate)
 
-    async def tokens(self) -> AsyncIterator[int]:
+    async def tokens(self) -> AsyncGenerator[int, None]:
         fe = self.backend.frontend()
         try:
             async for tok in fe.stream(self.job.request_id, instance=self.instance,

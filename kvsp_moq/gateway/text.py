@@ -55,8 +55,9 @@ class ModelText:
         if isinstance(template, list):  # named templates: the default one
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
             template = named.get("default")
-        self.own_template = isinstance(template, str) and bool(template)
-        self._template = self._compile(template if self.own_template else DEFAULT_TEMPLATE)
+        own = template if isinstance(template, str) and template else None
+        self.own_template = own is not None
+        self._template = self._compile(own or DEFAULT_TEMPLATE)
         self.eos_ids = frozenset(self._eos_ids())
 
     def _eos_ids(self) -> Iterable[int]:
