@@ -113,7 +113,8 @@ class AgentBackend:
 
     def __init__(self, pc_url: str, *, compat_id: str, block_tokens: int,
                  token: str | None = None, client: httpx.AsyncClient | None = None,
-                 timeout_s: float = 60.0, stream_timeout_s: float = 600.0) -> None:
+                 timeout_s: float = 60.0, stream_timeout_s: float = 600.0,
+                 stream_retries: int = 60) -> None:
         self.pc_url = base_url(pc_url)
         self.compat_id = compat_id
         self.block_tokens = block_tokens
@@ -124,11 +125,15 @@ class AgentBackend:
             max_connections=256, max_keepalive_connections=64))
         self.timeout_s = timeout_s
         self.stream_timeout_s = stream_timeout_s
+        #: reconnections of one stream without a token in between (each waits up to 1 s):
+        #: enough for the PC to see a lost instance fail and resume its sessions elsewhere
+        self.stream_retries = stream_retries
 
     def frontend(self) -> FrontEnd:
         """A front end on the shared client (cheap: it holds no connection of its own)."""
         return FrontEnd(self.pc_url, token=self.token, client=self.client,
-                        timeout_s=self.stream_timeout_s, read_timeout_s=self.timeout_s)
+                        retries=self.stream_retries, timeout_s=self.stream_timeout_s,
+                        read_timeout_s=self.timeout_s)
 
     def route_body(self, job: Job) -> dict[str, Any]:
         keys = block_keys(job.scope.key, bytes.fromhex(self.compat_id), job.tokens,
