@@ -23,7 +23,14 @@ from typing import Any, AsyncGenerator, Mapping, Protocol
 
 import httpx
 
-from kvsp_moq.errors import ForbiddenScope, KvspError, TransportError, Unauthorized, reason_of
+from kvsp_moq.errors import (
+    ConnectError,
+    ForbiddenScope,
+    KvspError,
+    TransportError,
+    Unauthorized,
+    reason_of,
+)
 from kvsp_moq.frontend import FrontEnd, Restart
 from kvsp_moq.gateway.scopes import Scope
 from kvsp_moq.index_client import raise_for_problem
@@ -155,16 +162,29 @@ class AgentBackend:
         return r
 
     async def start(self, job: Job) -> AgentRun:
+        """Route and start; an instance that cannot be reached is excluded and the prompt
+        routed once more (it died after its last status record)."""
         route = self.route_body(job)
-        t0 = time.perf_counter()
-        decision = (await self._post(f"{self.pc_url}route", route, "the PC")).json()
-        route_ms = (time.perf_counter() - t0) * 1000
         generate = {"tokens": list(job.tokens), "max_new_tokens": job.max_tokens,
                     "sampler": dict(job.sampler), "scope": job.scope.name}
-        if decision.get("prefill"):
-            await self.start_prefill(job, decision, generate)
-        await self.start_generate(base_url(decision["instance"]), job, generate)
-        return AgentRun(self, job, decision, route, generate, route_ms)
+        route_ms = 0.0
+        for attempt in range(2):
+            t0 = time.perf_counter()
+            decision = (await self._post(f"{self.pc_url}route", route, "the PC")).json()
+            route_ms += (time.perf_counter() - t0) * 1000
+            instance = base_url(decision["instance"])
+            try:
+                if decision.get("prefill"):
+                    await self.start_prefill(job, decision, generate)
+                await self.start_generate(instance, job, generate)
+            except ConnectError as e:
+                if attempt:
+                    raise
+                log.info("request %s: %s; routing it elsewhere", job.request_id, e.detail)
+                route = {**route, "exclude": [*route.get("exclude", []), instance]}
+                continue
+            return AgentRun(self, job, decision, route, generate, route_ms)
+        raise AssertionError("unreachable")
 
     async def start_prefill(self, job: Job, decision: Mapping[str, Any],
                             generate: Mapping[str, Any]) -> None:
@@ -186,9 +206,11 @@ class AgentBackend:
                         raise_for_problem(g)
                     except KvspError as e:
                         raise _upstream(e, f"instance {instance}") from None
+        except httpx.ConnectError as e:
+            raise ConnectError(f"instance {instance} unreachable: "
+                               f"{reason_of(e, named=True)}") from None
         except httpx.HTTPError as e:
-            raise TransportError(f"instance {instance} unreachable: "
-                                 f"{reason_of(e, named=True)}") from None
+            raise TransportError(f"instance {instance}: {reason_of(e, named=True)}") from None
 
     async def aclose(self) -> None:
         if self._own:

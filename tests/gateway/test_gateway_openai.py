@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from pathlib import Path
 from typing import Iterator
 
 import httpx
@@ -173,3 +174,44 @@ def test_metrics_count_the_gateways_overhead(stack: Stack) -> None:
     text = httpx.get(stack.gateway + "metrics", trust_env=False).text
     line = [x for x in text.splitlines() if x.startswith("kvsp_gateway_overhead_requests ")]
     assert line and int(float(line[0].split()[1])) >= 1
+
+
+def test_an_unreachable_instance_is_excluded_and_the_prompt_routed_again(
+        stack: Stack, client: openai.OpenAI) -> None:
+    """Last in this module: the PC keeps the dead instance until its status expires."""
+    from tests.pc.fakes import status, status_path
+
+    dead = "http://127.0.0.1:9/"
+    r = httpx.put(stack.pc + status_path(dead), trust_env=False, timeout=10,
+                  json=status(dead, ttl_ms=3000, prefill_tokens_per_s=10**9,
+                              decode_tokens_per_s=10**6))
+    assert r.status_code == 200, r.text
+    prompt = words(3000, 2 * B)
+    route = stack.app.state.gateway.backend.route_body
+    from kvsp_moq.gateway.backend import Job
+    from kvsp_moq.gateway.scopes import ScopeChooser
+    from kvsp_moq.scope_keys import OPEN_SCOPE, OPEN_SCOPE_KEY
+
+    scope = ScopeChooser({OPEN_SCOPE: OPEN_SCOPE_KEY}).scopes[OPEN_SCOPE]
+    tokens = ModelText(stack.model_dir).encode(prompt)
+    decision = httpx.post(stack.pc + "route", json=route(Job(tuple(tokens), 1, {}, scope)),
+                          trust_env=False, timeout=10).json()
+    assert decision["instance"] == dead  # the PC's first choice cannot be reached
+    got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0)
+    assert got.choices[0].text and agent_with(stack, session_of(got.id)) in stack.agents
+
+
+def test_no_active_instance_is_a_503(model_dir: Path, tmp_path: Path) -> None:
+    from kvsp_moq.gateway.app import GatewaySettings, create_app
+    from kvsp_moq.web import BackgroundServer
+    from pc.app import PCSettings, create_pc_app
+
+    with BackgroundServer(create_pc_app(PCSettings(database=str(tmp_path / "pc.db")))) as pc, \
+            BackgroundServer(create_app(GatewaySettings(pc.url, model_dir))) as gw, \
+            httpx.Client(trust_env=False, timeout=30) as http:
+        c = openai.OpenAI(base_url=gw.url + "v1", api_key="unused", max_retries=0,
+                          http_client=http)
+        with pytest.raises(openai.InternalServerError) as e:
+            c.completions.create(model=MODEL, prompt="w5 w6", max_tokens=2)
+        assert e.value.status_code == 503
+        assert isinstance(e.value.body, dict) and e.value.body["code"] == "kvsp-no-instance"
