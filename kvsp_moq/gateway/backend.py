@@ -154,7 +154,7 @@ class AgentBackend:
             r = await self.client.post(url, json=body, headers=self.headers,
                                        timeout=self.timeout_s)
         except httpx.HTTPError as e:
-            raise TransportError(f"{what} unreachable: {reason_of(e, named=True)}") from None
+            raise TransportError(f"{what} is unreachable: {reason_of(e, named=True)}") from None
         try:
             raise_for_problem(r)
         except KvspError as e:
@@ -207,7 +207,7 @@ class AgentBackend:
                     except KvspError as e:
                         raise _upstream(e, f"instance {instance}") from None
         except httpx.ConnectError as e:
-            raise ConnectError(f"instance {instance} unreachable: "
+            raise ConnectError(f"instance {instance} is unreachable: "
                                f"{reason_of(e, named=True)}") from None
         except httpx.HTTPError as e:
             raise TransportError(f"instance {instance}: {reason_of(e, named=True)}") from None
