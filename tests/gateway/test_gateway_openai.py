@@ -54,6 +54,20 @@ def expected_text(stack: Stack, text: ModelText, tokens: list[int], n: int) -> t
     return text.decode(out), "length"
 
 
+def quiet(stack: Stack) -> None:
+    """Until no instance runs or queues a request, nor has one routed to it unaccounted."""
+    wait_until(lambda: all(a.engine.running == 0 and a.engine.queued == 0
+                           for a in stack.agents), timeout=60, what="the agents are idle")
+
+    def idle_at_pc() -> bool:
+        listed = httpx.get(stack.pc + "instances", trust_env=False, timeout=10).json()
+        mine = [i for i in listed["instances"] if i["instance"] in {a.url for a in stack.agents}]
+        return len(mine) == 2 and all(i["running"] == 0 and i["queued"] == 0 and i["routed"] == 0
+                                      for i in mine)
+
+    wait_until(idle_at_pc, timeout=60, what="the PC sees the agents idle")
+
+
 def test_models(client: openai.OpenAI) -> None:
     assert [m.id for m in client.models.list()] == [MODEL]
     assert client.models.retrieve(MODEL).id == MODEL
@@ -163,6 +177,9 @@ def test_second_request_with_the_prefix_goes_where_it_is_cached(stack: Stack,
     wait_until(lambda: httpx.post(stack.index + "lookup", json=lookup, trust_env=False,
                                   timeout=10).json()["matched"] == 4,
                timeout=30, what="the first prompt's blocks are published")
+    # Both instances idle, as the PC sees them (an earlier request cut by a stop string may
+    # still be generating): the cost is then the prefix's alone.
+    quiet(stack)
     second = client.completions.create(model=MODEL, prompt=system + " w9 w10", max_tokens=2,
                                        temperature=0)
     assert agent_with(stack, session_of(second.id)) is holder
