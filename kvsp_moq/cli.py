@@ -164,6 +164,8 @@ SERVICES: dict[str, tuple[str, str]] = {
     "holder": ("kvsp_moq.holder.service", "run an HTTP block holder with tiers and leases"),
     "relay": ("relay.service", "run a MOQT relay with an object cache"),
     "agent": ("agent.service", "run an inference instance (model, KV pool, holder)"),
+    "gateway": ("kvsp_moq.gateway.service",
+                "serve OpenAI's API in front of the PC (completions, chat, streaming)"),
     "get": ("kvsp_moq.tools.get", "fetch a block from a holder or a relay, verified"),
     "subscribe": ("kvsp_moq.tools.subscribe", "print the objects of a MOQT track as they arrive"),
     "put": ("kvsp_moq.tools.put", "store a block container at a holder"),

@@ -5,7 +5,8 @@ action; every route the servers serve must have its row and every row a route; e
 tried against every HTTP row (a role outside the row is refused with `kvsp-forbidden-role`, a
 role in it is not); and for every row with a scope rule, a principal of the resource's own scope
 is served where a principal of another scope, with the same roles, is refused. Relay rows are
-tried against the relay's access policy.
+tried against the relay's access policy. The gateway answers in OpenAI's error shape; its
+refusals carry the problem name as the error's "code".
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from tests.pc.fakes import status as fake_status
 from .conftest import COMPAT, container
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "authorization.md"
-SERVERS = ("index", "pc", "holder", "agent", "every", "relay")
+SERVERS = ("index", "pc", "holder", "agent", "gateway", "every", "relay")
 
 KEYS = {t: hashlib.sha256(f"table scope key {t}".encode()).digest() for t in "abc"}
 SCOPES = {t: scope_id(k).hex() for t, k in KEYS.items()}
@@ -66,11 +67,20 @@ PRINCIPALS: dict[str, Any] = {"principal": [
     _p("holder", ["holder"], [SCOPES["a"], SCOPES["b"]], [ANY]),
     _p("agent", ["instance", "holder"], [SCOPES["a"], SCOPES["b"]], [ANY]),
     _p("admin", ["admin"], [ANY], [ANY]),
+    # The gateway's own, towards its PC and the agent: a client of tenants a and b.
+    _p("gateway", ["client"], [SCOPES["a"], SCOPES["b"]]),
 ]}
 
 
 def tok(name: str) -> dict[str, str]:
     return {"Authorization": f"Bearer t-{name}"}
+
+
+def problem_name(r: httpx.Response) -> str:
+    """The problem type of a refusal: a problem document's, or the "code" of an OpenAI-shaped
+    error (the gateway's)."""
+    body = r.json()
+    return body["error"]["code"] if "error" in body else body["type"]
 
 
 # --------------------------------------------------------------------------- the document
@@ -155,7 +165,10 @@ class Env:
 def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     from agent.service import Agent, AgentSettings
     from agent.tiny import ensure_tiny_model
+    from kvsp_moq.gateway.app import GatewaySettings
+    from kvsp_moq.gateway.app import create_app as create_gateway_app
     from kvsp_moq.holder.service import Holder, HolderSettings
+    from pc.app import create_pc_app
 
     auth = Authenticator.from_mapping(PRINCIPALS)
     db = tmp_path_factory.mktemp("table-pc") / "pc.sqlite3"
@@ -169,10 +182,23 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
                                 warmup_tokens=0, scope_keys={"a": KEYS["a"], "b": KEYS["b"]},
                                 scope="a", auth=auth, token="t-agent")) as agent, \
             httpx.Client(timeout=60, trust_env=False) as http:
-        yield Env(http, {"index": index.url, "pc": index.url, "holder": holder.url,
-                         "agent": agent.url},
-                  {"index": index_app, "pc": index_app, "holder": holder.app, "agent": agent.app},
-                  agent)
+        # The gateway has a PC of its own, where only the agent reports (the PC rows route
+        # to instances that are not there).
+        gateway_pc = create_pc_app(PCSettings(database=str(db.with_name("gateway-pc.sqlite3"))))
+        gateway_pc.state.auth = auth
+        gateway_app = create_gateway_app(GatewaySettings(
+            pc_url="http://unset.test/", model_dir=model, block_tokens=16, auth=auth,
+            token="t-gateway", scope_keys={"a": KEYS["a"], "b": KEYS["b"]}))
+        with BackgroundServer(gateway_pc) as pc, BackgroundServer(gateway_app) as gateway:
+            gateway_app.state.gateway.backend.pc_url = pc.url
+            r = http.put(f"{pc.url}instances/{instance_id(agent.url)}/status",
+                         json=status_record(agent.url), headers=tok("agent"))
+            assert r.status_code == 200, r.text
+            yield Env(http, {"index": index.url, "pc": index.url, "holder": holder.url,
+                             "agent": agent.url, "gateway": gateway.url},
+                      {"index": index_app, "pc": index_app, "holder": holder.app,
+                       "agent": agent.app, "gateway": gateway_app},
+                      agent)
 
 
 def served_routes(env: Env) -> set[tuple[str, str, str]]:
@@ -194,7 +220,12 @@ def served_routes(env: Env) -> set[tuple[str, str, str]]:
     combined = routes(env.apps["pc"])
     holder = routes(env.apps["holder"])
     agent = routes(env.apps["agent"])
+    gateway = routes(env.apps["gateway"])
     out = {("every", m, p) for m, p in common}
+    # The gateway's API is OpenAI's: /metrics and /healthz, and no /openapi.json of ours.
+    service = common - {("GET", "/openapi.json")}
+    assert service <= gateway
+    out |= {("gateway", m, p) for m, p in gateway - service}
     for server, found in (("index", index_only), ("pc", combined - index_only),
                           ("holder", holder), ("agent", agent)):
         if server != "pc":  # the PC's routes are the combined app's, less the IS's
@@ -220,7 +251,8 @@ def concrete(path: str) -> str:
     """A path of the row's shape with well-formed identifiers (of nothing that exists)."""
     values = {"compat": COMPAT, "scope": SCOPES["a"], "key": "ee" * 32, "block_key": "ee" * 32,
               "replica_id": "ee" * 16, "id": instance_id(INST["c"]), "session": str(uuid.uuid4()),
-              "map": "no-such-map", "lease": uuid.uuid4().hex, "directive": str(uuid.uuid4())}
+              "map": "no-such-map", "lease": uuid.uuid4().hex, "directive": str(uuid.uuid4()),
+              "model": "no-such-model"}
     return re.sub(r"\{(\w+)\}", lambda m: values[m.group(1)], path)
 
 
@@ -243,7 +275,7 @@ def test_role_cell(env: Env, row: Row, role: str) -> None:
                              content=body)
         assert r.status_code != 401, (server, r.text)
         role_refusal = r.status_code == 403 and (
-            row.method == "HEAD" or r.json()["type"].endswith("kvsp-forbidden-role"))
+            row.method == "HEAD" or problem_name(r).endswith("kvsp-forbidden-role"))
         if permitted:
             assert not role_refusal, (server, r.status_code, r.text)
         else:
@@ -268,7 +300,7 @@ def refused(r: httpx.Response, *, as_absent: bool = False) -> None:
         assert r.status_code == 404, r.text
     else:
         assert r.status_code == 403, r.text
-        assert r.json()["type"].endswith("kvsp-forbidden-scope"), r.text
+        assert problem_name(r).endswith("kvsp-forbidden-scope"), r.text
 
 
 def ok(r: httpx.Response, *codes: int) -> httpx.Response:
@@ -691,6 +723,33 @@ def _(env: Env, base: str) -> None:
     params = {"map": name, "tokens": "0-16"}
     refused(env.http.get(base + "kv", params=params, headers=tok("inst-b")))
     assert ok(env.http.get(base + "kv", params=params, headers=tok("inst-a"))).content
+
+
+# ---- the gateway
+
+GATEWAY_MODEL = "llama-tiny"
+
+
+def gateway_case(path: str, body: dict[str, Any]) -> Case:
+    def case_fn(env: Env, base: str) -> None:
+        url = base + path.lstrip("/")
+        request = {"model": GATEWAY_MODEL, "max_tokens": 2, "temperature": 0, **body}
+        # B's client naming A's scope: refused; A's client, naming it or not (its only scope
+        # here): served, in A's scope, at the agent.
+        refused(env.http.post(url, json=request, headers={**tok("client-b"),
+                                                          "X-KVSP-Scope": "a"}))
+        ok(env.http.post(url, json=request, headers={**tok("client-a"), "X-KVSP-Scope": "a"}))
+        ok(env.http.post(url, json=request, headers=tok("client-a")))
+        # A principal of several of the gateway's scopes must name one.
+        r = env.http.post(url, json=request, headers=tok("gateway"))
+        assert r.status_code == 400 and r.json()["error"]["param"] == "X-KVSP-Scope", r.text
+    return case_fn
+
+
+CASES[("gateway", "POST", "/v1/completions")] = gateway_case(
+    "/v1/completions", {"prompt": " ".join(f"w{i}" for i in range(40, 60))})
+CASES[("gateway", "POST", "/v1/chat/completions")] = gateway_case(
+    "/v1/chat/completions", {"messages": [{"role": "user", "content": "w40 w41 w42"}]})
 
 
 def scope_rows() -> list[Row]:

@@ -1,0 +1,217 @@
+"""Where the gateway's requests run: the PC routes, an instance generates (DESIGN §10).
+
+A `Backend` takes a prompt already tokenized and keyed (`Job`) and starts it: it asks the PC
+(`POST {pc}route`, with the Block Keys the gateway derived in the caller's scope) where the
+prompt costs least, starts it there and hands back a `Run`, whose tokens arrive once each, in
+order. `AgentBackend` drives `kvsp agent` instances: `POST {ii}generate` with a session id, the
+tokens read through `FrontEnd`, so that a stream survives the loss of its instance (resumed
+from the PC's checkpoint, or started again from the prompt, each token delivered once).
+
+Another kind of instance is another `Backend`: an instance with an OpenAI URL (vLLM with the
+KVSP connector) would be forwarded the OpenAI request with the prompt as token ids, its tokens
+read from its stream. The route decision may name a prefill instance apart from the decode
+one ("prefill"); `AgentBackend.start_prefill` is where such a decision takes effect.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncGenerator, Mapping, Protocol
+
+import httpx
+
+from kvsp_moq.errors import (
+    ConnectError,
+    ForbiddenScope,
+    KvspError,
+    TransportError,
+    Unauthorized,
+    reason_of,
+)
+from kvsp_moq.frontend import FrontEnd, Restart
+from kvsp_moq.gateway.scopes import Scope
+from kvsp_moq.index_client import raise_for_problem
+from kvsp_moq.protocol.keys import block_keys
+from kvsp_moq.protocol.urls import base_url
+
+log = logging.getLogger("kvsp.gateway")
+
+__all__ = ["AgentBackend", "Backend", "Job", "Run"]
+
+
+@dataclass(frozen=True)
+class Job:
+    """A prompt to run: token ids, in a scope, with the instance's sampler."""
+
+    tokens: tuple[int, ...]
+    max_tokens: int
+    sampler: Mapping[str, Any]
+    scope: Scope
+    request_id: str = field(default_factory=lambda: str(uuid.uuid4()))
+
+
+class Run(Protocol):
+    """A started generation."""
+
+    instance: str
+    route_ms: float
+    """Time spent asking the PC, in ms."""
+    decision: Mapping[str, Any]
+
+    def tokens(self) -> AsyncGenerator[int, None]:
+        """The output token ids, each once, in order (at most `Job.max_tokens`)."""
+        ...
+
+    async def cached_tokens(self) -> int:
+        """Prompt tokens loaded rather than computed, once the output is complete."""
+        ...
+
+
+class Backend(Protocol):
+    async def start(self, job: Job) -> Run: ...
+
+    async def aclose(self) -> None: ...
+
+
+def _upstream(err: KvspError, what: str) -> KvspError:
+    """An upstream refusal of the gateway's own token is the gateway's fault, not the caller's."""
+    if isinstance(err, (Unauthorized, ForbiddenScope)):
+        return TransportError(f"{what} refused the gateway's token: {err.detail}")
+    return err
+
+
+class AgentRun:
+    def __init__(self, backend: "AgentBackend", job: Job, decision: Mapping[str, Any],
+                 route: Mapping[str, Any], generate: Mapping[str, Any], route_ms: float) -> None:
+        self.backend = backend
+        self.job = job
+        self.decision = decision
+        self.instance = base_url(decision["instance"])
+        self.route_ms = route_ms
+        self._restart = Restart(route, generate)
+
+    async def tokens(self) -> AsyncGenerator[int, None]:
+        fe = self.backend.frontend()
+        try:
+            async for tok in fe.stream(self.job.request_id, instance=self.instance,
+                                       max_tokens=self.job.max_tokens, restart=self._restart):
+                yield tok.token
+        except KvspError as e:
+            raise _upstream(e, "an instance") from None
+
+    async def cached_tokens(self) -> int:
+        try:
+            r = await self.backend.client.get(
+                f"{self.instance}sessions/{self.job.request_id}",
+                headers=self.backend.headers, timeout=self.backend.timeout_s)
+        except httpx.HTTPError:
+            return 0
+        if r.status_code != 200:  # the session moved, or is gone
+            return 0
+        value = r.json().get("cached_tokens", 0)
+        return value if type(value) is int else 0
+
+
+class AgentBackend:
+    """`kvsp agent` instances behind a PC."""
+
+    def __init__(self, pc_url: str, *, compat_id: str, block_tokens: int,
+                 token: str | None = None, client: httpx.AsyncClient | None = None,
+                 timeout_s: float = 60.0, stream_timeout_s: float = 600.0,
+                 stream_retries: int = 60) -> None:
+        self.pc_url = base_url(pc_url)
+        self.compat_id = compat_id
+        self.block_tokens = block_tokens
+        self.token = token
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._own = client is None
+        self.client = client or httpx.AsyncClient(trust_env=False, limits=httpx.Limits(
+            max_connections=256, max_keepalive_connections=64))
+        self.timeout_s = timeout_s
+        self.stream_timeout_s = stream_timeout_s
+        #: reconnections of one stream without a token in between (each waits up to 1 s):
+        #: enough for the PC to see a lost instance fail and resume its sessions elsewhere
+        self.stream_retries = stream_retries
+
+    def frontend(self) -> FrontEnd:
+        """A front end on the shared client (cheap: it holds no connection of its own)."""
+        return FrontEnd(self.pc_url, token=self.token, client=self.client,
+                        retries=self.stream_retries, timeout_s=self.stream_timeout_s,
+                        read_timeout_s=self.timeout_s)
+
+    def route_body(self, job: Job) -> dict[str, Any]:
+        keys = block_keys(job.scope.key, bytes.fromhex(self.compat_id), job.tokens,
+                          self.block_tokens)
+        return {"block_keys": [k.hex() for k in keys], "scope_id": job.scope.id,
+                "compat_id": self.compat_id, "block_tokens": self.block_tokens,
+                "token_count": len(job.tokens), "request_ref": job.request_id}
+
+    async def _post(self, url: str, body: Mapping[str, Any], what: str) -> httpx.Response:
+        try:
+            r = await self.client.post(url, json=body, headers=self.headers,
+                                       timeout=self.timeout_s)
+        except httpx.HTTPError as e:
+            raise TransportError(f"{what} is unreachable: {reason_of(e, named=True)}") from None
+        try:
+            raise_for_problem(r)
+        except KvspError as e:
+            raise _upstream(e, what) from None
+        return r
+
+    async def start(self, job: Job) -> AgentRun:
+        """Route and start; an instance that cannot be reached is excluded and the prompt
+        routed once more (it died after its last status record)."""
+        route = self.route_body(job)
+        generate = {"tokens": list(job.tokens), "max_new_tokens": job.max_tokens,
+                    "sampler": dict(job.sampler), "scope": job.scope.name}
+        route_ms = 0.0
+        for attempt in range(2):
+            t0 = time.perf_counter()
+            decision = (await self._post(f"{self.pc_url}route", route, "the PC")).json()
+            route_ms += (time.perf_counter() - t0) * 1000
+            instance = base_url(decision["instance"])
+            try:
+                if decision.get("prefill"):
+                    await self.start_prefill(job, decision, generate)
+                await self.start_generate(instance, job, generate)
+            except ConnectError as e:
+                if attempt:
+                    raise
+                log.info("request %s: %s; routing it elsewhere", job.request_id, e.detail)
+                route = {**route, "exclude": [*route.get("exclude", []), instance]}
+                continue
+            return AgentRun(self, job, decision, route, generate, route_ms)
+        raise AssertionError("unreachable")
+
+    async def start_prefill(self, job: Job, decision: Mapping[str, Any],
+                            generate: Mapping[str, Any]) -> None:
+        """A decision with prefill and decode apart. Agents have no prefill-only start yet:
+        the decode instance computes the prompt itself (or loads what the PC's directive
+        had it prefetch), which gives the same tokens."""
+        log.info("request %s: prefill at %s is not started apart (the decode instance "
+                 "prefills)", job.request_id, decision.get("prefill"))
+
+    async def start_generate(self, instance: str, job: Job, generate: Mapping[str, Any]) -> None:
+        """Start the session; its tokens are read from the session's stream (FrontEnd)."""
+        body = {**generate, "session": job.request_id, "stream": True}
+        try:
+            async with self.client.stream("POST", f"{instance}generate", json=body,
+                                          headers=self.headers, timeout=self.timeout_s) as g:
+                if g.status_code >= 400:
+                    await g.aread()
+                    try:
+                        raise_for_problem(g)
+                    except KvspError as e:
+                        raise _upstream(e, f"instance {instance}") from None
+        except httpx.ConnectError as e:
+            raise ConnectError(f"instance {instance} is unreachable: "
+                               f"{reason_of(e, named=True)}") from None
+        except httpx.HTTPError as e:
+            raise TransportError(f"instance {instance}: {reason_of(e, named=True)}") from None
+
+    async def aclose(self) -> None:
+        if self._own:
+            await self.client.aclose()
