@@ -160,7 +160,8 @@ class AgentContext:
                 set_state=self._set_state, token=settings.token,
                 ttl_ms=settings.status_ttl_ms, sleep_after_s=settings.sleep_after_s,
                 kv_utilization=self._kv_utilization, epoch=settings.epoch,
-                admitted=lambda: self.engine.admitted)
+                admitted=lambda: self.engine.admitted,
+                live_kv=lambda: self.engine.live is not None and self.moqt_publisher is not None)
         self.epoch = self.reporter.epoch if self.reporter else (settings.epoch or 0)
         self.url = settings.public_url or ""
         self.closed = False

@@ -237,8 +237,6 @@ class Engine:
         if max(req.tokens) >= self.adapter.vocab_size:
             raise BadRecord(f"token ids must be below {self.adapter.vocab_size}", member="tokens")
         key = self.scope_key(req.scope)
-        if req.prefill_at is not None and self._moqt_source() is None:
-            raise BadRecord("this instance has no relay to receive a prefill through", member="prefill_at")
         sid = req.session or str(uuid.uuid4())
         existing = self.sessions.get(sid)
         if existing is not None and (req.session is not None or not existing.finished):
@@ -253,7 +251,11 @@ class Engine:
                           prompt_blocks=[k.hex() for k in chain.keys[:full]],
                           prompt_tail=list(req.tokens[full * b:]), sampler=req.sampler,
                           max_new_tokens=req.max_new_tokens)
-        if req.prefill_at is not None and base_url(req.prefill_at) != base_url(self.self_url()):
+        if req.prefill_at is None or base_url(req.prefill_at) == base_url(self.self_url()):
+            pass
+        elif self._moqt_source() is None:  # no relay to subscribe through: computed here
+            log.info("session %s: prefill_at %s ignored (this instance has no relay)", sid, req.prefill_at)
+        else:
             session.prefill_at = base_url(req.prefill_at)
             session.prefill_blocks = req.prefill_blocks
         self.sessions[sid] = session

@@ -113,6 +113,7 @@ class StatusReporter:
                  kv_utilization: Callable[[], float] = lambda: 0.0,
                  sleep_after_s: float | None = None, epoch: int | None = None,
                  admitted: Callable[[], int] | None = None,
+                 live_kv: Callable[[], bool] = lambda: False,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.pc_url = base_url(pc_url)
         self.instance_url = instance_url
@@ -129,6 +130,7 @@ class StatusReporter:
         self.sleep_after_s = sleep_after_s
         self.epoch = epoch if epoch is not None else int(time.time() * 1000)
         self.admitted = admitted
+        self.live_kv = live_kv
         self.clock = clock
         self.reports = 0
         self.failures = 0
@@ -162,7 +164,7 @@ class StatusReporter:
             prefill_tokens_per_s=round(self.meters.prefill.value or 0.0, 1),
             decode_tokens_per_s=round(self.meters.decode.value or 0.0, 1),
             links=self.meters.links(), requested_state=requested,
-            admitted=None if self.admitted is None else self.admitted())
+            admitted=None if self.admitted is None else self.admitted(), live_kv=self.live_kv())
 
     async def report(self) -> str:
         """One status PUT; returns the state the PC answered and adopts it, unless the state

@@ -114,7 +114,11 @@ def create_pc_routes(pc: PlacementController) -> list[Route]:
         body = decision.to_json()
 
         def usable(instance: str) -> bool:
-            return pc.registry.is_active(instance) and pc.registry.serves(instance, req.scope_id)
+            """An instance that may compute this prompt for another: active, serving the scope,
+            publishing live KV, and not excluded by the front end."""
+            status = pc.registry.get(instance)
+            return (status is not None and status.live_kv and instance not in req.exclude
+                    and pc.registry.is_active(instance) and pc.registry.serves(instance, req.scope_id))
 
         now = time.monotonic()
         prefill = None

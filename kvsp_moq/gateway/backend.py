@@ -10,7 +10,8 @@ from the PC's checkpoint, or started again from the prompt, each token delivered
 Another kind of instance is another `Backend`: an instance with an OpenAI URL (vLLM with the
 KVSP connector) would be forwarded the OpenAI request with the prompt as token ids, its tokens
 read from its stream. The route decision may name a prefill instance apart from the decode
-one ("prefill"); `AgentBackend.start_prefill` is where such a decision takes effect.
+one ("prefill", `kvsp index --pd`, or one computing the prompt's blocks for another request);
+`AgentBackend.start_prefill` has the decode instance subscribe to its layers there.
 """
 
 from __future__ import annotations
@@ -174,9 +175,8 @@ class AgentBackend:
             route_ms += (time.perf_counter() - t0) * 1000
             instance = base_url(decision["instance"])
             try:
-                if decision.get("prefill"):
-                    await self.start_prefill(job, decision, generate)
-                await self.start_generate(instance, job, generate)
+                apart = await self.start_prefill(job, decision) if decision.get("prefill") else {}
+                await self.start_generate(instance, job, {**generate, **apart})
             except ConnectError as e:
                 if attempt:
                     raise
@@ -186,13 +186,24 @@ class AgentBackend:
             return AgentRun(self, job, decision, route, generate, route_ms)
         raise AssertionError("unreachable")
 
-    async def start_prefill(self, job: Job, decision: Mapping[str, Any],
-                            generate: Mapping[str, Any]) -> None:
-        """A decision with prefill and decode apart. Agents have no prefill-only start yet:
-        the decode instance computes the prompt itself (or loads what the PC's directive
-        had it prefetch), which gives the same tokens."""
-        log.info("request %s: prefill at %s is not started apart (the decode instance "
-                 "prefills)", job.request_id, decision.get("prefill"))
+    async def start_prefill(self, job: Job, decision: Mapping[str, Any]) -> dict[str, Any]:
+        """A decision with prefill and decode apart (DESIGN §9.4): the members of the generate
+        that has the decode instance subscribe to the prompt's layers at the prefill instance.
+        One computing the blocks already for another request ("running") is not asked again;
+        another is asked to (`POST {ii}prefill`). One that refuses or cannot be reached leaves
+        the prompt to the decode instance (no members)."""
+        split = decision["prefill"]
+        at = base_url(split["instance"])
+        if split.get("running"):
+            return {"prefill_at": at, "prefill_blocks": split.get("blocks")}
+        try:
+            await self._post(f"{at}prefill", {"tokens": list(job.tokens), "scope": job.scope.name},
+                             f"prefill instance {at}")
+        except KvspError as e:  # refused (409 kvsp-no-live-kv: no relay) or unreachable
+            log.info("request %s: prefill at %s refused or unreachable (%s); the decode instance "
+                     "computes the prompt", job.request_id, at, getattr(e, "detail", e))
+            return {}
+        return {"prefill_at": at}
 
     async def start_generate(self, instance: str, job: Job, generate: Mapping[str, Any]) -> None:
         """Start the session; its tokens are read from the session's stream (FrontEnd)."""

@@ -250,6 +250,10 @@ class InstanceStatus:
     #: knows exactly which of the requests it routed a record already counts in running or
     #: queued (§6.4 wait_us); without it, it can only guess from the time (see pc/lifecycle).
     admitted: int | None = None
+    #: Extension member: the instance publishes the prompt blocks it computes live over MOQT
+    #: (DESIGN §9), so another instance may subscribe to them while they are computed; only
+    #: such an instance is named to compute a prompt for another one.
+    live_kv: bool = False
 
     @classmethod
     def from_json(cls, data: Any) -> "InstanceStatus":
@@ -277,6 +281,7 @@ class InstanceStatus:
             links=tuple(v.array(data.get("links", []), "links", Link.from_json, max_len=4096)),
             requested_state=requested,
             admitted=None if data.get("admitted") is None else v.integer(data["admitted"], "admitted"),
+            live_kv=v.boolean(data.get("live_kv", False), "live_kv"),
         )
 
     def to_json(self) -> dict:
@@ -296,6 +301,8 @@ class InstanceStatus:
         }
         if self.admitted is not None:
             out["admitted"] = self.admitted
+        if self.live_kv:
+            out["live_kv"] = True
         return out
 
 
