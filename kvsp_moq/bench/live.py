@@ -50,7 +50,7 @@ import httpx
 
 from agent.tiny import _DEFAULTS as TINY_DEFAULTS
 from kvsp_moq.bench.ttft import MODEL as TTFT_MODEL
-from kvsp_moq.bench.ttft import _start_relay, _stop
+from kvsp_moq.bench.ttft import _stop
 
 #: the model of `kvsp bench ttft` (16 layers, hidden 1,024), with room for 8,192-token prompts
 MODEL = {**TTFT_MODEL, "max_positions": 8192 + 256}
@@ -117,10 +117,16 @@ class AgentProcess:
                                       json.dumps(spec)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self.log, text=True, env=env)
         self.log_path = log_path
-        line = self.read()
-        self.url: str = line["url"]
-        self.compat_id: str = line["compat_id"]
         self.pid = self.proc.pid
+        self.url = ""
+        self.compat_id = ""
+
+    def ready(self) -> "AgentProcess":
+        """Once it serves (agents start side by side: loading the model takes seconds)."""
+        line = self.read()
+        self.url = line["url"]
+        self.compat_id = line["compat_id"]
+        return self
 
     def read(self) -> dict[str, Any]:
         assert self.proc.stdout is not None
@@ -147,6 +153,46 @@ class AgentProcess:
 
 
 # --------------------------------------------------------------------------- CPU per role
+
+
+def start_relay(cert_dir: str) -> tuple[subprocess.Popen, str, str]:
+    """`kvsp relay` in its own process with its metrics server: the process, its moqt:// URL
+    and its metrics URL."""
+    proc = subprocess.Popen([sys.executable, "-m", "relay.service", "--listen", "127.0.0.1:0",
+                             "--cache-bytes", "2G", "--cert-dir", cert_dir, "--metrics", "127.0.0.1:0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    assert proc.stdout is not None
+    url = metrics = ""
+    for _ in range(20):  # the URL, notes, then the metrics line
+        line = proc.stdout.readline()
+        if not line:
+            break
+        if line.startswith("relay listening on "):
+            url = line.removeprefix("relay listening on ").strip()
+        elif line.startswith("metrics at "):
+            metrics = line.removeprefix("metrics at ").strip()
+            return proc, url, metrics
+    proc.kill()
+    raise RuntimeError("the relay process did not start")
+
+
+#: relay counters reported per herd run
+RELAY_COUNTERS = ("subscribes", "upstream_subscribes", "fetches", "upstream_fetches", "cache_hits",
+                  "cache_misses", "bytes_received", "bytes_forwarded")
+
+
+def relay_counters(metrics_url: str) -> dict[str, int]:
+    """The relay's counters named in RELAY_COUNTERS, from its Prometheus text."""
+    text = httpx.get(metrics_url, timeout=10).text
+    out: dict[str, int] = {}
+    for line in text.splitlines():
+        if line.startswith("#") or " " not in line:
+            continue
+        name, value = line.rsplit(" ", 1)
+        name = name.removeprefix("kvsp_relay_").removesuffix("_total")
+        if name in RELAY_COUNTERS:
+            out[name] = int(float(value))
+    return out
 
 
 def cpu_s(pid: int) -> float:
@@ -283,13 +329,16 @@ def run(*, quick: bool = False, model: dict[str, Any] | None = None, prompt_toke
     relay_proc: subprocess.Popen | None = None
     agents: list[AgentProcess] = []
     try:
-        relay_proc, relay_url = _start_relay(work.name)
+        relay_proc, relay_url, relay_metrics = start_relay(work.name)
         spec = {"model": str(model_dir), "index": index.url, "relay": relay_url}
         for i in range(HERD):
             agents.append(AgentProcess(spec, Path(work.name) / f"agent{i}.log"))
+        for a in agents:
+            a.ready()
         pids = {f"agent{i}": a.pid for i, a in enumerate(agents)}
         pids["relay"] = relay_proc.pid
-        bench = Bench(agents, Roles(pids), index.url, {**TINY_DEFAULTS, **spec_model}, stagger_ms)
+        bench = Bench(agents, Roles(pids), index.url, {**TINY_DEFAULTS, **spec_model}, stagger_ms,
+                      relay_metrics)
         bench.warm_up()
         result: dict[str, Any] = {
             "model": {**spec_model, "dtype": "float32", "block_tokens": B},
@@ -315,6 +364,17 @@ def run(*, quick: bool = False, model: dict[str, Any] | None = None, prompt_toke
         work.cleanup()
 
 
+class OutputsDiffer(RuntimeError):
+    """Greedy outputs that should be identical are not: the KV a variant used was wrong."""
+
+
+def same_outputs(what: str, reference: Any, outputs: list[Any]) -> None:
+    """OutputsDiffer unless every one of `outputs` is `reference`."""
+    for out in outputs:
+        if out != reference:
+            raise OutputsDiffer(f"{what}: greedy output {out} differs from {reference}")
+
+
 def _ratio(a: float, b: float) -> float | None:
     return round(a / b, 3) if b else None
 
@@ -331,8 +391,9 @@ class Bench:
     """The runs, on agents and a relay already started; each run in a scope of its own."""
 
     def __init__(self, agents: list[AgentProcess], roles: Roles, index_url: str,
-                 model_spec: dict[str, Any], stagger_ms: float) -> None:
+                 model_spec: dict[str, Any], stagger_ms: float, relay_metrics: str) -> None:
         self.agents = agents
+        self.relay_metrics = relay_metrics
         self.roles = roles
         self.index_url = index_url
         self.model_spec = model_spec
@@ -346,6 +407,12 @@ class Bench:
         if self._scope >= SCOPES:
             raise RuntimeError("out of scopes: raise SCOPES")
         return f"s{self._scope}", scope_key(self._scope)
+
+    def block_octets(self) -> int:
+        """K and V of one block, float32, every layer."""
+        m = self.model_spec
+        kv_width = int(m["hidden"]) // int(m["heads"]) * int(m["kv_heads"])
+        return 2 * int(m["layers"]) * B * kv_width * 4
 
     def warm_up(self) -> None:
         """Connections, the relay's sessions and the model's first passes, on a short prompt."""
@@ -366,6 +433,7 @@ class Bench:
     def streamed(self, prompt: list[int]) -> dict[str, Any]:
         a, b = self.agents[0], self.agents[1]
         name, _ = self.scope()
+        before = a.ask("stats")["bytes_sent"]
         self.roles.start()
         t0 = time.perf_counter()
         _post(a.url + "prefill", {"tokens": prompt, "scope": name})
@@ -373,7 +441,7 @@ class Bench:
         r = _generate(b, prompt, name, prefill_at=a.url)
         cpu = self.roles.stop()
         return {"ttft_ms": (sent - t0) * 1000 + r["ttft_ms"], "tokens": r["tokens"],
-                "sources": r["sources"],
+                "sources": r["sources"], "producer_bytes": a.ask("stats")["bytes_sent"] - before,
                 "cpu_s": {"producer": cpu["agent0"], "consumer": cpu["agent1"], "relay": cpu["relay"]}}
 
     def load_after_prefill(self, prompt: list[int]) -> dict[str, Any]:
@@ -394,16 +462,19 @@ class Bench:
         name, _ = self.scope()
         stats = [a.ask("stats") for a in self.agents]
         self.roles.start()
+        relay_before = relay_counters(self.relay_metrics)
         calls = [(i * self.stagger_s, (lambda a=a, p=p: _generate(a, p, name)))
                  for i, (a, p) in enumerate(zip(self.agents, prompts))]
         out = _in_threads(calls)
         cpu = self.roles.stop()
+        relay_after = relay_counters(self.relay_metrics)
         sent = [a.ask("stats")["bytes_sent"] - s["bytes_sent"] for a, s in zip(self.agents, stats)]
         computed = [i for i, r in enumerate(out) if r["sources"].get("recompute", 0) > 1]
         return {"ttft_ms": [r["ttft_ms"] for r in out], "tokens": [r["tokens"] for r in out],
                 "sources": [r["sources"] for r in out], "computed_by": computed,
                 "cpu_s": {"instances": sum(cpu[f"agent{i}"] for i in range(HERD)), "relay": cpu["relay"]},
-                "moqt_bytes_sent": sent}
+                "moqt_bytes_sent": sent,
+                "relay": {k: relay_after.get(k, 0) - relay_before.get(k, 0) for k in RELAY_COUNTERS}}
 
     # ------------------------------------------------------------------ the figures
 
@@ -416,10 +487,7 @@ class Bench:
             runs["load_after_prefill"].append(self.load_after_prefill(prompt))
         reference = runs["single"][0]["tokens"]
         for variant, rs in runs.items():
-            for r in rs:
-                if r["tokens"] != reference:
-                    raise RuntimeError(f"pd {variant}: greedy output {r['tokens']} differs from "
-                                       f"the single instance's {reference}")
+            same_outputs(f"pd {variant}", reference, [r["tokens"] for r in rs])
         self.reference = (prompt, reference)
 
         def med(variant: str, f: Callable[[dict[str, Any]], float], digits: int = 1) -> float:
@@ -445,6 +513,8 @@ class Bench:
             "streamed_cpu_floor_ms": floor_ms,
             "streamed_vs_cpu_floor": _ratio(ttft["streamed"], floor_ms),
             "load_after_prefill_wait_ms": med("load_after_prefill", lambda r: r["prefill_ms"]),
+            "streamed_producer_egress_copies": med(
+                "streamed", lambda r: r["producer_bytes"] / ((n - 1) // B * self.block_octets()), 3),
             "sources": {v: rs[0]["sources"] for v, rs in runs.items()},
         }
 
@@ -466,21 +536,13 @@ class Bench:
                 for a in self.agents:
                     a.ask("live", on=True)
         expected = alone[0]["tokens"]
-        if expected[0] != reference:
-            raise RuntimeError(f"herd: the first request's output {expected[0]} differs from the "
-                               f"single instance's {reference}")
-        for r in live + alone:
-            if r["tokens"] != expected:
-                raise RuntimeError(f"herd: greedy outputs {r['tokens']} differ from those computed "
-                                   f"by each instance alone {expected}")
+        same_outputs("herd, first request", reference, [expected[0]])
+        same_outputs("herd", expected, [r["tokens"] for r in live + alone])
 
         def med(rs: list[dict[str, Any]], f: Callable[[dict[str, Any]], float], digits: int = 1) -> float:
             return round(statistics.median(f(r) for r in rs), digits)
 
-        m = self.model_spec
-        kv_width = int(m["hidden"]) // int(m["heads"]) * int(m["kv_heads"])
-        block_octets = 2 * int(m["layers"]) * B * kv_width * 4  # K and V, float32
-        prefix_octets = (len(prefix) // B) * block_octets
+        prefix_octets = (len(prefix) // B) * self.block_octets()
         cpu_live = med(live, lambda r: r["cpu_s"]["instances"], 3)
         relay_live = med(live, lambda r: r["cpu_s"]["relay"], 3)
         cores = len(os.sched_getaffinity(0))
@@ -496,6 +558,9 @@ class Bench:
                         "in_herd": live[len(live) // 2]["ttft_ms"]},
             "herd_cpu_floor_ms": round((cpu_live + relay_live) / cores * 1000, 1),
             "producer_egress_copies": med(live, lambda r: max(r["moqt_bytes_sent"]) / prefix_octets, 3),
+            "moqt_bytes_sent_by_instance": live[len(live) // 2]["moqt_bytes_sent"],
+            "prefix_octets": prefix_octets,
+            "relay_counters": live[len(live) // 2]["relay"],
             "computed_by": [r["computed_by"] for r in live],
             "computed_by_without_live": [r["computed_by"] for r in alone],
             "sources": live[0]["sources"],
