@@ -33,6 +33,7 @@ with and without live KV; the herd's first request with single): a difference is
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import json
 import logging
@@ -44,7 +45,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import httpx
 
@@ -260,7 +261,7 @@ def _generate(agent: AgentProcess, tokens: list[int], scope: str, **extra: Any) 
                                           **extra})
 
 
-def _in_threads(calls: list[tuple[float, Callable[[], dict[str, Any]]]]) -> list[dict[str, Any]]:
+def _in_threads(calls: Sequence[tuple[float, Callable[[], dict[str, Any]]]]) -> list[dict[str, Any]]:
     """Each call in a thread of its own, started `delay` seconds after the first."""
     out: list[Any] = [None] * len(calls)
     t0 = time.perf_counter()
@@ -463,7 +464,7 @@ class Bench:
         stats = [a.ask("stats") for a in self.agents]
         self.roles.start()
         relay_before = relay_counters(self.relay_metrics)
-        calls = [(i * self.stagger_s, (lambda a=a, p=p: _generate(a, p, name)))
+        calls = [(i * self.stagger_s, functools.partial(_generate, a, p, name))
                  for i, (a, p) in enumerate(zip(self.agents, prompts))]
         out = _in_threads(calls)
         cpu = self.roles.stop()
@@ -494,10 +495,11 @@ class Bench:
             return round(statistics.median(f(r) for r in runs[variant]), digits)
 
         ttft = {v: med(v, lambda r: r["ttft_ms"]) for v in runs}
-        cpu = {role: med("streamed", lambda r, role=role: r["cpu_s"][role], 3)
-               for role in ("producer", "consumer", "relay")}
-        cpu_lap = {role: med("load_after_prefill", lambda r, role=role: r["cpu_s"][role], 3)
-                   for role in ("producer", "consumer", "relay")}
+        def role_cpu(variant: str) -> dict[str, float]:
+            return {role: round(statistics.median(r["cpu_s"][role] for r in runs[variant]), 3)
+                    for role in ("producer", "consumer", "relay")}
+
+        cpu, cpu_lap = role_cpu("streamed"), role_cpu("load_after_prefill")
         single_cpu = med("single", lambda r: r["cpu_s"]["instance"], 3)
         cores = len(os.sched_getaffinity(0))
         floor_ms = round(sum(cpu.values()) / cores * 1000, 1)
