@@ -87,6 +87,11 @@ def serve_agent(spec: dict[str, Any]) -> None:
                                 choose_by_cost=False, scope_keys=keys, scope="s0",
                                 layers_per_request=spec.get("layers_per_request"))).start()
     producer = agent.engine.live
+    # Threads named for the CPU profile: the event loop (HTTP, MOQT, verifying and storing
+    # blocks), the model thread; torch's worker threads keep the process's name.
+    name_thread("bench-main")
+    agent.call(_named("kvsp-loop"))
+    agent.engine.model_thread.submit(name_thread, "kvsp-model").result(60)
     print(json.dumps({"url": agent.url, "compat_id": agent.context.compat_id}), flush=True)
 
     async def set_live(on: bool) -> None:
@@ -107,6 +112,20 @@ def serve_agent(spec: dict[str, Any]) -> None:
             print(json.dumps(out), flush=True)
     finally:
         agent.stop()
+
+
+def name_thread(name: str) -> None:
+    """The calling thread's name in /proc (prctl PR_SET_NAME; Linux only, else nothing)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+async def _named(name: str) -> None:
+    name_thread(name)
 
 
 class AgentProcess:
@@ -197,16 +216,29 @@ def relay_counters(metrics_url: str) -> dict[str, int]:
     return out
 
 
-def cpu_s(pid: int) -> float:
-    """CPU time of every thread of `pid` so far, in seconds (schedstat: nanoseconds)."""
-    total = 0
+#: thread names of an agent process -> what the profile calls them; any other thread is
+#: "other" (in an agent: torch's intra-op threads, which run the model's kernels beside its thread)
+THREADS = {"kvsp-model": "model", "kvsp-loop": "event_loop", "bench-main": "main"}
+
+
+def thread_cpu_s(pid: int) -> dict[str, float]:
+    """CPU time of the threads of `pid` so far, in seconds, by THREADS (schedstat: ns)."""
+    out: dict[str, float] = {}
     for task in os.listdir(f"/proc/{pid}/task"):
         try:
             with open(f"/proc/{pid}/task/{task}/schedstat") as f:
-                total += int(f.read().split()[0])
+                ns = int(f.read().split()[0])
+            with open(f"/proc/{pid}/task/{task}/comm") as f:
+                name = THREADS.get(f.read().strip(), "other")
         except (OSError, ValueError, IndexError):
-            pass  # a thread that ended meanwhile
-    return total / 1e9
+            continue  # a thread that ended meanwhile
+        out[name] = out.get(name, 0.0) + ns / 1e9
+    return out
+
+
+def cpu_s(pid: int) -> float:
+    """CPU time of every thread of `pid` so far, in seconds."""
+    return sum(thread_cpu_s(pid).values())
 
 
 class Roles:
@@ -216,6 +248,9 @@ class Roles:
     def __init__(self, pids: dict[str, int]) -> None:
         self.pids = pids
         self._before: dict[str, float] = {}
+        self._threads: dict[str, dict[str, float]] = {}
+        #: CPU time by thread of each process in the last run (`THREADS`)
+        self.last_threads: dict[str, dict[str, float]] = {}
 
     def read(self) -> dict[str, float]:
         return {name: cpu_s(pid) for name, pid in self.pids.items()}
@@ -230,14 +265,22 @@ class Roles:
                 return
             last = now
 
+    def threads(self) -> dict[str, dict[str, float]]:
+        return {name: thread_cpu_s(pid) for name, pid in self.pids.items()}
+
     def start(self) -> None:
         self.quiet()
-        self._before = self.read()
+        self._threads = self.threads()
+        self._before = {name: sum(t.values()) for name, t in self._threads.items()}
 
     def stop(self) -> dict[str, float]:
         self.quiet()
-        after = self.read()
-        return {name: after[name] - self._before[name] for name in self.pids}
+        after = self.threads()
+        self.last_threads = {
+            name: {k: round(v - self._threads[name].get(k, 0.0), 3) for k, v in t.items()
+                   if v - self._threads[name].get(k, 0.0) >= 0.0005}
+            for name, t in after.items()}
+        return {name: sum(after[name].values()) - self._before[name] for name in self.pids}
 
 
 # --------------------------------------------------------------------------- requests
@@ -450,6 +493,8 @@ class Bench:
         cpu = self.roles.stop()
         return {"ttft_ms": (sent - t0) * 1000 + r["ttft_ms"], "tokens": r["tokens"],
                 "sources": r["sources"], "producer_bytes": a.ask("stats")["bytes_sent"] - before,
+                "threads": {"producer": self.roles.last_threads["agent0"],
+                            "consumer": self.roles.last_threads["agent1"]},
                 "cpu_s": {"producer": cpu["agent0"], "consumer": cpu["agent1"], "relay": cpu["relay"]}}
 
     def load_after_prefill(self, prompt: list[int]) -> dict[str, Any]:
@@ -482,6 +527,7 @@ class Bench:
                 "sources": [r["sources"] for r in out], "computed_by": computed,
                 "cpu_s": {"instances": sum(cpu[f"agent{i}"] for i in range(HERD)), "relay": cpu["relay"]},
                 "moqt_bytes_sent": sent,
+                "threads": {f"agent{i}": self.roles.last_threads[f"agent{i}"] for i in range(HERD)},
                 "relay": {k: relay_after.get(k, 0) - relay_before.get(k, 0) for k in RELAY_COUNTERS}}
 
     # ------------------------------------------------------------------ the figures
@@ -511,7 +557,7 @@ class Bench:
         cores = len(os.sched_getaffinity(0))
         floor_ms = round(sum(cpu.values()) / cores * 1000, 1)
         return {
-            "prompt_tokens": n,
+            "prompt_tokens": n, "rounds": rounds,
             "ttft_ms": ttft,
             "streamed_vs_single": _ratio(ttft["streamed"], ttft["single"]),
             "streamed_vs_load_after_prefill": _ratio(ttft["streamed"], ttft["load_after_prefill"]),
@@ -522,6 +568,7 @@ class Bench:
             "streamed_cpu_floor_ms": floor_ms,
             "streamed_vs_cpu_floor": _ratio(ttft["streamed"], floor_ms),
             "load_after_prefill_wait_ms": med("load_after_prefill", lambda r: r["prefill_ms"]),
+            "streamed_cpu_by_thread_s": runs["streamed"][len(runs["streamed"]) // 2]["threads"],
             "streamed_producer_egress_copies": med(
                 "streamed", lambda r: r["producer_bytes"] / ((n - 1) // B * self.block_octets()), 3),
             "sources": {v: rs[0]["sources"] for v, rs in runs.items()},
@@ -557,7 +604,7 @@ class Bench:
         cores = len(os.sched_getaffinity(0))
         max_live = med(live, lambda r: max(r["ttft_ms"]))
         return {
-            "instances": HERD, "prefix_tokens": len(prefix), "prompt_tokens": n,
+            "instances": HERD, "prefix_tokens": len(prefix), "prompt_tokens": n, "rounds": rounds,
             "stagger_ms": round(self.stagger_s * 1000, 1),
             "prefill_cpu_s": {"herd": cpu_live, "one_prefill": None,
                               "without_live": med(alone, lambda r: r["cpu_s"]["instances"], 3)},
@@ -570,6 +617,7 @@ class Bench:
             "moqt_bytes_sent_by_instance": live[len(live) // 2]["moqt_bytes_sent"],
             "prefix_octets": prefix_octets,
             "relay_counters": live[len(live) // 2]["relay"],
+            "cpu_by_thread_s": live[len(live) // 2]["threads"],
             "computed_by": [r["computed_by"] for r in live],
             "computed_by_without_live": [r["computed_by"] for r in alone],
             "sources": live[0]["sources"],

@@ -38,6 +38,9 @@ def test_pd_figures_and_their_ratios(report: dict[str, Any]) -> None:
     floor = round(sum(pd["cpu_s"].values()) / report["cores"] * 1000, 1)
     assert pd["streamed_cpu_floor_ms"] == floor
     assert pd["streamed_vs_cpu_floor"] == ratio(ttft["streamed"], floor)
+    # Where the CPU went: the producer's model ran, the consumer's event loop took the layers in.
+    threads = pd["streamed_cpu_by_thread_s"]
+    assert threads["producer"]["model"] > 0 and threads["consumer"]["event_loop"] > 0, threads
     # B took every loadable prompt block from A over MOQT, in both variants; single computed all.
     loadable = (PROMPT - 1) // live.B
     for variant in ("streamed", "load_after_prefill"):
