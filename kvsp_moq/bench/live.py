@@ -132,7 +132,7 @@ class AgentProcess:
     """`serve_agent` in a child process, and the commands it answers."""
 
     def __init__(self, spec: dict[str, Any], log_path: Path) -> None:
-        env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+        env = child_env()
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen([sys.executable, "-m", "kvsp_moq.bench.live", "--serve-agent",
                                       json.dumps(spec)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -176,12 +176,22 @@ class AgentProcess:
 # --------------------------------------------------------------------------- CPU per role
 
 
+def child_env() -> dict[str, str]:
+    """The environment of the bench's processes: this code first on their path (they run the
+    modules this process imported, wherever it was started from), OpenMP threads waiting
+    passively as under `kvsp` (cli.py)."""
+    root = str(Path(__file__).resolve().parents[2])
+    path = os.environ.get("PYTHONPATH")
+    return {**os.environ, "OMP_WAIT_POLICY": "PASSIVE",
+            "PYTHONPATH": root + (os.pathsep + path if path else "")}
+
+
 def start_relay(cert_dir: str) -> tuple[subprocess.Popen, str, str]:
     """`kvsp relay` in its own process with its metrics server: the process, its moqt:// URL
     and its metrics URL."""
     proc = subprocess.Popen([sys.executable, "-m", "relay.service", "--listen", "127.0.0.1:0",
                              "--cache-bytes", "2G", "--cert-dir", cert_dir, "--metrics", "127.0.0.1:0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=child_env())
     assert proc.stdout is not None
     url = metrics = ""
     for _ in range(20):  # the URL, notes, then the metrics line
