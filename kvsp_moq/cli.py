@@ -99,7 +99,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 AGENT_EXTRA = ("torch", "transformers", "tokenizers", "safetensors")
 AGENT_EXTRA_HINT = "pip install 'kvsp-moq[agent]'"
 #: Benchmarks that run a model, here or in the agents they start.
-MODEL_BENCHMARKS = ("fleet", "ttft")
+MODEL_BENCHMARKS = ("fleet", "ttft", "live")
 
 
 def missing_agent_extra() -> str | None:
@@ -211,7 +211,7 @@ def _apply_engine_option(args: argparse.Namespace) -> None:
 
 
 #: Benchmarks: name -> module under kvsp_moq.bench.
-BENCHMARKS = ("core", "http", "moqt", "loss", "ttft", "route", "load", "vllm", "fleet")
+BENCHMARKS = ("core", "http", "moqt", "loss", "ttft", "route", "load", "vllm", "fleet", "live")
 
 
 def _add_services(sub: argparse._SubParsersAction, argv: Sequence[str]) -> None:
