@@ -21,12 +21,10 @@ from __future__ import annotations
 
 import statistics
 import time
-import uuid
 from typing import Any
 
 import httpx
 
-from kvsp_moq.errors import Failed
 from kvsp_moq.fleet.placement import EDGE, FrontEnd, compat_id
 from kvsp_moq.fleet.services import Fleet
 from kvsp_moq.fleet.topology import Link, Topology
@@ -50,38 +48,18 @@ def topology(*, mtu: int = 1500) -> Topology:
     return topo
 
 
-def _first_token(fe: FrontEnd, client: httpx.Client, url: str, body: dict[str, Any],
-                 started: float) -> tuple[dict[str, Any], float]:
-    """Stream a generate as a front end reads it: the session's summary and the seconds from
-    `started` to the first token."""
-    session = str(uuid.uuid4())
-    first = None
-    with client.stream("POST", url + "generate", headers=fe.user, json={
-            **body, "max_new_tokens": 1, "session": session, "stream": True}) as r:
-        if r.status_code >= 300:
-            r.read()
-            fe._ok(r)
-        for line in r.iter_lines():
-            if first is None and '"token"' in line:
-                first = time.perf_counter() - started
-    if first is None:
-        raise Failed(f"{url}: no token for session {session}")
-    return fe._ok(client.get(f"{url}sessions/{session}", headers=fe.user)), first
-
-
 def _round(fe: FrontEnd, fleet: Fleet) -> dict[str, Any]:
     producer, consumer = fleet.agent_url(PRODUCER), fleet.agent_url(CONSUMER)
     out: dict[str, Any] = {}
 
     def single(client: httpx.Client) -> tuple[dict[str, Any], float]:
-        return _first_token(fe, client, consumer, {"tokens": fe.tokens(PROMPT_TOKENS)},
-                            time.perf_counter())
+        return fe._first_token(client, consumer, fe.tokens(PROMPT_TOKENS))
 
     def streamed(client: httpx.Client) -> tuple[dict[str, Any], float]:
         tokens = fe.tokens(PROMPT_TOKENS)
         started = time.perf_counter()
         fe._ok(client.post(producer + "prefill", headers=fe.user, json={"tokens": tokens}))
-        return _first_token(fe, client, consumer, {"tokens": tokens, "prefill_at": producer}, started)
+        return fe._first_token(client, consumer, tokens, extra={"prefill_at": producer}, started=started)
 
     def after(client: httpx.Client) -> tuple[dict[str, Any], float]:
         tokens = fe.tokens(PROMPT_TOKENS)
@@ -89,7 +67,7 @@ def _round(fe: FrontEnd, fleet: Fleet) -> dict[str, Any]:
         # Answered once the producer's blocks are stored and indexed.
         fe._ok(client.post(producer + "generate", headers=fe.user,
                            json={"tokens": tokens, "max_new_tokens": 1}))
-        return _first_token(fe, client, consumer, {"tokens": tokens}, started)
+        return fe._first_token(client, consumer, tokens, started=started)
 
     for name, run in (("single", single), ("streamed", streamed), ("load_after_prefill", after)):
         before = fleet.net.counters(PRODUCER)

@@ -101,14 +101,18 @@ class FrontEnd:
     def tokens(self, n: int) -> list[int]:
         return [self.rng.randrange(3, VOCAB) for _ in range(n)]
 
-    def _first_token(self, client: httpx.Client, url: str, tokens: list[int]) -> tuple[dict[str, Any], float]:
+    def _first_token(self, client: httpx.Client, url: str, tokens: list[int], *,
+                     extra: dict[str, Any] | None = None,
+                     started: float | None = None) -> tuple[dict[str, Any], float]:
         """Run a prompt at an instance, streamed as a front end reads it: the seconds until its
-        first token arrives, and the session's summary once it has ended."""
+        first token arrives (from `started`, default now), and the session's summary once it
+        has ended. `extra`: more members of the generate."""
         session = str(uuid.uuid4())
-        started = time.perf_counter()
+        started = time.perf_counter() if started is None else started
         first = None
         with client.stream("POST", url + "generate", headers=self.user, json={
-                "tokens": tokens, "max_new_tokens": 1, "session": session, "stream": True}) as r:
+                "tokens": tokens, "max_new_tokens": 1, "session": session, "stream": True,
+                **(extra or {})}) as r:
             if r.status_code >= 300:
                 r.read()
                 self._ok(r)

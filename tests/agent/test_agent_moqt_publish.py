@@ -9,10 +9,8 @@ import asyncio
 import time
 import uuid
 from pathlib import Path
-from typing import Iterator
 
 import httpx
-import pytest
 
 from agent.service import Agent, AgentSettings
 from kvsp_moq.fetch.http import HttpFetcher
@@ -23,7 +21,6 @@ from kvsp_moq.naming import BlockTrack
 from kvsp_moq.protocol.keys import scope_id
 from kvsp_moq.protocol.records import ReplicaRecord
 from kvsp_moq.scope_keys import OPEN_SCOPE_KEY
-from relay.relay import RelaySettings
 from relay.service import BackgroundRelay
 from tests.agent.conftest import tokens
 from tests.polling import wait_until
@@ -32,15 +29,6 @@ B = 16
 PROMPT = 128
 SCOPE = scope_id(OPEN_SCOPE_KEY).hex()
 STEP = 20.0
-
-
-@pytest.fixture
-def relay() -> Iterator[BackgroundRelay]:
-    r = BackgroundRelay(RelaySettings()).start()
-    try:
-        yield r
-    finally:
-        r.stop()
 
 
 def settings(model_dir: Path, index_url: str, relay: str, **kw: object) -> AgentSettings:

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
-import pytest
 import torch
 
 from agent.live import LivePass
@@ -25,7 +24,6 @@ from kvsp_moq.naming import LAYER_DIGEST_PROPERTY
 from kvsp_moq.protocol.keys import scope_id
 from kvsp_moq.protocol.records import LIVE_DIGEST, ReplicaRecord
 from kvsp_moq.scope_keys import OPEN_SCOPE_KEY
-from relay.relay import RelaySettings
 from relay.service import BackgroundRelay
 from tests.agent.conftest import tokens
 from tests.polling import wait_until
@@ -34,15 +32,6 @@ B = 16
 PROMPT = 8 * B + 5
 NEW = 8
 SCOPE = scope_id(OPEN_SCOPE_KEY).hex()
-
-
-@pytest.fixture
-def relay() -> Iterator[BackgroundRelay]:
-    r = BackgroundRelay(RelaySettings()).start()
-    try:
-        yield r
-    finally:
-        r.stop()
 
 
 def settings(model_dir: Path, index_url: str, relay: str, **kw: Any) -> AgentSettings:
@@ -59,6 +48,13 @@ def lookup(index_url: str, compat: str, keys: list[str]) -> list[list[ReplicaRec
             return [list(b.replicas) for b in result.blocks[:result.matched]]
     import asyncio
     return asyncio.run(look())
+
+
+def live_records(index_url: str, compat: str, keys: list[str]) -> list[list[ReplicaRecord]]:
+    """The index's replicas of `keys` once every one has an in-production record (bounded)."""
+    return wait_until(lambda: (lambda rs: rs if len(rs) == len(keys) and all(
+        any(r.live for r in rep) for rep in rs) else None)(lookup(index_url, compat, keys)),
+        timeout=20, what="in-production records of the blocks")
 
 
 def prompt_keys(agent: Agent, prompt: list[int]) -> list[str]:
@@ -126,9 +122,7 @@ def test_a_prefix_being_computed_streams_to_another_instance(model_dir: Path, in
         pace = Paced(a, per_layer_s=0.2)
         ta, ra = post_async(a.url + "generate", {"tokens": prompt, "max_new_tokens": NEW})
         # A holds its pass after layer 0: every prompt block has an in-production record.
-        found = wait_until(lambda: (lambda rs: rs if len(rs) == len(keys) and all(
-            any(r.live for r in rep) for rep in rs) else None)(lookup(index_url, compat, keys)),
-            timeout=20, what="in-production records of A's blocks")
+        found = live_records(index_url, compat, keys)
         record = next(r for r in found[0] if r.live)
         assert record.holder == relay.url and record.http_holder == a.url
         assert record.digest == LIVE_DIGEST and record.layer_digests is None
@@ -166,9 +160,7 @@ def test_a_producer_that_stops_is_a_failed_source(model_dir: Path, index_url: st
         keys = prompt_keys(a, prompt)
         pace = Paced(a)
         ta, ra = post_async(a.url + "generate", {"tokens": prompt, "max_new_tokens": NEW})
-        wait_until(lambda: (lambda rs: rs if len(rs) == len(keys) and all(
-            any(r.live for r in rep) for rep in rs) else None)(lookup(index_url, compat, keys)),
-            timeout=20, what="in-production records of A's blocks")
+        live_records(index_url, compat, keys)
         tb, rb = post_async(b.url + "generate", {"tokens": prompt, "max_new_tokens": NEW})
         wait_until(lambda: a.context.moqt_publisher is not None and a.context.moqt_publisher.stats.subscribes > 0,
                    timeout=20, what="B subscribing")
@@ -212,9 +204,7 @@ def test_a_layer_that_does_not_match_its_digest_is_never_used(model_dir: Path, i
         LiveBlock.properties = wrong_digest  # type: ignore[method-assign]
         try:
             ta, ra = post_async(a.url + "generate", {"tokens": prompt, "max_new_tokens": NEW})
-            wait_until(lambda: (lambda rs: rs if len(rs) == len(keys) and all(
-                any(r.live for r in rep) for rep in rs) else None)(lookup(index_url, compat, keys)),
-                timeout=20, what="in-production records of A's blocks")
+            live_records(index_url, compat, keys)
             tb, rb = post_async(b.url + "generate", {"tokens": prompt, "max_new_tokens": NEW})
             wait_until(lambda: a.context.moqt_publisher is not None and a.context.moqt_publisher.stats.subscribes > 0,
                        timeout=20, what="B subscribing")
@@ -341,9 +331,7 @@ def test_one_prefill_for_a_herd(model_dir: Path, index_url: str, relay: Backgrou
         keys = prompt_keys(a, shared)
         pace = Paced(a, per_layer_s=0.1)
         ta, ra = post_async(a.url + "generate", {"tokens": prompts[0], "max_new_tokens": NEW})
-        wait_until(lambda: (lambda rs: rs if len(rs) == len(keys) and all(
-            any(r.live for r in rep) for rep in rs) else None)(lookup(index_url, compat, keys)),
-            timeout=20, what="in-production records of the shared prefix")
+        live_records(index_url, compat, keys)
         herd = [post_async(x.url + "generate", {"tokens": p, "max_new_tokens": NEW})
                 for x, p in zip((b, c, d), prompts[1:])]
         wait_until(lambda: relay.snapshot()["subscribes"] >= 3 * len(keys),

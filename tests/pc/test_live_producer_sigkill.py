@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import httpx
-import pytest
 
 from agent.model import ModelAdapter
 from agent.service import Agent, AgentSettings
@@ -18,7 +17,6 @@ from index.app import IndexSettings
 from index.app import create_app as create_index_app
 from kvsp_moq.frontend import FrontEnd
 from kvsp_moq.web import BackgroundServer
-from relay.relay import RelaySettings
 from relay.service import BackgroundRelay
 from tests.agent.conftest import model_dir as model_dir  # a fixture, re-exported for pytest
 from tests.agent.conftest import tokens
@@ -29,15 +27,6 @@ from tests.polling import wait_until
 B = 16
 PROMPT = 6 * B + 5
 NEW = 12
-
-
-@pytest.fixture
-def relay() -> Iterator[BackgroundRelay]:
-    r = BackgroundRelay(RelaySettings()).start()
-    try:
-        yield r
-    finally:
-        r.stop()
 
 
 async def test_decode_instance_recomputes_when_its_producer_is_killed(
