@@ -6,6 +6,7 @@
     POST  prefill                       {"tokens", "scope"?} -> 202 {"prompt_blocks", "stored",
                                          "live": [keys]}: computed here, published live
     GET   sessions/{id}                 the session's state and tokens so far
+    DELETE sessions/{id}                the client needs no more tokens: stopped here, not resumed
     GET   sessions/{id}/stream?from=k   NDJSON {"index", "epoch", "token"}, then {"done": true}
     POST  sessions/{id}/resume          {"checkpoint", "epoch"} -> 202
     POST  prefetch                      a Prefetch Directive -> 202, Location prefetch/{directive}
@@ -304,6 +305,11 @@ def _routes(ctx: AgentContext) -> list[Route]:
     async def get_session(request: Request) -> Response:
         return json_response(session_of(request).summary())
 
+    async def stop_session(request: Request) -> Response:
+        who = principal(request, Action.GENERATE)
+        engine.stop(v.uuid_text(request.path_params["session"], "session"), by=who)
+        return Response(status_code=204)
+
     async def stream(request: Request) -> Response:
         session = session_of(request)
         text = request.query_params.get("from", "0")
@@ -393,6 +399,7 @@ def _routes(ctx: AgentContext) -> list[Route]:
         Route("/generate", generate, methods=["POST"]),
         Route("/prefill", prefill, methods=["POST"]),
         Route("/sessions/{session}", get_session, methods=["GET"]),
+        Route("/sessions/{session}", stop_session, methods=["DELETE"]),
         Route("/sessions/{session}/stream", stream, methods=["GET"]),
         Route("/sessions/{session}/resume", resume, methods=["POST"]),
         Route("/prefetch", prefetch, methods=["POST"]),

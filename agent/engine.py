@@ -46,6 +46,7 @@ from kvsp_moq.errors import (
     KvspError,
     NoLiveKV,
     NotActive,
+    NotFound,
     PrefixUnavailable,
     SessionConflict,
 )
@@ -264,6 +265,18 @@ class Engine:
                                    name=f"session-{sid}")
         return session
 
+    def stop(self, sid: str, by: Principal = OPEN) -> Session:
+        """DELETE {ii}sessions/{id}: the client needs no more tokens (a stop string, a closed
+        connection): the session stops here and is not resumed elsewhere."""
+        session = self.sessions.get(sid)
+        if session is None:
+            raise NotFound(f"no session {sid} here")
+        by.require_scope(session.scope_id)
+        if not session.finished and session.task is not None and not session.task.done():
+            session.stopped_by_client = True
+            session.task.cancel()
+        return session
+
     async def prefill_for_other(self, req: PrefillRequest) -> dict[str, Any]:
         """POST {ii}prefill: compute the prompt's complete blocks for another instance, which
         subscribes to them (DESIGN §9); answered once their live blocks exist, before the pass."""
@@ -458,6 +471,11 @@ class Engine:
         try:
             await self._generate(session, plan, want_timeline)
         except asyncio.CancelledError:
+            if session.stopped_by_client:
+                session.end("cancelled", "stopped by the client")
+                if session.tracked:  # over for good: the PC must not resume it elsewhere
+                    self._spawn(self.checkpoints.drop(session), name=f"drop-{session.id}")
+                return
             session.end("cancelled", "cancelled")
             raise
         except KvspError as e:

@@ -112,6 +112,8 @@ class Session:
         self.prefill_blocks: int | None = None
         #: prompt blocks loaded from live tracks: key -> their producer's HTTP base
         self.live_loaded: dict[str, str] = {}
+        #: the client stopped the session (DELETE {ii}sessions/{id}): over for good
+        self.stopped_by_client = False
         self.started = time.perf_counter()
         self.task: asyncio.Task | None = None
         self.done = asyncio.Event()

@@ -133,18 +133,25 @@ class Output:
         text = self.gw.text
         detok = text.detokenizer(self.prompt)
         scan = StopScan(self.ask.stop)
-        async with contextlib.aclosing(self.run.tokens()) as tokens:
-            async for tid in tokens:
-                self.completion_tokens += 1
-                if tid in text.eos_ids:
-                    self.finish = "stop"
-                    break
-                piece = scan.push(detok.add(tid))
-                if piece:
-                    yield piece
-                if scan.stopped:
-                    self.finish = "stop"
-                    break
+        complete = False
+        try:
+            async with contextlib.aclosing(self.run.tokens()) as tokens:
+                async for tid in tokens:
+                    self.completion_tokens += 1
+                    if tid in text.eos_ids:
+                        self.finish = "stop"
+                        break
+                    piece = scan.push(detok.add(tid))
+                    if piece:
+                        yield piece
+                    if scan.stopped:
+                        self.finish = "stop"
+                        break
+                else:
+                    complete = True
+        finally:
+            if not complete:  # ended early (a stop, the client gone): the instance stops too
+                await self.run.stop()
         rest = scan.flush()
         if rest:
             yield rest

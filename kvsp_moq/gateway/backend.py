@@ -70,6 +70,10 @@ class Run(Protocol):
         """Prompt tokens loaded rather than computed, once the output is complete."""
         ...
 
+    async def stop(self) -> None:
+        """No more tokens are wanted (a stop string, the client gone): the instance stops."""
+        ...
+
 
 class Backend(Protocol):
     async def start(self, job: Job) -> Run: ...
@@ -114,6 +118,19 @@ class AgentRun:
             return 0
         value = r.json().get("cached_tokens", 0)
         return value if type(value) is int else 0
+
+    async def stop(self) -> None:
+        """`DELETE {ii}sessions/{id}`, best effort: a session that moved or ended is left."""
+        try:
+            r = await self.backend.client.delete(
+                f"{self.instance}sessions/{self.job.request_id}", headers=self.backend.headers,
+                timeout=self.backend.timeout_s)
+        except httpx.HTTPError as e:
+            log.info("request %s: stopping it at %s failed: %s", self.job.request_id, self.instance, e)
+            return
+        if r.status_code not in (204, 404):
+            log.info("request %s: stopping it at %s: HTTP %d", self.job.request_id, self.instance,
+                     r.status_code)
 
 
 class AgentBackend:

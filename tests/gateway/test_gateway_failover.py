@@ -58,3 +58,31 @@ def test_a_stream_survives_its_instance(slow_stack: Stack) -> None:
 
 def chunks_finish(pieces: list[str]) -> str:
     return "".join(pieces).strip()
+
+
+def test_an_output_cut_by_a_stop_string_stops_its_instance(slow_stack: Stack) -> None:
+    """The client has what it asked for at the stop string: the instance stops generating (and
+    the PC forgets the session) instead of running on to max_tokens."""
+    from tests.polling import wait_until
+
+    stack = slow_stack
+    text = ModelText(stack.model_dir)
+    prompt = " ".join(f"w{i}" for i in range(2400, 2400 + 2 * B))
+    tokens = text.encode(prompt)
+    expected = httpx.post(stack.agents[0].url + "generate", trust_env=False, timeout=60,
+                          json={"tokens": tokens, "max_new_tokens": 6}).json()["tokens"]
+    stop = text.decode(expected).split()[3]
+    with httpx.Client(trust_env=False, timeout=60) as http:
+        client = openai.OpenAI(base_url=stack.v1, api_key="unused", max_retries=0, http_client=http)
+        done = client.completions.create(model="llama-tiny", prompt=prompt, max_tokens=400,
+                                         temperature=0, stop=[stop])
+    assert done.choices[0].finish_reason == "stop"
+    session = str(uuid.UUID(done.id.split("-", 1)[1]))
+    (agent,) = [a for a in stack.agents if session in a.engine.sessions]
+    state = agent.engine.sessions[session]
+    wait_until(lambda: state.finished, timeout=20, what="the session ending")
+    assert state.state == "cancelled" and state.error == "stopped by the client"
+    assert len(state.generated) < 400
+    wait_until(lambda: httpx.get(f"{stack.pc}sessions/{session}", trust_env=False,
+                                 timeout=5).status_code == 404,
+               timeout=20, what="the PC forgetting the session")

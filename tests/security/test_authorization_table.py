@@ -616,6 +616,13 @@ def _(env: Env, base: str) -> None:
         ok(env.http.get(f"{base}sessions/{sid}", headers=tok(who)))
 
 
+@case("agent", "DELETE", "/sessions/{session}")
+def _(env: Env, base: str) -> None:
+    sid = agent_session(env, base)["session"]
+    refused(env.http.delete(f"{base}sessions/{sid}", headers=tok("client-b")))
+    ok(env.http.delete(f"{base}sessions/{sid}", headers=tok("client-a")), 204)
+
+
 @case("agent", "GET", "/sessions/{session}/stream")
 def _(env: Env, base: str) -> None:
     sid = agent_session(env, base)["session"]
