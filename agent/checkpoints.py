@@ -170,18 +170,22 @@ class Checkpointer:
             await session.wait_acknowledged(0.1)
         raise TransportError("the PC has not acknowledged checkpoints for a minute")
 
-    async def drop(self, session: "Session") -> None:
-        """A tracked session the client stopped: no further checkpoint, and the session deleted
-        at the PC, so that it is not resumed elsewhere."""
-        session.closing = True
-        if session.checkpointer is not None:
-            session.checkpointer.cancel()
+    async def _delete_at_pc(self, session: "Session") -> None:
+        """DELETE {pc}sessions/{id}, best effort: the session is over and must not be resumed."""
         try:
             r = await self.client.delete(f"{self.pc_url}sessions/{session.id}", headers=self.headers)
             if r.status_code not in (204, 404):
                 log.info("ending session %s at the PC: HTTP %d", session.id, r.status_code)
         except httpx.HTTPError as e:
             log.info("ending session %s at the PC failed: %s", session.id, e)
+
+    async def drop(self, session: "Session") -> None:
+        """A tracked session the client stopped: no further checkpoint, and the session deleted
+        at the PC, so that it is not resumed elsewhere."""
+        session.closing = True
+        if session.checkpointer is not None:
+            session.checkpointer.cancel()
+        await self._delete_at_pc(session)
 
     async def end(self, session: "Session") -> None:
         """A tracked session has all its tokens: the last checkpoint of a non-deterministic one
@@ -205,12 +209,7 @@ class Checkpointer:
                 await asyncio.wait_for(asyncio.shield(session.checkpointer), 10)
             except (asyncio.TimeoutError, TimeoutError):
                 session.checkpointer.cancel()
-        try:
-            r = await self.client.delete(f"{self.pc_url}sessions/{session.id}", headers=self.headers)
-            if r.status_code not in (204, 404):
-                log.info("ending session %s at the PC: HTTP %d", session.id, r.status_code)
-        except httpx.HTTPError as e:
-            log.info("ending session %s at the PC failed: %s", session.id, e)
+        await self._delete_at_pc(session)
 
 
 # --------------------------------------------------------------------------- resuming
