@@ -11,8 +11,10 @@ the only part of the checkpoint the PC keeps verbatim).
 Publishing. A session that named itself in its request is tracked: `Checkpointer` sends its
 checkpoints with `PUT {pc}sessions/{id}/checkpoint`, one at a time, each covering every token
 produced so far. `checkpoint_due` says when one is owed: at each completed block of generated
-tokens and at least every 64 output tokens (every block, when blocks are shorter). Every output
-token is labelled with its index and the session epoch. With a non-deterministic sampler (top-p)
+tokens and at least every 64 output tokens (every block, when blocks are shorter); the first
+one, of the prompt alone, goes out at admission, beside the prefill, and no token is released
+before the PC has acknowledged it: a token a client has seen belongs to a session the PC can
+resume. Every output token is labelled with its index and the session epoch. With a non-deterministic sampler (top-p)
 a token is released to the stream only once the PC has acknowledged a checkpoint covering it;
 checkpoints then go out every `release_batch` tokens, and decoding runs ahead of the
 acknowledgements by at most `max_unacked` tokens. A PC that answers kvsp-stale-epoch has moved
@@ -109,7 +111,7 @@ class Checkpointer:
         if not session.tracked:
             session.release(n)
             return
-        if session.sampler.deterministic:
+        if session.sampler.deterministic and session.first_checkpoint_sent:
             session.release(n)
         if checkpoint_due(session, self.block_tokens, self.options.release_batch):
             self.request(session)
@@ -129,7 +131,7 @@ class Checkpointer:
             upto = len(session.generated)
             if session.closing and (session.sampler.deterministic or upto <= session.acked):
                 return
-            if upto <= session.acked:
+            if upto <= session.acked and session.first_checkpoint_sent:
                 continue
             try:
                 await self._put(session, upto)

@@ -261,6 +261,8 @@ class Engine:
             session.prefill_blocks = req.prefill_blocks
         self.sessions[sid] = session
         self.admitted += 1
+        if session.tracked:  # the PC learns of the session beside the prefill, not after it
+            self.checkpoints.request(session)
         session.task = self._spawn(self._run(session, None, want_timeline=req.timeline),
                                    name=f"session-{sid}")
         return session

@@ -165,12 +165,13 @@ class Session:
 
     def acknowledged(self, upto: int) -> None:
         """The PC acknowledged the checkpoint of the first `upto` tokens: a non-deterministic
-        session releases them, and whoever waits for an acknowledgement wakes up."""
+        session releases them, a deterministic one everything (it can be replayed from the
+        prompt), and whoever waits for an acknowledgement wakes up."""
         self.acked = max(self.acked, upto)
         self.checkpointed = max(self.checkpointed, upto)
         self.first_checkpoint_sent = True
-        if not self.sampler.deterministic:
-            self.release(upto)
+        # Deterministic tokens were held back only until the PC knew the session at all.
+        self.release(len(self.generated) if self.sampler.deterministic else upto)
         self._acked_event.set()
         self._acked_event = asyncio.Event()
 

@@ -143,7 +143,8 @@ async def test_a_checkpoint_resumes_to_the_same_continuation(adapter, sampler: d
         assert (cp.session, cp.epoch, body["instance"]) == (sid, 1, SELF)
         assert list(cp.generated) == original.generated[:cp.output_offset]
         assert cp.prompt_blocks == tuple(block_keys(adapter, prompt)) and list(cp.prompt_tail) == prompt[32:]
-    first = pc.checkpoints[0]
+    assert pc.checkpoints[0]["output_offset"] == 0  # the prompt alone, at admission
+    first = next(c for c in pc.checkpoints if c["output_offset"] > 0)
     offset = first["output_offset"]
     assert 0 < offset < 12
 

@@ -5,9 +5,11 @@ checkpoints are owed, what they carry and how a resume is read back (agent/check
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from typing import Any
 
+import httpx
 import pytest
 
 from agent.checkpoints import CHECKPOINT_EVERY, checkpoint_due, read_resume, resume_point
@@ -146,8 +148,52 @@ def test_an_acknowledgement_releases_the_tokens_of_a_non_deterministic_session()
             s.add_token(t)
         s.acknowledged(2)
         assert (s.acked, s.checkpointed, s.first_checkpoint_sent) == (2, 2, True)
-    assert greedy.released == 0  # the engine releases a greedy session's tokens as produced
+    assert greedy.released == 3  # all of them: a greedy session replays from its prompt
     assert top_p.released == 2
+
+
+async def test_no_token_of_a_tracked_session_is_released_before_the_pc_knows_it() -> None:
+    """An instance that dies after a client saw a token must leave a session the PC can
+    resume: the first checkpoint (the prompt alone) is acknowledged before any release."""
+    from agent.checkpoints import Checkpointer
+    from agent.options import EngineOptions
+
+    put = asyncio.Event()
+    answer = asyncio.Event()
+    bodies: list[dict[str, Any]] = []
+
+    async def pc(request: httpx.Request) -> httpx.Response:
+        bodies.append(json.loads(request.content))
+        put.set()
+        await answer.wait()
+        return httpx.Response(204)
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(pc)) as client:
+        tasks: set[asyncio.Task] = set()
+
+        def spawn(coro: Any) -> asyncio.Task:
+            t = asyncio.ensure_future(coro)
+            tasks.add(t)
+            return t
+
+        ckpt = Checkpointer(client, "http://pc/", headers={}, instance_url=lambda: "http://i/",
+                            options=EngineOptions(), block_tokens=4, spawn=spawn)
+        s = session([5, 6, 7])
+        ckpt.request(s)  # at admission
+        await asyncio.wait_for(put.wait(), 5)
+        assert bodies[0]["output_offset"] == 0 and bodies[0]["generated"] == []
+        for t in (1, 2):
+            s.add_token(t)
+            ckpt.after_token(s)
+        assert s.released == 0  # the PC has not answered yet
+        answer.set()
+        for _ in range(100):
+            if s.released == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert s.released == 2 and s.first_checkpoint_sent
+        s.end("cancelled")
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 # --------------------------------------------------------------------------- checkpoints

@@ -10,8 +10,9 @@ What must hold, and is asserted, for both samplers:
 - no delivered token is ever changed: the resumed instance has, at every index, the token
   the front end delivered.
 
-Greedy (deterministic): the killed instance released tokens without waiting for checkpoints,
-the resumed one regenerates those after the checkpoint exactly, and the whole output equals an
+Greedy (deterministic): the killed instance released tokens once the PC had acknowledged the
+first checkpoint (the prompt alone, sent at admission), without waiting for later ones; the
+resumed one regenerates those after the checkpoint exactly, and the whole output equals an
 uninterrupted run.
 
 Top-p (the non-deterministic rule): the killed instance released no token before the PC
@@ -25,12 +26,14 @@ on the other side of a probability boundary. That part is not compared.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import selectors
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -234,21 +237,49 @@ async def _run(pc_url: str, a: AgentProcess, b_url: str, prompt: list[int], samp
     assert httpx.get(f"{pc_url}sessions/{session}", timeout=5).status_code == 404
 
 
+class HeldCheckpoints:
+    """The PC behind a door that holds every checkpoint PUT until `release`, then refuses the
+    held ones (503) without the PC seeing them: a checkpoint still in flight when its
+    instance dies."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.waiting = 0
+        self._released = threading.Event()
+
+    def release(self) -> None:
+        self._released.set()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if (scope["type"] == "http" and scope["method"] == "PUT"
+                and scope["path"].endswith("/checkpoint") and not self._released.is_set()):
+            self.waiting += 1
+            for _ in range(600):  # bounded: a minute
+                if self._released.is_set():
+                    break
+                await asyncio.sleep(0.1)
+            await send({"type": "http.response.start", "status": 503, "headers": []})
+            await send({"type": "http.response.body", "body": b""})
+            return
+        await self.app(scope, receive, send)
+
+
 @pytest.mark.parametrize("method", list(SAMPLERS))
 async def test_a_session_lost_before_its_first_checkpoint_starts_again_from_its_prompt(
         method: str, model_dir: Path, agent_processes: Callable[..., AgentProcess],
         tmp_path: Path) -> None:
-    """The PC resumes only what it holds a checkpoint of; an agent killed while it computes
-    the prompt leaves none. The front end, which knows how it started the session, starts it
-    again from its prompt on another instance at epoch 2: every index once, and (greedy) the
-    uninterrupted run's output."""
+    """The PC resumes only what it holds a checkpoint of; an agent killed before the PC
+    acknowledged its first checkpoint leaves none (and released no token). The front end,
+    which knows how it started the session, starts it again from its prompt on another
+    instance at epoch 2: every index once, and (greedy) the uninterrupted run's output."""
     sampler, model_sampler = SAMPLERS[method]
     prompt = tokens(PROMPT, 22)
     with BackgroundServer(create_index_app(IndexSettings())) as index:
         settings = PCSettings(database=str(tmp_path / "pc.sqlite3"), index_url=index.url,
                               sweep_interval_s=0.05, lifecycle=LifecycleSettings())
         pc_app = create_pc_app(settings, keys=ScopeKeys({OPEN_SCOPE: OPEN_SCOPE_KEY}))
-        with BackgroundServer(pc_app) as pc:
+        held = HeldCheckpoints(pc_app)
+        with BackgroundServer(held) as pc:
             resumes: list[str] = []
             send_resume = pc_app.state.pc.failover.send_resume
 
@@ -277,7 +308,9 @@ async def test_a_session_lost_before_its_first_checkpoint_starts_again_from_its_
                     async with client.stream("POST", a_url + "generate", json={
                             **generate, "session": session, "stream": True}) as r:
                         assert r.status_code == 200
-                a.kill()  # while it computes the prompt: no checkpoint can exist
+                wait_until(lambda: held.waiting > 0, timeout=30, what="A's first checkpoint")
+                a.kill()  # its first checkpoint not acknowledged: the PC knows nothing of it
+                held.release()
                 assert httpx.get(f"{pc.url}sessions/{session}", timeout=5).status_code == 404
                 restart = Restart(route={"tokens": prompt, "scope": OPEN_SCOPE,
                                          "compat_id": b.context.compat_id}, generate=generate)
