@@ -80,8 +80,10 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-tokens", type=int, metavar="B",
                    help="block size assumed for compat IDs without a --descriptor")
     p.add_argument("--store", default="memory", metavar="memory|redis://HOST:PORT/DB",
-                   help="where replica records live: in this process (default), or in Redis, "
-                        "shared by every IS process that names the same URL")
+                   help="where replica records and the PC's state (instances, sessions and "
+                        "checkpoints, shard maps) live: in this process (default; the PC's "
+                        "sessions in --db), or in Redis/Valkey, shared by every process that "
+                        "names the same URL, which then act as one IS and one PC")
 
 
 def store_from_arg(value: str) -> ReplicaStore:
@@ -143,7 +145,11 @@ def pc_settings_from_args(args: argparse.Namespace) -> "PCSettings":
         start_env["KVSP_PC_URL"] = public_url
     if index_url:
         start_env["KVSP_INDEX_URL"] = index_url
-    return PCSettings(database=args.db or "kvsp-pc.sqlite3", principals=args.principals,
+    store = args.store if args.store.startswith(("redis://", "rediss://", "unix://")) else None
+    if store is not None and args.db is not None:
+        raise ValueError("--db and --store redis://... exclude each other: with a shared store "
+                         "the PC keeps its sessions there")
+    return PCSettings(database=args.db or "kvsp-pc.sqlite3", store=store, principals=args.principals,
                       scope_keys=args.scope_keys, index_url=args.index, token=token,
                       placement=placement, start_command=args.start_command,
                       start_command_env=start_env, pd=SplitPolicy.parse(str(args.pd)))
@@ -201,7 +207,10 @@ def run(args: argparse.Namespace) -> int:
     log.info("index service on http://%s:%d/ (max ttl %d ms)", host, port, settings.max_ttl_ms)
     if args.role != "pc":
         log.info("replica store: %s", "memory" if args.store == "memory" else settings.store)
-    if pc_settings is not None:
+    if pc_settings is not None and pc_settings.store is not None:
+        log.info("PC state (instances, sessions, shard maps) in %s, shared with every PC on it",
+                 pc_settings.store)
+    elif pc_settings is not None:
         db = pc_settings.database
         log.info("PC sessions and shard maps in %s", db if db == ":memory:" else Path(db).resolve())
     if pc_settings is None:  # role "is"

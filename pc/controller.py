@@ -6,18 +6,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sqlite3
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import httpx
 
-from kvsp_moq.errors import KvspError
+from kvsp_moq.errors import KvspError, StoreUnavailable
 from kvsp_moq.index_client import IndexClient
 from kvsp_moq.protocol.keys import BlockKeyChain
 from kvsp_moq.protocol.records import SessionCheckpoint
 from kvsp_moq.tasks import TaskSet, cancel_and_wait
 from pc.disaggregation import InFlight, SplitPolicy
+from pc.duties import DutyLease
 from pc.instances_client import InstanceClient, command_start_hook
 from pc.lifecycle import InstanceFailed, InstanceRegistry, LifecycleSettings, StateChanged
 from pc.placement import (
@@ -29,8 +31,9 @@ from pc.placement import (
     StartHook,
     index_client_lookup,
 )
-from pc.reshard import Resharder, ReshardSettings, ShardMapStore
-from pc.sessions import Failover, FailoverSettings, SessionState, SessionStore, open_database
+from pc.redis_state import RedisSessionStore, RedisShardMapStore, RedisState, SharedInstanceRegistry
+from pc.reshard import Resharder, ReshardSettings, ShardMaps, ShardMapStore
+from pc.sessions import Failover, FailoverSettings, Sessions, SessionState, SessionStore, open_database
 
 __all__ = ["PCSettings", "PlacementController"]
 
@@ -41,6 +44,11 @@ log = logging.getLogger("kvsp.pc")
 class PCSettings:
     database: str = "kvsp-pc.sqlite3"
     """SQLite file of sessions and shard maps (WAL); it survives a PC restart."""
+    store: str | None = None
+    """A redis:// URL: the PC's state lives there, shared by every PC process naming it
+    (`pc.redis_state`), and `database` is not used; None: this process (memory + SQLite)."""
+    duties_ttl_ms: int = 3000
+    """With a shared store: how long the duties lease lasts unrenewed (`pc.duties`)."""
     principals: str | None = None
     """Principals file (TOML); None runs open on loopback."""
     scope_keys: str | None = None
@@ -77,10 +85,24 @@ class PlacementController:
                  client: httpx.AsyncClient | None = None) -> None:
         self.settings = settings
         self.clock = clock
-        self.registry = InstanceRegistry(settings.lifecycle, clock=clock)
-        self.db = open_database(settings.database)
-        self.sessions = SessionStore(self.db)
-        self.maps = ShardMapStore(self.db)
+        self.shared: RedisState | None = None
+        self.registry: InstanceRegistry
+        self.sessions: Sessions
+        self.maps: ShardMaps
+        self.db: sqlite3.Connection | None = None
+        if settings.store is not None:
+            self.shared = RedisState(settings.store)
+            self.registry = SharedInstanceRegistry(
+                self.shared, settings.lifecycle,
+                stale_after_s=max(2.0, 8 * settings.sweep_interval_s))
+            self.sessions = RedisSessionStore(self.shared)
+            self.maps = RedisShardMapStore(self.shared)
+        else:
+            self.registry = InstanceRegistry(settings.lifecycle, clock=clock)
+            self.db = open_database(settings.database)
+            self.sessions = SessionStore(self.db)
+            self.maps = ShardMapStore(self.db)
+        self.duties = DutyLease(self.shared, ttl_ms=settings.duties_ttl_ms)
         self.instances = InstanceClient(token=settings.token, timeout=settings.http_timeout_s,
                                         client=client)
         self._index: IndexClient | None = None
@@ -122,20 +144,47 @@ class PlacementController:
         await self.instances.aclose()
         if self._index is not None:
             await self._index.aclose()
+        self.duties.release()
         self.sessions.close()
-        self.db.close()
+        if self.db is not None:
+            self.db.close()
+        if self.shared is not None:
+            self.shared.close()
 
     async def _sweep_loop(self) -> None:
+        cut_off = False
         while True:
             await asyncio.sleep(self.settings.sweep_interval_s)
             try:
                 self.sweep()
+            except StoreUnavailable as e:  # said once per outage, not every sweep
+                if not cut_off:
+                    log.warning("sweep: %s; routes answer 503 until the store answers", e.detail)
+                cut_off = True
+                continue
             except Exception:  # the sweeper must outlive one bad round
                 log.exception("sweep failed")
+            if cut_off:
+                log.info("the store answers again")
+                cut_off = False
+
+    def require_store(self) -> None:
+        """With a shared store: StoreUnavailable (503) when this process's copy of the
+        instances is stale (the store cannot be reached)."""
+        if isinstance(self.registry, SharedInstanceRegistry):
+            self.registry.require_fresh()
 
     def sweep(self) -> None:
         """Expire instance records, and after the start-up grace period fail over sessions
-        whose instance never reported to this PC (it died while the PC was down)."""
+        whose instance never reported to this PC (it died while the PC was down). With a
+        shared store the copy of the instances is refreshed, and only the holder of the
+        duties (`pc.duties`) does the rest."""
+        if isinstance(self.registry, SharedInstanceRegistry):
+            self.registry.refresh()
+        if not self.duties.hold():
+            self._orphans_checked = False  # checked again by whoever takes the duties
+            self._started_at = self.clock()
+            return
         self.handle(self.registry.expire())
         if (not self._orphans_checked
                 and (self.clock() - self._started_at) * 1000 >= self.settings.startup_grace_ms):

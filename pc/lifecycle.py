@@ -152,6 +152,25 @@ class _Entry:
     def serves(self, scope_id: str) -> bool:
         return ANY in self.scopes or scope_id.lower() in self.scopes
 
+    def to_json(self) -> dict:
+        """What processes sharing the registry share (`pc.redis_state`); `routed` stays with
+        the process that routed (each PC counts its own routes until a record accounts for
+        them), and the caches are rebuilt."""
+        return {"record": self.record.to_json(), "state": self.state,
+                "expires_at": self.expires_at, "low_since": self.low_since,
+                "reported_at": self.reported_at, "provisional": self.provisional,
+                "floor_epoch": self.floor_epoch, "scopes": sorted(self.scopes),
+                "owner": self.owner}
+
+    @classmethod
+    def from_json(cls, data: dict, routed: list[tuple[float, str]] | None = None) -> "_Entry":
+        return cls(InstanceStatus.from_json(data["record"]), data["state"],
+                   float(data["expires_at"]),
+                   None if data["low_since"] is None else float(data["low_since"]),
+                   float(data["reported_at"]), routed if routed is not None else [],
+                   provisional=bool(data["provisional"]), floor_epoch=data["floor_epoch"],
+                   scopes=frozenset(data["scopes"]), owner=data["owner"])
+
     def visible_to(self, viewer: Principal) -> bool:
         return (ANY in viewer.scopes or ANY in self.scopes
                 or not viewer.scopes.isdisjoint(self.scopes))
@@ -280,13 +299,22 @@ class InstanceRegistry:
 
     def expire(self) -> list[InstanceFailed]:
         """Mark instances whose record expired as failed; call it periodically."""
+        failed = (self.expire_one(url) for url in self.expired())
+        return [f for f in failed if f is not None]
+
+    def expired(self) -> list[str]:
+        """Instances whose record expired and that are not marked failed yet."""
         now = self.clock()
-        failed: list[InstanceFailed] = []
-        for url, entry in self._entries.items():
-            if entry.state != "failed" and now >= entry.expires_at:
-                entry.state = "failed"
-                failed.append(InstanceFailed(url, entry.record.epoch, "expired"))
-        return failed
+        return [url for url, entry in self._entries.items()
+                if entry.state != "failed" and now >= entry.expires_at]
+
+    def expire_one(self, url: str) -> InstanceFailed | None:
+        """Mark one instance failed if its record expired."""
+        entry = self._entries.get(url)
+        if entry is None or entry.state == "failed" or self.clock() < entry.expires_at:
+            return None
+        entry.state = "failed"
+        return InstanceFailed(url, entry.record.epoch, "expired")
 
     def set_state(self, instance: str, state: str) -> StateChanged | None:
         """The PC's word: the only way out of sleeping. None when nothing changed."""

@@ -19,7 +19,7 @@ import logging
 import sqlite3
 import threading
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable, Iterable, Sequence
+from typing import Awaitable, Callable, Iterable, Protocol, Sequence
 
 from kvsp_moq.errors import BadRecord, KvspError
 from kvsp_moq.protocol.records import RangeFetch, ReshardDecision, ReshardPlan, ShardMap
@@ -152,6 +152,14 @@ class ShardMapStore:
             self._maps[m.map] = m
 
 
+class ShardMaps(Protocol):
+    """Where the PC keeps Shard Maps: `ShardMapStore` or `pc.redis_state`'s (Redis)."""
+
+    def get(self, name: str) -> ShardMap | None: ...
+
+    def put(self, m: ShardMap) -> None: ...
+
+
 # --------------------------------------------------------------------------- two phases (I/O)
 
 #: POST {ii}reshard with a body and a timeout in seconds; returns the HTTP status, raises
@@ -191,7 +199,7 @@ class ReshardOutcome:
 class Resharder:
     """Moves a Shard Map from version v to v+1, or leaves it at v."""
 
-    def __init__(self, maps: ShardMapStore, send: ReshardSender,
+    def __init__(self, maps: ShardMaps, send: ReshardSender,
                  settings: ReshardSettings | None = None) -> None:
         self.maps = maps
         self.send = send

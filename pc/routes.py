@@ -66,6 +66,7 @@ def create_pc_routes(pc: PlacementController) -> list[Route]:
 
     async def list_instances(request: Request) -> Response:
         who = principal(request, Action.OBSERVE)
+        pc.require_store()
         return json_response({"instances": pc.registry.describe(who)})
 
     async def put_state(request: Request) -> Response:
@@ -108,6 +109,7 @@ def create_pc_routes(pc: PlacementController) -> list[Route]:
 
     async def route(request: Request) -> Response:
         who = principal(request, Action.ROUTE)
+        pc.require_store()
         req = pc.router.parse(await read_json(request))
         who.require_scope(req.scope_id)
         decision = await pc.router.route(req)

@@ -32,7 +32,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Iterable
+from typing import Any, Awaitable, Callable, Iterable, Protocol
 
 from kvsp_moq.auth import OPEN, Principal
 from kvsp_moq.errors import BadRecord, ForbiddenScope, KvspError, StaleEpoch
@@ -274,6 +274,29 @@ class SessionStore:
             return self.db.execute("SELECT COUNT(*) FROM sessions").fetchone()[0]
 
 
+class Sessions(Protocol):
+    """Where the PC keeps sessions: `SessionStore` (SQLite) or `pc.redis_state`'s (Redis)."""
+
+    def get(self, session: str) -> SessionState | None: ...
+
+    def checkpoint(self, checkpoint: SessionCheckpoint, instance: str | None, *,
+                   by: Principal = OPEN, is_live: Callable[[str], bool] = _never_live
+                   ) -> SessionState: ...
+
+    def move(self, session: str, new_instance: str, *, expect_epoch: int
+             ) -> SessionState | None: ...
+
+    def delete(self, session: str, *, by: Principal = OPEN) -> bool: ...
+
+    def on_instance(self, instance: str) -> list[SessionState]: ...
+
+    def instances(self) -> set[str]: ...
+
+    def count(self) -> int: ...
+
+    def close(self) -> None: ...
+
+
 # --------------------------------------------------------------------------- failover
 
 #: Picks an instance for a session, never one in `exclude`; None when there is none.
@@ -304,7 +327,7 @@ class FailoverResult:
 class Failover:
     """Moves each session of a failed instance to another one, raising its epoch (§6.8)."""
 
-    def __init__(self, store: SessionStore, choose: Chooser, send_resume: ResumeSender,
+    def __init__(self, store: Sessions, choose: Chooser, send_resume: ResumeSender,
                  settings: FailoverSettings | None = None) -> None:
         self.store = store
         self.choose = choose
