@@ -71,6 +71,10 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                         "which subscribes to the prompt's layers as they are computed (live KV): "
                         "never (default), length:N (at least N uncached prompt tokens), or cost "
                         "(when the KVSP §6.4 estimates say it is sooner)")
+    p.add_argument("--duties-ttl-ms", type=int, default=3000, metavar="MS",
+                   help="PC with --store redis://...: how long the duties lease (failing expired "
+                        "instances and moving their sessions) outlives its holder; another PC "
+                        "takes the duties over within this plus a quarter second (default 3000)")
     p.add_argument("--start-command", metavar="CMD",
                    help="PC: shell command that starts an instance when none has acceptable "
                         "cost and prints its base URL (see pc.instances_client.command_start_hook)")
@@ -145,6 +149,8 @@ def pc_settings_from_args(args: argparse.Namespace) -> "PCSettings":
         start_env["KVSP_PC_URL"] = public_url
     if index_url:
         start_env["KVSP_INDEX_URL"] = index_url
+    if args.duties_ttl_ms < 100:
+        raise ValueError("--duties-ttl-ms must be at least 100")
     store = args.store if args.store.startswith(("redis://", "rediss://", "unix://")) else None
     if store is not None and args.db is not None:
         raise ValueError("--db and --store redis://... exclude each other: with a shared store "
@@ -152,7 +158,8 @@ def pc_settings_from_args(args: argparse.Namespace) -> "PCSettings":
     return PCSettings(database=args.db or "kvsp-pc.sqlite3", store=store, principals=args.principals,
                       scope_keys=args.scope_keys, index_url=args.index, token=token,
                       placement=placement, start_command=args.start_command,
-                      start_command_env=start_env, pd=SplitPolicy.parse(str(args.pd)))
+                      start_command_env=start_env, pd=SplitPolicy.parse(str(args.pd)),
+                      duties_ttl_ms=args.duties_ttl_ms)
 
 
 def create_combined_app(index_settings: IndexSettings, pc_settings: "PCSettings") -> "Starlette":

@@ -47,6 +47,9 @@ class PCSettings:
     store: str | None = None
     """A redis:// URL: the PC's state lives there, shared by every PC process naming it
     (`pc.redis_state`), and `database` is not used; None: this process (memory + SQLite)."""
+    ended_sessions_keep_s: float = 300.0
+    """How long an ended (deleted) session stays readable: a front end whose stream broke
+    learns where it ended, and a late checkpoint cannot bring it back."""
     duties_ttl_ms: int = 3000
     """With a shared store: how long the duties lease lasts unrenewed (`pc.duties`)."""
     principals: str | None = None
@@ -95,7 +98,8 @@ class PlacementController:
             self.registry = SharedInstanceRegistry(
                 self.shared, settings.lifecycle,
                 stale_after_s=max(2.0, 8 * settings.sweep_interval_s))
-            self.sessions = RedisSessionStore(self.shared)
+            self.sessions = RedisSessionStore(self.shared,
+                                              ended_keep_s=settings.ended_sessions_keep_s)
             self.maps = RedisShardMapStore(self.shared)
         else:
             self.registry = InstanceRegistry(settings.lifecycle, clock=clock)
@@ -129,6 +133,7 @@ class PlacementController:
         self._sweeper: asyncio.Task | None = None
         self._started_at = clock()
         self._orphans_checked = False
+        self._purged_at = clock()
 
     # ------------------------------------------------------------------ running
 
@@ -186,6 +191,10 @@ class PlacementController:
             self._started_at = self.clock()
             return
         self.handle(self.registry.expire())
+        now = self.clock()
+        if now - self._purged_at >= 10.0:
+            self._purged_at = now
+            self.sessions.purge_ended(self.settings.ended_sessions_keep_s)
         if (not self._orphans_checked
                 and (self.clock() - self._started_at) * 1000 >= self.settings.startup_grace_ms):
             self._orphans_checked = True

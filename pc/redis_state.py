@@ -55,7 +55,7 @@ from kvsp_moq.errors import StoreUnavailable
 from kvsp_moq.protocol.records import InstanceStatus, SessionCheckpoint, ShardMap
 from kvsp_moq.protocol.urls import base_url
 from pc.lifecycle import InstanceFailed, InstanceRegistry, LifecycleSettings, Reply, StateChanged, _Entry
-from pc.sessions import SessionState, _never_live, accept_checkpoint, move_session
+from pc.sessions import SessionState, _never_live, accept_checkpoint, end_session, move_session
 
 try:
     import redis
@@ -138,15 +138,16 @@ def _state_from(raw: str | None) -> SessionState | None:
         return None
     d = json.loads(raw)
     return SessionState(d["session"], int(d["epoch"]), d["instance"], int(d["output_offset"]),
-                        d["checkpoint"])
+                        d["checkpoint"], bool(d.get("ended", False)))
 
 
 class RedisSessionStore:
     """`pc.sessions.SessionStore` in Redis: the same rules, each change one transaction."""
 
-    def __init__(self, state: RedisState) -> None:
+    def __init__(self, state: RedisState, *, ended_keep_s: float = 300.0) -> None:
         self.r = state
         self.p = state.p
+        self.ended_keep_s = ended_keep_s
 
     def close(self) -> None:
         pass  # the connection is the RedisState's
@@ -188,7 +189,7 @@ class RedisSessionStore:
         key = self._key(session)
 
         def write(pipe: Any, current: SessionState | None) -> SessionState | None:
-            if current is None or current.epoch != expect_epoch:
+            if current is None or current.epoch != expect_epoch or current.ended:
                 return None
             state = move_session(current, new_instance)
             self._write(pipe, state, current)
@@ -198,17 +199,18 @@ class RedisSessionStore:
                                lambda pipe: _state_from(pipe.get(key)), write)
 
     def delete(self, session: str, *, by: Principal = OPEN) -> bool:
-        """End a session: only a principal of its scope that speaks for its instance may."""
+        """End a session (`end_session`): only a principal of its scope that speaks for its
+        instance may. What remains expires after `ended_keep_s`."""
         key = self._key(session)
 
         def write(pipe: Any, current: SessionState | None) -> bool:
-            if current is None:
+            if current is None or current.ended:
                 return False
             current.require_access(by)
             if current.instance is not None:
                 by.require_holder(current.instance)
                 pipe.srem(f"{self.p}on:{current.instance}", session)
-            pipe.delete(key)
+            pipe.set(key, _state_json(end_session(current)), px=int(self.ended_keep_s * 1000))
             pipe.srem(f"{self.p}sessions", session)
             return True
 
@@ -221,7 +223,7 @@ class RedisSessionStore:
             ids = sorted(self.r.client.smembers(f"{self.p}on:{inst}"))
             raws = self.r.client.mget([self._key(s) for s in ids]) if ids else []
         states = [_state_from(raw) for raw in raws]
-        return [s for s in states if s is not None and s.instance == inst]
+        return [s for s in states if s is not None and s.instance == inst and not s.ended]
 
     def instances(self) -> set[str]:
         with self.r.unavailable("listing instances with sessions"):
@@ -233,8 +235,12 @@ class RedisSessionStore:
         return {inst for inst, n in zip(insts, counts) if n}
 
     def count(self) -> int:
+        """Sessions not ended."""
         with self.r.unavailable("counting sessions"):
             return int(self.r.client.scard(f"{self.p}sessions"))
+
+    def purge_ended(self, keep_s: float) -> int:
+        return 0  # ended sessions expire in Redis itself
 
 
 # --------------------------------------------------------------------------- shard maps

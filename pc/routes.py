@@ -15,7 +15,9 @@ Resources (all JSON, `application/kvsp+json`; errors are problem documents):
 - `PUT /instances/{id}/state`: `{"state": "active" | "draining" | "sleeping"}`; the PC records it
   and forwards `PUT {ii}state` with `{"state": ..., "epoch": <instance epoch>}`. Role "pc".
 - `PUT /sessions/{session}/checkpoint`, `GET /sessions/{session}`, `DELETE /sessions/{session}`
-  (our extension: the session ended, do not resume it): see `pc.sessions`.
+  (our extension: the session ended, do not resume it; it stays readable with `"ended": true`
+  for `ended_sessions_keep_s`, so that a front end whose stream broke learns where it ended):
+  see `pc.sessions`.
 - `POST /route`: see `pc.placement`; with a split policy, "prefill" names the instance that
   computes the prompt apart from its decode, and a prompt whose blocks another route sent
   somewhere moments ago names that instance as computing them (`pc.disaggregation`). Role "pc", or "client"

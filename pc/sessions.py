@@ -10,7 +10,10 @@ Wire formats (DESIGN §3, §6):
   member "instance" (our extension; unknown members are ignored by other parties) with the base
   URL of the instance that serves the session; it is required for the first checkpoint of a
   session the PC has not placed. Reply: the session state below.
-- `GET {pc}sessions/{session}`: `{"session", "epoch", "instance", "output_offset"}`.
+- `GET {pc}sessions/{session}`: `{"session", "epoch", "instance", "output_offset"}`, and
+  `"ended": true` for a session deleted (ended) in the last `ended_sessions_keep_s`.
+- `DELETE {pc}sessions/{session}` (our extension): the session is over; it is never resumed,
+  and a later checkpoint of it is refused (kvsp-stale-epoch).
 - `POST {ii}sessions/{session}/resume`: `{"checkpoint": <latest Session Checkpoint, verbatim,
   with the epoch it was taken under>, "epoch": <new session epoch>}`. Any 2xx accepts.
 
@@ -25,6 +28,7 @@ of the scope could take a live session over.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import sqlite3
@@ -55,10 +59,16 @@ class SessionState:
     """output_offset of `checkpoint` (0 without one)."""
     checkpoint: dict | None
     """The latest accepted checkpoint, verbatim JSON; it may predate `epoch` after a failover."""
+    ended: bool = False
+    """Deleted (finished, or stopped by its client): kept a while so that a front end whose
+    stream broke learns where it ended, never resumed, and no checkpoint brings it back."""
 
     def to_json(self) -> dict:
-        return {"session": self.session, "epoch": self.epoch, "instance": self.instance,
-                "output_offset": self.output_offset}
+        out = {"session": self.session, "epoch": self.epoch, "instance": self.instance,
+               "output_offset": self.output_offset}
+        if self.ended:
+            out["ended"] = True
+        return out
 
     @property
     def checkpoint_epoch(self) -> int | None:
@@ -106,6 +116,9 @@ def accept_checkpoint(current: SessionState | None, checkpoint: SessionCheckpoin
     if current.scope_id is not None and checkpoint.scope_id.lower() != current.scope_id:
         raise ForbiddenScope(f"session {current.session} belongs to another scope",
                              member="scope_id")
+    if current.ended:
+        raise StaleEpoch(f"session {current.session} has ended; it is not resumed",
+                         member="session")
     serving = inst or current.instance
     if serving is not None:
         by.require_holder(serving)
@@ -130,6 +143,11 @@ def accept_checkpoint(current: SessionState | None, checkpoint: SessionCheckpoin
                         checkpoint.output_offset, checkpoint.to_json())
 
 
+def end_session(current: SessionState) -> SessionState:
+    """DELETE: the session is over; what remains says where it ended."""
+    return dataclasses.replace(current, ended=True)
+
+
 def move_session(current: SessionState, new_instance: str) -> SessionState:
     """Failover: the next epoch, on another instance, with the same latest checkpoint."""
     return SessionState(current.session, current.epoch + 1, base_url(new_instance),
@@ -152,10 +170,13 @@ CREATE TABLE IF NOT EXISTS sessions (
     instance TEXT,
     output_offset INTEGER NOT NULL,
     checkpoint TEXT,
-    updated_ms INTEGER NOT NULL
+    updated_ms INTEGER NOT NULL,
+    ended_ms INTEGER
 );
 CREATE INDEX IF NOT EXISTS sessions_by_instance ON sessions (instance);
 """
+
+_COLUMNS = "session, epoch, instance, output_offset, checkpoint, ended_ms"
 
 
 def open_database(path: str | Path) -> sqlite3.Connection:
@@ -179,6 +200,9 @@ class SessionStore:
         self.db: sqlite3.Connection = db if isinstance(db, sqlite3.Connection) else open_database(db)
         self._lock = threading.Lock()
         self.db.executescript(_SCHEMA)
+        columns = {row[1] for row in self.db.execute("PRAGMA table_info(sessions)")}
+        if "ended_ms" not in columns:  # a file from before ended sessions were kept
+            self.db.execute("ALTER TABLE sessions ADD COLUMN ended_ms INTEGER")
 
     def close(self) -> None:
         if self._own:
@@ -186,25 +210,26 @@ class SessionStore:
 
     @staticmethod
     def _row(row: tuple) -> SessionState:
-        session, epoch, instance, offset, checkpoint = row
+        session, epoch, instance, offset, checkpoint, ended_ms = row
         return SessionState(session, epoch, instance, offset,
-                            json.loads(checkpoint) if checkpoint else None)
+                            json.loads(checkpoint) if checkpoint else None, ended_ms is not None)
 
     def _get(self, session: str) -> SessionState | None:
-        row = self.db.execute("SELECT session, epoch, instance, output_offset, checkpoint "
-                              "FROM sessions WHERE session = ?", (session,)).fetchone()
+        row = self.db.execute(f"SELECT {_COLUMNS} FROM sessions WHERE session = ?",
+                              (session,)).fetchone()
         return None if row is None else self._row(row)
 
     def _put(self, state: SessionState) -> None:
+        now_ms = int(time.time() * 1000)
         self.db.execute(
             "INSERT INTO sessions (session, epoch, instance, output_offset, checkpoint, "
-            "updated_ms) VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (session) DO UPDATE SET "
-            "epoch = excluded.epoch, instance = excluded.instance, "
+            "updated_ms, ended_ms) VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (session) DO UPDATE "
+            "SET epoch = excluded.epoch, instance = excluded.instance, "
             "output_offset = excluded.output_offset, checkpoint = excluded.checkpoint, "
-            "updated_ms = excluded.updated_ms",
+            "updated_ms = excluded.updated_ms, ended_ms = excluded.ended_ms",
             (state.session, state.epoch, state.instance, state.output_offset,
              json.dumps(state.checkpoint, separators=(",", ":")) if state.checkpoint else None,
-             int(time.time() * 1000)))
+             now_ms, now_ms if state.ended else None))
 
     def get(self, session: str) -> SessionState | None:
         with self._lock:
@@ -233,7 +258,7 @@ class SessionStore:
             self.db.execute("BEGIN IMMEDIATE")
             try:
                 current = self._get(session)
-                if current is None or current.epoch != expect_epoch:
+                if current is None or current.epoch != expect_epoch or current.ended:
                     self.db.execute("COMMIT")
                     return None
                 state = move_session(current, new_instance)
@@ -245,33 +270,42 @@ class SessionStore:
             return state
 
     def delete(self, session: str, *, by: Principal = OPEN) -> bool:
-        """End a session: only a principal of its scope that speaks for its instance may."""
+        """End a session (`end_session`): only a principal of its scope that speaks for its
+        instance may. False when there is no such session, or it has ended already."""
         with self._lock:
             current = self._get(session)
-            if current is None:
+            if current is None or current.ended:
                 return False
             current.require_access(by)
             if current.instance is not None:
                 by.require_holder(current.instance)
-            return self.db.execute("DELETE FROM sessions WHERE session = ?",
-                                   (session,)).rowcount > 0
+            self._put(end_session(current))
+            return True
+
+    def purge_ended(self, keep_s: float) -> int:
+        """Forget sessions that ended more than `keep_s` ago."""
+        cutoff = int((time.time() - keep_s) * 1000)
+        with self._lock:
+            return self.db.execute("DELETE FROM sessions WHERE ended_ms < ?", (cutoff,)).rowcount
 
     def on_instance(self, instance: str) -> list[SessionState]:
         with self._lock:
             rows = self.db.execute(
-                "SELECT session, epoch, instance, output_offset, checkpoint FROM sessions "
-                "WHERE instance = ? ORDER BY session", (base_url(instance),)).fetchall()
+                f"SELECT {_COLUMNS} FROM sessions WHERE instance = ? AND ended_ms IS NULL "
+                "ORDER BY session", (base_url(instance),)).fetchall()
         return [self._row(r) for r in rows]
 
     def instances(self) -> set[str]:
         with self._lock:
             rows = self.db.execute("SELECT DISTINCT instance FROM sessions "
-                                   "WHERE instance IS NOT NULL").fetchall()
+                                   "WHERE instance IS NOT NULL AND ended_ms IS NULL").fetchall()
         return {r[0] for r in rows}
 
     def count(self) -> int:
+        """Sessions not ended."""
         with self._lock:
-            return self.db.execute("SELECT COUNT(*) FROM sessions").fetchone()[0]
+            return self.db.execute("SELECT COUNT(*) FROM sessions WHERE ended_ms IS NULL"
+                                   ).fetchone()[0]
 
 
 class Sessions(Protocol):
@@ -293,6 +327,8 @@ class Sessions(Protocol):
     def instances(self) -> set[str]: ...
 
     def count(self) -> int: ...
+
+    def purge_ended(self, keep_s: float) -> int: ...
 
     def close(self) -> None: ...
 

@@ -162,14 +162,18 @@ async def test_session_survives_sigkill_without_changing_a_delivered_token(
             b = Agent(AgentSettings(listen="127.0.0.1:0", model=str(model_dir), block_tokens=B,
                                     warmup_tokens=8, **common)).start()
             try:
-                await _run(pc.url, a, b.url, prompt, sampler, reference, resumes)
+                await _run(pc.url, a, b.url, prompt, sampler, reference, resumes,
+                           lambda: holder.publisher.published >= PROMPT // B)
             finally:
                 b.stop()
 
 
 async def _run(pc_url: str, a: AgentProcess, b_url: str, prompt: list[int], sampler: dict,
-               reference: list[int], resumes: list[tuple[str, str, dict]]) -> None:
-    """Start the session on A, kill A after KILL_AT tokens, check what the front end got."""
+               reference: list[int], resumes: list[tuple[str, str, dict]],
+               replicated: Callable[[], bool]) -> None:
+    """Start the session on A, kill A after KILL_AT tokens (once its prompt blocks have a
+    replica that outlives it: without one no instance can resume the session, which knows
+    the prompt only by its Block Keys), check what the front end got."""
     a_url = a.wait_url(120)
 
     def both_active() -> bool:
@@ -190,6 +194,8 @@ async def _run(pc_url: str, a: AgentProcess, b_url: str, prompt: list[int], samp
         async for tok in fe.stream(session, instance=a_url):
             got.append(tok)
             if len(got) == KILL_AT and killed_after is None:
+                wait_until(replicated, timeout=30, what="A's prompt blocks at the holder",
+                           step=0.02)
                 a.kill()
                 killed_after = len(got)
     assert killed_after == KILL_AT
@@ -234,7 +240,7 @@ async def _run(pc_url: str, a: AgentProcess, b_url: str, prompt: list[int], samp
         assert [t.token for t in got[:offset]] == reference[:offset]
 
     # The session ended at the PC when B finished it.
-    assert httpx.get(f"{pc_url}sessions/{session}", timeout=5).status_code == 404
+    assert httpx.get(f"{pc_url}sessions/{session}", timeout=5).json()["ended"] is True
 
 
 class HeldCheckpoints:

@@ -91,6 +91,14 @@ async def test_checkpoint_epochs_over_http(tmp_path, http):
         assert (await http.get(f"{pc.url}sessions/{new_session()}")).status_code == 404
         assert (await http.get(f"{pc.url}sessions/not-a-uuid")).json()["member"] == "session"
         assert (await http.delete(url)).status_code == 204
+        # Ended: still readable (where it ended), never resumed, no checkpoint brings it back.
+        assert (await http.get(url)).json() == {"session": s, "epoch": 3, "instance": II,
+                                                "output_offset": 6, "ended": True}
+        r = await http.put(url + "/checkpoint", json=checkpoint(s, epoch=3, offset=8))
+        assert r.status_code == 409 and "ended" in r.json()["detail"]
+        assert (await http.delete(url)).status_code == 404
+        assert pc.pc.sessions.on_instance(II) == [] and pc.pc.sessions.count() == 0
+        assert pc.pc.sessions.purge_ended(keep_s=-1) == 1
         assert (await http.get(url)).status_code == 404
 
 

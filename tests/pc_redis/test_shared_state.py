@@ -48,8 +48,13 @@ def test_sessions_follow_the_rules_across_stores(redis_url: str) -> None:
     other = new_session()
     assert s1.checkpoint(cp(other, epoch=4, offset=1), A) == accept_checkpoint(
         None, cp(other, epoch=4, offset=1), A)
-    assert s2.delete(other) and s1.get(other) is None and not s1.delete(other)
-    assert s1.instances() == {B} and s2.count() == 1
+    assert s2.delete(other) and s1.get(other).ended and not s1.delete(other)
+    assert s1.instances() == {B} and s2.count() == 1 and s1.on_instance(A) == []
+    with pytest.raises(StaleEpoch):  # no checkpoint brings an ended session back
+        s1.checkpoint(cp(other, epoch=4, offset=2), A)
+    assert s1.move(other, B, expect_epoch=4) is None
+    ttl = one.client.pttl(f"kvsp:pc:s:{other}")
+    assert 0 < ttl <= 300_000  # what remains of it expires in the store
     one.close(), two.close()
 
 
