@@ -142,6 +142,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         given = [o for o, v in (("--engine", args.engine), ("--datagram-size", args.datagram_size)) if v]
         if given:
             raise UsageError(f"{' and '.join(given)}: only for bench {', '.join(MATRIX_BENCHMARKS)}")
+    if args.pcs is not None:
+        if args.target != "route":
+            raise UsageError("--pcs: only for bench route")
+        if not 1 <= args.pcs <= 64:
+            raise UsageError("--pcs must be between 1 and 64")
+        options["pcs"] = args.pcs
     result = run_bench(args.target, quick=args.quick, **options)
     print(json.dumps(result, indent=2))
     return 0
@@ -284,6 +290,9 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     p.add_argument("--datagram-size", metavar="SIZE[,SIZE...]",
                    help="moqt: datagram sizes of the matrix, in bytes or 'loopback' (60,000) "
                         "(default: $KVSP_MOQT_DATAGRAM_SIZE if set, else 1452,9000,loopback)")
+    p.add_argument("--pcs", type=int, metavar="N",
+                   help="route: also N PC processes sharing their state in a Redis the benchmark "
+                        "starts (redis-server on PATH), with the total for 1..N of them")
     _add_engine_option(p)
     p.set_defaults(func=cmd_bench)
     p = sub.add_parser(

@@ -126,8 +126,15 @@ def _baseline_rank(result: LookupResult, statuses: list[InstanceStatus], token_c
     return out
 
 
-def run(quick: bool = False) -> dict[str, Any]:
-    return asyncio.run(_run(quick))
+def run(quick: bool = False, pcs: int | None = None) -> dict[str, Any]:
+    """One process's routes (and with `pcs`, those of 1..pcs processes over Redis,
+    `kvsp_moq.bench.route_pcs`)."""
+    result = asyncio.run(_run(quick))
+    if pcs is not None:
+        from kvsp_moq.bench.route_pcs import run_pcs
+
+        result["shared_store"] = run_pcs(pcs, quick=quick)
+    return result
 
 
 async def _run(quick: bool) -> dict[str, Any]:
