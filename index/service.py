@@ -12,6 +12,7 @@ import logging
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit, urlunsplit
 
 import uvicorn
 
@@ -88,9 +89,37 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                         "checkpoints, shard maps) live: in this process (default; the PC's "
                         "sessions in --db), or in Redis/Valkey, shared by every process that "
                         "names the same URL, which then act as one IS and one PC")
+    p.add_argument("--store-password-file", metavar="FILE",
+                   help="with --store redis://...: a file holding the store's password "
+                        "(Redis requirepass), kept off the command line")
 
 
-def store_from_arg(value: str) -> ReplicaStore:
+def redacted(url: str) -> str:
+    """A store URL fit for logs: a password in it replaced by ***."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = f"{parts.username or ''}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def store_password(args: argparse.Namespace) -> str | None:
+    """The password of --store-password-file (first line); ValueError when unreadable."""
+    path = getattr(args, "store_password_file", None)
+    if path is None:
+        return None
+    if not args.store.startswith(("redis://", "rediss://", "unix://")):
+        raise ValueError("--store-password-file needs --store redis://...")
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read --store-password-file {path}: {e}") from None
+    if not lines or not lines[0].strip():
+        raise ValueError(f"--store-password-file {path} is empty")
+    return lines[0].strip()
+
+
+def store_from_arg(value: str, password: str | None = None) -> ReplicaStore:
     """The replica store `--store` names; ValueError for anything else."""
     if value == "memory":
         return MemoryReplicaStore()
@@ -98,6 +127,8 @@ def store_from_arg(value: str) -> ReplicaStore:
         from index.redis_store import RedisReplicaStore
 
         try:
+            if password is not None:
+                return RedisReplicaStore(value, password=password)
             return RedisReplicaStore(value)
         except RuntimeError as e:  # redis-py missing
             raise ValueError(f"--store: {e}") from None
@@ -118,7 +149,7 @@ def settings_from_args(args: argparse.Namespace) -> IndexSettings:
             raise ValueError(f"cannot read descriptor {path}: {e}") from None
         descriptor = CompatDescriptor.from_dict(data)
         block_tokens[descriptor.compat_hex] = descriptor.block_tokens
-    return IndexSettings(store=store_from_arg(args.store),
+    return IndexSettings(store=store_from_arg(args.store, store_password(args)),
                          auth=Authenticator.from_file(args.principals),
                          max_ttl_ms=args.max_ttl_ms, block_tokens=block_tokens,
                          default_block_tokens=args.block_tokens)
@@ -155,7 +186,8 @@ def pc_settings_from_args(args: argparse.Namespace) -> "PCSettings":
     if store is not None and args.db is not None:
         raise ValueError("--db and --store redis://... exclude each other: with a shared store "
                          "the PC keeps its sessions there")
-    return PCSettings(database=args.db or "kvsp-pc.sqlite3", store=store, principals=args.principals,
+    return PCSettings(database=args.db or "kvsp-pc.sqlite3", store=store,
+                      store_password=store_password(args), principals=args.principals,
                       scope_keys=args.scope_keys, index_url=args.index, token=token,
                       placement=placement, start_command=args.start_command,
                       start_command_env=start_env, pd=SplitPolicy.parse(str(args.pd)),
@@ -216,7 +248,7 @@ def run(args: argparse.Namespace) -> int:
         log.info("replica store: %s", "memory" if args.store == "memory" else settings.store)
     if pc_settings is not None and pc_settings.store is not None:
         log.info("PC state (instances, sessions, shard maps) in %s, shared with every PC on it",
-                 pc_settings.store)
+                 redacted(pc_settings.store))
     elif pc_settings is not None:
         db = pc_settings.database
         log.info("PC sessions and shard maps in %s", db if db == ":memory:" else Path(db).resolve())

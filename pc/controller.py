@@ -50,6 +50,8 @@ class PCSettings:
     ended_sessions_keep_s: float = 300.0
     """How long an ended (deleted) session stays readable: a front end whose stream broke
     learns where it ended, and a late checkpoint cannot bring it back."""
+    store_password: str | None = None
+    """The store's password (Redis requirepass), when not in the URL."""
     duties_ttl_ms: int = 3000
     """With a shared store: how long the duties lease lasts unrenewed (`pc.duties`)."""
     principals: str | None = None
@@ -94,7 +96,7 @@ class PlacementController:
         self.maps: ShardMaps
         self.db: sqlite3.Connection | None = None
         if settings.store is not None:
-            self.shared = RedisState(settings.store)
+            self.shared = RedisState(settings.store, password=settings.store_password)
             self.registry = SharedInstanceRegistry(
                 self.shared, settings.lifecycle,
                 stale_after_s=max(2.0, 8 * settings.sweep_interval_s))

@@ -77,14 +77,16 @@ MAX_TRIES = 64
 class RedisState:
     """One connection pool to the store, its key names, and transactions over it."""
 
-    def __init__(self, url: str, *, prefix: str = "kvsp", timeout_s: float = 1.0) -> None:
+    def __init__(self, url: str, *, prefix: str = "kvsp", timeout_s: float = 1.0,
+                 password: str | None = None) -> None:
         if redis is None:
             raise RuntimeError("the redis extra is not installed: pip install 'kvsp-moq[redis]'")
         self.url = url
         #: decode_responses: every reply is str (Any: the stubs cannot know that)
         self.client: Any = redis.Redis.from_url(url, socket_timeout=timeout_s,
                                            socket_connect_timeout=timeout_s,
-                                           decode_responses=True)
+                                           decode_responses=True,
+                                           **({"password": password} if password else {}))
         self.p = f"{prefix}:pc:"
 
     def __str__(self) -> str:

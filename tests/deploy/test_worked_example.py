@@ -97,7 +97,10 @@ class Deployment:
             proc = self.host(host).start(["bash", "-c", "exec " + command], cwd=self.workdir,
                                          env=env(), stdout=out, stderr=subprocess.STDOUT)
         self.servers.append((name, proc, log))
-        listen = option(command, "--listen")
+        if shlex.split(command)[0] == "redis-server":
+            listen = f"{HOSTS[host]}:6379"  # from its configuration file
+        else:
+            listen = option(command, "--listen")
         assert listen is not None, command
         deadline = time.monotonic() + START_S
         while time.monotonic() < deadline:
@@ -110,6 +113,8 @@ class Deployment:
     def _ready(self, host: str, command: str, listen: str, log: Path) -> bool:
         if shlex.split(command)[1] == "relay":  # QUIC only: it says so when it listens
             return "relay listening on" in log.read_text(errors="replace")
+        if shlex.split(command)[0] == "redis-server":
+            return "Ready to accept connections" in log.read_text(errors="replace")
         probe = f"import httpx; httpx.get('http://{listen}/healthz', timeout=2).raise_for_status()"
         done = self.host(host).run([sys.executable, "-c", probe], capture_output=True, timeout=10)
         return done.returncode == 0
@@ -185,11 +190,28 @@ def test_the_worked_example_runs_as_written(deployment: Deployment) -> None:
     assert wanted <= holders, holders
     http_copy, moqt_copy = (d.workdir / "block-http.kvb"), (d.workdir / "block-moqt.kvb")
     assert http_copy.stat().st_size > 0 and http_copy.read_bytes() == moqt_copy.read_bytes()
+    # Two PCs on one Redis act as one: B's agent reports to A's PC, C's agent to B's, and
+    # each PC lists both.
+    agents = {"http://198.18.0.2:8900/", "http://198.18.0.3:8900/"}
+    for pc in ("http://198.18.0.1:8700/", "http://198.18.0.2:8700/"):
+        listed = instances(d, pc)
+        assert agents <= listed, (pc, listed)
+
+
+def instances(d: Deployment, pc: str) -> set[str]:
+    """The active instances `GET {pc}instances` lists, asked from host C with the PC's token."""
+    code = ("import httpx, sys; r = httpx.get(sys.argv[1] + 'instances', headers={'Authorization': "
+            "'Bearer ' + sys.argv[2]}, timeout=10); r.raise_for_status(); "
+            "print(' '.join(i['instance'] for i in r.json()['instances'] if i['state'] == 'active'))")
+    done = d.host("C").run([sys.executable, "-c", code, pc, (d.workdir / "pc.token").read_text().strip()],
+                           capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    return set(done.stdout.split())
 
 
 def readme_servers() -> list[tuple[str, str]]:
     return [(s.host, c.removesuffix("&").strip()) for s in readme_steps() for c in s.commands
-            if c.endswith("&")]
+            if c.endswith("&") and c.startswith("kvsp ")]
 
 
 def test_every_server_refuses_to_run_open(deployment: Deployment) -> None:
