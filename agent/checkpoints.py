@@ -42,6 +42,7 @@ from agent.options import EngineOptions
 from agent.requests import SamplerSpec
 from kvsp_moq.errors import BadRecord, KvspError, StaleEpoch, TransportError
 from kvsp_moq.index_client import raise_for_problem
+from kvsp_moq.pc_endpoints import PCEndpoints
 from kvsp_moq.protocol import validate as v
 from kvsp_moq.protocol.compat import CompatDescriptor
 from kvsp_moq.protocol.keys import BlockKeyChain
@@ -93,11 +94,13 @@ def checkpoint_due(session: "Session", block_tokens: int, release_batch: int) ->
 class Checkpointer:
     """Publishes the checkpoints of tracked sessions to the PC and ends them there."""
 
-    def __init__(self, client: httpx.AsyncClient, pc_url: str | None, *, headers: Mapping[str, str],
+    def __init__(self, client: httpx.AsyncClient, pc_url: "str | PCEndpoints | None", *,
+                 headers: Mapping[str, str],
                  instance_url: Callable[[], str], options: EngineOptions, block_tokens: int,
                  spawn: Callable[[Any], asyncio.Task]) -> None:
         self.client = client
-        self.pc_url = pc_url
+        #: one PC URL, or several PC processes on one store (tried in turn when one fails)
+        self.pc = PCEndpoints(pc_url) if pc_url else None
         self.headers = dict(headers)
         self.instance_url = instance_url
         self.options = options
@@ -155,11 +158,16 @@ class Checkpointer:
     async def _put(self, session: "Session", upto: int) -> None:
         body = build_checkpoint(session, upto).to_json()
         body["instance"] = self.instance_url()
+        assert self.pc is not None  # only tracked sessions are checkpointed
+        pc = self.pc.url
         try:
-            r = await self.client.put(f"{self.pc_url}sessions/{session.id}/checkpoint", json=body,
+            r = await self.client.put(f"{pc}sessions/{session.id}/checkpoint", json=body,
                                       headers=self.headers)
         except httpx.HTTPError as e:
-            raise TransportError(f"PC {self.pc_url}: {type(e).__name__} {e}") from None
+            self.pc.failed(pc)
+            raise TransportError(f"PC {pc}: {type(e).__name__} {e}") from None
+        if r.status_code == 503:
+            self.pc.failed(pc)
         raise_for_problem(r)
 
     async def backpressure(self, session: "Session") -> None:
@@ -174,12 +182,21 @@ class Checkpointer:
 
     async def _delete_at_pc(self, session: "Session") -> None:
         """DELETE {pc}sessions/{id}, best effort: the session is over and must not be resumed."""
-        try:
-            r = await self.client.delete(f"{self.pc_url}sessions/{session.id}", headers=self.headers)
+        assert self.pc is not None
+        for _ in self.pc.urls:  # each PC once: a dead one must not leave the session resumable
+            pc = self.pc.url
+            try:
+                r = await self.client.delete(f"{pc}sessions/{session.id}", headers=self.headers)
+            except httpx.HTTPError as e:
+                self.pc.failed(pc)
+                log.info("ending session %s at the PC %s failed: %s", session.id, pc, e)
+                continue
+            if r.status_code == 503:
+                self.pc.failed(pc)
+                continue
             if r.status_code not in (204, 404):
                 log.info("ending session %s at the PC: HTTP %d", session.id, r.status_code)
-        except httpx.HTTPError as e:
-            log.info("ending session %s at the PC failed: %s", session.id, e)
+            return
 
     async def drop(self, session: "Session") -> None:
         """A tracked session the client stopped: no further checkpoint, and the session deleted

@@ -109,7 +109,7 @@ class Engine:
         self.scopes_by_id = {scope_id_of(k).hex(): k for k in self.scope_keys.values()}
         self.default_scope = default_scope
         self.self_url = self_url
-        self.pc_url = base_url(pc_url) if pc_url else pc_url
+        self.pc_url = pc_url or None  # one URL, or several PCs on one store (comma-separated)
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.meters = meters
         self.model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvsp-model")

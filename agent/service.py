@@ -130,7 +130,10 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny", metavar="tiny|DIR",
                    help="'tiny' (made once, locally) or a local model directory")
     p.add_argument("--index", metavar="URL", help="base URL of the Index Service")
-    p.add_argument("--pc", metavar="URL", help="base URL of the Placement Controller")
+    p.add_argument("--pc", metavar="URL[,URL...]",
+                   help="base URL of the Placement Controller; several PC processes on one store "
+                        "(kvsp index --store redis://...) comma-separated: status and checkpoints "
+                        "go to one, and to the next when it fails")
     p.add_argument("--relay", metavar="URL",
                    help="moqt:// URI of the MOQT relay: blocks are loaded through it first and "
                         "this agent's blocks are published through it")

@@ -37,6 +37,7 @@ import httpx
 
 from kvsp_moq.errors import KvspError, NotFound, TransportError, reason_of
 from kvsp_moq.index_client import raise_for_problem
+from kvsp_moq.pc_endpoints import PCEndpoints
 from kvsp_moq.protocol.urls import base_url
 
 log = logging.getLogger("kvsp.frontend")
@@ -127,7 +128,9 @@ class FrontEnd:
                  client: httpx.AsyncClient | None = None, retries: int = 8,
                  backoff_s: float = 0.05, max_backoff_s: float = 1.0, timeout_s: float = 60.0,
                  read_timeout_s: float = 10.0, restart_after: int = 2) -> None:
-        self.pc_url = base_url(pc_url)
+        #: one URL, or several PC processes on one store (comma-separated): a PC that cannot
+        #: be reached or answers 503 is left for the next
+        self.pcs = PCEndpoints(pc_url)
         #: failed attempts at an instance, with no checkpoint at the PC, before a session with
         #: a `Restart` is started again elsewhere
         self.restart_after = restart_after
@@ -157,13 +160,28 @@ class FrontEnd:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
+    @property
+    def pc_url(self) -> str:
+        """The PC in use."""
+        return self.pcs.url
+
+    async def _pc(self, method: str, path: str, *, timeout: float, **kw: Any) -> httpx.Response:
+        """One call to the PC in use; a PC that cannot be reached or answers 503 is left for
+        the next (the caller's retries reach it)."""
+        pc = self.pcs.url
+        try:
+            r = await self.client.request(method, f"{pc}{path}", headers=self.headers,
+                                          timeout=timeout, **kw)
+        except httpx.HTTPError as e:
+            self.pcs.failed(pc)
+            raise TransportError(f"PC {pc} unreachable: {reason_of(e, named=True)}") from None
+        if r.status_code == 503:
+            self.pcs.failed(pc)
+        return r
+
     async def placement(self, session: str, *, timeout: float | None = None) -> Placement:
         """GET {pc}sessions/{id}: the session's instance and epoch."""
-        try:
-            r = await self.client.get(f"{self.pc_url}sessions/{session}", headers=self.headers,
-                                      timeout=timeout or self.read_timeout_s)
-        except httpx.HTTPError as e:
-            raise TransportError(f"PC {self.pc_url} unreachable: {reason_of(e, named=True)}") from None
+        r = await self._pc("GET", f"sessions/{session}", timeout=timeout or self.read_timeout_s)
         raise_for_problem(r)
         data = r.json()
         if not data.get("instance"):
@@ -262,11 +280,7 @@ class FrontEnd:
         decode instance. One that is computing the prompt's first blocks already, for another
         request ("running"), is not asked again: the generate subscribes to those blocks
         ("prefill_blocks") and computes the rest."""
-        try:
-            r = await self.client.post(f"{self.pc_url}route", json=dict(route), headers=self.headers,
-                                       timeout=self.read_timeout_s)
-        except httpx.HTTPError as e:
-            raise TransportError(f"PC {self.pc_url} unreachable: {reason_of(e, named=True)}") from None
+        r = await self._pc("POST", "route", json=dict(route), timeout=self.read_timeout_s)
         raise_for_problem(r)
         decision = r.json()
         instance = base_url(decision["instance"])
@@ -307,8 +321,7 @@ class FrontEnd:
         its base URL."""
         timeout = min(self.read_timeout_s, remaining())
         route = {**restart.route, "exclude": [*restart.route.get("exclude", []), base_url(lost)]}
-        r = await self.client.post(f"{self.pc_url}route", json=route, headers=self.headers,
-                                   timeout=timeout)
+        r = await self._pc("POST", "route", json=route, timeout=timeout)
         raise_for_problem(r)
         instance = base_url(r.json()["instance"])
         body = {**restart.generate, "session": session, "epoch": epoch, "stream": True}

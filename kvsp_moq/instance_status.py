@@ -20,6 +20,7 @@ import httpx
 
 from kvsp_moq.errors import KvspError
 from kvsp_moq.index_client import raise_for_problem
+from kvsp_moq.pc_endpoints import PCEndpoints
 from kvsp_moq.protocol.instances import instance_id
 from kvsp_moq.protocol.records import INSTANCE_STATES, InstanceStatus, Link
 from kvsp_moq.protocol.urls import base_url
@@ -106,7 +107,8 @@ class Meters:
 class StatusReporter:
     """Reports the instance's status to the PC until stopped."""
 
-    def __init__(self, *, pc_url: str, instance_url: Callable[[], str], client: httpx.AsyncClient,
+    def __init__(self, *, pc_url: "str | PCEndpoints", instance_url: Callable[[], str],
+                 client: httpx.AsyncClient,
                  meters: Meters, running: Callable[[], int], queued: Callable[[], int],
                  get_state: Callable[[], str], set_state: Callable[[str], None],
                  token: str | None = None, ttl_ms: int = 3000, batch_size: int = 1,
@@ -115,7 +117,8 @@ class StatusReporter:
                  admitted: Callable[[], int] | None = None,
                  live_kv: Callable[[], bool] = lambda: False,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self.pc_url = base_url(pc_url)
+        #: one URL, or several PC processes on one store (tried in turn when one fails)
+        self.pc = PCEndpoints(pc_url)
         self.instance_url = instance_url
         self.client = client
         self.meters = meters
@@ -172,12 +175,16 @@ class StatusReporter:
         the record, which is older)."""
         record = self.record()
         sent_in = self.get_state()
-        url = f"{self.pc_url}instances/{instance_id(record.instance)}/status"
+        pc = self.pc.url
+        url = f"{pc}instances/{instance_id(record.instance)}/status"
         try:
             r = await self.client.put(url, json=record.to_json(), headers=self.headers,
                                       timeout=max(0.5, self.ttl_ms / 3000))
         except httpx.HTTPError as e:
-            raise KvspError(f"PC {self.pc_url}: {type(e).__name__} {e}") from None
+            self.pc.failed(pc)
+            raise KvspError(f"PC {pc}: {type(e).__name__} {e}") from None
+        if r.status_code == 503:
+            self.pc.failed(pc)
         raise_for_problem(r)
         state = r.json().get("state")
         self.reports += 1

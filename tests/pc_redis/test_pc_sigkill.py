@@ -1,7 +1,9 @@
-"""Three PC processes on one Redis; the one holding the duties is SIGKILLed together with the
-instance serving a streamed session. Another PC takes the duties within the lease, fails the
-instance and resumes the session once, on another instance: the front end (talking to a third
-PC) gets every token once, the greedy output of an uninterrupted run."""
+"""Three PC processes on one Redis; the one holding the duties, which the instances and the
+front end also talk to first, is SIGKILLed together with the instance serving a streamed
+session. The surviving instance and the front end move to the next PC of their lists, another
+PC takes the duties within the lease, fails the instance and resumes the session once, on the
+other instance: the front end gets every token once, the greedy output of an uninterrupted
+run."""
 
 from __future__ import annotations
 
@@ -113,7 +115,7 @@ async def test_the_duties_pc_and_the_instance_killed_mid_stream(
             second.wait_ready()
             third.wait_ready()
             assert duties_holder(server.url) == duties  # still the first one's
-            common = dict(index_url=index.url, pc_url=second.url, status_ttl_ms=600,
+            common = dict(index_url=index.url, pc_url=f"{first.url},{second.url}", status_ttl_ms=600,
                           replicate_to=[holder.url])
             a = agent_processes("a", token_interval_s=0.03, **common)
             b = Agent(AgentSettings(listen="127.0.0.1:0", model=str(model_dir), block_tokens=B,
@@ -135,7 +137,8 @@ async def test_the_duties_pc_and_the_instance_killed_mid_stream(
                         assert r.status_code == 200
                 got = []
                 killed_at = 0.0
-                async with FrontEnd(third.url, timeout_s=60, backoff_s=0.1, retries=400) as fe:
+                async with FrontEnd(f"{first.url},{third.url}", timeout_s=60, backoff_s=0.1,
+                                    retries=400) as fe:
                     async for tok in fe.stream(session, instance=a_url):
                         got.append(tok)
                         if len(got) == KILL_AT:
@@ -152,6 +155,8 @@ async def test_the_duties_pc_and_the_instance_killed_mid_stream(
                 assert (moved.epoch, moved.state) == (2, "finished")  # resumed once
                 new_holder = duties_holder(server.url)
                 assert new_holder is not None and new_holder != duties
+                assert b.context.reporter is not None and b.context.reporter.pc.url == second.url
+                assert fe.pc_url == third.url
             finally:
                 b.stop()
     finally:

@@ -123,3 +123,22 @@ def test_a_store_that_cannot_be_reached_is_a_503(own_redis) -> None:
     with pytest.raises(StoreUnavailable):
         RedisSessionStore(state).get(new_session())
     assert not DutyLease(state).hold()  # duties wait rather than run blind
+
+
+def test_pc_endpoints_move_to_the_next_pc_when_one_fails() -> None:
+    from kvsp_moq.pc_endpoints import PCEndpoints
+
+    pcs = PCEndpoints("http://10.0.0.1:8700, http://10.0.0.2:8700/")
+    assert pcs.urls == ["http://10.0.0.1:8700/", "http://10.0.0.2:8700/"]
+    assert pcs.url == "http://10.0.0.1:8700/"
+    pcs.failed("http://10.0.0.1:8700/")
+    assert pcs.url == "http://10.0.0.2:8700/"
+    pcs.failed("http://10.0.0.1:8700/")  # a late failure of the one left: nothing changes
+    assert pcs.url == "http://10.0.0.2:8700/"
+    pcs.failed("http://10.0.0.2:8700")
+    assert pcs.url == "http://10.0.0.1:8700/"  # round again
+    one = PCEndpoints("http://10.0.0.1:8700/")
+    one.failed(one.url)
+    assert one.url == "http://10.0.0.1:8700/" and str(PCEndpoints(pcs)) == str(pcs)
+    with pytest.raises(ValueError):
+        PCEndpoints(" , ")
