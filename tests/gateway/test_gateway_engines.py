@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from pathlib import Path
 from typing import Any, AsyncIterator, Iterator
 
@@ -44,12 +45,18 @@ def expected(prompt: list[int], n: int) -> list[int]:
     return seq[len(prompt):]
 
 
+#: The next stream of either engine fails after `after` tokens, `left` times, and how ("break":
+#: the connection breaks; "error": an error event of the engine's own; "truncated": the stream
+#: ends cleanly without a finish reason).
+FAILURES: dict[str, Any] = {"left": 0, "after": 5, "how": "break"}
+
+
 class Engine:
-    """An OpenAI engine: the requests it got, and after how many tokens it dies (None: never)."""
+    """An OpenAI engine: the requests it got, and the streams its client closed early."""
 
     def __init__(self) -> None:
         self.requests: list[dict[str, Any]] = []
-        self.die_after: int | None = None
+        self.aborted = 0
         self.url = ""
 
     def app(self) -> Starlette:
@@ -75,13 +82,26 @@ class Engine:
         def event(obj: Any) -> bytes:
             return f"data: {json.dumps(obj)}\n\n".encode()
 
-        for i, t in enumerate(expected(prompt, n)):
-            if self.die_after is not None and i >= self.die_after:
-                raise RuntimeError("the engine is lost")  # the connection breaks mid-body
-            finish = "length" if i == n - 1 else None
-            yield event({"choices": [{"index": 0, "text": "?", "token_ids": [t],
-                                      "finish_reason": finish}]})
-            await asyncio.sleep(0.01)
+        sent, failed = 0, False
+        try:
+            for i, t in enumerate(expected(prompt, n)):
+                if FAILURES["left"] > 0 and i >= FAILURES["after"]:
+                    FAILURES["left"] -= 1
+                    failed = True
+                    if FAILURES["how"] == "error":
+                        yield event({"error": {"message": "EngineCore died", "code": 500}})
+                        yield b"data: [DONE]\n\n"
+                    if FAILURES["how"] == "break":
+                        raise RuntimeError("the engine is lost")  # the body breaks off
+                    return
+                finish = "length" if i == n - 1 else None
+                yield event({"choices": [{"index": 0, "text": "?", "token_ids": [t],
+                                          "finish_reason": finish}]})
+                sent += 1
+                await asyncio.sleep(0.01)
+        finally:
+            if sent < n and not failed:
+                self.aborted += 1
         yield event({"choices": [], "usage": {"prompt_tokens": len(prompt),
                                               "prompt_tokens_details": {"cached_tokens": 32}}})
         yield b"data: [DONE]\n\n"
@@ -142,27 +162,44 @@ def test_an_engine_refusal_is_relayed(fleet: Any) -> None:
     assert "too long" in str(caught.value)
 
 
-def test_a_stream_continues_on_another_engine(model_dir: Path, fleet: Any) -> None:
-    v1, engines, pc = fleet
+@pytest.mark.parametrize("how", ["break", "error", "truncated"])
+def test_a_stream_continues_on_another_engine(model_dir: Path, fleet: Any, how: str) -> None:
+    v1, engines, _ = fleet
     text = ModelText(model_dir)
     tokens = [3 + i for i in range(40)]
     for e in engines:
-        e.die_after = None
         e.requests.clear()
-    # whichever engine the PC picks dies after 5 tokens; the other is busy, so it is not first
-    first, other = engines
-    first.die_after = 5
-    report(pc, other.url, running=3)
+    FAILURES.update(left=1, after=5, how=how)  # the engine the PC picks fails after 5 tokens
     try:
         with httpx.Client(trust_env=False, timeout=30) as http:
             stream = client(v1, http).completions.create(
                 model="llama-tiny", prompt=tokens, max_tokens=12, temperature=0, stream=True)
             pieces = [c.choices[0].text for c in stream if c.choices]
     finally:
-        first.die_after = None
-        report(pc, other.url)
+        FAILURES["left"] = 0
     assert "".join(pieces).strip() == text.decode(expected(tokens, 12)).strip()
-    assert len(first.requests) == 1 and len(other.requests) == 1
+    (lost,) = [e for e in engines if e.requests and e.requests[0]["prompt"] == tokens]
+    (other,) = [e for e in engines if e is not lost]
+    assert len(lost.requests) == 1 and len(other.requests) == 1  # the lost one is not retried
     continued = other.requests[0]
     assert continued["prompt"] == tokens + expected(tokens, 5)
     assert continued["max_tokens"] == 7
+
+
+def test_an_output_stopped_early_closes_the_engine_stream(model_dir: Path, fleet: Any) -> None:
+    v1, engines, _ = fleet
+    text = ModelText(model_dir)
+    tokens = [5 + i for i in range(30)]
+    ids = expected(tokens, 200)
+    stop = text.decode(ids[3:4]).strip()
+    before = sum(e.aborted for e in engines)
+    with httpx.Client(trust_env=False, timeout=30) as http:
+        out = client(v1, http).completions.create(model="llama-tiny", prompt=tokens,
+                                                  max_tokens=200, temperature=0, stop=stop)
+    assert out.choices[0].finish_reason == "stop"
+    assert stop not in out.choices[0].text
+    for _ in range(200):  # the engine sees its client go (bounded: 2 s)
+        if sum(e.aborted for e in engines) > before:
+            break
+        time.sleep(0.01)
+    assert sum(e.aborted for e in engines) == before + 1
