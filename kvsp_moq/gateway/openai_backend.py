@@ -162,12 +162,12 @@ class OpenAIRun:
     async def open(self) -> None:
         """Send the request; refusals before the first token are the caller's errors (4xx
         relayed in OpenAI's shape) or the engine's (TransportError). ConnectError when the
-        engine cannot be reached."""
+        engine cannot be reached or fails (5xx): the request is routed elsewhere."""
         b = self.backend
         request = b.client.build_request(
             "POST", f"{self.instance}v1/completions", json=engine_request(self.job, self.model),
             headers={**b.headers, "X-Request-Id": self.job.request_id},
-            timeout=httpx.Timeout(b.timeout_s, read=b.stream_timeout_s))
+            timeout=b.timeout_s)  # also the longest wait for the next event: then it is lost
         try:
             r = await b.client.send(request, stream=True)
         except httpx.ConnectError as e:
@@ -317,7 +317,8 @@ def _stream_error(error: Any) -> ApiError:
 
 def _refusal(r: httpx.Response, instance: str) -> Exception:
     """An engine's answer >= 400 to a request: the caller's fault (4xx, relayed as OpenAI's
-    error with the engine's message) or the engine's (TransportError)."""
+    error with the engine's message), the engine's (5xx: ConnectError, so that the request is
+    routed elsewhere) or the gateway's (its token refused: TransportError)."""
     try:
         error = r.json().get("error")
     except (ValueError, AttributeError, httpx.ResponseNotRead):
@@ -327,6 +328,8 @@ def _refusal(r: httpx.Response, instance: str) -> Exception:
         param = error.get("param") if isinstance(error, dict) else None
         return ApiError(r.status_code, f"instance {instance}: {message}",
                         param=param if isinstance(param, str) else None)
+    if r.status_code >= 500:
+        return ConnectError(f"instance {instance} answered HTTP {r.status_code}: {message}")
     return TransportError(f"instance {instance} answered HTTP {r.status_code}: {message}")
 
 

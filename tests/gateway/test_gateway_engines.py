@@ -47,8 +47,8 @@ def expected(prompt: list[int], n: int) -> list[int]:
 
 #: The next stream of either engine fails after `after` tokens, `left` times, and how ("break":
 #: the connection breaks; "error": an error event of the engine's own; "truncated": the stream
-#: ends cleanly without a finish reason).
-FAILURES: dict[str, Any] = {"left": 0, "after": 5, "how": "break"}
+#: ends cleanly without a finish reason; "refuse": a 500 before the stream).
+FAILURES: dict[str, Any] = {"left": 0, "after": 5, "how": "break", "by": None}
 
 
 class Engine:
@@ -68,6 +68,11 @@ class Engine:
             body = await request.json()
             self.requests.append(body)
             prompt = body["prompt"]
+            if FAILURES["left"] > 0 and FAILURES["how"] == "refuse":
+                FAILURES["left"] -= 1
+                FAILURES["by"] = self
+                return JSONResponse({"error": {"message": "EngineCore died", "code": 500}},
+                                    status_code=500)
             if len(prompt) > MAX_PROMPT:
                 return JSONResponse({"error": {"message": "the prompt is too long",
                                                "type": "BadRequestError", "param": "prompt",
@@ -87,6 +92,7 @@ class Engine:
             for i, t in enumerate(expected(prompt, n)):
                 if FAILURES["left"] > 0 and i >= FAILURES["after"]:
                     FAILURES["left"] -= 1
+                    FAILURES["by"] = self
                     failed = True
                     if FAILURES["how"] == "error":
                         yield event({"error": {"message": "EngineCore died", "code": 500}})
@@ -162,14 +168,14 @@ def test_an_engine_refusal_is_relayed(fleet: Any) -> None:
     assert "too long" in str(caught.value)
 
 
-@pytest.mark.parametrize("how", ["break", "error", "truncated"])
+@pytest.mark.parametrize("how", ["break", "error", "truncated", "refuse"])
 def test_a_stream_continues_on_another_engine(model_dir: Path, fleet: Any, how: str) -> None:
     v1, engines, _ = fleet
     text = ModelText(model_dir)
     tokens = [3 + i for i in range(40)]
     for e in engines:
         e.requests.clear()
-    FAILURES.update(left=1, after=5, how=how)  # the engine the PC picks fails after 5 tokens
+    FAILURES.update(left=1, after=5, how=how, by=None)  # the engine the PC picks fails after 5 tokens
     try:
         with httpx.Client(trust_env=False, timeout=30) as http:
             stream = client(v1, http).completions.create(
@@ -178,12 +184,13 @@ def test_a_stream_continues_on_another_engine(model_dir: Path, fleet: Any, how: 
     finally:
         FAILURES["left"] = 0
     assert "".join(pieces).strip() == text.decode(expected(tokens, 12)).strip()
-    (lost,) = [e for e in engines if e.requests and e.requests[0]["prompt"] == tokens]
+    lost = FAILURES["by"]
     (other,) = [e for e in engines if e is not lost]
     assert len(lost.requests) == 1 and len(other.requests) == 1  # the lost one is not retried
     continued = other.requests[0]
-    assert continued["prompt"] == tokens + expected(tokens, 5)
-    assert continued["max_tokens"] == 7
+    done = 0 if how == "refuse" else 5
+    assert continued["prompt"] == tokens + expected(tokens, done)
+    assert continued["max_tokens"] == 12 - done
 
 
 def test_an_output_stopped_early_closes_the_engine_stream(model_dir: Path, fleet: Any) -> None:
