@@ -30,8 +30,9 @@ from starlette.routing import Route
 
 from kvsp_moq.auth import Action, Authenticator
 from kvsp_moq.errors import KvspError
-from kvsp_moq.gateway.backend import AgentBackend, Backend, Job, Run
+from kvsp_moq.gateway.backend import Backend, Job, Run
 from kvsp_moq.gateway.errors import ApiError, install_handlers
+from kvsp_moq.gateway.openai_backend import FleetBackend
 from kvsp_moq.gateway.requests import Ask, parse_chat, parse_completion
 from kvsp_moq.gateway.responses import DONE, Shape, sse, usage
 from kvsp_moq.gateway.scopes import SCOPE_HEADER, ScopeChooser
@@ -67,6 +68,9 @@ class GatewaySettings:
     default_max_tokens: int = 256
     """Output tokens of a chat request that names no limit."""
     timeout_s: float = 60.0
+    instance_api: str = "auto"
+    """What the instances speak: "auto" (asked once each: `kvsp agent` or an OpenAI engine such
+    as vLLM with the KVSP connector), "agent" or "openai" (`kvsp_moq.gateway.openai_backend`)."""
 
 
 class Overhead:
@@ -95,9 +99,9 @@ class Gateway:
         self.model = settings.served_name or str(descriptor["model"])
         self.created = int(time.time())
         self.scopes = ScopeChooser(dict(settings.scope_keys) or {OPEN_SCOPE: OPEN_SCOPE_KEY})
-        self.backend: Backend = backend or AgentBackend(
-            settings.pc_url, compat_id=self.compat_id, block_tokens=settings.block_tokens,
-            token=settings.token, timeout_s=settings.timeout_s)
+        self.backend: Backend = backend or FleetBackend(
+            settings.pc_url, instance_api=settings.instance_api, compat_id=self.compat_id,
+            block_tokens=settings.block_tokens, token=settings.token, timeout_s=settings.timeout_s)
         self.overhead = Overhead()
 
     async def shutdown(self) -> None:
@@ -241,4 +245,6 @@ def create_app(settings: GatewaySettings, *, backend: Backend | None = None) -> 
     gauges["overhead_requests"] = lambda: gw.overhead.requests
     gauges["overhead_ms_tokenize_sum"] = lambda: round(gw.overhead.tokenize_ms, 3)
     gauges["overhead_ms_route_sum"] = lambda: round(gw.overhead.route_ms, 3)
+    # outputs continued on another OpenAI engine after theirs was lost
+    gauges["continued"] = lambda: getattr(gw.backend, "continued", 0)
     return app

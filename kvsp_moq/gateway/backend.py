@@ -7,11 +7,11 @@ order. `AgentBackend` drives `kvsp agent` instances: `POST {ii}generate` with a 
 tokens read through `FrontEnd`, so that a stream survives the loss of its instance (resumed
 from the PC's checkpoint, or started again from the prompt, each token delivered once).
 
-Another kind of instance is another `Backend`: an instance with an OpenAI URL (vLLM with the
-KVSP connector) would be forwarded the OpenAI request with the prompt as token ids, its tokens
-read from its stream. The route decision may name a prefill instance apart from the decode
-one ("prefill", `kvsp index --pd`, or one computing the prompt's blocks for another request);
-`AgentBackend.start_prefill` has the decode instance subscribe to its layers there.
+An instance with an OpenAI URL (vLLM with the KVSP connector) is started by `start_at` of
+`kvsp_moq.gateway.openai_backend.FleetBackend`, which routes as this one does. The route
+decision may name a prefill instance apart from the decode one ("prefill", `kvsp index --pd`,
+or one computing the prompt's blocks for another request); `AgentBackend.start_prefill` has the
+decode instance subscribe to its layers there.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncGenerator, Mapping, Protocol
+from typing import Any, AsyncGenerator, Mapping, Protocol, Sequence
 
 import httpx
 
@@ -76,7 +76,7 @@ class Run(Protocol):
 
 
 class Backend(Protocol):
-    async def start(self, job: Job) -> Run: ...
+    async def start(self, job: Job, *, exclude: Sequence[str] = ()) -> Run: ...
 
     async def aclose(self) -> None: ...
 
@@ -179,29 +179,42 @@ class AgentBackend:
             raise _upstream(e, what) from None
         return r
 
-    async def start(self, job: Job) -> AgentRun:
+    async def route(self, route: Mapping[str, Any]) -> tuple[dict[str, Any], float]:
+        """`POST {pc}route`: the decision and the ms it took."""
+        t0 = time.perf_counter()
+        decision = (await self._post(f"{self.pc_url}route", route, "the PC")).json()
+        return decision, (time.perf_counter() - t0) * 1000
+
+    async def start(self, job: Job, *, exclude: Sequence[str] = ()) -> Run:
         """Route and start; an instance that cannot be reached is excluded and the prompt
-        routed once more (it died after its last status record)."""
+        routed once more (it died after its last status record). `exclude`: instances the
+        PC must not choose (lost by this request already)."""
         route = self.route_body(job)
-        generate = {"tokens": list(job.tokens), "max_new_tokens": job.max_tokens,
-                    "sampler": dict(job.sampler), "scope": job.scope.name}
+        if exclude:
+            route["exclude"] = list(exclude)
         route_ms = 0.0
         for attempt in range(2):
-            t0 = time.perf_counter()
-            decision = (await self._post(f"{self.pc_url}route", route, "the PC")).json()
-            route_ms += (time.perf_counter() - t0) * 1000
+            decision, ms = await self.route(route)
+            route_ms += ms
             instance = base_url(decision["instance"])
             try:
-                apart = await self.start_prefill(job, decision) if decision.get("prefill") else {}
-                await self.start_generate(instance, job, {**generate, **apart})
+                return await self.start_at(instance, job, decision, route, route_ms)
             except ConnectError as e:
                 if attempt:
                     raise
                 log.info("request %s: %s; routing it elsewhere", job.request_id, e.detail)
                 route = {**route, "exclude": [*route.get("exclude", []), instance]}
-                continue
-            return AgentRun(self, job, decision, route, generate, route_ms)
         raise AssertionError("unreachable")
+
+    async def start_at(self, instance: str, job: Job, decision: Mapping[str, Any],
+                       route: Mapping[str, Any], route_ms: float) -> Run:
+        """Start the job at the instance the PC chose (a `kvsp agent`); ConnectError when it
+        cannot be reached."""
+        generate = {"tokens": list(job.tokens), "max_new_tokens": job.max_tokens,
+                    "sampler": dict(job.sampler), "scope": job.scope.name}
+        apart = await self.start_prefill(job, decision) if decision.get("prefill") else {}
+        await self.start_generate(instance, job, {**generate, **apart})
+        return AgentRun(self, job, decision, route, generate, route_ms)
 
     async def start_prefill(self, job: Job, decision: Mapping[str, Any]) -> dict[str, Any]:
         """A decision with prefill and decode apart (DESIGN §9.4): the members of the generate

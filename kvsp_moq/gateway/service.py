@@ -2,6 +2,7 @@
 
     kvsp gateway --pc http://127.0.0.1:8470/ --model tiny --listen 127.0.0.1:8000 \\
         [--token-file GW.token] [--principals P.toml --scope-keys K.toml]
+        [--instance-api auto|agent|openai]
 """
 
 from __future__ import annotations
@@ -50,6 +51,11 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                    help="the agents' KV dtype, for the compatibility ID (default %(default)s)")
     p.add_argument("--max-tokens", type=int, default=256, metavar="N",
                    help="output tokens of a chat request that names no limit (default %(default)s)")
+    p.add_argument("--instance-api", choices=("auto", "agent", "openai"), default="auto",
+                   help="what the instances the PC routes to speak: auto (asked once per "
+                        "instance: GET /v1/models answers for an OpenAI engine such as vLLM with "
+                        "the KVSP connector, else a kvsp agent), agent, or openai "
+                        "(default %(default)s)")
     p.add_argument("--principals", metavar="FILE",
                    help="principals file (TOML): callers need role client and the scope; "
                         "without it the gateway runs open, on loopback only")
@@ -70,7 +76,8 @@ def settings_from_args(args: argparse.Namespace) -> "GatewaySettings":
         served_name=args.served_model_name, token=token_from_args(args),
         principals=args.principals,
         scope_keys=read_scope_keys(args.scope_keys) if args.scope_keys else {},
-        block_tokens=args.block_tokens, dtype=args.dtype, default_max_tokens=args.max_tokens)
+        block_tokens=args.block_tokens, dtype=args.dtype, default_max_tokens=args.max_tokens,
+        instance_api=args.instance_api)
 
 
 def model_dir(model: str, cache: str | None) -> str:
