@@ -91,6 +91,9 @@ class ConnectorConfig:
     #: this engine's OpenAI-compatible base URL, as the PC routes to it and the gateway reaches it
     instance_url: str | None = None
     status_ttl_ms: int = 3_000
+    #: publish each saved block's layers over MOQT as vLLM computes them (live KV: other
+    #: instances subscribe while the prefill runs); needs "relay" and the embedded holder
+    live_kv: bool = True
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     @property
@@ -165,7 +168,7 @@ _KEYS = frozenset({
     "disk_bytes", "relay", "relay_ca", "relay_insecure", "relay_timeout_s", "token", "token_file",
     "principals", "lease_ms", "lookup_timeout_ms", "load_timeout_s", "record_ttl_ms",
     "layers_per_request", "load_concurrency", "timeline", "pipelined", "switch_interval_us",
-    "cpus", "quic_engine", "datagram_size", "pc", "instance_url", "status_ttl_ms",
+    "cpus", "quic_engine", "datagram_size", "pc", "instance_url", "status_ttl_ms", "live_kv",
 })
 
 
@@ -271,4 +274,4 @@ def parse_extra_config(data: Mapping[str, Any] | None) -> ConnectorConfig:
         timeline=_flag(data, "timeline"), pipelined=_flag(data, "pipelined", True),
         switch_interval_us=_number(data, "switch_interval_us", 200, low=0), cpus=cpus,
         pc=pc, instance_url=instance_url, status_ttl_ms=_number(data, "status_ttl_ms", 3_000, low=300),
-        quic=quic, extra=data)
+        quic=quic, live_kv=_flag(data, "live_kv", True), extra=data)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import hashlib
 import logging
 import threading
 from typing import Callable
@@ -20,6 +21,7 @@ from typing import Callable
 import httpx
 
 from kvsp_moq.errors import KvspError, PreconditionFailed
+from kvsp_moq.holder.moqt_publisher import LiveBlock
 from kvsp_moq.holder.service import Holder
 from kvsp_moq.holder.settings import HolderSettings
 from kvsp_moq.holder.store import BlockId
@@ -119,6 +121,82 @@ class EmbeddedHolder(BlockSink):
             failed.set_exception(KvspError("the embedded holder is not running"))
             return failed
         return asyncio.run_coroutine_threadsafe(self._store(bid, container), loop)
+
+    # live KV: blocks published layer by layer while vLLM computes them ---------------------
+
+    @property
+    def live_capable(self) -> bool:
+        """Whether blocks can be produced live: the holder publishes through a relay."""
+        return self.holder.moqt_publisher is not None
+
+    def open_live(self, blocks: list[tuple[BlockId, int, int]], timeout: float = 5.0
+                  ) -> list[LiveBlock | None]:
+        """Open a live block per (block, layer count, token count), on the holder's loop; None
+        for one stored or produced here already (it is not produced twice)."""
+        loop = self.holder.app.state.loop
+        publisher = self.holder.moqt_publisher
+        if loop is None or publisher is None:
+            return [None] * len(blocks)
+
+        async def open_all() -> list[LiveBlock | None]:
+            out: list[LiveBlock | None] = []
+            for bid, layers, tokens in blocks:
+                if bid in self.holder.store:
+                    out.append(None)
+                    continue
+                try:
+                    out.append(publisher.produce(bid, layer_count=layers, token_count=tokens))
+                except KvspError:  # being produced already
+                    out.append(None)
+            return out
+
+        return asyncio.run_coroutine_threadsafe(open_all(), loop).result(timeout)
+
+    def add_live_layer(self, live: LiveBlock, index: int, k: bytes | memoryview,
+                       v: bytes | memoryview) -> None:
+        """Layer `index` of a live block, from the model's thread: hashed here, appended on the
+        holder's loop (subscribers get it at once); skipped if the block was abandoned or a
+        layer is missing before it (the block then is stored whole, not from live layers)."""
+        payload = memoryview(bytes(k) + bytes(v)).toreadonly()
+        digest = hashlib.sha256(payload).digest()
+        loop = self.holder.app.state.loop
+        if loop is None:
+            return
+
+        def add() -> None:
+            if live.error is None and live.available == index:
+                live.add_layer(payload[:len(k)], payload[len(k):], payload=payload, digest=digest)
+
+        loop.call_soon_threadsafe(add)
+
+    def finish_live(self, live: LiveBlock, done: Done) -> None:
+        """Store a live block from its layers (its in-production record becomes the complete
+        one); `done` as for `put`."""
+        loop = self.holder.app.state.loop
+
+        async def finish() -> str:
+            if not live.complete:
+                live.abort("not every layer was computed")
+                raise KvspError("a live block missed layers")
+            entry = await live.finish()
+            if entry is None:
+                return "held"
+            self.holder.publisher.announce(entry)
+            return "stored"
+
+        if loop is None:
+            done("failed")
+            return
+        future = asyncio.run_coroutine_threadsafe(finish(), loop)
+        with self._lock:
+            self._pending.add(future)
+        future.add_done_callback(self._forget)
+        future.add_done_callback(_report(done))
+
+    def abort_live(self, live: LiveBlock, reason: str) -> None:
+        loop = self.holder.app.state.loop
+        if loop is not None:
+            loop.call_soon_threadsafe(live.abort, reason)
 
     def close(self) -> None:
         self.holder.stop()

@@ -51,7 +51,7 @@ from kvsp_moq.integrations.vllm.descriptor import EngineFacts
 from kvsp_moq.integrations.vllm.layout import Layout, PagedBlocks, layer_order, layout_for
 from kvsp_moq.integrations.vllm.loop import LoopThread
 from kvsp_moq.integrations.vllm.metadata import KVSPMetadata
-from kvsp_moq.integrations.vllm.publish import BlockSink, make_sink
+from kvsp_moq.integrations.vllm.publish import BlockSink, EmbeddedHolder, make_sink
 from kvsp_moq.integrations.vllm.transport import BlockTransport, Load
 from kvsp_moq.protocol.container import encode
 
@@ -77,6 +77,9 @@ class _Step:
     failed: dict[str, set[int]] = field(default_factory=dict)
     #: (req_id, slot) -> per layer (K, V) octets of a block being saved
     staged: dict[tuple[str, int], list[Any]] = field(default_factory=dict)
+    #: (req_id, slot) -> the block's live counterpart (published layer by layer), when any
+    live: dict[tuple[str, int], Any] = field(default_factory=dict)
+    live_opened: bool = False
 
 
 class WorkerSide:
@@ -102,7 +105,8 @@ class WorkerSide:
         self._lock = threading.Lock()  # the counters: sinks report from other threads
         self.stats: dict[str, Any] = {"loads": 0, "loaded_blocks": 0, "loaded_by": {},
                                       "load_errors": 0, "load_failures": [], "saved_blocks": 0,
-                                      "save_held": 0, "save_failures": 0, "saves_dropped": 0}
+                                      "save_held": 0, "save_failures": 0, "saves_dropped": 0,
+                                      "live_blocks": 0, "live_aborted": 0}
         #: per load, when timelines are kept (config "timeline")
         self.timelines: deque[list[dict[str, Any]]] = deque(maxlen=64)
 
@@ -187,6 +191,9 @@ class WorkerSide:
         layer = self._index.get(layer_name)
         if layer is None:
             return
+        live = self._live_sink()
+        if live is not None and not step.live_opened:
+            self._open_live(step, live)
         for spec in step.meta.requests:
             if not spec.saves:
                 continue
@@ -194,6 +201,34 @@ class WorkerSide:
             for slot, kv in enumerate(sections):
                 staged = step.staged.setdefault((spec.req_id, slot), [None] * len(self._layers))
                 staged[layer] = kv
+                block = step.live.get((spec.req_id, slot))
+                if live is not None and block is not None:
+                    live.add_live_layer(block, layer, kv[0], kv[1])
+
+    def _live_sink(self) -> EmbeddedHolder | None:
+        """The embedded holder, when it publishes blocks live (config "live_kv", a relay)."""
+        sink = self.sink
+        if self.config.live_kv and isinstance(sink, EmbeddedHolder) and sink.live_capable:
+            return sink
+        return None
+
+    def _open_live(self, step: _Step, sink: EmbeddedHolder) -> None:
+        """Before the step's first layer is saved: a live block for each block it completes,
+        so that subscribers get layer l while vLLM computes layer l+1 (live KV)."""
+        step.live_opened = True
+        wanted = [(spec.req_id, slot, BlockId(step.meta.compat_id, spec.scope_id, save.block_key))
+                  for spec in step.meta.requests for slot, save in enumerate(spec.saves)]
+        if not wanted:
+            return
+        try:
+            opened = sink.open_live([(bid, len(self._layers), self.facts.block_size)
+                                     for _, _, bid in wanted])
+        except Exception as e:  # the blocks are then stored whole, as without live KV
+            log.info("live blocks not opened: %s", getattr(e, "detail", e))
+            return
+        for (req_id, slot, _), block in zip(wanted, opened):
+            if block is not None:
+                step.live[(req_id, slot)] = block
 
     def wait_for_save(self) -> None:
         """vLLM's wait_for_save: the step's saves become containers, handed to the sink."""
@@ -209,14 +244,34 @@ class WorkerSide:
             spoiled = bool(step.failed.get(spec.req_id))
             for slot, save in enumerate(spec.saves):
                 layers = step.staged.pop((spec.req_id, slot), None)
-                if spoiled or layers is None or any(kv is None for kv in layers):
+                live = step.live.pop((spec.req_id, slot), None)
+                whole = not spoiled and layers is not None and all(kv is not None for kv in layers)
+                if not whole or layers is None:
                     with self._lock:
                         self.stats["saves_dropped"] += 1
+                    if live is not None:
+                        self._abort_live(live, "its prefix could not be loaded" if spoiled
+                                         else "not every layer was saved")
+                    continue
+                if live is not None and isinstance(self.sink, EmbeddedHolder):
+                    # Produced live: stored from the layers subscribers got.
+                    with self._lock:
+                        self.stats["live_blocks"] += 1
+                    self.sink.finish_live(live, self._saved)
                     continue
                 container = encode(0, self.facts.block_size, layers)
                 bid = BlockId(step.meta.compat_id, spec.scope_id, save.block_key)
                 self.sink.put(bid, container, self._saved)
+        for live in step.live.values():
+            self._abort_live(live, "the step did not save it")
+        step.live.clear()
         step.staged.clear()
+
+    def _abort_live(self, live: Any, reason: str) -> None:
+        with self._lock:
+            self.stats["live_aborted"] += 1
+        if isinstance(self.sink, EmbeddedHolder):
+            self.sink.abort_live(live, reason)
 
     def _saved(self, outcome: str) -> None:
         with self._lock:
