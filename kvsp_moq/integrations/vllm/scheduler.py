@@ -24,14 +24,19 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from kvsp_moq.errors import KvspError
 from kvsp_moq.index_client import IndexClient, LookupResult
 from kvsp_moq.integrations.vllm.config import ConnectorConfig
 from kvsp_moq.integrations.vllm.loop import LoopThread
 from kvsp_moq.integrations.vllm.metadata import KVSPMetadata, LoadSpec, RequestSpec, SaveSpec
 from kvsp_moq.integrations.vllm.status import EngineStatus
+from kvsp_moq.naming import BlockTrack
+from kvsp_moq.protocol import validate as v
 from kvsp_moq.protocol.compat import CompatDescriptor
 from kvsp_moq.protocol.keys import BlockKeyChain
 from kvsp_moq.protocol.keys import scope_id as scope_id_of
+from kvsp_moq.protocol.records import LIVE_DIGEST, ReplicaRecord
+from kvsp_moq.protocol.urls import base_url
 
 log = logging.getLogger("kvsp.vllm.scheduler")
 
@@ -72,7 +77,7 @@ class SchedulerSide:
         self._reqs: dict[str, _Request] = {}
         self.stats: dict[str, int] = {"lookups": 0, "lookup_failures": 0, "lookup_timeouts": 0,
                                       "hit_requests": 0, "hit_tokens": 0, "load_errors": 0,
-                                      "saves_planned": 0}
+                                      "saves_planned": 0, "live_requests": 0}
         self._loop = LoopThread("kvsp-vllm-scheduler") if load or config.pc else None
         self._index: IndexClient | None = None
         if self._loop is not None and load:
@@ -100,12 +105,53 @@ class SchedulerSide:
         st = _Request(request.request_id, keys, cap=min(len(keys), (len(tokens) - 1) // self.block_size),
                       prompt_tokens=len(tokens))
         self._reqs[st.req_id] = st
-        if self.load and st.cap > 0 and self._loop is not None and self._index is not None:
+        producer = self._prefill_at(request)
+        if producer is not None and self.load and st.cap > 0:
+            st.found = self._live_records(st, *producer)
+            self.stats["live_requests"] += 1
+        elif self.load and st.cap > 0 and self._loop is not None and self._index is not None:
             st.lookup = self._loop.submit(self._index.lookup(self.scope_id, self.compat_id, keys[:st.cap]))
             self.stats["lookups"] += 1
         else:
             st.found = []
         return st
+
+    def _prefill_at(self, request: Any) -> tuple[str, int | None] | None:
+        """The instance computing this prompt's blocks for this engine (prefill and decode
+        apart), from the request's `kv_transfer_params`: {"kvsp_prefill_at": its holder's HTTP
+        base URL, "kvsp_prefill_blocks": how many leading blocks it computes (optional)}. None
+        without them, or without a relay to subscribe through."""
+        params = getattr(request, "kv_transfer_params", None)
+        if not isinstance(params, dict) or not params.get("kvsp_prefill_at"):
+            return None
+        if not self.config.relay:
+            log.info("request %s: kvsp_prefill_at ignored (no relay to subscribe through)",
+                     request.request_id)
+            return None
+        try:
+            at = v.url(params["kvsp_prefill_at"], "kvsp_prefill_at", schemes=("http", "https"))
+            blocks = params.get("kvsp_prefill_blocks")
+            count = None if blocks is None else v.integer(blocks, "kvsp_prefill_blocks")
+        except KvspError as e:
+            log.warning("request %s: %s; loading as usual", request.request_id, e.detail)
+            return None
+        return base_url(at), count
+
+    def _live_records(self, st: _Request, producer: str, count: int | None) -> list[tuple[str, ...]]:
+        """In-production records of the blocks `producer` computes, derived from its URL (no
+        lookup): the worker subscribes to their tracks through the relay at once, and the relay
+        holds the SUBSCRIBE until the producer publishes them (DESIGN §9)."""
+        assert self.config.relay is not None
+        n = st.cap if count is None else min(st.cap, count)
+        out: list[tuple[str, ...]] = []
+        for key in st.keys[:n]:
+            track = BlockTrack.for_holder(self.compat_id, self.scope_id, key, producer)
+            record = ReplicaRecord(block_key=key, compat_id=self.compat_id, scope_id=self.scope_id,
+                                   holder=self.config.relay, codec=1, size=0, digest=LIVE_DIGEST,
+                                   ttl_ms=self.config.lease_ms, moqt_namespace=track.moqt_namespace,
+                                   http_holder=producer, live=True)
+            out.append((json.dumps(record.to_json(), separators=(",", ":")),))
+        return out
 
     def on_new_request(self, request: Any) -> None:
         """Start the lookup now, so it is likely in by the time the request is scheduled."""
