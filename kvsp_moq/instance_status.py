@@ -115,7 +115,7 @@ class StatusReporter:
                  kv_utilization: Callable[[], float] = lambda: 0.0,
                  sleep_after_s: float | None = None, epoch: int | None = None,
                  admitted: Callable[[], int] | None = None,
-                 live_kv: Callable[[], bool] = lambda: False,
+                 live_kv: Callable[[], bool] = lambda: False, holder: str | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         #: one URL, or several PC processes on one store (tried in turn when one fails)
         self.pc = PCEndpoints(pc_url)
@@ -134,6 +134,7 @@ class StatusReporter:
         self.epoch = epoch if epoch is not None else int(time.time() * 1000)
         self.admitted = admitted
         self.live_kv = live_kv
+        self.holder = holder
         self.clock = clock
         self.reports = 0
         self.failures = 0
@@ -167,7 +168,8 @@ class StatusReporter:
             prefill_tokens_per_s=round(self.meters.prefill.value or 0.0, 1),
             decode_tokens_per_s=round(self.meters.decode.value or 0.0, 1),
             links=self.meters.links(), requested_state=requested,
-            admitted=None if self.admitted is None else self.admitted(), live_kv=self.live_kv())
+            admitted=None if self.admitted is None else self.admitted(), live_kv=self.live_kv(),
+            holder=self.holder)
 
     async def report(self) -> str:
         """One status PUT; returns the state the PC answered and adopts it, unless the state

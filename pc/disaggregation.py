@@ -73,9 +73,14 @@ class PrefillChoice:
     #: the instance computes these blocks already (for another request): nothing to ask it
     running: bool = False
     blocks: int | None = None
+    #: the holder whose tracks carry its live blocks, when not the instance itself (a vLLM
+    #: engine's embedded holder)
+    holder: str | None = None
 
     def to_json(self) -> dict:
         out: dict = {"instance": self.instance, "reason": self.reason}
+        if self.holder is not None:
+            out["holder"] = self.holder
         if self.running:
             out["running"] = True
             out["blocks"] = self.blocks

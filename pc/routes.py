@@ -31,6 +31,7 @@ Resources (all JSON, `application/kvsp+json`; errors are problem documents):
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from starlette.requests import Request
@@ -141,6 +142,9 @@ def create_pc_routes(pc: PlacementController) -> list[Route]:
         computer = prefill.instance if prefill is not None and not prefill.running else decision.instance
         pc.in_flight.note(req.scope_id, req.compat_id, req.block_keys[computed_from or 0:], computer, now)
         if prefill is not None:
+            status = pc.registry.get(prefill.instance)
+            if status is not None and status.holder is not None:
+                prefill = dataclasses.replace(prefill, holder=status.holder)
             body["prefill"] = prefill.to_json()
         return json_response(body)
 

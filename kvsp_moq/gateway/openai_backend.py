@@ -34,6 +34,8 @@ import httpx
 from kvsp_moq.errors import ConnectError, TransportError, reason_of
 from kvsp_moq.gateway.backend import AgentBackend, Job, Run
 from kvsp_moq.gateway.errors import ApiError
+from kvsp_moq.protocol.urls import base_url
+from kvsp_moq.tasks import TaskSet
 
 log = logging.getLogger("kvsp.gateway")
 
@@ -120,11 +122,18 @@ def _model_of(r: httpx.Response) -> str | None:
     return model if isinstance(model, str) and model else None
 
 
-def engine_request(job: Job, model: str) -> dict[str, Any]:
-    """The body of `POST {instance}v1/completions` for a job: token ids in and out, streamed."""
+def engine_request(job: Job, model: str, apart: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The body of `POST {instance}v1/completions` for a job: token ids in and out, streamed.
+    `apart` (prefill and decode apart: "prefill_at", "prefill_blocks") becomes the connector's
+    `kv_transfer_params`: the engine subscribes to the prompt's layers there."""
     body: dict[str, Any] = {
         "model": model, "prompt": list(job.tokens), "max_tokens": job.max_tokens,
         "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
+    if apart and apart.get("prefill_at"):
+        params: dict[str, Any] = {"kvsp_prefill_at": apart["prefill_at"]}
+        if apart.get("prefill_blocks") is not None:
+            params["kvsp_prefill_blocks"] = apart["prefill_blocks"]
+        body["kv_transfer_params"] = params
     sampler = job.sampler
     if sampler.get("method") == "greedy":
         body["temperature"] = 0.0
@@ -146,7 +155,7 @@ class OpenAIRun:
 
     def __init__(self, backend: "FleetBackend", job: Job, decision: Mapping[str, Any],
                  instance: str, model: str, route_ms: float, *,
-                 exclude: Sequence[str] = ()) -> None:
+                 exclude: Sequence[str] = (), apart: Mapping[str, Any] | None = None) -> None:
         self.backend = backend
         self.job = job
         self.decision = decision
@@ -155,6 +164,8 @@ class OpenAIRun:
         self.route_ms = route_ms
         #: instances this output may not go to (lost by it already)
         self.exclude = tuple(exclude)
+        #: prefill and decode apart: where the prompt's layers come from
+        self.apart = dict(apart or {})
         self._response: httpx.Response | None = None
         self._cached = 0
         self._next: Run | None = None
@@ -165,7 +176,8 @@ class OpenAIRun:
         engine cannot be reached or fails (5xx): the request is routed elsewhere."""
         b = self.backend
         request = b.client.build_request(
-            "POST", f"{self.instance}v1/completions", json=engine_request(self.job, self.model),
+            "POST", f"{self.instance}v1/completions",
+            json=engine_request(self.job, self.model, self.apart),
             headers={**b.headers, "X-Request-Id": self.job.request_id},
             timeout=b.timeout_s)  # also the longest wait for the next event: then it is lost
         try:
@@ -342,6 +354,8 @@ class FleetBackend(AgentBackend):
                                  timeout_s=min(10.0, self.timeout_s))
         #: outputs continued on another engine after theirs was lost
         self.continued = 0
+        #: prompts computed by one engine for another (their answers are not read)
+        self.prefills = TaskSet()
 
     async def start_at(self, instance: str, job: Job, decision: Mapping[str, Any],
                        route: Mapping[str, Any], route_ms: float) -> Run:
@@ -349,11 +363,51 @@ class FleetBackend(AgentBackend):
         if api.kind == "agent":
             return await super().start_at(instance, job, decision, route, route_ms)
         assert api.model is not None
+        apart = await self.start_prefill(job, decision) if decision.get("prefill") else {}
         run = OpenAIRun(self, job, decision, instance, api.model, route_ms,
-                        exclude=route.get("exclude", ()))
+                        exclude=route.get("exclude", ()), apart=apart)
         try:
             await run.open()
         except ConnectError:
             self.apis.forget(instance)
             raise
         return run
+
+    async def start_prefill(self, job: Job, decision: Mapping[str, Any]) -> dict[str, Any]:
+        """Prefill and decode apart (DESIGN §9.4), whichever kind each instance is. A `kvsp
+        agent` is asked as `AgentBackend` asks it. An OpenAI engine computes the prompt as a
+        request of one token whose answer nobody reads (its connector publishes the blocks
+        live as vLLM saves them); the decode side subscribes to the tracks of the holder the
+        decision names ("holder", the engine's embedded holder). Without one, or when the
+        engine cannot be asked, the decode instance computes the prompt itself."""
+        split = decision["prefill"]
+        at = base_url(split["instance"])
+        api = await self.apis.of(at)
+        if api.kind == "agent":
+            return await super().start_prefill(job, decision)
+        holder = split.get("holder")
+        if not holder:
+            log.info("request %s: prefill engine %s names no holder; the decode instance "
+                     "computes the prompt", job.request_id, at)
+            return {}
+        if split.get("running"):
+            return {"prefill_at": base_url(holder), "prefill_blocks": split.get("blocks")}
+        assert api.model is not None
+        body = {"model": api.model, "prompt": list(job.tokens), "max_tokens": 1,
+                "temperature": 0.0, "stream": False}
+        self.prefills.spawn(self._prefill(at, job, body))
+        return {"prefill_at": base_url(holder)}
+
+    async def _prefill(self, at: str, job: Job, body: Mapping[str, Any]) -> None:
+        try:
+            r = await self.client.post(f"{at}v1/completions", json=dict(body),
+                                       headers={**self.headers, "X-Request-Id": f"{job.request_id}-prefill"},
+                                       timeout=self.timeout_s)
+            if r.status_code >= 400:
+                log.info("request %s: prefill at %s answered %d", job.request_id, at, r.status_code)
+        except httpx.HTTPError as e:  # the decode side's subscriptions time out and it computes
+            log.info("request %s: prefill at %s failed: %s", job.request_id, at, e)
+
+    async def aclose(self) -> None:
+        await self.prefills.cancel_and_wait()
+        await super().aclose()

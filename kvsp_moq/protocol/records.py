@@ -254,6 +254,10 @@ class InstanceStatus:
     #: (DESIGN §9), so another instance may subscribe to them while they are computed; only
     #: such an instance is named to compute a prompt for another one.
     live_kv: bool = False
+    #: Extension member: the base URL of the holder that serves (and live-publishes) the
+    #: instance's blocks, when it is not the instance's own URL (a vLLM engine's embedded
+    #: holder); another instance subscribes to the tracks of that holder.
+    holder: str | None = None
 
     @classmethod
     def from_json(cls, data: Any) -> "InstanceStatus":
@@ -282,6 +286,8 @@ class InstanceStatus:
             requested_state=requested,
             admitted=None if data.get("admitted") is None else v.integer(data["admitted"], "admitted"),
             live_kv=v.boolean(data.get("live_kv", False), "live_kv"),
+            holder=(None if data.get("holder") is None
+                    else v.url(data["holder"], "holder", schemes=("http", "https"))),
         )
 
     def to_json(self) -> dict:
@@ -303,6 +309,8 @@ class InstanceStatus:
             out["admitted"] = self.admitted
         if self.live_kv:
             out["live_kv"] = True
+        if self.holder is not None:
+            out["holder"] = self.holder
         return out
 
 

@@ -105,3 +105,17 @@ def test_where_the_loader_threads_go() -> None:
     for bad in ("some", "1-0", 3):
         with pytest.raises(SettingError, match="kv_connector_extra_config: cpus:"):
             parse_extra_config({"index": "http://127.0.0.1:1/", "cpus": bad})
+
+
+def test_an_engine_names_its_live_holder_only_when_others_can_subscribe_to_it() -> None:
+    from kvsp_moq.integrations.vllm.status import live_holder
+
+    base = {"index": "http://127.0.0.1:8700/", "relay": "moqt://127.0.0.1:4443"}
+    assert live_holder(parse_extra_config({**base, "listen": "127.0.0.1:8801"})) == "http://127.0.0.1:8801/"
+    assert live_holder(parse_extra_config({**base, "listen": "0.0.0.0:8801",
+                                           "public_url": "http://10.0.0.5:8801"})) == "http://10.0.0.5:8801/"
+    assert live_holder(parse_extra_config({**base})) is None  # a free port the scheduler cannot know
+    assert live_holder(parse_extra_config({**base, "listen": "127.0.0.1:8801", "live_kv": False})) is None
+    assert live_holder(parse_extra_config({"index": base["index"], "listen": "127.0.0.1:8801"})) is None
+    assert live_holder(parse_extra_config({**base, "listen": "127.0.0.1:8801",
+                                           "holder": "http://127.0.0.1:8802/"})) is None

@@ -21,10 +21,26 @@ import httpx
 from kvsp_moq.instance_status import Meters, StatusReporter
 from kvsp_moq.integrations.vllm.config import ConnectorConfig
 from kvsp_moq.integrations.vllm.loop import LoopThread
+from kvsp_moq.protocol.urls import base_url
 
 log = logging.getLogger("kvsp.vllm.status")
 
-__all__ = ["EngineStatus"]
+__all__ = ["EngineStatus", "live_holder"]
+
+
+def live_holder(c: ConnectorConfig) -> str | None:
+    """The embedded holder's URL when it publishes blocks live (prefill and decode apart: the
+    PC may name this engine to compute a prompt for another instance, which subscribes to this
+    holder's tracks). Its port must be fixed ("listen" with a port, or "public_url"): the
+    scheduler cannot learn a port the worker's holder picks."""
+    if not (c.live_kv and c.relay and c.embedded):
+        return None
+    if c.public_url:
+        return base_url(c.public_url)
+    host, _, port = c.listen.rpartition(":")
+    if port in ("", "0") or host in ("0.0.0.0", "::", "[::]"):
+        return None
+    return f"http://{c.listen}/"
 
 
 class EngineStatus:
@@ -51,9 +67,14 @@ class EngineStatus:
             pc_url=self.config.pc, instance_url=lambda: url, client=self._client, meters=self.meters,
             running=lambda: len(self.running), queued=lambda: len(self.waiting),
             get_state=lambda: self.state, set_state=self._set_state, token=self.config.token,
-            ttl_ms=self.config.status_ttl_ms)
+            ttl_ms=self.config.status_ttl_ms, live_kv=lambda: self.live_holder is not None,
+            holder=self.live_holder)
         await self.reporter.start()
         log.info("reporting to the PC at %s as %s", self.config.pc, url)
+
+    @property
+    def live_holder(self) -> str | None:
+        return live_holder(self.config)
 
     def _set_state(self, state: str) -> None:
         if state != self.state:
