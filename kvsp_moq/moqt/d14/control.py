@@ -17,7 +17,7 @@ from ..errors import (
     SessionError,
     StreamResetCode,
 )
-from ..fetches import fetch_end_before_start
+from ..session.fetches import fetch_end_before_start
 from ..wire import SubscriptionFilter, TrackPropertyType
 from . import messages as d14
 from .request_state import (

@@ -3,7 +3,7 @@
 `MoqtSession14` has the constructor shape, the `handle_event()` contract and the
 public methods of the draft-18 `MoqtSession`, and returns the same `events.py`
 events, so the layer above needs no second code path for the fallback version.
-Both derive from `session_base.SessionBase`, which keeps what the drafts share (token
+Both derive from `session.base.SessionBase`, which keeps what the drafts share (token
 cache, track aliases, joining FETCHes, data streams and datagrams, writing
 objects); data stream items and answers are converted to and from their
 draft-18 forms at the edges (`adapters`). `MoqtSession14` is made of parts: the
@@ -102,8 +102,8 @@ from ..engine import (
     stream_is_unidirectional,
 )
 from ..errors import NotSupported, ProtocolViolation, StreamResetCode
-from ..session_base import SessionBase
-from ..state import UNKNOWN_STREAM_COUNT, IncomingDataStream
+from ..session.base import SessionBase
+from ..session.records import UNKNOWN_STREAM_COUNT, IncomingDataStream
 from ..wire import DEFAULT_MAX_OBJECT_SIZE, TrackNamespace
 from . import data as d14data
 from . import messages as d14

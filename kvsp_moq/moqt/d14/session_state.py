@@ -12,7 +12,7 @@ from typing import Any, Callable, ClassVar
 
 from .. import events as ev
 from ..d18.messages import Message
-from ..session_base import SessionBase
+from ..session.base import SessionBase
 from . import messages as d14
 from .request_state import Request14
 

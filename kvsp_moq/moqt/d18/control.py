@@ -12,7 +12,7 @@ from ..errors import (
     RequestErrorCode,
     StreamResetCode,
 )
-from ..fetches import fetch_end_before_start
+from ..session.fetches import fetch_end_before_start
 from ..wire import (
     DEFAULT_PUBLISHER_PRIORITY,
     FetchType,

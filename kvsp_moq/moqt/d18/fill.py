@@ -7,7 +7,7 @@ subscriptions arrives on such a stream, and its objects are that subscription's.
 from __future__ import annotations
 
 from .. import events as ev
-from ..state import FetchObjectWriter, SubgroupObjectWriter
+from ..session.records import FetchObjectWriter, SubgroupObjectWriter
 from ..wire import AuthToken, FetchType, Location, SubscriptionFilter
 from .messages import (
     OPEN_END,

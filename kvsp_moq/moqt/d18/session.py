@@ -2,7 +2,7 @@
 
 `handle_event()` takes each QUIC event and returns MOQT events; the other methods
 write into the QuicConnection, and the caller transmits. Nothing here touches a
-socket, a clock or an event loop. `session_base.SessionBase` holds what every
+socket, a clock or an event loop. `session.base.SessionBase` holds what every
 draft's session shares; `MoqtSession` adds draft-18's streams, messages and wire
 forms, in parts: stream routing (`streams`), the control messages received
 (`control`), what it sends (`sending`) and fills (`fill`, drafts 20 and 22); this
@@ -52,7 +52,7 @@ from typing import Iterable
 
 from ..engine import QuicEngine
 from ..errors import PublishDoneCode, StreamResetCode
-from ..state import RequestIdTracker
+from ..session.records import RequestIdTracker
 from ..wire import DEFAULT_MAX_OBJECT_SIZE, TrackNamespace
 from .control import ControlMessageHandling
 from .data import (

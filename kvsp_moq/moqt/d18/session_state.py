@@ -6,8 +6,8 @@ override every method stubbed here: the class holds declarations only."""
 from __future__ import annotations
 
 from .. import events as ev
-from ..session_base import SessionBase
-from ..state import RequestIdTracker
+from ..session.base import SessionBase
+from ..session.records import RequestIdTracker
 from ..wire import AuthToken
 from .messages import ControlStreamParser, Fill, Message, Parameters, Redirect
 from .profiles import Profile

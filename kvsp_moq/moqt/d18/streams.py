@@ -13,7 +13,7 @@ from ..engine import (
     stream_is_unidirectional,
 )
 from ..errors import ProtocolViolation, StreamResetCode
-from ..state import IncomingDataStream
+from ..session.records import IncomingDataStream
 from ..varint import decode_vi64
 from ..wire import GroupOrder
 from .data import STREAM_TYPE_SETUP, DataStreamParser, FetchHeader, PaddingHeader, SubgroupHeader

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from typing import cast
 
-from . import events as ev
-from .d18.messages import Fetch, Subscribe
-from .errors import RequestErrorCode, StreamClosed
-from .session_core import SessionCore
-from .state import RequestState, RequestT
-from .wire import AuthToken, FetchType, Location
+from .. import events as ev
+from ..d18.messages import Fetch, Subscribe
+from ..errors import RequestErrorCode, StreamClosed
+from ..wire import AuthToken, FetchType, Location
+from .core import SessionCore
+from .records import RequestState, RequestT
 
 __all__ = ["PeerFetches", "fetch_end_before_start"]
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from typing import cast
 
-from . import events as ev
-from .d18.data import ObjectDatagram, SubgroupHeader
-from .d18.messages import Fetch, Subscribe
-from .errors import StreamClosed, StreamResetCode
-from .session_core import SessionCore
-from .state import FetchObjectWriter, OutgoingDataStream, RequestT, SubgroupObjectWriter
-from .wire import DEFAULT_PUBLISHER_PRIORITY, ObjectStatus, Properties
+from .. import events as ev
+from ..d18.data import ObjectDatagram, SubgroupHeader
+from ..d18.messages import Fetch, Subscribe
+from ..errors import StreamClosed, StreamResetCode
+from ..wire import DEFAULT_PUBLISHER_PRIORITY, ObjectStatus, Properties
+from .core import SessionCore
+from .records import FetchObjectWriter, OutgoingDataStream, RequestT, SubgroupObjectWriter
 
 __all__ = ["DataSending"]
 

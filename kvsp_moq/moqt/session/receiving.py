@@ -5,12 +5,12 @@ forgotten once all its streams ended."""
 
 from __future__ import annotations
 
-from . import events as ev
-from .d18.data import FetchEndOfRange, FetchObject, SubgroupHeader, SubgroupObject
-from .errors import StreamResetCode
-from .session_core import SessionCore
-from .state import UNKNOWN_STREAM_COUNT, IncomingDataStream, RequestT
-from .wire import ObjectStatus
+from .. import events as ev
+from ..d18.data import FetchEndOfRange, FetchObject, SubgroupHeader, SubgroupObject
+from ..errors import StreamResetCode
+from ..wire import ObjectStatus
+from .core import SessionCore
+from .records import UNKNOWN_STREAM_COUNT, IncomingDataStream, RequestT
 
 __all__ = ["DataReceiving"]
 

@@ -4,10 +4,10 @@ to its USE_VALUE form. Ours are not tracked."""
 
 from __future__ import annotations
 
-from .errors import AuthTokenCacheOverflow, DuplicateAuthTokenAlias, ProtocolViolation, UnknownAuthTokenAlias
-from .session_core import SessionCore
-from .state import RequestT
-from .wire import AliasType, AuthToken
+from ..errors import AuthTokenCacheOverflow, DuplicateAuthTokenAlias, ProtocolViolation, UnknownAuthTokenAlias
+from ..wire import AliasType, AuthToken
+from .core import SessionCore
+from .records import RequestT
 
 __all__ = ["TOKEN_ENTRY_OVERHEAD", "AuthTokenCache"]
 

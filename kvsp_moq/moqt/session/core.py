@@ -1,7 +1,7 @@
 """The core of every session, sans I/O: the state it keeps (requests, data streams, track
 aliases, the peer's tokens), the lookups of its requests, and the hooks through which a
 draft supplies its control messages and wire forms. The shared machinery builds on it
-(`tokens`, `fetches`, `incoming_data`, `outgoing_data`) and `session_base.SessionBase`
+(`tokens`, `fetches`, `receiving`, `sending`) and `base.SessionBase`
 puts that together; a draft's `session` module fills in the hooks."""
 
 from __future__ import annotations
@@ -9,13 +9,13 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import ClassVar, Generic, Iterable
 
-from . import events as ev
-from .d18.data import FetchStreamWriter, ObjectDatagram, SubgroupHeader
-from .d18.messages import FetchOk, Message, Setup, SubscribeOk
-from .engine import QuicEngine, QuicEvent, StopSendingReceived, StreamDataReceived, StreamReset
-from .errors import StreamClosed
-from .state import FetchObjectWriter, IncomingDataStream, OutgoingDataStream, RequestT, SubgroupObjectWriter
-from .wire import AuthToken, TrackNamespace
+from .. import events as ev
+from ..d18.data import FetchStreamWriter, ObjectDatagram, SubgroupHeader
+from ..d18.messages import FetchOk, Message, Setup, SubscribeOk
+from ..engine import QuicEngine, QuicEvent, StopSendingReceived, StreamDataReceived, StreamReset
+from ..errors import StreamClosed
+from ..wire import AuthToken, TrackNamespace
+from .records import FetchObjectWriter, IncomingDataStream, OutgoingDataStream, RequestT, SubgroupObjectWriter
 
 __all__ = ["IMPLEMENTATION", "SessionCore"]
 
@@ -23,7 +23,7 @@ IMPLEMENTATION = "kvsp-moq/0.1"
 
 
 class SessionCore(Generic[RequestT]):
-    """The state and hooks every session shares; see `session_base.SessionBase` for the
+    """The state and hooks every session shares; see `base.SessionBase` for the
     whole of what the drafts share. `RequestT` is the record a draft keeps of each
     request (draft-18: its stream or a fill; draft-14: `Request14`), so the shared code
     and the draft's parts agree on what `_requests` and the hooks hold."""

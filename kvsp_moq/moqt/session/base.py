@@ -4,16 +4,16 @@ streams and datagrams, object writing, flow control of the engine beneath. A dra
 reach this code in their draft-18 form (`kvsp_moq.moqt.d18.messages`) whatever the wire.
 
 `SessionBase` puts together pieces that each have a module: the records of requests
-and data streams (`state`), the state a session keeps and the hooks a draft fills in
-(`session_core`), the peer's tokens (`tokens`), its FETCHes (`fetches`), reading data
-(`incoming_data`) and writing it (`outgoing_data`). It keeps the lifecycle, the checks of
+and data streams (`records`), the state a session keeps and the hooks a draft fills in
+(`core`), the peer's tokens (`tokens`), its FETCHes (`fetches`), reading data
+(`receiving`) and writing it (`sending`). It keeps the lifecycle, the checks of
 the peer's setup and the answers both drafts give alike."""
 
 from __future__ import annotations
 
-from . import events as ev
-from .d18.messages import Fetch, FetchOk, Parameters, Subscribe, SubscribeOk
-from .engine import (
+from .. import events as ev
+from ..d18.messages import Fetch, FetchOk, Parameters, Subscribe, SubscribeOk
+from ..engine import (
     ConnectionTerminated,
     DatagramFrameReceived,
     QuicEvent,
@@ -21,7 +21,7 @@ from .engine import (
     StreamDataReceived,
     StreamReset,
 )
-from .errors import (
+from ..errors import (
     SESSION_ENDING,
     InvalidAuthority,
     InvalidPath,
@@ -31,18 +31,18 @@ from .errors import (
     StreamClosed,
     StreamResetCode,
 )
-from .fetches import PeerFetches
-from .incoming_data import DataReceiving
-from .outgoing_data import DataSending
-from .state import RequestT
-from .tokens import AuthTokenCache
-from .wire import (
+from ..wire import (
     DEFAULT_PUBLISHER_PRIORITY,
     Location,
     Properties,
     TrackPropertyType,
     property_value,
 )
+from .fetches import PeerFetches
+from .receiving import DataReceiving
+from .records import RequestT
+from .sending import DataSending
+from .tokens import AuthTokenCache
 
 __all__ = ["SessionBase"]
 
@@ -51,7 +51,7 @@ class SessionBase(DataReceiving[RequestT], DataSending[RequestT], PeerFetches[Re
     """What the draft-18 and draft-14 sessions share: the session's lifecycle, the
     authorization token cache, track aliases, joining FETCHes, reading data streams
     and datagrams, and writing objects. A draft supplies its control messages and
-    wire encodings through the hooks of `session_core.SessionCore`; data stream
+    wire encodings through the hooks of `core.SessionCore`; data stream
     items and answers reach this code in their draft-18 form whatever the wire."""
 
     # ------------------------------------------------------------------
