@@ -88,7 +88,7 @@ class ControlMessageHandling(SessionState14):
         self._complete_setup(message.parameters, out)
 
     def _complete_setup(self, p: d14.SetupParameters, out: list[ev.MoqtEvent]) -> None:
-        self._register_setup_tokens(p.authorization_tokens)
+        self._tokens.register_setup(p.authorization_tokens)
         setup = Setup(
             path=p.path,
             authority=p.authority,
@@ -129,7 +129,7 @@ class ControlMessageHandling(SessionState14):
             message.request_id, TRACK_STATUS if status else SUBSCRIBE, parameters=s18.parameters,
             namespace=message.namespace, track_name=message.track_name,
         )
-        tokens = self._resolve_tokens(message.parameters.authorization_tokens)
+        tokens = self._tokens.resolve(message.parameters.authorization_tokens)
         if self._refuse_if_going_away(request):
             return
         received = ev.TrackStatusReceived if status else ev.SubscribeReceived
@@ -155,7 +155,7 @@ class ControlMessageHandling(SessionState14):
             namespace=message.namespace, track_name=message.track_name, track_alias=message.track_alias,
         )
         self._aliases_in[message.track_alias] = request
-        tokens = self._resolve_tokens(p.authorization_tokens)
+        tokens = self._tokens.resolve(p.authorization_tokens)
         if self._refuse_if_going_away(request):
             return
         out.append(
@@ -169,7 +169,7 @@ class ControlMessageHandling(SessionState14):
     def _on_fetch(self, message: d14.Fetch, out: list[ev.MoqtEvent]) -> None:
         f18 = message.to_draft18()
         request = self._new_peer_request(message.request_id, FETCH, parameters=f18.parameters, fetch=f18)
-        tokens = self._resolve_tokens(message.parameters.authorization_tokens)
+        tokens = self._tokens.resolve(message.parameters.authorization_tokens)
         if self._refuse_if_going_away(request):
             return
         self._on_fetch_request(request, f18, tokens, out)
@@ -198,7 +198,7 @@ class ControlMessageHandling(SessionState14):
         if resumed:
             subscription.largest_at_ok = None  # no REQUEST_UPDATE_OK carries the new Joining Location
         self._updates[message.request_id] = subscription
-        tokens = self._resolve_tokens(message.parameters.authorization_tokens)
+        tokens = self._tokens.resolve(message.parameters.authorization_tokens)
         out.append(ev.RequestUpdateReceived(message.request_id, subscription.request_id, parameters, tokens))
 
     # -- answers to our requests -------------------------------------------

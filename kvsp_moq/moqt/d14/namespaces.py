@@ -37,7 +37,7 @@ class NamespaceMapping(SessionState14):
         request = self._new_peer_request(
             message.request_id, kind, parameters=parameters, namespace=message.namespace, parent=parent
         )
-        tokens = self._resolve_tokens(message.parameters.authorization_tokens)
+        tokens = self._tokens.resolve(message.parameters.authorization_tokens)
         if parent is not None:
             # The draft-18 NAMESPACE: answered here, reported against the SUBSCRIBE_NAMESPACE.
             suffix = message.namespace[len(parent.namespace):]
@@ -67,7 +67,7 @@ class NamespaceMapping(SessionState14):
         request = self._new_peer_request(
             message.request_id, SUBSCRIBE_NAMESPACE, parameters=parameters, namespace=message.namespace_prefix
         )
-        tokens = self._resolve_tokens(message.parameters.authorization_tokens)
+        tokens = self._tokens.resolve(message.parameters.authorization_tokens)
         if self._refuse_if_going_away(request):
             return
         out.append(ev.SubscribeNamespaceReceived(request.request_id, message.namespace_prefix, parameters, tokens))

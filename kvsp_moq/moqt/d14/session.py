@@ -104,12 +104,12 @@ from ..engine import (
 from ..errors import NotSupported, ProtocolViolation, StreamResetCode
 from ..session.base import SessionBase
 from ..session.records import UNKNOWN_STREAM_COUNT, IncomingDataStream
-from ..wire import DEFAULT_MAX_OBJECT_SIZE, TrackNamespace
-from . import data as d14data
+from ..wire import DEFAULT_MAX_OBJECT_SIZE
 from . import messages as d14
-from .adapters import DataStreamParser14, FetchWriter14, SubgroupWriter14
+from .adapters import DataStreamParser14
 from .control import ControlMessageHandling
 from .credit import RequestCredit
+from .dialect import Dialect14
 from .namespaces import NamespaceMapping
 from .request_state import FETCH, Request14
 from .sending import MessageSending
@@ -151,6 +151,7 @@ class MoqtSession14(ControlMessageHandling, NamespaceMapping, MessageSending, Re
             is_client=is_client,
             draft=draft,
             setup=setup,
+            dialect=Dialect14(),
             max_object_size=max_object_size,
             max_auth_token_cache_size=max_auth_token_cache_size,
             max_buffered_before_setup=max_buffered_before_setup,
@@ -280,23 +281,9 @@ class MoqtSession14(ControlMessageHandling, NamespaceMapping, MessageSending, Re
                 if stream is not None:
                     self._stop_incoming(sid, stream, error_code)
 
-    def _decode_datagram(self, data: bytes) -> data18.ObjectDatagram | None:
-        return d14data.decode_datagram(data).to_draft18()
-
-    def _encode_datagram(self, request: Request14, datagram: data18.ObjectDatagram) -> bytes:
-        """Draft-14 datagrams always carry a priority: an inherited one is the track's default."""
-        return d14data.ObjectDatagram.from_draft18(datagram, request.default_priority).encode()
-
     # ------------------------------------------------------------------
     # Sending: objects
     # ------------------------------------------------------------------
-
-    _FETCH_WRITER = FetchWriter14
-
-    def _subgroup_writer(self, request: Request14, header: data18.SubgroupHeader) -> SubgroupWriter14:
-        """Draft-14 headers always carry a priority (None: the track's default) and have
-        no FIRST_OBJECT bit."""
-        return SubgroupWriter14(d14data.SubgroupHeader.from_draft18(header, request.default_priority))
 
     def write_fetch_end_of_range(
         self, stream_id: int, group_id: int, object_id: int, *, unknown: bool = False, end_stream: bool = False
@@ -312,9 +299,6 @@ class MoqtSession14(ControlMessageHandling, NamespaceMapping, MessageSending, Re
     # ------------------------------------------------------------------
     # Teardown
     # ------------------------------------------------------------------
-
-    def _track_of(self, request: Request14) -> tuple[TrackNamespace, bytes]:
-        return request.namespace, request.track_name
 
     def _fetch_stream_reset(self, request: Request14) -> None:
         """The publisher has dropped the fetch already, so no FETCH_CANCEL follows."""

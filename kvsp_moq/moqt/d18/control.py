@@ -74,7 +74,7 @@ class ControlMessageHandling(SessionState):
 
     def _on_setup(self, setup: Setup, out: list[ev.MoqtEvent]) -> None:
         self._check_peer_target(setup.path, setup.authority, "option")
-        self._register_setup_tokens(setup.authorization_tokens)
+        self._tokens.register_setup(setup.authorization_tokens)
         self.peer_setup = setup
         out.append(ev.SetupCompleted(setup))
         self._replay_held(out)
@@ -107,7 +107,7 @@ class ControlMessageHandling(SessionState):
         request = RequestStream(request_id, type(message), False, parameters, stream_id=sid, message=message)
         self._requests[request_id] = request
         self._stream_requests[sid] = request
-        tokens = self._resolve_tokens(parameters.authorization_tokens)
+        tokens = self._tokens.resolve(parameters.authorization_tokens)
 
         if self._goaway_sent_request_id is not None and request_id >= self._goaway_sent_request_id:
             self._reject(request, RequestErrorCode.GOING_AWAY, "going away")
@@ -332,7 +332,7 @@ class ControlMessageHandling(SessionState):
         request.peer_updates.append(message.request_id)
         self._update_parent[message.request_id] = request
         self._update_parameters[message.request_id] = message.parameters
-        tokens = self._resolve_tokens(message.parameters.authorization_tokens)
+        tokens = self._tokens.resolve(message.parameters.authorization_tokens)
         if message.parameters.range_filters:
             self.request_error(message.request_id, RequestErrorCode.INVALID_FILTER, _NO_RANGE_FILTERS)
             return

@@ -110,7 +110,7 @@ class FillServing(SessionState):
         limit = Location(largest.group, largest.object + 1)
         if _covers_more(end, limit):
             end = limit
-        namespace, track_name = self._track_of(joined)
+        namespace, track_name = self._dialect.track_of(joined)
         out.append(ev.FetchReceived(request.request_id, message.fetch_type, namespace, track_name, start, end,
                                     joined.request_id, message.parameters, tokens))
 
@@ -133,9 +133,6 @@ class FillServing(SessionState):
         if request is None or request.kind is not Subscribe or not request.local:
             return None
         return request
-
-    def _wire_id(self, request: Request18) -> int:
-        return request.wire_id if isinstance(request, FillState) else request.request_id
 
     def _open_data_stream(self, request: Request18, writer: SubgroupObjectWriter | FetchObjectWriter) -> int:
         sid = super()._open_data_stream(request, writer)

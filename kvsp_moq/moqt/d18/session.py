@@ -53,17 +53,13 @@ from typing import Iterable
 from ..engine import QuicEngine
 from ..errors import PublishDoneCode, StreamResetCode
 from ..session.records import RequestIdTracker
-from ..wire import DEFAULT_MAX_OBJECT_SIZE, TrackNamespace
+from ..wire import DEFAULT_MAX_OBJECT_SIZE
 from .control import ControlMessageHandling
 from .data import (
     FetchStreamWriter,
-    ObjectDatagram,
-    PaddingDatagram,
-    SubgroupHeader,
-    SubgroupWriter,
-    decode_datagram,
     encode_padding_stream,
 )
+from .dialect import Dialect18
 from .fill import FillServing
 from .messages import (
     ControlStreamParser,
@@ -71,7 +67,6 @@ from .messages import (
     Parameters,
     PublishDone,
     Setup,
-    Subscribe,
     SubscribeOk,
 )
 from .profiles import profile
@@ -113,6 +108,7 @@ class MoqtSession(FillServing, StreamRouting, ControlMessageHandling, MessageSen
             is_client=is_client,
             draft=draft,
             setup=setup,
+            dialect=Dialect18(),
             max_object_size=max_object_size,
             max_auth_token_cache_size=max_auth_token_cache_size,
             max_buffered_before_setup=max_buffered_before_setup,
@@ -165,23 +161,8 @@ class MoqtSession(FillServing, StreamRouting, ControlMessageHandling, MessageSen
         self._quic.send_stream_data(sid, encode_padding_stream(size), end_stream=True)
 
     # ------------------------------------------------------------------
-    # Draft-18 forms of what SessionBase sends and receives
+    # Draft-18 forms of what SessionBase sends
     # ------------------------------------------------------------------
-
-    def _decode_datagram(self, data: bytes) -> ObjectDatagram | None:
-        datagram = decode_datagram(data)
-        return None if isinstance(datagram, PaddingDatagram) else datagram
-
-    def _encode_datagram(self, request: Request18, datagram: ObjectDatagram) -> bytes:
-        return datagram.encode()
-
-    def _subgroup_writer(self, request: Request18, header: SubgroupHeader) -> SubgroupWriter:
-        return SubgroupWriter(header)
-
-    def _track_of(self, request: Request18) -> tuple[TrackNamespace, bytes]:
-        assert isinstance(request, RequestStream)  # a subscription, not a fill
-        subscribe = request.message_as(Subscribe)
-        return subscribe.namespace, subscribe.track_name
 
     def _send_answer(self, request: Request18, message: SubscribeOk | FetchOk) -> None:
         if isinstance(request, FillState):

@@ -3,7 +3,7 @@ those above it):
 
 * `records`: what a session keeps of each request and data stream, and the protocols of
   the draft's data stream parsers and writers;
-* `tokens`: the peer's authorization tokens;
+* `tokens`: the peer's authorization tokens, an object the session owns;
 * `core`: the state a session keeps, the lookups of its requests, and the hooks a draft fills;
 * `fetches`, `receiving`, `sending`: the peer's FETCHes, reading data streams and
   datagrams, writing objects;

@@ -5,7 +5,7 @@ reach this code in their draft-18 form (`kvsp_moq.moqt.d18.messages`) whatever t
 
 `SessionBase` puts together pieces that each have a module: the records of requests
 and data streams (`records`), the state a session keeps and the hooks a draft fills in
-(`core`), the peer's tokens (`tokens`), its FETCHes (`fetches`), reading data
+(`core`, which owns the peer's tokens, a `tokens.PeerTokens`), its FETCHes (`fetches`), reading data
 (`receiving`) and writing it (`sending`). It keeps the lifecycle, the checks of
 the peer's setup and the answers both drafts give alike."""
 
@@ -42,17 +42,16 @@ from .fetches import PeerFetches
 from .receiving import DataReceiving
 from .records import RequestT
 from .sending import DataSending
-from .tokens import AuthTokenCache
 
 __all__ = ["SessionBase"]
 
 
-class SessionBase(DataReceiving[RequestT], DataSending[RequestT], PeerFetches[RequestT], AuthTokenCache[RequestT]):
-    """What the draft-18 and draft-14 sessions share: the session's lifecycle, the
-    authorization token cache, track aliases, joining FETCHes, reading data streams
-    and datagrams, and writing objects. A draft supplies its control messages and
-    wire encodings through the hooks of `core.SessionCore`; data stream
-    items and answers reach this code in their draft-18 form whatever the wire."""
+class SessionBase(DataReceiving[RequestT], DataSending[RequestT], PeerFetches[RequestT]):
+    """What the draft-18 and draft-14 sessions share: the session's lifecycle, track
+    aliases, joining FETCHes, reading data streams and datagrams, and writing objects.
+    A draft supplies its control messages and wire encodings through the hooks of
+    `core.SessionCore`; data stream items and answers reach this code in their
+    draft-18 form whatever the wire."""
 
     # ------------------------------------------------------------------
     # QUIC events

@@ -1,21 +1,22 @@
 """The core of every session, sans I/O: the state it keeps (requests, data streams, track
-aliases, the peer's tokens), the lookups of its requests, and the hooks through which a
-draft supplies its control messages and wire forms. The shared machinery builds on it
-(`tokens`, `fetches`, `receiving`, `sending`) and `base.SessionBase`
-puts that together; a draft's `session` module fills in the hooks."""
+aliases), the parts it owns (the peer's tokens, a `tokens.PeerTokens`; the draft's wire
+forms, a `dialect.Dialect`), the lookups of its requests, and the hooks through which a
+draft supplies its control messages. The shared machinery builds on it (`fetches`,
+`receiving`, `sending`) and `base.SessionBase` puts that together; a draft's `session`
+module fills in the hooks."""
 
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import ClassVar, Generic, Iterable
+from typing import Generic, Iterable
 
 from .. import events as ev
-from ..d18.data import FetchStreamWriter, ObjectDatagram, SubgroupHeader
 from ..d18.messages import FetchOk, Message, Setup, SubscribeOk
 from ..engine import QuicEngine, QuicEvent, StopSendingReceived, StreamDataReceived, StreamReset
 from ..errors import StreamClosed
-from ..wire import AuthToken, TrackNamespace
-from .records import FetchObjectWriter, IncomingDataStream, OutgoingDataStream, RequestT, SubgroupObjectWriter
+from .dialect import Dialect
+from .records import IncomingDataStream, OutgoingDataStream, RequestT
+from .tokens import PeerTokens
 
 __all__ = ["IMPLEMENTATION", "SessionCore"]
 
@@ -37,6 +38,7 @@ class SessionCore(Generic[RequestT]):
         is_client: bool,
         draft: int,
         setup: Setup | None,
+        dialect: Dialect[RequestT],
         max_object_size: int,
         max_auth_token_cache_size: int,
         max_buffered_before_setup: int,
@@ -47,6 +49,7 @@ class SessionCore(Generic[RequestT]):
         self._quic = quic
         self._is_client = is_client
         self.draft = draft
+        self._dialect = dialect  # the wire forms of the draft's data streams and datagrams
         self.max_object_size = max_object_size
         self._max_buffered_before_setup = max_buffered_before_setup
         self._max_unmatched_stream_bytes = max_unmatched_stream_bytes
@@ -70,9 +73,7 @@ class SessionCore(Generic[RequestT]):
         self._before_setup_bytes = 0
 
         # Peer token registrations (section 10.2.2); ours are not tracked.
-        self._max_auth_token_cache_size = max_auth_token_cache_size
-        self._peer_tokens: dict[int, AuthToken] = {}
-        self._peer_token_bytes = 0
+        self._tokens = PeerTokens(max_auth_token_cache_size)
 
         options = setup or Setup()
         if options.max_auth_token_cache_size is None and max_auth_token_cache_size:
@@ -146,8 +147,6 @@ class SessionCore(Generic[RequestT]):
     # What each draft supplies
     # ------------------------------------------------------------------
 
-    _FETCH_WRITER: ClassVar[type[FetchObjectWriter]] = FetchStreamWriter  # writes a fetch stream
-
     def _on_control_data(self, data: bytes, out: list[ev.MoqtEvent]) -> None:
         """Bytes of the peer's control stream (both drafts have one)."""
         raise NotImplementedError
@@ -165,29 +164,10 @@ class SessionCore(Generic[RequestT]):
     def _on_stop_sending(self, event: StopSendingReceived, out: list[ev.MoqtEvent]) -> None:
         raise NotImplementedError
 
-    def _wire_id(self, request: RequestT) -> int:
-        """The Request ID a request's data streams carry."""
-        return request.request_id
-
     def _on_data_header(
         self, sid: int, stream: IncomingDataStream[RequestT], item: object, out: list[ev.MoqtEvent]
     ) -> bool:
         """The first item of an incoming data stream; False when the stream is dropped."""
-        raise NotImplementedError
-
-    def _decode_datagram(self, data: bytes) -> ObjectDatagram | None:
-        """A received datagram in its draft-18 form; None when it carries no object."""
-        raise NotImplementedError
-
-    def _encode_datagram(self, request: RequestT, datagram: ObjectDatagram) -> bytes:
-        raise NotImplementedError
-
-    def _subgroup_writer(self, request: RequestT, header: SubgroupHeader) -> SubgroupObjectWriter:
-        """The writer of a new subgroup stream."""
-        raise NotImplementedError
-
-    def _track_of(self, request: RequestT) -> tuple[TrackNamespace, bytes]:
-        """Namespace and track name of a peer SUBSCRIBE."""
         raise NotImplementedError
 
     def _send_answer(self, request: RequestT, message: SubscribeOk | FetchOk) -> None:

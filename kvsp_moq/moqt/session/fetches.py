@@ -85,7 +85,7 @@ class PeerFetches(SessionCore[RequestT]):
         else:
             start = Location(joining_start, 0)
         end = Location(largest.group, largest.object + 1)
-        namespace, track_name = self._track_of(joined)
+        namespace, track_name = self._dialect.track_of(joined)
         out.append(
             ev.FetchReceived(
                 request.request_id,

@@ -230,7 +230,7 @@ class DataReceiving(SessionCore[RequestT]):
                 self._end_incoming(sid, stream, out)
 
     def _on_datagram(self, data: bytes, out: list[ev.MoqtEvent]) -> None:
-        datagram = self._decode_datagram(data)
+        datagram = self._dialect.decode_datagram(data)
         if datagram is None:
             return
         request = self._aliases_in.get(datagram.track_alias)

@@ -76,7 +76,7 @@ class DataSending(SessionCore[RequestT]):
             end_of_group,
             first_object,
         )
-        return self._open_data_stream(request, self._subgroup_writer(request, header))
+        return self._open_data_stream(request, self._dialect.subgroup_writer(request, header))
 
     def _outgoing(self, stream_id: int) -> OutgoingDataStream[RequestT]:
         stream = self._outgoing_data.get(stream_id)
@@ -103,7 +103,7 @@ class DataSending(SessionCore[RequestT]):
 
     def _new_object(self, stream_id: int, fetch: bool) -> OutgoingDataStream[RequestT]:
         stream = self._outgoing(stream_id)
-        if isinstance(stream.writer, self._FETCH_WRITER) != fetch:
+        if isinstance(stream.writer, self._dialect.fetch_writer_type) != fetch:
             raise ValueError(f"stream {stream_id} is not a {'fetch' if fetch else 'subgroup'} stream")
         if stream.payload_remaining:
             raise ValueError(
@@ -165,7 +165,7 @@ class DataSending(SessionCore[RequestT]):
             raise StreamClosed(f"fetch {request_id} was cancelled")
         if request.data_streams_opened:
             raise ValueError("a FETCH is answered on one stream")
-        return self._open_data_stream(request, self._FETCH_WRITER(self._wire_id(request), request.fetch_group_order))
+        return self._open_data_stream(request, self._dialect.fetch_writer(request))
 
     def begin_fetch_object(
         self,
@@ -285,4 +285,4 @@ class DataSending(SessionCore[RequestT]):
             properties,
             end_of_group,
         )
-        self._quic.send_datagram_frame(self._encode_datagram(request, datagram))
+        self._quic.send_datagram_frame(self._dialect.encode_datagram(request, datagram))
