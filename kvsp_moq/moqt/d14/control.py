@@ -136,7 +136,7 @@ class ControlMessageHandling(SessionState14):
         out.append(received(request.request_id, message.namespace, message.track_name, s18.parameters, tokens))
 
     def _on_publish(self, message: d14.Publish, out: list[ev.MoqtEvent]) -> None:
-        other = self._aliases_in.get(message.track_alias)
+        other = self._receiving.aliases.get(message.track_alias)
         if other is not None and not other.closed:
             raise DuplicateTrackAlias(f"track alias {message.track_alias} already in use")
         p = message.parameters
@@ -154,7 +154,7 @@ class ControlMessageHandling(SessionState14):
             message.request_id, PUBLISH, parameters=parameters,
             namespace=message.namespace, track_name=message.track_name, track_alias=message.track_alias,
         )
-        self._aliases_in[message.track_alias] = request
+        self._receiving.aliases[message.track_alias] = request
         tokens = self._tokens.resolve(p.authorization_tokens)
         if self._refuse_if_going_away(request):
             return
@@ -164,7 +164,7 @@ class ControlMessageHandling(SessionState14):
                 parameters, tuple(properties), tokens,
             )
         )
-        self._flush_held_for_alias(message.track_alias, out)
+        self._receiving.flush_held_for_alias(message.track_alias, out)
 
     def _on_fetch(self, message: d14.Fetch, out: list[ev.MoqtEvent]) -> None:
         f18 = message.to_draft18()
@@ -248,16 +248,16 @@ class ControlMessageHandling(SessionState14):
         request = self._first_answer(message.request_id, (SUBSCRIBE,), message.NAME)
         if request is None:
             return
-        other = self._aliases_in.get(message.track_alias)
+        other = self._receiving.aliases.get(message.track_alias)
         if other is not None and other is not request and not other.closed:
             raise DuplicateTrackAlias(f"track alias {message.track_alias} already in use")
         ok = message.to_draft18()
         request.accepted = True
         request.track_alias = message.track_alias
         request.largest_at_ok = message.largest_location
-        self._aliases_in[message.track_alias] = request
+        self._receiving.aliases[message.track_alias] = request
         out.append(ev.SubscribeAccepted(request.request_id, message.track_alias, ok.parameters, ok.track_properties))
-        self._flush_held_for_alias(message.track_alias, out)
+        self._receiving.flush_held_for_alias(message.track_alias, out)
 
     def _on_fetch_ok(self, message: d14.FetchOk, out: list[ev.MoqtEvent]) -> None:
         request = self._first_answer(message.request_id, (FETCH,), message.NAME)
@@ -323,7 +323,7 @@ class ControlMessageHandling(SessionState14):
         done = message.to_draft18()
         out.append(ev.PublishDoneReceived(request.request_id, done.status_code, done.stream_count, done.reason))
         request.done_stream_count = message.stream_count
-        self._maybe_end_subscription(request)
+        self._receiving.maybe_end_subscription(request)
 
     # -- cancellations by the peer -----------------------------------------
 

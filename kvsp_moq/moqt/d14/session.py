@@ -208,19 +208,19 @@ class MoqtSession14(ControlMessageHandling, NamespaceMapping, MessageSending, Re
             return
         if self._is_local_stream(sid):
             return
-        stream = self._incoming_data.get(sid)
+        stream = self._receiving.streams.get(sid)
         if stream is None:
             stream = IncomingDataStream(DataStreamParser14(self.max_object_size))
-            self._incoming_data[sid] = stream
-        self._on_data_stream(sid, stream, event.data, event.end_stream, out)
+            self._receiving.streams[sid] = stream
+        self._receiving.on_data(sid, stream, event.data, event.end_stream, out)
 
     def _on_stream_reset(self, event: StreamReset, out: list[ev.MoqtEvent]) -> None:
         sid = event.stream_id
         if sid == self._control_stream_id:
             raise ProtocolViolation("control stream reset")
-        stream = self._incoming_data.pop(sid, None)
+        stream = self._receiving.streams.pop(sid, None)
         if stream is not None:
-            self._on_data_stream_reset(sid, stream, event.error_code, out)
+            self._receiving.on_reset(sid, stream, event.error_code, out)
 
     def _on_stop_sending(self, event: StopSendingReceived, out: list[ev.MoqtEvent]) -> None:
         if event.stream_id == self._control_stream_id:
@@ -253,7 +253,7 @@ class MoqtSession14(ControlMessageHandling, NamespaceMapping, MessageSending, Re
             request = self._requests.get(item.request_id)
             if request is None or request.closed:
                 if self._was_ours(item.request_id):
-                    self._stop_incoming(sid, stream, StreamResetCode.CANCELLED)
+                    self._receiving.stop(sid, stream, StreamResetCode.CANCELLED)
                     return False
                 raise ProtocolViolation(f"FETCH_HEADER for unknown fetch {item.request_id}")
             if request.kind is not FETCH or not request.local:
@@ -262,14 +262,7 @@ class MoqtSession14(ControlMessageHandling, NamespaceMapping, MessageSending, Re
             request.open_data_streams.add(sid)
             return True
         assert isinstance(item, data18.SubgroupHeader)
-        return self._on_subgroup_header(sid, stream, item, out)
-
-    def _stop_incoming(self, sid: int, stream: IncomingDataStream[Request14], code: int) -> None:
-        request = stream.request
-        attached = request is not None and not stream.discard and sid in request.open_data_streams
-        super()._stop_incoming(sid, stream, code)
-        if attached and request is not None:
-            self._forget_if_done(request)
+        return self._receiving.on_subgroup_header(sid, stream, item, out)
 
     def _end_data_streams(self, request: Request14, error_code: int) -> None:
         """Reset the data streams we send for a request and stop those we receive."""
@@ -277,9 +270,9 @@ class MoqtSession14(ControlMessageHandling, NamespaceMapping, MessageSending, Re
             if sid in self._outgoing_data:
                 self.reset_data_stream(sid, error_code)
             else:
-                stream = self._incoming_data.get(sid)
+                stream = self._receiving.streams.get(sid)
                 if stream is not None:
-                    self._stop_incoming(sid, stream, error_code)
+                    self._receiving.stop(sid, stream, error_code)
 
     # ------------------------------------------------------------------
     # Sending: objects
@@ -305,6 +298,7 @@ class MoqtSession14(ControlMessageHandling, NamespaceMapping, MessageSending, Re
         self._close_request(request)
 
     def _data_stream_reset(self, request: Request14) -> None:
+        """A data stream reset or stopped may be the last thing keeping a closed request."""
         self._forget_if_done(request)
 
     def _maybe_finish_fetch(self, request: Request14) -> None:

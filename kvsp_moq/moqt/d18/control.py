@@ -133,14 +133,14 @@ class ControlMessageHandling(SessionState):
                 self._open_fill(request, parameters.fill, request_id, tokens, out)
         elif isinstance(message, Publish):
             unsupported = mandatory_properties(message.track_properties)
-            other = self._aliases_in.get(message.track_alias)
+            other = self._receiving.aliases.get(message.track_alias)
             if other is not None and not other.closed:
                 raise DuplicateTrackAlias(f"track alias {message.track_alias} already in use")
             request.track_alias = message.track_alias
             request.default_priority = property_value(
                 message.track_properties, TrackPropertyType.DEFAULT_PUBLISHER_PRIORITY, DEFAULT_PUBLISHER_PRIORITY
             )
-            self._aliases_in[message.track_alias] = request
+            self._receiving.aliases[message.track_alias] = request
             if unsupported:
                 self._reject(request, RequestErrorCode.UNSUPPORTED_EXTENSION, "unsupported mandatory property")
                 return
@@ -155,7 +155,7 @@ class ControlMessageHandling(SessionState):
                     tokens,
                 )
             )
-            self._flush_held_for_alias(message.track_alias, out)
+            self._receiving.flush_held_for_alias(message.track_alias, out)
         elif isinstance(message, Fetch):
             self._on_fetch_request(request, message, tokens, out)
         elif isinstance(message, TrackStatus):
@@ -218,7 +218,7 @@ class ControlMessageHandling(SessionState):
             # Late data streams are still accepted until Stream Count of them ended.
             request.done_stream_count = message.stream_count
             self._finish_stream(request)
-            self._maybe_end_subscription(request)
+            self._receiving.maybe_end_subscription(request)
             return
         if isinstance(message, (Namespace, NamespaceDone)) and request.local and request.kind is SubscribeNamespace:
             prefix = request.message_as(SubscribeNamespace).namespace_prefix
@@ -252,7 +252,7 @@ class ControlMessageHandling(SessionState):
             self._finish_stream(request)
             return
         if kind is Subscribe and isinstance(message, SubscribeOk):
-            other = self._aliases_in.get(message.track_alias)
+            other = self._receiving.aliases.get(message.track_alias)
             if other is not None and other is not request and not other.closed:
                 raise DuplicateTrackAlias(f"track alias {message.track_alias} already in use")
             if mandatory_properties(message.track_properties):
@@ -268,9 +268,9 @@ class ControlMessageHandling(SessionState):
             request.default_priority = property_value(
                 message.track_properties, TrackPropertyType.DEFAULT_PUBLISHER_PRIORITY, DEFAULT_PUBLISHER_PRIORITY
             )
-            self._aliases_in[message.track_alias] = request
+            self._receiving.aliases[message.track_alias] = request
             out.append(ev.SubscribeAccepted(rid, message.track_alias, message.parameters, message.track_properties))
-            self._flush_held_for_alias(message.track_alias, out)
+            self._receiving.flush_held_for_alias(message.track_alias, out)
             return
         if kind is Fetch and isinstance(message, FetchOk):
             fetch = request.message_as(Fetch)

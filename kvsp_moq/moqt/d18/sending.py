@@ -179,9 +179,9 @@ class MessageSending(SessionState):
         request.closed = True
         self._abort_stream(request, error_code)
         for sid in list(request.open_data_streams):
-            stream = self._incoming_data.get(sid)
+            stream = self._receiving.streams.get(sid)
             if stream is not None:
-                self._stop_incoming(sid, stream, error_code)
+                self._receiving.stop(sid, stream, error_code)
         self._forget_if_done(request)
 
     def goaway(self, new_session_uri: str = "", timeout_ms: int = 0) -> None:

@@ -40,7 +40,7 @@ class StreamRouting(SessionState):
             isinstance(event, StreamDataReceived)
             and stream_is_unidirectional(sid)
             and self._peer_control_stream_id is None
-            and sid not in self._incoming_data
+            and sid not in self._receiving.streams
             and not self._is_local_stream(sid)
         )
 
@@ -51,9 +51,9 @@ class StreamRouting(SessionState):
             if event.end_stream:
                 raise ProtocolViolation("control stream closed")
             return
-        data_stream = self._incoming_data.get(sid)
+        data_stream = self._receiving.streams.get(sid)
         if data_stream is not None:
-            self._on_data_stream(sid, data_stream, event.data, event.end_stream, out)
+            self._receiving.on_data(sid, data_stream, event.data, event.end_stream, out)
             return
         if sid in self._ignored_streams:
             return
@@ -87,11 +87,11 @@ class StreamRouting(SessionState):
             timed_out_range=self.profile.timed_out_range,
         )
         data_stream: IncomingDataStream[Request18] = IncomingDataStream(parser)
-        self._incoming_data[sid] = data_stream
+        self._receiving.streams[sid] = data_stream
         if self.peer_setup is None:
             self._hold_before_setup(StreamDataReceived(data=bytes(prefix), end_stream=event.end_stream, stream_id=sid))
             return
-        self._on_data_stream(sid, data_stream, bytes(prefix), event.end_stream, out)
+        self._receiving.on_data(sid, data_stream, bytes(prefix), event.end_stream, out)
 
     def _on_request_stream(self, sid: int, data: bytes, end_stream: bool, out: list[ev.MoqtEvent]) -> None:
         parser = self._request_parsers.get(sid)
@@ -119,9 +119,9 @@ class StreamRouting(SessionState):
         sid = event.stream_id
         if sid == self._peer_control_stream_id:
             raise ProtocolViolation("control stream reset")
-        data_stream = self._incoming_data.pop(sid, None)
+        data_stream = self._receiving.streams.pop(sid, None)
         if data_stream is not None:
-            self._on_data_stream_reset(sid, data_stream, event.error_code, out)
+            self._receiving.on_reset(sid, data_stream, event.error_code, out)
             return
         if self._unclassified_uni.pop(sid, None) is not None:
             return
@@ -177,7 +177,7 @@ class StreamRouting(SessionState):
                 stream.fill = True
                 stream.request = subscription
                 if subscription.closed:
-                    self._stop_incoming(sid, stream, StreamResetCode.CANCELLED)
+                    self._receiving.stop(sid, stream, StreamResetCode.CANCELLED)
                     return False
                 subscription.open_data_streams.add(sid)
                 out.append(ev.SubgroupStreamOpened(subscription.request_id, sid, None))
@@ -185,10 +185,10 @@ class StreamRouting(SessionState):
             if request is None or request.kind is not Fetch or not request.local:
                 raise ProtocolViolation(f"FETCH_HEADER for unknown fetch {item.request_id}")
             if request.closed:
-                self._stop_incoming(sid, stream, StreamResetCode.CANCELLED)
+                self._receiving.stop(sid, stream, StreamResetCode.CANCELLED)
                 return False
             stream.request = request
             request.open_data_streams.add(sid)
             return True
         assert isinstance(item, SubgroupHeader)
-        return self._on_subgroup_header(sid, stream, item, out)
+        return self._receiving.on_subgroup_header(sid, stream, item, out)

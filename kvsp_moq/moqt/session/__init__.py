@@ -3,11 +3,14 @@ those above it):
 
 * `records`: what a session keeps of each request and data stream, and the protocols of
   the draft's data stream parsers and writers;
-* `tokens`: the peer's authorization tokens, an object the session owns;
-* `core`: the state a session keeps, the lookups of its requests, and the hooks a draft fills;
-* `fetches`, `receiving`, `sending`: the peer's FETCHes, reading data streams and
-  datagrams, writing objects;
+* parts the session owns as objects: `tokens` (the peer's authorization tokens),
+  `dialect` (the protocol of a draft's wire forms, one object per draft),
+  `receiving` (the peer's data streams and datagrams, as events);
+* `core`: the state a session keeps, its parts, the lookups of its requests, and the
+  hooks a draft fills;
+* `fetches`, `sending`: the peer's FETCHes, writing objects (mixed into the session);
 * `base`: `SessionBase`, the lifecycle, and the answers both drafts give alike.
 
 A draft's session (`d18.session.MoqtSession`, `d14.session.MoqtSession14`) builds on
-`base.SessionBase`; requests and answers reach this package in their draft-18 form."""
+`base.SessionBase` and hands it its `dialect.Dialect`; requests and answers reach this
+package in their draft-18 form."""

@@ -5,8 +5,9 @@ reach this code in their draft-18 form (`kvsp_moq.moqt.d18.messages`) whatever t
 
 `SessionBase` puts together pieces that each have a module: the records of requests
 and data streams (`records`), the state a session keeps and the hooks a draft fills in
-(`core`, which owns the peer's tokens, a `tokens.PeerTokens`), its FETCHes (`fetches`), reading data
-(`receiving`) and writing it (`sending`). It keeps the lifecycle, the checks of
+(`core`, which owns the parts: the peer's tokens, `tokens`; the draft's wire forms,
+`dialect`; reading data, `receiving`), its FETCHes (`fetches`) and writing data
+(`sending`). It keeps the lifecycle, the checks of
 the peer's setup and the answers both drafts give alike."""
 
 from __future__ import annotations
@@ -39,14 +40,13 @@ from ..wire import (
     property_value,
 )
 from .fetches import PeerFetches
-from .receiving import DataReceiving
 from .records import RequestT
 from .sending import DataSending
 
 __all__ = ["SessionBase"]
 
 
-class SessionBase(DataReceiving[RequestT], DataSending[RequestT], PeerFetches[RequestT]):
+class SessionBase(DataSending[RequestT], PeerFetches[RequestT]):
     """What the draft-18 and draft-14 sessions share: the session's lifecycle, track
     aliases, joining FETCHes, reading data streams and datagrams, and writing objects.
     A draft supplies its control messages and wire encodings through the hooks of
@@ -91,6 +91,24 @@ class SessionBase(DataReceiving[RequestT], DataSending[RequestT], PeerFetches[Re
         self._closed = True
         self._quic.close(error_code=error_code, reason_phrase=reason)
 
+    # -- reading data ----------------------------------------------------------
+
+    def stop_data_stream(self, stream_id: int, error_code: int = StreamResetCode.CANCELLED) -> None:
+        """STOP_SENDING an incoming data stream, e.g. a group no longer of interest;
+        its remaining bytes are discarded and the subscription goes on."""
+        self._receiving.stop_data_stream(stream_id, error_code)
+
+    def incoming_stream_open(self, stream_id: int) -> bool:
+        """Whether an incoming data stream is still being read."""
+        return self._receiving.incoming_stream_open(stream_id)
+
+    def release(self, request_id: int) -> None:
+        """Forget a subscription that ended with PUBLISH_DONE, even if some of its
+        streams never arrived (after a grace period chosen by the caller)."""
+        request = self._requests.get(request_id)
+        if request is not None:
+            self._receiving.release(request)
+
     def _dispatch(self, event: QuicEvent, out: list[ev.MoqtEvent]) -> None:
         if isinstance(event, StreamDataReceived):
             self._on_stream_data(event, out)
@@ -99,7 +117,7 @@ class SessionBase(DataReceiving[RequestT], DataSending[RequestT], PeerFetches[Re
         elif isinstance(event, StopSendingReceived):
             self._on_stop_sending(event, out)
         elif isinstance(event, DatagramFrameReceived):
-            self._on_datagram(event.data, out)
+            self._receiving.on_datagram(event.data, out)
 
     def _hold_before_setup(self, event: QuicEvent) -> None:
         self._before_setup_bytes += len(getattr(event, "data", b""))

@@ -1,9 +1,9 @@
 """The core of every session, sans I/O: the state it keeps (requests, data streams, track
 aliases), the parts it owns (the peer's tokens, a `tokens.PeerTokens`; the draft's wire
-forms, a `dialect.Dialect`), the lookups of its requests, and the hooks through which a
-draft supplies its control messages. The shared machinery builds on it (`fetches`,
-`receiving`, `sending`) and `base.SessionBase` puts that together; a draft's `session`
-module fills in the hooks."""
+forms, a `dialect.Dialect`; reading data, a `receiving.DataReceiver`), the lookups of
+its requests, and the hooks through which a draft supplies its control messages. The
+shared machinery builds on it (`fetches`, `sending`) and `base.SessionBase` puts that
+together; a draft's `session` module fills in the hooks."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from ..d18.messages import FetchOk, Message, Setup, SubscribeOk
 from ..engine import QuicEngine, QuicEvent, StopSendingReceived, StreamDataReceived, StreamReset
 from ..errors import StreamClosed
 from .dialect import Dialect
+from .receiving import DataReceiver
 from .records import IncomingDataStream, OutgoingDataStream, RequestT
 from .tokens import PeerTokens
 
@@ -52,7 +53,6 @@ class SessionCore(Generic[RequestT]):
         self._dialect = dialect  # the wire forms of the draft's data streams and datagrams
         self.max_object_size = max_object_size
         self._max_buffered_before_setup = max_buffered_before_setup
-        self._max_unmatched_stream_bytes = max_unmatched_stream_bytes
         self._accept_path = None if accept_path is None else set(accept_path)
         self._accept_authority = None if accept_authority is None else set(accept_authority)
         self._closed = False
@@ -61,10 +61,8 @@ class SessionCore(Generic[RequestT]):
 
         self._next_request_id = 0 if is_client else 1
         self._requests: dict[int, RequestT] = {}
-        self._incoming_data: dict[int, IncomingDataStream[RequestT]] = {}
         self._outgoing_data: dict[int, OutgoingDataStream[RequestT]] = {}
 
-        self._aliases_in: dict[int, RequestT] = {}  # track alias -> our subscription
         self._aliases_out: dict[int, RequestT] = {}  # track alias -> subscription we publish
         self._next_alias = 0
 
@@ -74,6 +72,8 @@ class SessionCore(Generic[RequestT]):
 
         # Peer token registrations (section 10.2.2); ours are not tracked.
         self._tokens = PeerTokens(max_auth_token_cache_size)
+        # The peer's data streams and datagrams, and our subscriptions by track alias.
+        self._receiving = DataReceiver(quic, self, dialect, max_unmatched_stream_bytes)
 
         options = setup or Setup()
         if options.max_auth_token_cache_size is None and max_auth_token_cache_size:
@@ -186,7 +186,8 @@ class SessionCore(Generic[RequestT]):
         raise NotImplementedError
 
     def _data_stream_reset(self, request: RequestT) -> None:
-        """One of our data streams was reset (by us or, through STOP_SENDING, the peer)."""
+        """One of the request's data streams was reset (by us or, through STOP_SENDING,
+        the peer) or, one of the peer's, stopped by us."""
 
     def _maybe_finish_fetch(self, request: RequestT) -> None:
         raise NotImplementedError
