@@ -17,6 +17,8 @@ from kvsp_moq.moqt.wire import ObjectStatus
 
 from .pair import SessionPair
 
+pytestmark = pytest.mark.usefixtures("pair_engine")
+
 NS = (b"kvsp", b"c" * 32, b"s" * 16)
 
 
