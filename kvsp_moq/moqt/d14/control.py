@@ -172,7 +172,7 @@ class ControlMessageHandling(SessionState14):
         tokens = self._tokens.resolve(message.parameters.authorization_tokens)
         if self._refuse_if_going_away(request):
             return
-        self._on_fetch_request(request, f18, tokens, out)
+        self._fetches.on_fetch(request, f18, tokens, out)
 
     def _on_subscribe_update(self, message: d14.SubscribeUpdate, out: list[ev.MoqtEvent]) -> None:
         subscription = self._requests.get(message.subscription_request_id)
@@ -328,12 +328,12 @@ class ControlMessageHandling(SessionState14):
     # -- cancellations by the peer -----------------------------------------
 
     def _peer_cancelled(self, request: Request14, code: int, out: list[ev.MoqtEvent]) -> None:
-        if self._forget_held(request):
+        if self._fetches.forget_held(request):
             self._close_request(request)
             return
         out.append(ev.RequestCancelled(request.request_id, code, request.local))
         if request.held_fetches:
-            self._refuse_held_fetches(request, "subscription cancelled")
+            self._fetches.refuse_held(request, "subscription cancelled")
         self._end_data_streams(request, StreamResetCode.CANCELLED)
         self._close_request(request)
 

@@ -233,7 +233,7 @@ class MessageSending(SessionState14):
             return
         self._end_tracks(request, self._released)
         if request.held_fetches:
-            self._refuse_held_fetches(request, "subscription cancelled")
+            self._fetches.refuse_held(request, "subscription cancelled")
         if not request.local and not request.answered and request.kind in _ERROR_MESSAGES:
             self._reject(request, RequestErrorCode.INTERNAL_ERROR, "cancelled")
         else:
@@ -363,7 +363,7 @@ class MessageSending(SessionState14):
         if not self._closed:
             self._send(message)
         if request.held_fetches:
-            self._refuse_held_fetches(request, "subscription refused")
+            self._fetches.refuse_held(request, "subscription refused")
 
     def _send_publish_done(self, request: Request14, status_code: int, reason: str) -> None:
         done = m18.PublishDone(status_code, request.data_streams_opened, reason)

@@ -157,7 +157,7 @@ class ControlMessageHandling(SessionState):
             )
             self._receiving.flush_held_for_alias(message.track_alias, out)
         elif isinstance(message, Fetch):
-            self._on_fetch_request(request, message, tokens, out)
+            self._fetches.on_fetch(request, message, tokens, out)
         elif isinstance(message, TrackStatus):
             out.append(ev.TrackStatusReceived(request_id, message.namespace, message.track_name, parameters, tokens))
         elif isinstance(message, PublishNamespace):

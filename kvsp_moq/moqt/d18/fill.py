@@ -87,32 +87,32 @@ class FillServing(SessionState):
         request = FillState(internal, Fetch, False, parameters, wire_id=wire_id, joined=joined, bounds=bounds)
         self._requests[internal] = request
         self._fills.setdefault(joined.request_id, []).append(request)
-        self._on_fetch_request(request, message, tokens, out)
+        self._fetches.on_fetch(request, message, tokens, out)
 
-    def _resolve_joining(
+    def _resolve_own_joining(
         self,
         request: Request18,
         message: Fetch,
         tokens: tuple[AuthToken, ...],
         joined: Request18,
         out: list[ev.MoqtEvent],
-    ) -> None:
+    ) -> bool:
         """A fill that names its range is that range clamped to the Largest Object (a
         FETCH's evaluation); nothing is sent when it starts after the Largest Object."""
         if not isinstance(request, FillState) or request.bounds is None:
-            super()._resolve_joining(request, message, tokens, joined, out)
-            return
+            return False
         largest = joined.largest_at_ok
         start, end = request.bounds
         if joined.parameters.forward is False or largest is None or start > largest:
             self._end_fill(request)
-            return
+            return True
         limit = Location(largest.group, largest.object + 1)
         if _covers_more(end, limit):
             end = limit
         namespace, track_name = self._dialect.track_of(joined)
         out.append(ev.FetchReceived(request.request_id, message.fetch_type, namespace, track_name, start, end,
                                     joined.request_id, message.parameters, tokens))
+        return True
 
     def _on_data_stream_stopped(self, sid: int, error_code: int, out: list[ev.MoqtEvent]) -> bool:
         stream = self._outgoing_data.get(sid)

@@ -332,7 +332,7 @@ class MessageSending(SessionState):
             self._send_on_request(request, message, end_stream=True)
         finally:
             if request.held_fetches:
-                self._refuse_held_fetches(request, "subscription refused")
+                self._fetches.refuse_held(request, "subscription refused")
 
     def namespace(self, request_id: int, namespace_suffix: TrackNamespace) -> None:
         """Send NAMESPACE on a peer's SUBSCRIBE_NAMESPACE stream (after REQUEST_OK)."""

@@ -225,7 +225,7 @@ class MoqtSession(FillServing, StreamRouting, ControlMessageHandling, MessageSen
         for fill in list(self._fills.get(request.request_id, ())):
             self._end_fill(fill, error_code)  # draft-20: cancelling a subscription resets its fills
         if request.held_fetches:
-            self._refuse_held_fetches(request, "subscription cancelled")
+            self._fetches.refuse_held(request, "subscription cancelled")
         for sid in list(request.open_data_streams):
             if sid in self._outgoing_data:
                 self.reset_data_stream(sid, error_code)

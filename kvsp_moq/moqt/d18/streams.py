@@ -133,7 +133,7 @@ class StreamRouting(SessionState):
         request.fin_received = True
         if not request.closed:
             request.closed = True
-            if not self._forget_held(request):
+            if not self._fetches.forget_held(request):
                 out.append(ev.RequestCancelled(request.request_id, event.error_code, request.local))
             if request.local and request.kind is SubscribeNamespace:
                 prefix = request.message_as(SubscribeNamespace).namespace_prefix
@@ -155,7 +155,7 @@ class StreamRouting(SessionState):
         request.fin_sent = True  # the stream was reset by the transport
         if not request.closed:
             request.closed = True
-            if not self._forget_held(request):
+            if not self._fetches.forget_held(request):
                 out.append(ev.RequestCancelled(request.request_id, event.error_code, request.local))
             self._abort_stream(request, event.error_code)
         self._forget_if_done(request)

@@ -5,10 +5,11 @@ those above it):
   the draft's data stream parsers and writers;
 * parts the session owns as objects: `tokens` (the peer's authorization tokens),
   `dialect` (the protocol of a draft's wire forms, one object per draft),
-  `receiving` (the peer's data streams and datagrams, as events);
+  `receiving` (the peer's data streams and datagrams, as events), `fetches` (the
+  peer's FETCHes, joining ones held until their SUBSCRIBE is answered);
 * `core`: the state a session keeps, its parts, the lookups of its requests, and the
   hooks a draft fills;
-* `fetches`, `sending`: the peer's FETCHes, writing objects (mixed into the session);
+* `sending`: writing objects (mixed into the session);
 * `base`: `SessionBase`, the lifecycle, and the answers both drafts give alike.
 
 A draft's session (`d18.session.MoqtSession`, `d14.session.MoqtSession14`) builds on

@@ -6,7 +6,7 @@ reach this code in their draft-18 form (`kvsp_moq.moqt.d18.messages`) whatever t
 `SessionBase` puts together pieces that each have a module: the records of requests
 and data streams (`records`), the state a session keeps and the hooks a draft fills in
 (`core`, which owns the parts: the peer's tokens, `tokens`; the draft's wire forms,
-`dialect`; reading data, `receiving`), its FETCHes (`fetches`) and writing data
+`dialect`; reading data, `receiving`; the peer's FETCHes, `fetches`) and writing data
 (`sending`). It keeps the lifecycle, the checks of
 the peer's setup and the answers both drafts give alike."""
 
@@ -39,14 +39,13 @@ from ..wire import (
     TrackPropertyType,
     property_value,
 )
-from .fetches import PeerFetches
 from .records import RequestT
 from .sending import DataSending
 
 __all__ = ["SessionBase"]
 
 
-class SessionBase(DataSending[RequestT], PeerFetches[RequestT]):
+class SessionBase(DataSending[RequestT]):
     """What the draft-18 and draft-14 sessions share: the session's lifecycle, track
     aliases, joining FETCHes, reading data streams and datagrams, and writing objects.
     A draft supplies its control messages and wire encodings through the hooks of
@@ -188,7 +187,7 @@ class SessionBase(DataSending[RequestT], PeerFetches[RequestT]):
         )
         self._aliases_out[alias] = request
         if request.held_fetches:
-            self._release_held_fetches(request)
+            self._fetches.release_held(request, self._released)
         return alias
 
     def fetch_ok(

@@ -1,9 +1,9 @@
 """The core of every session, sans I/O: the state it keeps (requests, data streams, track
 aliases), the parts it owns (the peer's tokens, a `tokens.PeerTokens`; the draft's wire
-forms, a `dialect.Dialect`; reading data, a `receiving.DataReceiver`), the lookups of
-its requests, and the hooks through which a draft supplies its control messages. The
-shared machinery builds on it (`fetches`, `sending`) and `base.SessionBase` puts that
-together; a draft's `session` module fills in the hooks."""
+forms, a `dialect.Dialect`; reading data, a `receiving.DataReceiver`; the peer's
+FETCHes, a `fetches.PeerFetches`), the lookups of its requests, and the hooks through
+which a draft supplies its control messages. Writing data (`sending`) builds on it and
+`base.SessionBase` puts that together; a draft's `session` module fills in the hooks."""
 
 from __future__ import annotations
 
@@ -11,10 +11,12 @@ from dataclasses import replace
 from typing import Generic, Iterable
 
 from .. import events as ev
-from ..d18.messages import FetchOk, Message, Setup, SubscribeOk
+from ..d18.messages import Fetch, FetchOk, Message, Setup, SubscribeOk
 from ..engine import QuicEngine, QuicEvent, StopSendingReceived, StreamDataReceived, StreamReset
 from ..errors import StreamClosed
+from ..wire import AuthToken
 from .dialect import Dialect
+from .fetches import PeerFetches
 from .receiving import DataReceiver
 from .records import IncomingDataStream, OutgoingDataStream, RequestT
 from .tokens import PeerTokens
@@ -74,6 +76,7 @@ class SessionCore(Generic[RequestT]):
         self._tokens = PeerTokens(max_auth_token_cache_size)
         # The peer's data streams and datagrams, and our subscriptions by track alias.
         self._receiving = DataReceiver(quic, self, dialect, max_unmatched_stream_bytes)
+        self._fetches = PeerFetches(self, dialect, self._requests)  # the peer's FETCHes
 
         options = setup or Setup()
         if options.max_auth_token_cache_size is None and max_auth_token_cache_size:
@@ -180,6 +183,14 @@ class SessionCore(Generic[RequestT]):
 
     def _reject(self, request: RequestT, error_code: int, reason: str) -> None:
         raise NotImplementedError
+
+    def _resolve_own_joining(
+        self, request: RequestT, message: Fetch, tokens: tuple[AuthToken, ...], joined: RequestT,
+        out: list[ev.MoqtEvent],
+    ) -> bool:
+        """Resolve a joining FETCH the draft resolves itself (a draft-20 fill that names
+        its range); False when it is an ordinary one."""
+        return False
 
     def _fetch_stream_reset(self, request: RequestT) -> None:
         """The data stream of an open FETCH of ours was reset."""
