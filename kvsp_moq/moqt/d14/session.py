@@ -225,7 +225,7 @@ class MoqtSession14(ControlMessageHandling, NamespaceMapping, MessageSending, Re
     def _on_stop_sending(self, event: StopSendingReceived, out: list[ev.MoqtEvent]) -> None:
         if event.stream_id == self._control_stream_id:
             raise ProtocolViolation("STOP_SENDING on the control stream")
-        self._on_data_stream_stopped(event.stream_id, event.error_code, out)
+        self._sending.on_stop_sending(event.stream_id, event.error_code, out)
 
     # ------------------------------------------------------------------
     # Control stream
@@ -267,7 +267,7 @@ class MoqtSession14(ControlMessageHandling, NamespaceMapping, MessageSending, Re
     def _end_data_streams(self, request: Request14, error_code: int) -> None:
         """Reset the data streams we send for a request and stop those we receive."""
         for sid in list(request.open_data_streams):
-            if sid in self._outgoing_data:
+            if sid in self._sending.streams:
                 self.reset_data_stream(sid, error_code)
             else:
                 stream = self._receiving.streams.get(sid)
@@ -282,7 +282,7 @@ class MoqtSession14(ControlMessageHandling, NamespaceMapping, MessageSending, Re
         self, stream_id: int, group_id: int, object_id: int, *, unknown: bool = False, end_stream: bool = False
     ) -> None:
         """Draft-14 has no end-of-range marker: nothing is written; `end_stream` FINs."""
-        self._new_object(stream_id, fetch=True)
+        self._sending.new_object(stream_id, fetch=True)
         if end_stream:
             self.close_data_stream(stream_id)
 

@@ -7,7 +7,6 @@ subscriptions arrives on such a stream, and its objects are that subscription's.
 from __future__ import annotations
 
 from .. import events as ev
-from ..session.records import FetchObjectWriter, SubgroupObjectWriter
 from ..wire import AuthToken, FetchType, Location, SubscriptionFilter
 from .messages import (
     OPEN_END,
@@ -114,13 +113,9 @@ class FillServing(SessionState):
                                     joined.request_id, message.parameters, tokens))
         return True
 
-    def _on_data_stream_stopped(self, sid: int, error_code: int, out: list[ev.MoqtEvent]) -> bool:
-        stream = self._outgoing_data.get(sid)
-        if not super()._on_data_stream_stopped(sid, error_code, out):
-            return False
-        if stream is not None and isinstance(stream.request, FillState):
-            self._end_fill(stream.request)  # the subscriber wants no more of this fill
-        return True
+    def _data_stream_stopped(self, request: Request18) -> None:
+        if isinstance(request, FillState):
+            self._end_fill(request)  # the subscriber wants no more of this fill
 
     def _filled_subscription(self, request_id: int) -> Request18 | None:
         """Our subscription whose fill a FETCH_HEADER with this Request ID carries: the
@@ -134,11 +129,9 @@ class FillServing(SessionState):
             return None
         return request
 
-    def _open_data_stream(self, request: Request18, writer: SubgroupObjectWriter | FetchObjectWriter) -> int:
-        sid = super()._open_data_stream(request, writer)
+    def _data_stream_opened(self, request: Request18) -> None:
         if isinstance(request, FillState):
             request.joined.data_streams_opened += 1  # draft-20: PUBLISH_DONE counts fill streams
-        return sid
 
     def _end_fill(self, request: FillState, error_code: int | None = None) -> None:
         """A fill is over: reset its stream when it failed, and forget it."""
@@ -150,7 +143,7 @@ class FillServing(SessionState):
                 del self._fills[request.joined.request_id]
         if error_code is not None:
             for sid in list(request.open_data_streams):
-                if sid in self._outgoing_data:
+                if sid in self._sending.streams:
                     self.reset_data_stream(sid, error_code)
         if not request.open_data_streams:
             self._requests.pop(request.request_id, None)

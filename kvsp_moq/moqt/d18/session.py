@@ -148,11 +148,11 @@ class MoqtSession(FillServing, StreamRouting, ControlMessageHandling, MessageSen
     def write_fetch_end_of_range(
         self, stream_id: int, group_id: int, object_id: int, *, unknown: bool = False, end_stream: bool = False
     ) -> None:
-        stream = self._new_object(stream_id, fetch=True)
+        stream = self._sending.new_object(stream_id, fetch=True)
         writer = stream.writer
-        assert isinstance(writer, FetchStreamWriter)  # _new_object() checked it is the fetch writer
+        assert isinstance(writer, FetchStreamWriter)  # new_object() checked it is the fetch writer
         marker = writer.end_of_range(group_id, object_id, unknown=unknown)
-        self._send_data(stream, stream_id, marker, end_stream)
+        self._sending.send_data(stream, stream_id, marker, end_stream)
 
     def send_padding_stream(self, size: int) -> None:
         """Open a padding stream of `size` zero bytes and FIN it."""
@@ -227,7 +227,7 @@ class MoqtSession(FillServing, StreamRouting, ControlMessageHandling, MessageSen
         if request.held_fetches:
             self._fetches.refuse_held(request, "subscription cancelled")
         for sid in list(request.open_data_streams):
-            if sid in self._outgoing_data:
+            if sid in self._sending.streams:
                 self.reset_data_stream(sid, error_code)
         if not request.fin_sent:
             request.fin_sent = True

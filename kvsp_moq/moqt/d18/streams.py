@@ -145,7 +145,7 @@ class StreamRouting(SessionState):
 
     def _on_stop_sending(self, event: StopSendingReceived, out: list[ev.MoqtEvent]) -> None:
         sid = event.stream_id
-        if self._on_data_stream_stopped(sid, event.error_code, out):
+        if self._sending.on_stop_sending(sid, event.error_code, out):
             return
         if sid == self._control_stream_id:
             raise ProtocolViolation("STOP_SENDING on the control stream")

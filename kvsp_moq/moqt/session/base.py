@@ -6,13 +6,14 @@ reach this code in their draft-18 form (`kvsp_moq.moqt.d18.messages`) whatever t
 `SessionBase` puts together pieces that each have a module: the records of requests
 and data streams (`records`), the state a session keeps and the hooks a draft fills in
 (`core`, which owns the parts: the peer's tokens, `tokens`; the draft's wire forms,
-`dialect`; reading data, `receiving`; the peer's FETCHes, `fetches`) and writing data
-(`sending`). It keeps the lifecycle, the checks of
+`dialect`; reading data, `receiving`; the peer's FETCHes, `fetches`; writing data,
+`sending`). It keeps the lifecycle, the checks of
 the peer's setup and the answers both drafts give alike."""
 
 from __future__ import annotations
 
 from .. import events as ev
+from ..d18.data import ObjectDatagram, SubgroupHeader
 from ..d18.messages import Fetch, FetchOk, Parameters, Subscribe, SubscribeOk
 from ..engine import (
     ConnectionTerminated,
@@ -35,17 +36,18 @@ from ..errors import (
 from ..wire import (
     DEFAULT_PUBLISHER_PRIORITY,
     Location,
+    ObjectStatus,
     Properties,
     TrackPropertyType,
     property_value,
 )
+from .core import SessionCore
 from .records import RequestT
-from .sending import DataSending
 
 __all__ = ["SessionBase"]
 
 
-class SessionBase(DataSending[RequestT]):
+class SessionBase(SessionCore[RequestT]):
     """What the draft-18 and draft-14 sessions share: the session's lifecycle, track
     aliases, joining FETCHes, reading data streams and datagrams, and writing objects.
     A draft supplies its control messages and wire encodings through the hooks of
@@ -214,9 +216,156 @@ class SessionBase(DataSending[RequestT]):
         if request.closed:
             raise StreamClosed(f"subscription {request_id} is closed")
         for sid in list(request.open_data_streams):
-            stream = self._outgoing_data.get(sid)
+            stream = self._sending.streams.get(sid)
             if stream is not None and stream.payload_remaining:
                 self.reset_data_stream(sid, StreamResetCode.CANCELLED)
             else:
                 self.close_data_stream(sid)
         self._send_publish_done(request, status_code, reason)
+
+    # ------------------------------------------------------------------
+    # Writing data (the `sending` part, for requests checked here)
+    # ------------------------------------------------------------------
+
+    def _publishing_request(self, request_id: int) -> RequestT:
+        self._check_open()
+        request = self._request(request_id)
+        if not request.is_subscription or not request.publisher_is_local:
+            raise ValueError(f"request {request_id} is not a subscription this endpoint publishes")
+        if request.closed:
+            raise StreamClosed(f"subscription {request_id} is closed")
+        if request.kind is Subscribe and not request.accepted:
+            raise ValueError("objects are sent only after SUBSCRIBE_OK")
+        return request
+
+    def open_subgroup(
+        self,
+        request_id: int,
+        group_id: int,
+        subgroup_id: int = 0,
+        *,
+        publisher_priority: int | None = DEFAULT_PUBLISHER_PRIORITY,
+        end_of_group: bool = False,
+        has_properties: bool = False,
+        first_object: bool = True,
+    ) -> int:
+        """Open a subgroup stream for a subscription this endpoint publishes; returns
+        the stream ID. `publisher_priority` None inherits the track's default."""
+        request = self._publishing_request(request_id)
+        alias = request.track_alias
+        assert alias is not None  # set by subscribe_ok() or publish(), before any object
+        header = SubgroupHeader(
+            alias, group_id, subgroup_id, publisher_priority, has_properties, end_of_group, first_object
+        )
+        return self._sending.open_subgroup(request, header)
+
+    def begin_object(
+        self, stream_id: int, object_id: int, payload_length: int, *, properties: Properties = ()
+    ) -> None:
+        """Write the header of a Normal object on a subgroup stream; its payload
+        follows with write_payload(), in as many pieces as the caller likes."""
+        self._sending.begin_object(stream_id, object_id, payload_length, properties=properties)
+
+    def write_payload(self, stream_id: int, data: bytes | bytearray | memoryview, *, end_stream: bool = False) -> None:
+        """Write payload bytes of the object begun on this stream."""
+        self._sending.write_payload(stream_id, data, end_stream=end_stream)
+
+    def write_object(
+        self,
+        stream_id: int,
+        object_id: int,
+        payload: bytes | bytearray | memoryview,
+        *,
+        properties: Properties = (),
+        end_stream: bool = False,
+    ) -> None:
+        """Write a whole Normal object on a subgroup stream (the payload is not copied here)."""
+        self._sending.write_object(stream_id, object_id, payload, properties=properties, end_stream=end_stream)
+
+    def write_object_status(
+        self, stream_id: int, object_id: int, status: ObjectStatus, *, end_stream: bool = False
+    ) -> None:
+        """Write an object status (End of Group / End of Track, or an empty Normal object)."""
+        self._sending.write_object_status(stream_id, object_id, status, end_stream=end_stream)
+
+    def open_fetch_stream(self, request_id: int) -> int:
+        """Open the data stream answering a peer's FETCH; returns the stream ID."""
+        self._check_open()
+        request = self._request(request_id)
+        if request.local or request.kind is not Fetch:
+            raise ValueError(f"request {request_id} is not a peer FETCH")
+        if request.closed:
+            raise StreamClosed(f"fetch {request_id} was cancelled")
+        if request.data_streams_opened:
+            raise ValueError("a FETCH is answered on one stream")
+        return self._sending.open_fetch_stream(request)
+
+    def begin_fetch_object(
+        self,
+        stream_id: int,
+        group_id: int,
+        object_id: int,
+        payload_length: int,
+        *,
+        subgroup_id: int | None = 0,
+        publisher_priority: int = DEFAULT_PUBLISHER_PRIORITY,
+        properties: Properties = (),
+    ) -> None:
+        """Write the header of the next object of a FETCH response; the payload
+        follows with write_payload(). `subgroup_id` None marks a Datagram object."""
+        self._sending.begin_fetch_object(
+            stream_id, group_id, object_id, payload_length,
+            subgroup_id=subgroup_id, publisher_priority=publisher_priority, properties=properties,
+        )
+
+    def write_fetch_object(
+        self,
+        stream_id: int,
+        group_id: int,
+        object_id: int,
+        payload: bytes | bytearray | memoryview,
+        *,
+        subgroup_id: int | None = 0,
+        publisher_priority: int = DEFAULT_PUBLISHER_PRIORITY,
+        properties: Properties = (),
+        end_stream: bool = False,
+    ) -> None:
+        """Write a whole object of a FETCH response."""
+        self._sending.write_fetch_object(
+            stream_id, group_id, object_id, payload,
+            subgroup_id=subgroup_id, publisher_priority=publisher_priority, properties=properties,
+            end_stream=end_stream,
+        )
+
+    def close_data_stream(self, stream_id: int) -> None:
+        """FIN a data stream: every object of it was written."""
+        self._sending.close_data_stream(stream_id)
+
+    def reset_data_stream(self, stream_id: int, error_code: int = StreamResetCode.CANCELLED) -> None:
+        """Reset a data stream this endpoint writes."""
+        self._sending.reset_data_stream(stream_id, error_code)
+
+    def data_stream_request(self, stream_id: int) -> int | None:
+        """Request ID an outgoing data stream serves, while it can still be written."""
+        return self._sending.data_stream_request(stream_id)
+
+    def send_datagram(
+        self,
+        request_id: int,
+        group_id: int,
+        object_id: int,
+        payload: bytes = b"",
+        *,
+        publisher_priority: int | None = DEFAULT_PUBLISHER_PRIORITY,
+        status: ObjectStatus | None = None,
+        properties: Properties = (),
+        end_of_group: bool = False,
+    ) -> None:
+        """Send one object as an OBJECT_DATAGRAM (dropped by QUIC if it does not fit)."""
+        request = self._publishing_request(request_id)
+        alias = request.track_alias
+        assert alias is not None  # set by subscribe_ok() or publish(), before any object
+        datagram = ObjectDatagram(
+            alias, group_id, object_id, payload, publisher_priority, status, properties, end_of_group
+        )
+        self._sending.send_datagram(request, datagram)

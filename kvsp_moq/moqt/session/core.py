@@ -1,9 +1,10 @@
 """The core of every session, sans I/O: the state it keeps (requests, data streams, track
 aliases), the parts it owns (the peer's tokens, a `tokens.PeerTokens`; the draft's wire
 forms, a `dialect.Dialect`; reading data, a `receiving.DataReceiver`; the peer's
-FETCHes, a `fetches.PeerFetches`), the lookups of its requests, and the hooks through
-which a draft supplies its control messages. Writing data (`sending`) builds on it and
-`base.SessionBase` puts that together; a draft's `session` module fills in the hooks."""
+FETCHes, a `fetches.PeerFetches`; writing data, a `sending.DataSender`), the lookups of
+its requests, and the hooks through which a draft supplies its control messages and the
+parts ask of it. `base.SessionBase` builds the session's public methods on it; a draft's
+`session` module fills in the hooks."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from ..wire import AuthToken
 from .dialect import Dialect
 from .fetches import PeerFetches
 from .receiving import DataReceiver
-from .records import IncomingDataStream, OutgoingDataStream, RequestT
+from .records import IncomingDataStream, RequestT
+from .sending import DataSender
 from .tokens import PeerTokens
 
 __all__ = ["IMPLEMENTATION", "SessionCore"]
@@ -63,7 +65,6 @@ class SessionCore(Generic[RequestT]):
 
         self._next_request_id = 0 if is_client else 1
         self._requests: dict[int, RequestT] = {}
-        self._outgoing_data: dict[int, OutgoingDataStream[RequestT]] = {}
 
         self._aliases_out: dict[int, RequestT] = {}  # track alias -> subscription we publish
         self._next_alias = 0
@@ -77,6 +78,7 @@ class SessionCore(Generic[RequestT]):
         # The peer's data streams and datagrams, and our subscriptions by track alias.
         self._receiving = DataReceiver(quic, self, dialect, max_unmatched_stream_bytes)
         self._fetches = PeerFetches(self, dialect, self._requests)  # the peer's FETCHes
+        self._sending = DataSender(quic, self, dialect)  # our data streams and datagrams
 
         options = setup or Setup()
         if options.max_auth_token_cache_size is None and max_auth_token_cache_size:
@@ -199,6 +201,13 @@ class SessionCore(Generic[RequestT]):
     def _data_stream_reset(self, request: RequestT) -> None:
         """One of the request's data streams was reset (by us or, through STOP_SENDING,
         the peer) or, one of the peer's, stopped by us."""
+
+    def _data_stream_opened(self, request: RequestT) -> None:
+        """A data stream of the request was opened (draft-20: a fill's counts for its subscription)."""
+
+    def _data_stream_stopped(self, request: RequestT) -> None:
+        """The peer sent STOP_SENDING for one of the request's data streams (after the
+        stream was marked reset and the event reported)."""
 
     def _maybe_finish_fetch(self, request: RequestT) -> None:
         raise NotImplementedError
