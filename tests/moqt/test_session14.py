@@ -449,7 +449,7 @@ def test_requests_beyond_the_peer_grant_wait_for_max_request_id():
     assert ids == [0, 2, 4]
     p.exchange()
     assert [e.request_id for e in of(p.take("server"), ev.SubscribeReceived)] == [0, 2]
-    assert p.client._blocked_reported == 4  # REQUESTS_BLOCKED was sent for Maximum Request ID 4
+    assert p.client._credit.blocked_reported == 4  # REQUESTS_BLOCKED was sent for Maximum Request ID 4
     p.server.request_error(0, RequestErrorCode.DOES_NOT_EXIST)  # frees one request
     p.exchange()
     assert one(p.take("server"), ev.SubscribeReceived).request_id == 4

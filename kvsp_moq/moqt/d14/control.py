@@ -58,7 +58,7 @@ class ControlMessageHandling(SessionState14):
         s = self.local_setup
         return d14.SetupParameters(
             path=s.path if self._is_client else None,
-            max_request_id=self._granted,
+            max_request_id=self._credit.granted,
             authorization_tokens=s.authorization_tokens,
             max_auth_token_cache_size=s.max_auth_token_cache_size,
             authority=s.authority if self._is_client else None,
@@ -97,12 +97,18 @@ class ControlMessageHandling(SessionState14):
             implementation=p.implementation,
         )
         self.peer_setup = setup
-        self._peer_grant = p.max_request_id or 0
+        self._credit.peer_grant = p.max_request_id or 0
         out.append(ev.SetupCompleted(setup))
-        self._flush_queue()
+        self._credit.flush_queue()
         self._replay_held(out)
 
     # -- session-level messages --------------------------------------------
+
+    def _on_max_request_id(self, message: d14.MaxRequestId, out: list[ev.MoqtEvent]) -> None:
+        self._credit.on_max_request_id(message)
+
+    def _on_requests_blocked(self, message: d14.RequestsBlocked, out: list[ev.MoqtEvent]) -> None:
+        self._credit.grant(force=True)
 
     def _on_goaway(self, message: d14.Goaway, out: list[ev.MoqtEvent]) -> None:
         if self.goaway_received is not None:
@@ -125,7 +131,7 @@ class ControlMessageHandling(SessionState14):
         """SUBSCRIBE, or TRACK_STATUS (SUBSCRIBE's format)."""
         s18 = message.to_draft18()
         status = isinstance(message, d14.TrackStatus)
-        request = self._new_peer_request(
+        request = self._credit.new_peer_request(
             message.request_id, TRACK_STATUS if status else SUBSCRIBE, parameters=s18.parameters,
             namespace=message.namespace, track_name=message.track_name,
         )
@@ -150,7 +156,7 @@ class ControlMessageHandling(SessionState14):
         if p.max_cache_duration is not None:
             properties.append((TrackPropertyType.MAX_CACHE_DURATION, p.max_cache_duration))
         properties.append((TrackPropertyType.DEFAULT_PUBLISHER_GROUP_ORDER, int(message.group_order)))
-        request = self._new_peer_request(
+        request = self._credit.new_peer_request(
             message.request_id, PUBLISH, parameters=parameters,
             namespace=message.namespace, track_name=message.track_name, track_alias=message.track_alias,
         )
@@ -168,7 +174,7 @@ class ControlMessageHandling(SessionState14):
 
     def _on_fetch(self, message: d14.Fetch, out: list[ev.MoqtEvent]) -> None:
         f18 = message.to_draft18()
-        request = self._new_peer_request(message.request_id, FETCH, parameters=f18.parameters, fetch=f18)
+        request = self._credit.new_peer_request(message.request_id, FETCH, parameters=f18.parameters, fetch=f18)
         tokens = self._tokens.resolve(message.parameters.authorization_tokens)
         if self._refuse_if_going_away(request):
             return
@@ -176,8 +182,8 @@ class ControlMessageHandling(SessionState14):
 
     def _on_subscribe_update(self, message: d14.SubscribeUpdate, out: list[ev.MoqtEvent]) -> None:
         subscription = self._requests.get(message.subscription_request_id)
-        self._accept_peer_id(message.request_id)
-        self._grant()  # an update uses a Request ID but holds nothing open
+        self._credit.accept_peer_id(message.request_id)
+        self._credit.grant()  # an update uses a Request ID but holds nothing open
         if subscription is None or subscription.closed:
             return  # a race with PUBLISH_DONE / UNSUBSCRIBE
         if subscription.local or subscription.kind != SUBSCRIBE:

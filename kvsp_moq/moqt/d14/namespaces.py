@@ -34,7 +34,7 @@ class NamespaceMapping(SessionState14):
         parameters = Parameters(authorization_tokens=message.parameters.authorization_tokens)
         parent = self._subscription_for(message.namespace)
         kind = PUBLISH_NAMESPACE if parent is None else ANNOUNCED
-        request = self._new_peer_request(
+        request = self._credit.new_peer_request(
             message.request_id, kind, parameters=parameters, namespace=message.namespace, parent=parent
         )
         tokens = self._tokens.resolve(message.parameters.authorization_tokens)
@@ -64,7 +64,7 @@ class NamespaceMapping(SessionState14):
 
     def _on_subscribe_namespace(self, message: d14.SubscribeNamespace, out: list[ev.MoqtEvent]) -> None:
         parameters = Parameters(authorization_tokens=message.parameters.authorization_tokens)
-        request = self._new_peer_request(
+        request = self._credit.new_peer_request(
             message.request_id, SUBSCRIBE_NAMESPACE, parameters=parameters, namespace=message.namespace_prefix
         )
         tokens = self._tokens.resolve(message.parameters.authorization_tokens)
@@ -173,7 +173,7 @@ class NamespaceMapping(SessionState14):
 
     def _withdraw(self, announced: Request14) -> None:
         if not announced.closed:
-            self._send_about(announced, d14.PublishNamespaceDone(announced.namespace))
+            self._credit.send_about(announced, d14.PublishNamespaceDone(announced.namespace))
             self._close_request(announced)
 
     def _drop_announced(self, request: Request14) -> None:

@@ -66,7 +66,7 @@ class MessageSending(SessionState14):
         self._next_request_id += 2
         request = Request14(request_id, kind, True, **fields)
         self._requests[request_id] = request
-        self._send_request(request, data)
+        self._credit.send_request(request, data)
         return request_id
 
     def subscribe(self, namespace: TrackNamespace, track_name: bytes, parameters: Parameters = Parameters()) -> int:
@@ -215,7 +215,7 @@ class MessageSending(SessionState14):
         data = message.encode()  # before the ID is spent, as for requests
         self._next_request_id += 2
         update = Request14(update_id, SUBSCRIBE_UPDATE, True, closed=True)
-        self._send_request(update, data)
+        self._credit.send_request(update, data)
         request.parameters = merged
         self._released.append(ev.RequestAccepted(update_id, Parameters(), ()))
         return update_id
@@ -270,7 +270,7 @@ class MessageSending(SessionState14):
                 self._withdraw_announced(request)
             # A peer FETCH already answered ends by resetting its data stream.
         if message is not None and not self._closed:
-            self._send_about(request, message)
+            self._credit.send_about(request, message)
 
     def goaway(self, new_session_uri: str = "", timeout_ms: int = 0) -> None:
         """Send GOAWAY (draft-14 carries no timeout); later peer requests are refused."""
@@ -367,7 +367,7 @@ class MessageSending(SessionState14):
 
     def _send_publish_done(self, request: Request14, status_code: int, reason: str) -> None:
         done = m18.PublishDone(status_code, request.data_streams_opened, reason)
-        self._send_about(request, d14.PublishDone.from_draft18(done, request.request_id))
+        self._credit.send_about(request, d14.PublishDone.from_draft18(done, request.request_id))
         self._close_request(request)
 
     def publish_blocked(self, request_id: int, namespace_suffix: TrackNamespace, track_name: bytes) -> None:

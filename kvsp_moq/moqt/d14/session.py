@@ -6,11 +6,12 @@ events, so the layer above needs no second code path for the fallback version.
 Both derive from `session.base.SessionBase`, which keeps what the drafts share (token
 cache, track aliases, joining FETCHes, data streams and datagrams, writing
 objects); data stream items and answers are converted to and from their
-draft-18 forms at the edges (`adapters`). `MoqtSession14` is made of parts: the
-control messages received (`control`), what it sends (`sending`), namespaces
-(`namespaces`) and Request ID credit (`credit`), each deriving from
-`session_state.SessionState14`, which declares with their types what they share; this
-module keeps the session's state, its streams and teardown. The wire is draft-14's
+draft-18 forms at the edges (`adapters`, `dialect`). `MoqtSession14` owns Request ID
+credit as an object (`credit.RequestCredit`) and is made of parts: the control
+messages received (`control`), what it sends (`sending`) and namespaces
+(`namespaces`), each deriving from `session_state.SessionState14`, which declares
+with their types what they share; this module keeps the session's state, its streams
+and teardown. The wire is draft-14's
 (codec in `messages` and `data`):
 
 * the client opens one bidirectional control stream and sends CLIENT_SETUP with
@@ -87,7 +88,6 @@ What has no draft-14 form, and what happens instead:
 
 from __future__ import annotations
 
-from collections import deque
 from typing import Iterable
 
 from .. import events as ev
@@ -120,7 +120,7 @@ ALPN = d14.ALPN
 DEFAULT_MAX_REQUESTS = 100
 
 
-class MoqtSession14(ControlMessageHandling, NamespaceMapping, MessageSending, RequestCredit, SessionBase):
+class MoqtSession14(ControlMessageHandling, NamespaceMapping, MessageSending, SessionBase):
     """The draft-14 MOQT state of one QUIC connection (ALPN "moq-00").
 
     `versions` are the SETUP versions offered (client, most preferred first) or
@@ -166,13 +166,7 @@ class MoqtSession14(ControlMessageHandling, NamespaceMapping, MessageSending, Re
         self._goaway_sent = False
 
         # Request IDs and their credit (section 9.1 / MAX_REQUEST_ID).
-        self._max_requests = max_requests
-        self._peer_next_id = 1 if is_client else 0
-        self._peer_active = 0
-        self._granted = self._peer_next_id + 2 * max_requests  # peer IDs below this are allowed
-        self._peer_grant = 0  # our IDs below this may be sent
-        self._blocked_reported = None
-        self._queue = deque()  # [request_id, bytearray] not yet sent
+        self._credit = RequestCredit(self, quic, self._requests, is_client=is_client, max_requests=max_requests)
         self._updates = {}  # peer SUBSCRIBE_UPDATE id -> subscription
 
         self._control_stream_id = None
@@ -313,8 +307,7 @@ class MoqtSession14(ControlMessageHandling, NamespaceMapping, MessageSending, Re
         request.closed = True
         if not request.local and not request.credit_returned:
             request.credit_returned = True
-            self._peer_active -= 1
-            self._grant()
+            self._credit.peer_request_ended()
         self._forget_if_done(request)
 
     def _forget_if_done(self, request: Request14) -> None:

@@ -1,5 +1,5 @@
 """The typed state of a draft-14 session: what the parts of `MoqtSession14` (`control`,
-`sending`, `namespaces`, `credit`) share. Each part derives from `SessionState14`, so
+`sending`, `namespaces`) share. Each part derives from `SessionState14`, so
 that every attribute and method one part uses of another is declared once, with its
 type, and checked. Nothing here runs: the attributes are set by `MoqtSession14.__init__`
 and each method below is defined by the part or the session class named beside it,
@@ -7,13 +7,13 @@ which come first in the session's MRO."""
 
 from __future__ import annotations
 
-from collections import deque
 from typing import Any, Callable, ClassVar
 
 from .. import events as ev
 from ..d18.messages import Message
 from ..session.base import SessionBase
 from . import messages as d14
+from .credit import RequestCredit
 from .request_state import Request14
 
 __all__ = ["SessionState14"]
@@ -29,14 +29,7 @@ class SessionState14(SessionBase[Request14]):
 
     _updates: dict[int, Request14]  # peer SUBSCRIBE_UPDATE Request ID -> the subscription it updates
 
-    # Request IDs and their credit (`credit`).
-    _max_requests: int
-    _peer_next_id: int
-    _peer_active: int
-    _granted: int  # peer Request IDs below this are allowed
-    _peer_grant: int  # our Request IDs below this may be sent
-    _blocked_reported: int | None
-    _queue: deque[list[Any]]  # [request_id, bytearray]: encoded requests not yet sent
+    _credit: RequestCredit  # Request IDs and their credit, a part of its own
 
     # The one control stream.
     _control_stream_id: int | None
@@ -91,30 +84,4 @@ class SessionState14(SessionBase[Request14]):
 
     def _open_request(self, kind: type[Message], build: Callable[[int], d14.Message], **fields: Any) -> int:
         """Defined by MessageSending."""
-        raise NotImplementedError
-
-    # -- credit --------------------------------------------------------------
-
-    def _accept_peer_id(self, request_id: int) -> None:
-        """Defined by RequestCredit."""
-        raise NotImplementedError
-
-    def _new_peer_request(self, request_id: int, kind: type[Message], **fields: Any) -> Request14:
-        """Defined by RequestCredit."""
-        raise NotImplementedError
-
-    def _grant(self, force: bool = False) -> None:
-        """Defined by RequestCredit."""
-        raise NotImplementedError
-
-    def _flush_queue(self) -> None:
-        """Defined by RequestCredit."""
-        raise NotImplementedError
-
-    def _send_request(self, request: Request14, data: bytes) -> None:
-        """Defined by RequestCredit."""
-        raise NotImplementedError
-
-    def _send_about(self, request: Request14, message: d14.Message) -> None:
-        """Defined by RequestCredit."""
         raise NotImplementedError
