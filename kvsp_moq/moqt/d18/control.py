@@ -130,7 +130,7 @@ class ControlMessageHandling(SessionState):
         if isinstance(message, Subscribe):
             out.append(ev.SubscribeReceived(request_id, message.namespace, message.track_name, parameters, tokens))
             if parameters.fill is not None:
-                self._open_fill(request, parameters.fill, request_id, tokens, out)
+                self._fills.open(request, parameters.fill, request_id, tokens, out)
         elif isinstance(message, Publish):
             unsupported = mandatory_properties(message.track_properties)
             other = self._receiving.aliases.get(message.track_alias)
@@ -342,7 +342,7 @@ class ControlMessageHandling(SessionState):
             return
         out.append(ev.RequestUpdateReceived(message.request_id, request.request_id, message.parameters, tokens))
         if message.parameters.fill is not None and request.kind is Subscribe and not request.local:
-            self._open_fill(request, message.parameters.fill, message.request_id, tokens, out)
+            self._fills.open(request, message.parameters.fill, message.request_id, tokens, out)
 
     def _on_request_fin(self, request: RequestStream, out: list[ev.MoqtEvent]) -> None:
         request.fin_received = True

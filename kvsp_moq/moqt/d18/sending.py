@@ -319,7 +319,7 @@ class MessageSending(SessionState):
         redirect: Redirect | None = None,
     ) -> None:
         if isinstance(request, FillState):
-            self._end_fill(request, StreamResetCode.INTERNAL_ERROR)
+            self._fills.end(request, StreamResetCode.INTERNAL_ERROR)
             return
         if not self.profile.joining_error_codes and error_code in (
             RequestErrorCode.DUPLICATE_SUBSCRIPTION, RequestErrorCode.INVALID_JOINING_REQUEST_ID

@@ -4,10 +4,10 @@
 write into the QuicConnection, and the caller transmits. Nothing here touches a
 socket, a clock or an event loop. `session.base.SessionBase` holds what every
 draft's session shares; `MoqtSession` adds draft-18's streams, messages and wire
-forms, in parts: stream routing (`streams`), the control messages received
-(`control`), what it sends (`sending`) and fills (`fill`, drafts 20 and 22); this
-module keeps the session's state, the draft-18 forms of what `SessionBase` sends and
-receives, and the teardown of request streams.
+forms (`dialect`), owns the fills of drafts 20 and 22 as an object (`fill.Fills`), and
+is made of parts: stream routing (`streams`), the control messages received
+(`control`) and what it sends (`sending`); this module keeps the session's state, the
+draft-18 forms of what `SessionBase` sends, and the teardown of request streams.
 
 Stream layout in draft-18 (section 3.3):
 
@@ -50,19 +50,21 @@ from __future__ import annotations
 
 from typing import Iterable
 
+from .. import events as ev
 from ..engine import QuicEngine
 from ..errors import PublishDoneCode, StreamResetCode
 from ..session.records import RequestIdTracker
-from ..wire import DEFAULT_MAX_OBJECT_SIZE
+from ..wire import DEFAULT_MAX_OBJECT_SIZE, AuthToken
 from .control import ControlMessageHandling
 from .data import (
     FetchStreamWriter,
     encode_padding_stream,
 )
 from .dialect import Dialect18
-from .fill import FillServing
+from .fill import Fills
 from .messages import (
     ControlStreamParser,
+    Fetch,
     FetchOk,
     Parameters,
     PublishDone,
@@ -77,7 +79,7 @@ from .streams import StreamRouting
 __all__ = ["MoqtSession"]
 
 
-class MoqtSession(FillServing, StreamRouting, ControlMessageHandling, MessageSending):
+class MoqtSession(StreamRouting, ControlMessageHandling, MessageSending):
     """The MOQT state of one QUIC connection.
 
     `setup` holds the Setup Options to send; a client should set `path` and
@@ -122,7 +124,8 @@ class MoqtSession(FillServing, StreamRouting, ControlMessageHandling, MessageSen
         self._request_parsers: dict[int, ControlStreamParser] = {}
         self._update_parent: dict[int, RequestStream] = {}
         self._update_parameters: dict[int, Parameters] = {}  # REQUEST_UPDATEs not yet answered
-        self._fills: dict[int, list[FillState]] = {}  # fills being served, by the subscription's Request ID
+        self._fills = Fills(self.profile, self._requests, self._update_parent, self._fetches, self._sending,
+                            self._dialect)  # drafts 20 and 22
 
         self._peer_control_stream_id: int | None = None
         self._control_parser = ControlStreamParser(draft)
@@ -178,15 +181,33 @@ class MoqtSession(FillServing, StreamRouting, ControlMessageHandling, MessageSen
         done = PublishDone(status_code, request.data_streams_opened, reason)
         self._send_on_request(request, done, end_stream=True)
 
+    def _resolve_own_joining(
+        self,
+        request: Request18,
+        message: Fetch,
+        tokens: tuple[AuthToken, ...],
+        joined: Request18,
+        out: list[ev.MoqtEvent],
+    ) -> bool:
+        return self._fills.resolve_own_joining(request, message, tokens, joined, out)
+
+    def _data_stream_opened(self, request: Request18) -> None:
+        if isinstance(request, FillState):
+            request.joined.data_streams_opened += 1  # draft-20: PUBLISH_DONE counts fill streams
+
+    def _data_stream_stopped(self, request: Request18) -> None:
+        if isinstance(request, FillState):
+            self._fills.end(request)  # the subscriber wants no more of this fill
+
     def _fetch_stream_reset(self, request: Request18) -> None:
         if isinstance(request, FillState):
-            self._end_fill(request, StreamResetCode.CANCELLED)
+            self._fills.end(request, StreamResetCode.CANCELLED)
             return
         self._cancel(request, StreamResetCode.CANCELLED)
 
     def _close_request(self, request: Request18) -> None:
         if isinstance(request, FillState):
-            self._end_fill(request)
+            self._fills.end(request)
             return
         request.closed = True
         self._forget_if_done(request)
@@ -201,7 +222,7 @@ class MoqtSession(FillServing, StreamRouting, ControlMessageHandling, MessageSen
             return
         if isinstance(request, FillState):
             if request.fetch_stream_closed and not request.open_data_streams:
-                self._end_fill(request)
+                self._fills.end(request)
             return
         if request.local:
             if request.fetch_stream_closed:
@@ -222,8 +243,8 @@ class MoqtSession(FillServing, StreamRouting, ControlMessageHandling, MessageSen
         self._forget_if_done(request)
 
     def _abort_stream(self, request: RequestStream, error_code: int) -> None:
-        for fill in list(self._fills.get(request.request_id, ())):
-            self._end_fill(fill, error_code)  # draft-20: cancelling a subscription resets its fills
+        for fill in self._fills.of(request.request_id):
+            self._fills.end(fill, error_code)  # draft-20: cancelling a subscription resets its fills
         if request.held_fetches:
             self._fetches.refuse_held(request, "subscription cancelled")
         for sid in list(request.open_data_streams):
@@ -244,7 +265,7 @@ class MoqtSession(FillServing, StreamRouting, ControlMessageHandling, MessageSen
 
     def _cancel(self, request: Request18, error_code: int) -> None:
         if isinstance(request, FillState):
-            self._end_fill(request, error_code)
+            self._fills.end(request, error_code)
             return
         request.closed = True
         self._abort_stream(request, error_code)

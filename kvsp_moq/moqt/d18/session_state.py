@@ -1,5 +1,5 @@
 """The state of a draft-18 session and the methods its parts call on one another, declared
-once so that each part (`streams`, `control`, `sending`, `fill`) is checked against them.
+once so that each part (`streams`, `control`, `sending`) is checked against them.
 `session.MoqtSession` sets the state, and its parts, ahead of this class in the MRO,
 override every method stubbed here: the class holds declarations only."""
 
@@ -8,10 +8,10 @@ from __future__ import annotations
 from .. import events as ev
 from ..session.base import SessionBase
 from ..session.records import RequestIdTracker
-from ..wire import AuthToken
-from .messages import ControlStreamParser, Fill, Message, Parameters, Redirect
+from .fill import Fills
+from .messages import ControlStreamParser, Message, Parameters, Redirect
 from .profiles import Profile
-from .request_state import FillState, Request18, RequestStream
+from .request_state import Request18, RequestStream
 
 __all__ = ["SessionState"]
 
@@ -31,7 +31,7 @@ class SessionState(SessionBase[Request18]):
     _request_parsers: dict[int, ControlStreamParser]  # by request stream ID
     _update_parent: dict[int, RequestStream]  # REQUEST_UPDATE ID -> the request it updates
     _update_parameters: dict[int, Parameters]  # REQUEST_UPDATEs not yet answered
-    _fills: dict[int, list[FillState]]  # fills being served, by the subscription's Request ID
+    _fills: Fills  # drafts 20 and 22: the peer's fills and our subscriptions'
     _unclassified_uni: dict[int, bytearray]  # new unidirectional streams before their type
     _ignored_streams: set[int]
 
@@ -63,19 +63,6 @@ class SessionState(SessionBase[Request18]):
         raise NotImplementedError
 
     def _apply_update(self, request: RequestStream, update: Parameters, answer: Parameters) -> None:
-        raise NotImplementedError
-
-    # -- fills (`fill`) --------------------------------------------------------
-
-    def _open_fill(
-        self, joined: RequestStream, fill: Fill, wire_id: int, tokens: tuple[AuthToken, ...], out: list[ev.MoqtEvent]
-    ) -> None:
-        raise NotImplementedError
-
-    def _end_fill(self, request: FillState, error_code: int | None = None) -> None:
-        raise NotImplementedError
-
-    def _filled_subscription(self, request_id: int) -> Request18 | None:
         raise NotImplementedError
 
     # -- request stream teardown (`session`) -----------------------------------

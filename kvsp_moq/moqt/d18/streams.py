@@ -171,7 +171,7 @@ class StreamRouting(SessionState):
         if isinstance(item, FetchHeader):
             stream.fetch = True
             request = self._requests.get(item.request_id)
-            subscription = self._filled_subscription(item.request_id)
+            subscription = self._fills.filled_subscription(item.request_id)
             if subscription is not None:
                 # Draft-20: a fill of our subscription; its objects are the subscription's.
                 stream.fill = True
