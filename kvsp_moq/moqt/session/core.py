@@ -3,11 +3,12 @@ aliases), the parts it owns (the peer's tokens, a `tokens.PeerTokens`; the draft
 forms, a `dialect.Dialect`; reading data, a `receiving.DataReceiver`; the peer's
 FETCHes, a `fetches.PeerFetches`; writing data, a `sending.DataSender`), the lookups of
 its requests, and the hooks through which a draft supplies its control messages and the
-parts ask of it. `base.SessionBase` builds the session's public methods on it; a draft's
-`session` module fills in the hooks."""
+parts ask of it (abstract where every draft must fill them in). `base.SessionBase`
+builds the session's public methods on it; a draft's `session` module fills in the hooks."""
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import replace
 from typing import Generic, Iterable
 
@@ -28,7 +29,7 @@ __all__ = ["IMPLEMENTATION", "SessionCore"]
 IMPLEMENTATION = "kvsp-moq/0.1"
 
 
-class SessionCore(Generic[RequestT]):
+class SessionCore(ABC, Generic[RequestT]):
     """The state and hooks every session shares; see `base.SessionBase` for the
     whole of what the drafts share. `RequestT` is the record a draft keeps of each
     request (draft-18: its stream or a fill; draft-14: `Request14`), so the shared code
@@ -149,42 +150,46 @@ class SessionCore(Generic[RequestT]):
         return request
 
     # ------------------------------------------------------------------
-    # What each draft supplies
+    # What each draft supplies (abstract), and what the parts ask of it
     # ------------------------------------------------------------------
 
+    @abstractmethod
     def _on_control_data(self, data: bytes, out: list[ev.MoqtEvent]) -> None:
         """Bytes of the peer's control stream (both drafts have one)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _is_control_event(self, event: QuicEvent) -> bool:
         """Whether an event arriving before the peer's SETUP is processed at once."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _on_stream_data(self, event: StreamDataReceived, out: list[ev.MoqtEvent]) -> None:
-        raise NotImplementedError
+        """Data on any stream, routed by the draft by the stream's kind."""
 
+    @abstractmethod
     def _on_stream_reset(self, event: StreamReset, out: list[ev.MoqtEvent]) -> None:
-        raise NotImplementedError
+        """The peer reset one of its streams."""
 
+    @abstractmethod
     def _on_stop_sending(self, event: StopSendingReceived, out: list[ev.MoqtEvent]) -> None:
-        raise NotImplementedError
+        """The peer sent STOP_SENDING for one of our streams."""
 
+    @abstractmethod
     def _on_data_header(
         self, sid: int, stream: IncomingDataStream[RequestT], item: object, out: list[ev.MoqtEvent]
     ) -> bool:
         """The first item of an incoming data stream; False when the stream is dropped."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _send_answer(self, request: RequestT, message: SubscribeOk | FetchOk) -> None:
         """Send SUBSCRIBE_OK / FETCH_OK (draft-18 form) for a peer request."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _send_publish_done(self, request: RequestT, status_code: int, reason: str) -> None:
         """Send PUBLISH_DONE for a subscription this endpoint publishes and close it."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _reject(self, request: RequestT, error_code: int, reason: str) -> None:
-        raise NotImplementedError
+        """Refuse a peer request with a request error."""
 
     def _resolve_own_joining(
         self, request: RequestT, message: Fetch, tokens: tuple[AuthToken, ...], joined: RequestT,
@@ -194,9 +199,9 @@ class SessionCore(Generic[RequestT]):
         its range); False when it is an ordinary one."""
         return False
 
+    @abstractmethod
     def _fetch_stream_reset(self, request: RequestT) -> None:
         """The data stream of an open FETCH of ours was reset."""
-        raise NotImplementedError
 
     def _data_stream_reset(self, request: RequestT) -> None:
         """One of the request's data streams was reset (by us or, through STOP_SENDING,
@@ -209,12 +214,14 @@ class SessionCore(Generic[RequestT]):
         """The peer sent STOP_SENDING for one of the request's data streams (after the
         stream was marked reset and the event reported)."""
 
+    @abstractmethod
     def _maybe_finish_fetch(self, request: RequestT) -> None:
-        raise NotImplementedError
+        """A fetch ends once it was accepted and its data stream is done."""
 
+    @abstractmethod
     def _close_request(self, request: RequestT) -> None:
         """Mark a request over; forget it once nothing refers to it."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _forget_if_done(self, request: RequestT) -> None:
-        raise NotImplementedError
+        """Drop a request that is over once nothing refers to it."""
