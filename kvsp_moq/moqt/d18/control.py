@@ -45,7 +45,7 @@ from .messages import (
     TrackStatus,
 )
 from .request_state import REQUEST_TYPES, UPDATE_SCOPE, RequestStream
-from .session_state import SessionState
+from .sending import MessageSending
 
 __all__ = ["ControlMessageHandling"]
 
@@ -56,7 +56,7 @@ _RESERVED_FIRST_FIELDS = (b".", b".session")
 _NO_RANGE_FILTERS = "range filters are not accepted (MAX_FILTER_RANGES 0)"
 
 
-class ControlMessageHandling(SessionState):
+class ControlMessageHandling(MessageSending):
     """Part of `MoqtSession`: the control messages received, each turned into events and
     the state of its request."""
 

@@ -33,12 +33,12 @@ from .messages import (
     TrackStatus,
 )
 from .request_state import REQUEST_TYPES, UPDATE_SCOPE, FillState, Request18, RequestMessage, RequestStream
-from .session_state import SessionState
+from .request_streams import RequestStreams
 
 __all__ = ["MessageSending"]
 
 
-class MessageSending(SessionState):
+class MessageSending(RequestStreams):
     """Part of `MoqtSession`: the requests, updates and answers it sends."""
 
     # ------------------------------------------------------------------

@@ -5,9 +5,10 @@ write into the QuicConnection, and the caller transmits. Nothing here touches a
 socket, a clock or an event loop. `session.base.SessionBase` holds what every
 draft's session shares; `MoqtSession` adds draft-18's streams, messages and wire
 forms (`dialect`), owns the fills of drafts 20 and 22 as an object (`fill.Fills`), and
-is made of parts: stream routing (`streams`), the control messages received
-(`control`) and what it sends (`sending`); this module keeps the session's state, the
-draft-18 forms of what `SessionBase` sends, and the teardown of request streams.
+is made of parts in layers, each deriving from the one below it: the state and
+teardown of request streams (`request_streams`), what it sends (`sending`), the
+control messages received (`control`) and stream routing (`streams`); this module
+sets the session's state and gives the draft-18 forms of what `SessionBase` sends.
 
 Stream layout in draft-18 (section 3.3):
 
@@ -52,10 +53,9 @@ from typing import Iterable
 
 from .. import events as ev
 from ..engine import QuicEngine
-from ..errors import PublishDoneCode, StreamResetCode
+from ..errors import PublishDoneCode
 from ..session.records import RequestIdTracker
 from ..wire import DEFAULT_MAX_OBJECT_SIZE, AuthToken
-from .control import ControlMessageHandling
 from .data import (
     FetchStreamWriter,
     encode_padding_stream,
@@ -73,13 +73,12 @@ from .messages import (
 )
 from .profiles import profile
 from .request_state import FillState, Request18, RequestStream
-from .sending import MessageSending
 from .streams import StreamRouting
 
 __all__ = ["MoqtSession"]
 
 
-class MoqtSession(StreamRouting, ControlMessageHandling, MessageSending):
+class MoqtSession(StreamRouting):
     """The MOQT state of one QUIC connection.
 
     `setup` holds the Setup Options to send; a client should set `path` and
@@ -198,93 +197,3 @@ class MoqtSession(StreamRouting, ControlMessageHandling, MessageSending):
     def _data_stream_stopped(self, request: Request18) -> None:
         if isinstance(request, FillState):
             self._fills.end(request)  # the subscriber wants no more of this fill
-
-    def _fetch_stream_reset(self, request: Request18) -> None:
-        if isinstance(request, FillState):
-            self._fills.end(request, StreamResetCode.CANCELLED)
-            return
-        self._cancel(request, StreamResetCode.CANCELLED)
-
-    def _close_request(self, request: Request18) -> None:
-        if isinstance(request, FillState):
-            self._fills.end(request)
-            return
-        request.closed = True
-        self._forget_if_done(request)
-
-    # ------------------------------------------------------------------
-    # Request stream teardown
-    # ------------------------------------------------------------------
-
-    def _maybe_finish_fetch(self, request: Request18) -> None:
-        """A fetch ends once it was accepted and its data stream is done."""
-        if not request.accepted or request.closed:
-            return
-        if isinstance(request, FillState):
-            if request.fetch_stream_closed and not request.open_data_streams:
-                self._fills.end(request)
-            return
-        if request.local:
-            if request.fetch_stream_closed:
-                request.closed = True
-                self._finish_stream(request)
-        elif request.fetch_stream_closed and not request.open_data_streams:
-            request.closed = True
-            self._finish_stream(request)
-
-    def _finish_stream(self, request: RequestStream) -> None:
-        """FIN our side of a finished request's stream and forget it once both ends closed."""
-        if not request.fin_sent:
-            request.fin_sent = True
-            try:
-                self._quic.send_stream_data(request.stream_id, b"", end_stream=True)
-            except (ValueError, RuntimeError, AssertionError):
-                pass
-        self._forget_if_done(request)
-
-    def _abort_stream(self, request: RequestStream, error_code: int) -> None:
-        for fill in self._fills.of(request.request_id):
-            self._fills.end(fill, error_code)  # draft-20: cancelling a subscription resets its fills
-        if request.held_fetches:
-            self._fetches.refuse_held(request, "subscription cancelled")
-        for sid in list(request.open_data_streams):
-            if sid in self._sending.streams:
-                self.reset_data_stream(sid, error_code)
-        if not request.fin_sent:
-            request.fin_sent = True
-            try:
-                self._quic.reset_stream(request.stream_id, error_code)
-            except (ValueError, RuntimeError, AssertionError):
-                pass
-        if not request.fin_received:
-            try:
-                self._quic.stop_stream(request.stream_id, error_code)
-            except (ValueError, RuntimeError, AssertionError):
-                pass
-            request.fin_received = True
-
-    def _cancel(self, request: Request18, error_code: int) -> None:
-        if isinstance(request, FillState):
-            self._fills.end(request, error_code)
-            return
-        request.closed = True
-        self._abort_stream(request, error_code)
-        self._forget_if_done(request)
-
-    def _forget_if_done(self, request: Request18) -> None:
-        """Drop per-stream state; the request entry stays while data may still refer to it."""
-        if isinstance(request, FillState):
-            if request.closed and not request.open_data_streams:
-                self._requests.pop(request.request_id, None)
-            return
-        if request.fin_sent and request.fin_received and request.closed:
-            self._stream_requests.pop(request.stream_id, None)
-            self._request_parsers.pop(request.stream_id, None)
-            self._ignored_streams.add(request.stream_id)
-            if not request.open_data_streams:
-                self._requests.pop(request.request_id, None)
-                for update_id in (*request.our_updates, *request.peer_updates):
-                    self._update_parent.pop(update_id, None)
-                    self._update_parameters.pop(update_id, None)
-                if request.track_alias is not None and self._aliases_out.get(request.track_alias) is request:
-                    del self._aliases_out[request.track_alias]

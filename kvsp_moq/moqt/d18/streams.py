@@ -16,15 +16,15 @@ from ..errors import ProtocolViolation, StreamResetCode
 from ..session.records import IncomingDataStream
 from ..varint import decode_vi64
 from ..wire import GroupOrder
+from .control import ControlMessageHandling
 from .data import STREAM_TYPE_SETUP, DataStreamParser, FetchHeader, PaddingHeader, SubgroupHeader
 from .messages import ControlStreamParser, Fetch, SubscribeNamespace
 from .request_state import Request18
-from .session_state import SessionState
 
 __all__ = ["StreamRouting"]
 
 
-class StreamRouting(SessionState):
+class StreamRouting(ControlMessageHandling):
     """Part of `MoqtSession`: QUIC stream events, by the stream they concern."""
 
     def _is_control_event(self, event: QuicEvent) -> bool:
