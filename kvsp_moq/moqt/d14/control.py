@@ -1,8 +1,8 @@
 """The draft-14 control messages this endpoint receives, on its one control stream:
 CLIENT_SETUP / SERVER_SETUP, GOAWAY, the peer's requests and SUBSCRIBE_UPDATEs, the
 answers to ours, PUBLISH_DONE, and the peer's UNSUBSCRIBE and FETCH_CANCEL. The
-namespace messages are in `namespaces`, MAX_REQUEST_ID and REQUESTS_BLOCKED in
-`credit`; the session's `_HANDLERS` maps each message to its handler."""
+namespace messages are in `namespaces`; MAX_REQUEST_ID and REQUESTS_BLOCKED are handed
+to `credit`; the session's `_HANDLERS` maps each message to its handler."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from ..d18.messages import Parameters, Setup
 from ..errors import (
     DuplicateTrackAlias,
     ProtocolViolation,
-    RequestErrorCode,
     SessionCloseCode,
     SessionError,
     StreamResetCode,
@@ -30,12 +29,12 @@ from .request_state import (
     TRACK_STATUS,
     Request14,
 )
-from .session_state import SessionState14
+from .sending import MessageSending
 
 __all__ = ["ControlMessageHandling"]
 
 
-class ControlMessageHandling(SessionState14):
+class ControlMessageHandling(MessageSending):
     """Part of `MoqtSession14`: the control messages received, each turned into events
     and the state of its request."""
 
@@ -120,12 +119,6 @@ class ControlMessageHandling(SessionState14):
         out.append(event)
 
     # -- peer requests -----------------------------------------------------
-
-    def _refuse_if_going_away(self, request: Request14) -> bool:
-        if self._goaway_sent:
-            self._reject(request, RequestErrorCode.GOING_AWAY, "going away")
-            return True
-        return False
 
     def _on_subscribe(self, message: d14.Subscribe, out: list[ev.MoqtEvent]) -> None:
         """SUBSCRIBE, or TRACK_STATUS (SUBSCRIBE's format)."""
@@ -332,16 +325,6 @@ class ControlMessageHandling(SessionState14):
         self._receiving.maybe_end_subscription(request)
 
     # -- cancellations by the peer -----------------------------------------
-
-    def _peer_cancelled(self, request: Request14, code: int, out: list[ev.MoqtEvent]) -> None:
-        if self._fetches.forget_held(request):
-            self._close_request(request)
-            return
-        out.append(ev.RequestCancelled(request.request_id, code, request.local))
-        if request.held_fetches:
-            self._fetches.refuse_held(request, "subscription cancelled")
-        self._end_data_streams(request, StreamResetCode.CANCELLED)
-        self._close_request(request)
 
     def _on_unsubscribe(self, message: d14.Unsubscribe, out: list[ev.MoqtEvent]) -> None:
         request = self._requests.get(message.request_id)

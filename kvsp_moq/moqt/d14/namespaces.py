@@ -19,12 +19,12 @@ from .request_state import (
     TRACKS_ID_BASE,
     Request14,
 )
-from .session_state import SessionState14
+from .requests import Requests14
 
 __all__ = ["NamespaceMapping"]
 
 
-class NamespaceMapping(SessionState14):
+class NamespaceMapping(Requests14):
     """Part of `MoqtSession14`: PUBLISH_NAMESPACE and SUBSCRIBE_NAMESPACE, received and
     sent, for the draft-18 requests and messages they stand for."""
 

@@ -6,7 +6,6 @@ renumbered, PUBLISH_DONE)."""
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Callable
 
 from .. import events as ev
 from ..d18 import messages as m18
@@ -24,6 +23,7 @@ from ..wire import (
     property_value,
 )
 from . import messages as d14
+from .namespaces import NamespaceMapping
 from .request_state import (
     ANNOUNCED,
     FETCH,
@@ -36,7 +36,6 @@ from .request_state import (
     TRACKS,
     Request14,
 )
-from .session_state import SessionState14
 
 __all__ = ["MessageSending"]
 
@@ -51,23 +50,12 @@ _ERROR_MESSAGES: dict[type[m18.Message], type[d14._RequestError]] = {
 }
 
 
-class MessageSending(SessionState14):
+class MessageSending(NamespaceMapping):
     """Part of `MoqtSession14`: the requests, updates, cancellations and answers it sends."""
 
     # ------------------------------------------------------------------
     # Sending: requests
     # ------------------------------------------------------------------
-
-    def _open_request(self, kind: type[m18.Message], build: Callable[[int], d14.Message], **fields: Any) -> int:
-        self._check_open()
-        request_id = self._next_request_id
-        # Encoded first: a value draft-14 cannot carry is refused before the ID is spent.
-        data = build(request_id).encode()
-        self._next_request_id += 2
-        request = Request14(request_id, kind, True, **fields)
-        self._requests[request_id] = request
-        self._credit.send_request(request, data)
-        return request_id
 
     def subscribe(self, namespace: TrackNamespace, track_name: bytes, parameters: Parameters = Parameters()) -> int:
         """Send SUBSCRIBE; returns its Request ID."""

@@ -7,11 +7,11 @@ Both derive from `session.base.SessionBase`, which keeps what the drafts share (
 cache, track aliases, joining FETCHes, data streams and datagrams, writing
 objects); data stream items and answers are converted to and from their
 draft-18 forms at the edges (`adapters`, `dialect`). `MoqtSession14` owns Request ID
-credit as an object (`credit.RequestCredit`) and is made of parts: the control
-messages received (`control`), what it sends (`sending`) and namespaces
-(`namespaces`), each deriving from `session_state.SessionState14`, which declares
-with their types what they share; this module keeps the session's state, its streams
-and teardown. The wire is draft-14's
+credit as an object (`credit.RequestCredit`) and is made of parts in layers, each
+deriving from the one below it: its requests' state, sending and teardown
+(`requests`), namespaces (`namespaces`), what it sends (`sending`) and the control
+messages received (`control`); this module sets the session's state and routes its
+streams. The wire is draft-14's
 (codec in `messages` and `data`):
 
 * the client opens one bidirectional control stream and sends CLIENT_SETUP with
@@ -102,7 +102,6 @@ from ..engine import (
     stream_is_unidirectional,
 )
 from ..errors import NotSupported, ProtocolViolation, StreamResetCode
-from ..session.base import SessionBase
 from ..session.records import UNKNOWN_STREAM_COUNT, IncomingDataStream
 from ..wire import DEFAULT_MAX_OBJECT_SIZE
 from . import messages as d14
@@ -110,9 +109,7 @@ from .adapters import DataStreamParser14
 from .control import ControlMessageHandling
 from .credit import RequestCredit
 from .dialect import Dialect14
-from .namespaces import NamespaceMapping
 from .request_state import FETCH, Request14
-from .sending import MessageSending
 
 __all__ = ["MoqtSession14", "ALPN", "DEFAULT_MAX_REQUESTS", "UNKNOWN_STREAM_COUNT"]
 
@@ -120,7 +117,7 @@ ALPN = d14.ALPN
 DEFAULT_MAX_REQUESTS = 100
 
 
-class MoqtSession14(ControlMessageHandling, NamespaceMapping, MessageSending, SessionBase):
+class MoqtSession14(ControlMessageHandling):
     """The draft-14 MOQT state of one QUIC connection (ALPN "moq-00").
 
     `versions` are the SETUP versions offered (client, most preferred first) or
@@ -221,23 +218,11 @@ class MoqtSession14(ControlMessageHandling, NamespaceMapping, MessageSending, Se
             raise ProtocolViolation("STOP_SENDING on the control stream")
         self._sending.on_stop_sending(event.stream_id, event.error_code, out)
 
-    # ------------------------------------------------------------------
-    # Control stream
-    # ------------------------------------------------------------------
-
-    def _send(self, message: d14.Message) -> None:
-        assert self._control_stream_id is not None
-        self._quic.send_stream_data(self._control_stream_id, message.encode())
-
-    _HANDLERS = {}
+    _HANDLERS = {}  # filled in below, once the handlers exist
 
     # ------------------------------------------------------------------
     # Data streams and datagrams
     # ------------------------------------------------------------------
-
-    def _was_ours(self, request_id: int) -> bool:
-        """Whether a Request ID is one this endpoint used (its request may be forgotten)."""
-        return request_id & 1 == self._next_request_id & 1 and request_id < self._next_request_id
 
     def _on_data_header(
         self, sid: int, stream: IncomingDataStream[Request14], item: object, out: list[ev.MoqtEvent]
@@ -258,16 +243,6 @@ class MoqtSession14(ControlMessageHandling, NamespaceMapping, MessageSending, Se
         assert isinstance(item, data18.SubgroupHeader)
         return self._receiving.on_subgroup_header(sid, stream, item, out)
 
-    def _end_data_streams(self, request: Request14, error_code: int) -> None:
-        """Reset the data streams we send for a request and stop those we receive."""
-        for sid in list(request.open_data_streams):
-            if sid in self._sending.streams:
-                self.reset_data_stream(sid, error_code)
-            else:
-                stream = self._receiving.streams.get(sid)
-                if stream is not None:
-                    self._receiving.stop(sid, stream, error_code)
-
     # ------------------------------------------------------------------
     # Sending: objects
     # ------------------------------------------------------------------
@@ -282,41 +257,6 @@ class MoqtSession14(ControlMessageHandling, NamespaceMapping, MessageSending, Se
 
     def send_padding_stream(self, size: int) -> None:
         raise NotSupported("draft-14 has no padding streams")
-
-    # ------------------------------------------------------------------
-    # Teardown
-    # ------------------------------------------------------------------
-
-    def _fetch_stream_reset(self, request: Request14) -> None:
-        """The publisher has dropped the fetch already, so no FETCH_CANCEL follows."""
-        self._close_request(request)
-
-    def _data_stream_reset(self, request: Request14) -> None:
-        """A data stream reset or stopped may be the last thing keeping a closed request."""
-        self._forget_if_done(request)
-
-    def _maybe_finish_fetch(self, request: Request14) -> None:
-        """A fetch ends once it was accepted and its data stream is done."""
-        if not request.accepted or request.closed:
-            return
-        if request.fetch_stream_closed and not request.open_data_streams:
-            self._close_request(request)
-
-    def _close_request(self, request: Request14) -> None:
-        """Mark a request over; a peer request gives its Request ID credit back."""
-        request.closed = True
-        if not request.local and not request.credit_returned:
-            request.credit_returned = True
-            self._credit.peer_request_ended()
-        self._forget_if_done(request)
-
-    def _forget_if_done(self, request: Request14) -> None:
-        """Drop a closed request once no data stream refers to it."""
-        if request.closed and not request.open_data_streams:
-            if self._requests.get(request.request_id) is request:
-                del self._requests[request.request_id]
-            if request.track_alias is not None and self._aliases_out.get(request.track_alias) is request:
-                del self._aliases_out[request.track_alias]
 
 
 MoqtSession14._HANDLERS = {
