@@ -1,6 +1,5 @@
-"""MOQT: what every draft shares (wire: value types and framing; session_base: the
-sans-I/O session machinery, with state, session_core, tokens, fetches, incoming_data and
-outgoing_data), one package per draft (d18, d14: messages, data, session and its parts),
+"""MOQT: what every draft shares (wire: value types and framing; session: the sans-I/O
+session machinery every draft builds on), one package per draft (d18, d14: messages, data, session and its parts),
 the registry of drafts by ALPN (drafts), the QUIC engine interface (engine), and the
 asyncio binding (quic).
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Iterable
 
 if TYPE_CHECKING:
-    from .session_base import SessionBase
+    from .session.base import SessionBase
 
 #: MOQT drafts this package can speak, most preferred first.
 SUPPORTED_DRAFTS: tuple[int, ...] = (18, 20, 22, 14)

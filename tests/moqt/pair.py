@@ -1,71 +1,98 @@
-"""Two MoqtSessions over in-memory QUIC connections: sans-I/O session tests."""
+"""Two sans-I/O MOQT sessions over in-memory QUIC connections: the one harness of the
+session tests, for every draft (the session class is the draft's) and both QUIC engines.
+
+The engine is `engine=` or, left out, the one the `pair_engine` fixture
+(tests/moqt/conftest.py) chose for the test: modules that mark their tests with it run
+each test on aioquic and on qh3. With `client_session=False` the client is a bare QUIC
+endpoint writing raw bytes (`send`, `raw_control`), and what it receives is kept per
+stream (`raw`, `fins`, `resets`), so what a session puts on the wire can be checked byte
+for byte."""
 
 from __future__ import annotations
 
-from aioquic.quic.configuration import QuicConfiguration
-from aioquic.quic.connection import QuicConnection
+from typing import Any, Callable
 
 from kvsp_moq.moqt.certs import generate_self_signed
-from kvsp_moq.moqt.d18.messages import Setup
-from kvsp_moq.moqt.d18.session import MoqtSession
-from kvsp_moq.moqt.drafts import alpn_of
-from kvsp_moq.moqt.engine import ProtocolNegotiated
+from kvsp_moq.moqt.d18 import messages as m
+from kvsp_moq.moqt.drafts import session_class
+from kvsp_moq.moqt.engine import ProtocolNegotiated, QuicEngine, StreamDataReceived, StreamReset
 from kvsp_moq.moqt.quic import QuicSettings
-from kvsp_moq.moqt.quic.aioquic_engine import AioquicEngine
+from kvsp_moq.moqt.quic.settings import engine_module
 
 CERT = generate_self_signed()
 CLIENT_ADDR = ("127.0.0.1", 1234)
 SERVER_ADDR = ("127.0.0.1", 4433)
+ENGINES = ("aioquic", "qh3")
+
+#: The engine of pairs made without `engine=`: set per test by the `pair_engine` fixture.
+default_engine = "aioquic"
 
 
 class SessionPair:
-    """A client and a server MoqtSession; `exchange()` moves datagrams until quiet.
+    """A client and a server session of `draft`; `exchange()` moves datagrams until quiet.
 
     Events each side produced accumulate in `client_events` / `server_events`.
+    `on_client` is called with the client session as soon as it exists (before SETUP
+    is answered).
     """
 
-    def __init__(self, *, client_setup: Setup | None = None, server_kwargs: dict | None = None,
-                 client_kwargs: dict | None = None, max_datagram_size: int = 1350,
-                 client_session: bool = True, draft: int = 18) -> None:
-        alpn = [alpn_of(draft)]
+    def __init__(self, *, draft: int = 18, engine: str | None = None, client_setup: m.Setup | None = None,
+                 server_kwargs: dict | None = None, client_kwargs: dict | None = None,
+                 max_datagram_size: int = 1350, client_session: bool = True,
+                 on_client: Callable[[Any], object] | None = None) -> None:
         self.draft = draft
+        self.engine = engine or default_engine
         self.now = 0.0
-        client_config = QuicConfiguration(is_client=True, alpn_protocols=alpn, max_datagram_size=max_datagram_size,
-                                          max_datagram_frame_size=65536)
-        client_config.verify_mode = 0  # ssl.CERT_NONE
-        server_config = QuicConfiguration(is_client=False, alpn_protocols=alpn, max_datagram_size=max_datagram_size,
-                                          max_datagram_frame_size=65536)
-        server_config.certificate = CERT.certificate
-        server_config.private_key = CERT.private_key
-        settings = QuicSettings(engine="aioquic")
-        client_quic = QuicConnection(configuration=client_config)
-        self.client_quic = AioquicEngine(client_quic, settings)
-        self.server_quic = AioquicEngine(
-            QuicConnection(configuration=server_config,
-                           original_destination_connection_id=client_quic.original_destination_connection_id),
-            settings)
+        settings = QuicSettings(engine=self.engine, max_datagram_size=max_datagram_size,
+                                max_datagram_frame_size=65536)
+        module = engine_module(self.engine)
+        client_config = settings.quic_configuration(is_client=True, drafts=[draft], verify_mode=0)  # CERT_NONE
+        server_config = settings.quic_configuration(is_client=False, drafts=[draft])
+        module.load_certificate(server_config, CERT, None, None)
+        self.client_quic: QuicEngine = module.client_connection(client_config, settings)
+        self.server_quic: QuicEngine = module.server_connection(
+            server_config, settings, self.client_quic.quic.original_destination_connection_id)
+        self._session_class = session_class(draft)
         self._client_setup = client_setup
         self._client_session = client_session
+        self._on_client = on_client
         self._client_kwargs = client_kwargs or {}
         self._server_kwargs = server_kwargs or {}
-        self.client: MoqtSession | None = None
-        self.server: MoqtSession | None = None
+        self.client: Any = None
+        self.server: Any = None
         self.client_events: list = []
         self.server_events: list = []
+        self.raw: dict[int, bytearray] = {}  # a bare client: bytes received, by stream
+        self.fins: set[int] = set()
+        self.resets: dict[int, int] = {}
         self.client_quic.connect(SERVER_ADDR, now=self.now)
         self.exchange()
 
-    def _drain(self, quic: AioquicEngine, is_client: bool) -> None:
+    def _new_session(self, quic: QuicEngine, is_client: bool) -> Any:
+        kwargs = dict(self._client_kwargs if is_client else self._server_kwargs)
+        if is_client and self._client_setup is not None:
+            kwargs["setup"] = self._client_setup
+        return self._session_class(quic, is_client=is_client, draft=self.draft, **kwargs)
+
+    def _drain(self, quic: QuicEngine, is_client: bool) -> None:
         while (event := quic.next_event()) is not None:
             session = self.client if is_client else self.server
+            if is_client and not self._client_session:
+                if isinstance(event, StreamDataReceived):
+                    self.raw.setdefault(event.stream_id, bytearray()).extend(event.data)
+                    if event.end_stream:
+                        self.fins.add(event.stream_id)
+                elif isinstance(event, StreamReset):
+                    self.resets[event.stream_id] = event.error_code
+                continue
             if isinstance(event, ProtocolNegotiated) and session is None:
-                if is_client and not self._client_session:
-                    continue
+                session = self._new_session(quic, is_client)
                 if is_client:
-                    self.client = MoqtSession(quic, is_client=True, draft=self.draft, setup=self._client_setup,
-                                              **self._client_kwargs)
+                    self.client = session
+                    if self._on_client is not None:
+                        self._on_client(session)
                 else:
-                    self.server = MoqtSession(quic, is_client=False, draft=self.draft, **self._server_kwargs)
+                    self.server = session
                 continue
             if session is not None:
                 (self.client_events if is_client else self.server_events).extend(session.handle_event(event))
@@ -110,3 +137,28 @@ class SessionPair:
         out = list(events)
         events.clear()
         return out
+
+    # -- a bare client -----------------------------------------------------------
+
+    def send(self, data: bytes, *, bidi: bool = True, end_stream: bool = False, stream_id: int | None = None) -> int:
+        """Write raw bytes from the client on a new stream (or `stream_id`); returns the stream."""
+        if stream_id is None:
+            stream_id = self.client_quic.get_next_available_stream_id(is_unidirectional=not bidi)
+        self.client_quic.send_stream_data(stream_id, data, end_stream=end_stream)
+        self.exchange()
+        return stream_id
+
+    def raw_control(self, *messages: Any) -> None:
+        """Write messages on the client session's control stream behind its back."""
+        assert self.client is not None
+        sid = self.client._control_stream_id
+        assert sid is not None
+        self.client_quic.send_stream_data(sid, b"".join(msg.encode() for msg in messages))
+        self.exchange()
+
+    def messages_on(self, stream_id: int) -> list[m.Message]:
+        """The draft-18-family control messages the server wrote on a stream to a bare client."""
+        parser = m.ControlStreamParser(self.draft)
+        messages = parser.feed(bytes(self.raw.get(stream_id, b"")))
+        assert parser.buffered == 0
+        return messages

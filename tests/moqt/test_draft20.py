@@ -11,8 +11,6 @@ reads raw MOQT bytes, so what our session puts on the wire is checked byte for b
 from __future__ import annotations
 
 import pytest
-from aioquic.quic.configuration import QuicConfiguration
-from aioquic.quic.connection import QuicConnection
 
 from kvsp_moq.moqt import events as ev
 from kvsp_moq.moqt.d18 import messages as m
@@ -23,12 +21,7 @@ from kvsp_moq.moqt.d18.data import (
     FetchObject,
 )
 from kvsp_moq.moqt.d18.profiles import profile
-from kvsp_moq.moqt.d18.session import MoqtSession
-from kvsp_moq.moqt.drafts import alpn_of
-from kvsp_moq.moqt.engine import ProtocolNegotiated, StreamDataReceived, StreamReset
 from kvsp_moq.moqt.errors import NotSupported, ProtocolViolation, RequestErrorCode, SessionCloseCode
-from kvsp_moq.moqt.quic import QuicSettings
-from kvsp_moq.moqt.quic.aioquic_engine import AioquicEngine
 from kvsp_moq.moqt.varint import Buffer, encode_vi64
 from kvsp_moq.moqt.wire import (
     FetchType,
@@ -39,7 +32,9 @@ from kvsp_moq.moqt.wire import (
     Writer,
 )
 
-from .pair import CERT
+from .pair import SessionPair
+
+pytestmark = pytest.mark.usefixtures("pair_engine")
 
 LF = m.LocationFilterType
 NS = (b"kvsp", b"x")
@@ -443,118 +438,33 @@ def test_objects_after_a_timed_out_range_are_delta_coded_from_the_marker() -> No
 # ---------------------------------------------------------------------------
 
 
-class RawPeerPair:
-    """Our MoqtSession (server) for `draft`, and a client that is a bare QUIC endpoint
-    writing raw MOQT bytes; with `client_session`, the client is a MoqtSession too.
-
-    Bytes the bare client receives accumulate per stream in `raw`; streams it saw end
-    are in `fins`, streams reset by our side in `resets`.
-    """
-
-    def __init__(self, draft: int, *, client_session: bool = False) -> None:
-        alpn = [alpn_of(draft)]
-        self.draft = draft
-        self.now = 0.0
-        client_config = QuicConfiguration(is_client=True, alpn_protocols=alpn)
-        client_config.verify_mode = 0  # ssl.CERT_NONE
-        server_config = QuicConfiguration(is_client=False, alpn_protocols=alpn)
-        server_config.certificate = CERT.certificate
-        server_config.private_key = CERT.private_key
-        settings = QuicSettings(engine="aioquic")
-        client_quic = QuicConnection(configuration=client_config)
-        self.client_quic = AioquicEngine(client_quic, settings)
-        self.server_quic = AioquicEngine(
-            QuicConnection(configuration=server_config,
-                           original_destination_connection_id=client_quic.original_destination_connection_id),
-            settings)
-        self._client_session = client_session
-        self.server: MoqtSession | None = None
-        self.client: MoqtSession | None = None
-        self.server_events: list = []
-        self.client_events: list = []
-        self.raw: dict[int, bytearray] = {}
-        self.fins: set[int] = set()
-        self.resets: dict[int, int] = {}
-        self.client_quic.connect(("127.0.0.1", 4433), now=self.now)
-        self.exchange()
-        if not client_session:
-            self.send(m.Setup().encode(draft), bidi=False)
-        assert self.server is not None
-        assert isinstance(self.server_events[0], ev.SetupCompleted), self.server_events
-        self.server_events.clear()
-        self.client_events.clear()
-
-    def _drain(self) -> None:
-        while (event := self.client_quic.next_event()) is not None:
-            if self._client_session:
-                if isinstance(event, ProtocolNegotiated) and self.client is None:
-                    self.client = MoqtSession(self.client_quic, is_client=True, draft=self.draft)
-                elif self.client is not None:
-                    self.client_events.extend(self.client.handle_event(event))
-            elif isinstance(event, StreamDataReceived):
-                self.raw.setdefault(event.stream_id, bytearray()).extend(event.data)
-                if event.end_stream:
-                    self.fins.add(event.stream_id)
-            elif isinstance(event, StreamReset):
-                self.resets[event.stream_id] = event.error_code
-        while (event := self.server_quic.next_event()) is not None:
-            if isinstance(event, ProtocolNegotiated) and self.server is None:
-                self.server = MoqtSession(self.server_quic, is_client=False, draft=self.draft)
-            elif self.server is not None:
-                self.server_events.extend(self.server.handle_event(event))
-
-    def exchange(self, rounds: int = 100) -> None:
-        for _ in range(rounds):
-            moved = False
-            self.now += 0.001
-            for quic, peer, addr in (
-                (self.client_quic, self.server_quic, ("127.0.0.1", 1234)),
-                (self.server_quic, self.client_quic, ("127.0.0.1", 4433)),
-            ):
-                for data, _ in quic.datagrams_to_send(now=self.now):
-                    moved = True
-                    peer.receive_datagram(data, addr, now=self.now)
-            self._drain()
-            if not moved:
-                return
-
-    def send(self, data: bytes, *, bidi: bool = True, end_stream: bool = False, stream_id: int | None = None) -> int:
-        """Write raw bytes from the client on a new stream (or `stream_id`); returns the stream."""
-        if stream_id is None:
-            stream_id = self.client_quic.get_next_available_stream_id(is_unidirectional=not bidi)
-        self.client_quic.send_stream_data(stream_id, data, end_stream=end_stream)
-        self.exchange()
-        return stream_id
-
-    def take(self) -> list:
-        out, self.server_events = self.server_events, []
-        return out
-
-    def messages_on(self, stream_id: int) -> list[m.Message]:
-        """The control messages our side wrote on a request stream, decoded."""
-        parser = m.ControlStreamParser(self.draft)
-        messages = parser.feed(bytes(self.raw.get(stream_id, b"")))
-        assert parser.buffered == 0
-        return messages
+def raw_peer(draft: int) -> SessionPair:
+    """Our server session of `draft` and a bare client that has sent its SETUP."""
+    peer = SessionPair(draft=draft, client_session=False)
+    peer.send(m.Setup().encode(draft), bidi=False)
+    assert peer.server is not None
+    assert isinstance(peer.server_events[0], ev.SetupCompleted), peer.server_events
+    peer.take("server")
+    return peer
 
 
 @pytest.fixture(params=NEW_DRAFTS, ids=lambda d: f"d{d}")
-def peer(request: pytest.FixtureRequest) -> RawPeerPair:
-    return RawPeerPair(request.param)
+def peer(request: pytest.FixtureRequest) -> SessionPair:
+    return raw_peer(request.param)
 
 
-def data_streams(peer: RawPeerPair) -> list[int]:
+def data_streams(peer: SessionPair) -> list[int]:
     """Unidirectional streams our side opened, its control stream (the first) aside."""
     ours = sorted(sid for sid in peer.raw if sid & 3 == 3)
     return ours[1:]
 
 
-def fill_subscribe(peer: RawPeerPair, request_id: int, parameters: m.Parameters) -> int:
+def fill_subscribe(peer: SessionPair, request_id: int, parameters: m.Parameters) -> int:
     """A peer SUBSCRIBE carrying FILL_PARAMETERS; returns its request stream."""
     return peer.send(m.Subscribe(request_id, NS, b"t", parameters).encode(peer.draft))
 
 
-def test_session_speaks_the_negotiated_draft(peer: RawPeerPair) -> None:
+def test_session_speaks_the_negotiated_draft(peer: SessionPair) -> None:
     """The server's control stream opens with SETUP, and its GOAWAY has no Request ID."""
     peer.server.goaway("moqt://next", 7)
     peer.exchange()
@@ -566,16 +476,16 @@ def test_session_speaks_the_negotiated_draft(peer: RawPeerPair) -> None:
     assert bytes(peer.raw[control[0]]).endswith(h("10 00 0d 0b") + b"moqt://next" + h("07"))
 
 
-def test_fill_with_relative_start_is_served_as_a_fetch_under_the_subscribe_id(peer: RawPeerPair) -> None:
+def test_fill_with_relative_start_is_served_as_a_fetch_under_the_subscribe_id(peer: SessionPair) -> None:
     """SUBSCRIBE {NEXT_OBJECT, FILL{RELATIVE_START(1)}}: after SUBSCRIBE_OK with Largest
     (0,5) the layer above fetches group 0 up to (0,5); FETCH_OK sends nothing, and the
     fetch stream is `05 <SUBSCRIBE's Request ID>` followed by the objects."""
     other = peer.send(m.Subscribe(0, NS, b"other").encode(peer.draft))
-    one(peer.take(), ev.SubscribeReceived)
+    one(peer.take("server"), ev.SubscribeReceived)
     sid = fill_subscribe(peer, 2, m.Parameters(
         subscription_filter=SubscriptionFilter(FilterType.LARGEST_OBJECT),
         fill=m.Fill(location_filter=(LF.RELATIVE_START, (1,)))))
-    received = one(peer.take(), ev.SubscribeReceived)
+    received = one(peer.take("server"), ev.SubscribeReceived)
     assert received.request_id == 2
     assert received.parameters.fill == m.Fill(location_filter=(LF.RELATIVE_START, (1,)))
     assert peer.server.take_events() == []  # the fill waits for SUBSCRIBE_OK
@@ -600,25 +510,25 @@ def test_fill_with_relative_start_is_served_as_a_fetch_under_the_subscribe_id(pe
         FetchObject(0, 0, 0, 128, b"layer0"),
         FetchObject(0, 0, 5, 128, b"layer5"),
     ]
-    assert of(peer.take(), ev.SessionTerminated) == []
+    assert of(peer.take("server"), ev.SessionTerminated) == []
 
 
-def test_empty_fill_takes_the_subscription_filter(peer: RawPeerPair) -> None:
+def test_empty_fill_takes_the_subscription_filter(peer: SessionPair) -> None:
     """FILL{} with an ABSOLUTE_START (1,0) subscription: the fill is (1,0) to Largest."""
     fill_subscribe(peer, 0, m.Parameters(
         subscription_filter=SubscriptionFilter(FilterType.ABSOLUTE_START, Location(1, 0)), fill=m.Fill()))
-    one(peer.take(), ev.SubscribeReceived)
+    one(peer.take("server"), ev.SubscribeReceived)
     peer.server.subscribe_ok(0, largest=Location(1, 5))
     fetch = one(peer.server.take_events(), ev.FetchReceived)
     assert (fetch.start, fetch.end, fetch.joining_request_id) == (Location(1, 0), Location(1, 6), 0)
 
 
-def test_fill_range_is_the_filter_evaluated_as_a_fetch(peer: RawPeerPair) -> None:
+def test_fill_range_is_the_filter_evaluated_as_a_fetch(peer: SessionPair) -> None:
     """FILL{LOCATION_FILTER (0,2)-(0,5)} with Largest (0,9): the fill carries exactly
     objects 2..5 of group 0 (inclusive end, clamped to Largest), not the whole group
     up to Largest."""
     fill_subscribe(peer, 0, m.Parameters(fill=m.Fill(location_filter=(LF.ABSOLUTE_RANGE, (0, 2, 0, 5)))))
-    one(peer.take(), ev.SubscribeReceived)
+    one(peer.take("server"), ev.SubscribeReceived)
     peer.server.subscribe_ok(0, largest=Location(0, 9))
     fetch = one(peer.server.take_events(), ev.FetchReceived)
     assert (fetch.start, fetch.end) == (Location(0, 2), Location(0, 6))
@@ -631,12 +541,12 @@ def test_fill_range_is_the_filter_evaluated_as_a_fetch(peer: RawPeerPair) -> Non
     (m.Parameters(forward=False, fill=m.Fill(location_filter=(LF.RELATIVE_START, (1,)))), Location(1, 5)),
     (m.Parameters(fill=m.Fill(location_filter=(LF.RELATIVE_START, (1,)))), None),
 ], ids=["next-object", "next-group", "empty-after-largest", "forward-0", "nothing-published"])
-def test_fill_with_an_empty_range_opens_nothing(peer: RawPeerPair, parameters: m.Parameters,
+def test_fill_with_an_empty_range_opens_nothing(peer: SessionPair, parameters: m.Parameters,
                                                 largest: Location | None) -> None:
     """No FetchReceived and nothing but SUBSCRIBE_OK on the wire: the range starts after
     Largest, Forward is 0, or nothing was published."""
     sid = fill_subscribe(peer, 0, parameters)
-    one(peer.take(), ev.SubscribeReceived)
+    one(peer.take("server"), ev.SubscribeReceived)
     alias = peer.server.subscribe_ok(0, largest=largest)
     assert of(peer.server.take_events(), ev.FetchReceived) == []
     peer.exchange()
@@ -645,16 +555,16 @@ def test_fill_with_an_empty_range_opens_nothing(peer: RawPeerPair, parameters: m
     assert peer.resets == {}
 
 
-def test_fill_in_a_request_update_uses_the_update_request_id(peer: RawPeerPair) -> None:
+def test_fill_in_a_request_update_uses_the_update_request_id(peer: SessionPair) -> None:
     """REQUEST_UPDATE{FILL{RELATIVE_START(2)}} on an established subscription with
     Largest (3,5): the fill covers groups 2..3 and its stream carries the update's ID."""
     sid = fill_subscribe(peer, 0, m.Parameters(subscription_filter=SubscriptionFilter(FilterType.LARGEST_OBJECT)))
-    peer.take()
+    peer.take("server")
     peer.server.subscribe_ok(0, largest=Location(3, 5))
     assert peer.server.take_events() == []
     update = m.RequestUpdate(2, m.Parameters(fill=m.Fill(location_filter=(LF.RELATIVE_START, (2,)))))
     peer.send(update.encode(peer.draft), stream_id=sid)
-    events = peer.take()
+    events = peer.take("server")
     assert one(events, ev.RequestUpdateReceived).request_id == 2
     fetch = one(events, ev.FetchReceived)
     assert (fetch.start, fetch.end, fetch.joining_request_id) == (Location(2, 0), Location(3, 6), 0)
@@ -666,10 +576,10 @@ def test_fill_in_a_request_update_uses_the_update_request_id(peer: RawPeerPair) 
     assert peer.messages_on(sid)[1:] == [m.RequestOk(m.Parameters(largest_object=Location(3, 5)))]
 
 
-def test_closing_a_fill_stream_ends_it_with_a_fin(peer: RawPeerPair) -> None:
+def test_closing_a_fill_stream_ends_it_with_a_fin(peer: SessionPair) -> None:
     """Once the range is delivered the fill stream FINs, and the session goes on."""
     fill_subscribe(peer, 0, m.Parameters(fill=m.Fill(location_filter=(LF.RELATIVE_START, (1,)))))
-    peer.take()
+    peer.take("server")
     peer.server.subscribe_ok(0, largest=Location(0, 1))
     fetch = one(peer.server.take_events(), ev.FetchReceived)
     fetch_sid = peer.server.open_fetch_stream(fetch.request_id)
@@ -682,11 +592,11 @@ def test_closing_a_fill_stream_ends_it_with_a_fin(peer: RawPeerPair) -> None:
     assert peer.server.data_stream_request(fetch_sid) is None
 
 
-def test_cancelling_a_subscription_resets_its_fill_stream(peer: RawPeerPair) -> None:
+def test_cancelling_a_subscription_resets_its_fill_stream(peer: SessionPair) -> None:
     """STOP_SENDING + RESET_STREAM on the subscription's stream: the publisher resets
     the open fill streams of that subscription."""
     sid = fill_subscribe(peer, 0, m.Parameters(fill=m.Fill(location_filter=(LF.RELATIVE_START, (1,)))))
-    peer.take()
+    peer.take("server")
     peer.server.subscribe_ok(0, largest=Location(0, 3))
     fetch = one(peer.server.take_events(), ev.FetchReceived)
     fetch_sid = peer.server.open_fetch_stream(fetch.request_id)
@@ -695,7 +605,7 @@ def test_cancelling_a_subscription_resets_its_fill_stream(peer: RawPeerPair) -> 
     peer.client_quic.stop_stream(sid, 1)
     peer.client_quic.reset_stream(sid, 1)
     peer.exchange()
-    assert one(peer.take(), ev.RequestCancelled).request_id == 0
+    assert one(peer.take("server"), ev.RequestCancelled).request_id == 0
     assert fetch_sid in peer.resets
 
 
@@ -705,12 +615,13 @@ def test_our_subscriber_receives_the_fill_it_asked_for(draft: int) -> None:
     stream under the SUBSCRIBE's Request ID, which the subscriber must accept (draft-20:
     a FETCH_HEADER may name a SUBSCRIBE) rather than close the session: its objects are the
     subscription's, and its end is one of the subscription's streams ending."""
-    pair = RawPeerPair(draft, client_session=True)
+    pair = SessionPair(draft=draft)
+    pair.take("client"), pair.take("server")  # the SETUPs
     sub = pair.client.subscribe(NS, b"t", m.Parameters(
         subscription_filter=SubscriptionFilter(FilterType.LARGEST_OBJECT),
         fill=m.Fill(location_filter=(LF.RELATIVE_START, (1,)))))
     pair.exchange()
-    one(pair.take(), ev.SubscribeReceived)
+    one(pair.take("server"), ev.SubscribeReceived)
     pair.server.subscribe_ok(sub, largest=Location(0, 1))
     fetch = one(pair.server.take_events(), ev.FetchReceived)
     fetch_sid = pair.server.open_fetch_stream(fetch.request_id)
@@ -735,9 +646,9 @@ def test_publish_ok_carries_only_expires_from_draft20(draft: int) -> None:
     """request_ok to a peer PUBLISH with EXPIRES, FORWARD, priority and GROUP_ORDER: on
     18 one REQUEST_OK carries them all; on 20 and 22 REQUEST_OK carries EXPIRES and a
     REQUEST_UPDATE (our Request ID) carries FORWARD and priority (it has no GROUP_ORDER)."""
-    peer = RawPeerPair(draft)
+    peer = raw_peer(draft)
     sid = peer.send(m.Publish(0, NS, b"t", 7, m.Parameters(forward=False)).encode(draft))
-    assert one(peer.take(), ev.PublishReceived).track_alias == 7
+    assert one(peer.take("server"), ev.PublishReceived).track_alias == 7
     peer.server.request_ok(0, m.Parameters(expires=1000, forward=True, subscriber_priority=5,
                                            group_order=GroupOrder.DESCENDING))
     peer.exchange()
@@ -753,9 +664,9 @@ def test_publish_ok_carries_only_expires_from_draft20(draft: int) -> None:
     assert bytes(peer.raw[sid]).startswith(PUBLISH_OK_EXPIRES)
 
 
-def test_publish_ok_with_expires_only_sends_no_update(peer: RawPeerPair) -> None:
+def test_publish_ok_with_expires_only_sends_no_update(peer: SessionPair) -> None:
     sid = peer.send(m.Publish(0, NS, b"t", 7).encode(peer.draft))
-    peer.take()
+    peer.take("server")
     peer.server.request_ok(0, m.Parameters(expires=1000))
     peer.exchange()
     assert peer.messages_on(sid) == [m.RequestOk(m.Parameters(expires=1000))]
@@ -765,13 +676,13 @@ def test_publish_ok_with_expires_only_sends_no_update(peer: RawPeerPair) -> None
 def test_fin_on_subscribe_namespace_cancels_only_on_draft18(draft: int) -> None:
     """A requester FIN on SUBSCRIBE_NAMESPACE: draft-18 cancels it; from draft-20 a FIN
     only ends what the requester sends, and NAMESPACE still flows."""
-    peer = RawPeerPair(draft)
+    peer = raw_peer(draft)
     sid = peer.send(m.SubscribeNamespace(0, (b"kvsp",)).encode(draft))
-    assert one(peer.take(), ev.SubscribeNamespaceReceived).request_id == 0
+    assert one(peer.take("server"), ev.SubscribeNamespaceReceived).request_id == 0
     peer.server.request_ok(0)
     peer.exchange()
     peer.send(b"", end_stream=True, stream_id=sid)
-    events = peer.take()
+    events = peer.take("server")
     if draft == 18:
         cancelled = one(events, ev.RequestCancelled)
         assert (cancelled.request_id, cancelled.local_request) == (0, False)
@@ -785,14 +696,14 @@ def test_fin_on_subscribe_namespace_cancels_only_on_draft18(draft: int) -> None:
 
 @pytest.mark.parametrize("draft", NEW_DRAFTS)
 def test_joining_fetch_is_not_supported(draft: int) -> None:
-    peer = RawPeerPair(draft)
+    peer = raw_peer(draft)
     rid = peer.server.subscribe(NS, b"t")
     with pytest.raises(NotSupported):
         peer.server.joining_fetch(rid, 1)
 
 
 def test_joining_fetch_is_still_sent_on_draft18() -> None:
-    peer = RawPeerPair(18)
+    peer = raw_peer(18)
     rid = peer.server.subscribe(NS, b"t")
     fetch = peer.server.joining_fetch(rid, 1)
     peer.exchange()
@@ -806,7 +717,7 @@ def test_our_fetch_and_a_timed_out_range_on_its_stream(draft: int) -> None:
     """Our FETCH goes out in the draft's form; the peer's FETCH_OK `18 00 04 00 00 05 00`
     and a fetch stream ending with 0x20C are read as End (0,6) and an unknown range on
     20 and 22, while draft-18 closes the session on the marker."""
-    peer = RawPeerPair(draft)
+    peer = raw_peer(draft)
     rid = peer.server.fetch(NS, b"t", Location(0, 2), Location(0, 6))
     peer.exchange()
     request_sid = next(sid for sid in peer.raw if not sid & 2)
@@ -817,9 +728,9 @@ def test_our_fetch_and_a_timed_out_range_on_its_stream(draft: int) -> None:
         wire = frame(0x16, h("01") + track + h("01 21 04 00 02 00 05"))
     assert bytes(peer.raw[request_sid]) == wire
     peer.send(FETCH_OK_D20 if draft != 18 else m.FetchOk(False, Location(0, 6)).encode(18), stream_id=request_sid)
-    assert one(peer.take(), ev.FetchAccepted).end_location == Location(0, 6)
+    assert one(peer.take("server"), ev.FetchAccepted).end_location == Location(0, 6)
     peer.send(h("05 01") + TIMED_OUT_FETCH_STREAM[2:], bidi=False, end_stream=True)
-    events = peer.take()
+    events = peer.take("server")
     if draft == 18:
         assert one(events, ev.SessionTerminated).error_code == SessionCloseCode.PROTOCOL_VIOLATION
         return
@@ -830,14 +741,14 @@ def test_our_fetch_and_a_timed_out_range_on_its_stream(draft: int) -> None:
     assert one(events, ev.DataStreamEnded).reset is False
 
 
-def test_a_request_with_range_filters_is_refused_with_invalid_filter(peer: RawPeerPair) -> None:
+def test_a_request_with_range_filters_is_refused_with_invalid_filter(peer: SessionPair) -> None:
     """This endpoint advertises no MAX_FILTER_RANGES, so range filters (0x25-0x29) are refused
     with REQUEST_ERROR INVALID_FILTER (0x36), the session kept; the layer above never sees it."""
     # SUBSCRIBE, request 0, ("kvsp", "x") / "t", 1 parameter: OBJECTID_FILTER (0x26) of one
     # range, length 3: SetID 0, start delta 3, end delta 2.
     body = h("00 02 04 6b 76 73 70 01 78 01 74 01 26 03 00 03 02")
     sid = peer.send(frame(0x3, body))
-    assert of(peer.take(), ev.SubscribeReceived) == []
+    assert of(peer.take("server"), ev.SubscribeReceived) == []
     (answer,) = peer.messages_on(sid)
     assert isinstance(answer, m.RequestErrorMessage) and answer.error_code == RequestErrorCode.INVALID_FILTER == 0x36
     assert not peer.server.closed
@@ -853,10 +764,11 @@ def test_range_filters_do_not_exist_on_draft18() -> None:
 def test_publish_state_notify_from_the_publisher_is_accepted(draft: int) -> None:
     """Our subscription's publisher may report its own change of Forward or Largest Object;
     the session takes it and stays open. From the subscriber it is a PROTOCOL_VIOLATION."""
-    pair = RawPeerPair(draft, client_session=True)
+    pair = SessionPair(draft=draft)
+    pair.take("client"), pair.take("server")  # the SETUPs
     sub = pair.client.subscribe(NS, b"t")
     pair.exchange()
-    one(pair.take(), ev.SubscribeReceived)
+    one(pair.take("server"), ev.SubscribeReceived)
     pair.server.subscribe_ok(sub, largest=Location(0, 1))
     pair.exchange()
     notify = m.PublishStateNotify(m.Parameters(largest_object=Location(0, 4), forward=False))
@@ -866,13 +778,13 @@ def test_publish_state_notify_from_the_publisher_is_accepted(draft: int) -> None
     assert not pair.client.closed
 
 
-def test_publish_state_notify_from_the_subscriber_closes_the_session(peer: RawPeerPair) -> None:
+def test_publish_state_notify_from_the_subscriber_closes_the_session(peer: SessionPair) -> None:
     sid = peer.send(m.Subscribe(0, NS, b"t").encode(peer.draft))
-    one(peer.take(), ev.SubscribeReceived)
+    one(peer.take("server"), ev.SubscribeReceived)
     peer.server.subscribe_ok(0, largest=Location(0, 1))
     peer.exchange()
     peer.send(m.PublishStateNotify(m.Parameters(forward=False)).encode(peer.draft), stream_id=sid)
-    closed = one(peer.take(), ev.SessionTerminated)
+    closed = one(peer.take("server"), ev.SessionTerminated)
     assert closed.error_code == SessionCloseCode.PROTOCOL_VIOLATION
 
 
@@ -882,13 +794,13 @@ def test_publish_state_notify_from_the_subscriber_closes_the_session(peer: RawPe
     # FETCH, request 0, same track: LOCATION_FILTER Next Object.
     ("16", "00 02 04 6b 76 73 70 01 78 01 74 01 21 {next}"),
 ], ids=["subscribe-relative-start", "fetch-next-object"])
-def test_a_filter_relative_to_largest_is_refused_not_fatal(peer: RawPeerPair, message: str, why: str) -> None:
+def test_a_filter_relative_to_largest_is_refused_not_fatal(peer: SessionPair, message: str, why: str) -> None:
     """Forms this endpoint cannot express in Locations are refused with NOT_SUPPORTED; the
     session stays open."""
     typed = peer.draft >= 22
     body = why.format(rel2="01 02" if typed else "01 02", next="05" if typed else "02 00 00")
     sid = peer.send(frame(int(message, 16), h(body)))
-    events = peer.take()
+    events = peer.take("server")
     assert of(events, ev.SubscribeReceived) == of(events, ev.FetchReceived) == []
     (answer,) = peer.messages_on(sid)
     assert isinstance(answer, m.RequestErrorMessage) and answer.error_code == RequestErrorCode.NOT_SUPPORTED

@@ -28,8 +28,8 @@ def one(events, kind):
 
 
 @pytest.fixture
-def pair() -> SessionPair:
-    p = SessionPair(client_setup=m.Setup(path="/relay"))
+def pair(pair_engine: str) -> SessionPair:
+    p = SessionPair(engine=pair_engine, client_setup=m.Setup(path="/relay"))
     p.take("server")
     p.take("client")
     return p

@@ -464,7 +464,7 @@ async def test_stop_sending_on_a_subgroup_stream_releases_a_blocked_writer():
     try:
         subscription = await asyncio.wait_for(client.subscribe(NS, "1"), STEP)
         await asyncio.wait_for(subscription.__anext__(), STEP)  # the publisher is now blocked on flow control
-        stream_id = next(iter(client.session._incoming_data))
+        stream_id = next(iter(client.session._receiving.streams))
         client.session.stop_data_stream(stream_id)
         client.transmit()
         assert await asyncio.wait_for(outcome, STEP) < 10_000

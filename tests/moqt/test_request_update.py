@@ -40,8 +40,8 @@ def one(events, kind):
 
 
 @pytest.fixture
-def pair():
-    return SessionPair()
+def pair(pair_engine):
+    return SessionPair(engine=pair_engine)
 
 
 def _subscribed(pair: SessionPair, parameters: m.Parameters = m.Parameters()) -> int:

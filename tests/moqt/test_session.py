@@ -17,6 +17,8 @@ from kvsp_moq.moqt.wire import ObjectStatus
 
 from .pair import SessionPair
 
+pytestmark = pytest.mark.usefixtures("pair_engine")
+
 NS = (b"kvsp", b"c" * 32, b"s" * 16)
 
 
@@ -280,8 +282,8 @@ def test_unsubscribe_resets_the_publishers_streams(pair):
         pair.server.write_object(sid, 1, b"y")
 
 
-def test_authorization_token_aliases(pair):
-    pair.server._max_auth_token_cache_size = 1000
+def test_authorization_token_aliases():
+    pair = SessionPair(server_kwargs={"max_auth_token_cache_size": 1000})
     pair.client.subscribe(NS, b"1", m.Parameters(authorization_tokens=(wire.AuthToken.register(5, b"secret"),)))
     pair.client.subscribe(NS, b"2", m.Parameters(authorization_tokens=(wire.AuthToken.use_alias(5),)))
     pair.exchange()

@@ -2,119 +2,21 @@
 
 from __future__ import annotations
 
-from typing import Callable
-
 import pytest
-from aioquic.quic.configuration import QuicConfiguration
-from aioquic.quic.connection import QuicConnection
 
 from kvsp_moq.moqt import events as ev
 from kvsp_moq.moqt import wire
-from kvsp_moq.moqt.certs import generate_self_signed
 from kvsp_moq.moqt.d14 import data as d14data
 from kvsp_moq.moqt.d14 import messages as d14
-from kvsp_moq.moqt.d14.session import ALPN, MoqtSession14
 from kvsp_moq.moqt.d18 import messages as m
-from kvsp_moq.moqt.engine import ProtocolNegotiated
 from kvsp_moq.moqt.errors import PublishDoneCode, RequestErrorCode, SessionCloseCode
-from kvsp_moq.moqt.quic import QuicSettings
-from kvsp_moq.moqt.quic.aioquic_engine import AioquicEngine
 from kvsp_moq.moqt.wire import ObjectStatus
 
-CERT = generate_self_signed()
-CLIENT_ADDR = ("127.0.0.1", 1234)
-SERVER_ADDR = ("127.0.0.1", 4433)
+from .pair import SessionPair
+
 NS = (b"kvsp", b"c" * 32, b"s" * 16)
 
-
-class Pair14:
-    """A client and a server MoqtSession14 over ALPN "moq-00"; `exchange()` moves
-    datagrams until quiet, collecting each side's events."""
-
-    def __init__(
-        self,
-        *,
-        client_kwargs: dict | None = None,
-        server_kwargs: dict | None = None,
-        on_client: Callable[[MoqtSession14], object] | None = None,
-    ) -> None:
-        self.now = 0.0
-        self._on_client = on_client
-        client_config = QuicConfiguration(is_client=True, alpn_protocols=[ALPN], max_datagram_frame_size=65536)
-        client_config.verify_mode = 0
-        server_config = QuicConfiguration(is_client=False, alpn_protocols=[ALPN], max_datagram_frame_size=65536)
-        server_config.certificate = CERT.certificate
-        server_config.private_key = CERT.private_key
-        settings = QuicSettings(engine="aioquic")
-        client_quic = QuicConnection(configuration=client_config)
-        self.client_quic = AioquicEngine(client_quic, settings)
-        self.server_quic = AioquicEngine(QuicConnection(
-            configuration=server_config,
-            original_destination_connection_id=client_quic.original_destination_connection_id,
-        ), settings)
-        self._kwargs = {True: client_kwargs or {}, False: server_kwargs or {}}
-        self.client: MoqtSession14 | None = None
-        self.server: MoqtSession14 | None = None
-        self.events: dict[bool, list] = {True: [], False: []}
-        self.client_quic.connect(SERVER_ADDR, now=self.now)
-        self.exchange()
-
-    def _drain(self, quic: AioquicEngine, is_client: bool) -> None:
-        while (event := quic.next_event()) is not None:
-            session = self.client if is_client else self.server
-            if isinstance(event, ProtocolNegotiated) and session is None:
-                assert event.alpn_protocol == ALPN
-                session = MoqtSession14(quic, is_client=is_client, **self._kwargs[is_client])
-                if is_client:
-                    self.client = session
-                    if self._on_client is not None:
-                        self._on_client(session)
-                else:
-                    self.server = session
-                continue
-            if session is not None:
-                self.events[is_client].extend(session.handle_event(event))
-
-    def exchange(self, rounds: int = 200) -> None:
-        for _ in range(rounds):
-            moved = False
-            self.now += 0.001
-            for quic, peer, peer_is_client, addr in (
-                (self.client_quic, self.server_quic, False, CLIENT_ADDR),
-                (self.server_quic, self.client_quic, True, SERVER_ADDR),
-            ):
-                for data, _ in quic.datagrams_to_send(now=self.now):
-                    moved = True
-                    peer.receive_datagram(data, addr, now=self.now)
-                self._drain(peer, peer_is_client)
-            self._drain(self.client_quic, True)
-            self._drain(self.server_quic, False)
-            if not moved:
-                return
-
-    def advance(self, seconds: float) -> None:
-        """Let simulated time pass and fire due timers (e.g. a close's draining period)."""
-        self.now += seconds
-        for quic, is_client in ((self.client_quic, True), (self.server_quic, False)):
-            timer = quic.get_timer()
-            if timer is not None and timer <= self.now:
-                quic.handle_timer(now=self.now)
-                self._drain(quic, is_client)
-        self.exchange()
-
-    def take(self, side: str) -> list:
-        events = self.events[side == "client"]
-        out = list(events)
-        events.clear()
-        return out
-
-    def raw_control(self, *messages: d14.Message) -> None:
-        """Write messages on the client's control stream behind its session's back."""
-        assert self.client is not None
-        sid = self.client._control_stream_id
-        assert sid is not None
-        self.client_quic.send_stream_data(sid, b"".join(msg.encode() for msg in messages))
-        self.exchange()
+pytestmark = pytest.mark.usefixtures("pair_engine")
 
 
 def of(events, kind):
@@ -135,14 +37,14 @@ def closed_with(events, code):
 
 
 @pytest.fixture
-def pair() -> Pair14:
-    p = Pair14(client_kwargs={"setup": m.Setup(path="/relay", authority="localhost:4433")})
+def pair() -> SessionPair:
+    p = SessionPair(draft=14, client_kwargs={"setup": m.Setup(path="/relay", authority="localhost:4433")})
     assert one(p.take("server"), ev.SetupCompleted).setup.path == "/relay"
     assert one(p.take("client"), ev.SetupCompleted).setup.implementation
     return p
 
 
-def subscribed(pair: Pair14, **ok) -> tuple[int, int]:
+def subscribed(pair: SessionPair, **ok) -> tuple[int, int]:
     rid = pair.client.subscribe(NS, b"t", m.Parameters(forward=True))
     pair.exchange()
     assert one(pair.take("server"), ev.SubscribeReceived).request_id == rid
@@ -157,8 +59,8 @@ def subscribed(pair: Pair14, **ok) -> tuple[int, int]:
 
 def test_setup_negotiates_the_first_common_version():
     later = d14.draft_version(15)
-    p = Pair14(
-        client_kwargs={"versions": (later, d14.VERSION)},
+    p = SessionPair(
+        draft=14, client_kwargs={"versions": (later, d14.VERSION)},
         server_kwargs={"versions": (d14.VERSION,)},
     )
     assert one(p.take("client"), ev.SetupCompleted)
@@ -169,7 +71,7 @@ def test_setup_negotiates_the_first_common_version():
 
 
 def test_server_without_the_offered_version_closes_with_version_negotiation_failed():
-    p = Pair14(server_kwargs={"versions": (d14.draft_version(15),)})
+    p = SessionPair(draft=14, server_kwargs={"versions": (d14.draft_version(15),)})
     terminated = closed_with(p.take("server"), SessionCloseCode.VERSION_NEGOTIATION_FAILED)
     assert terminated.local and "0xff00000e" in terminated.reason
     p.advance(1.0)
@@ -179,7 +81,7 @@ def test_server_without_the_offered_version_closes_with_version_negotiation_fail
 
 def test_requests_before_setup_are_sent_once_setup_is_done():
     early: list[int] = []
-    p = Pair14(on_client=lambda session: early.append(session.subscribe(NS, b"early")))
+    p = SessionPair(draft=14, on_client=lambda session: early.append(session.subscribe(NS, b"early")))
     assert early == [0]
     assert one(p.take("client"), ev.SetupCompleted)
     assert one(p.take("server"), ev.SubscribeReceived).request_id == 0
@@ -541,13 +443,13 @@ def test_goaway(pair):
 
 
 def test_requests_beyond_the_peer_grant_wait_for_max_request_id():
-    p = Pair14(server_kwargs={"max_requests": 2})
+    p = SessionPair(draft=14, server_kwargs={"max_requests": 2})
     p.take("client"), p.take("server")
     ids = [p.client.subscribe(NS, bytes([i])) for i in range(3)]
     assert ids == [0, 2, 4]
     p.exchange()
     assert [e.request_id for e in of(p.take("server"), ev.SubscribeReceived)] == [0, 2]
-    assert p.client._blocked_reported == 4  # REQUESTS_BLOCKED was sent for Maximum Request ID 4
+    assert p.client._credit.blocked_reported == 4  # REQUESTS_BLOCKED was sent for Maximum Request ID 4
     p.server.request_error(0, RequestErrorCode.DOES_NOT_EXIST)  # frees one request
     p.exchange()
     assert one(p.take("server"), ev.SubscribeReceived).request_id == 4
@@ -555,7 +457,7 @@ def test_requests_beyond_the_peer_grant_wait_for_max_request_id():
 
 
 def test_cancelling_a_queued_request_sends_it_then_its_cancellation():
-    p = Pair14(server_kwargs={"max_requests": 1})
+    p = SessionPair(draft=14, server_kwargs={"max_requests": 1})
     p.take("client"), p.take("server")
     first = p.client.subscribe(NS, b"1")
     second = p.client.subscribe(NS, b"2")
@@ -570,7 +472,7 @@ def test_cancelling_a_queued_request_sends_it_then_its_cancellation():
 
 
 def test_a_peer_ignoring_the_grant_is_closed_with_too_many_requests():
-    p = Pair14(server_kwargs={"max_requests": 2})
+    p = SessionPair(draft=14, server_kwargs={"max_requests": 2})
     p.take("client"), p.take("server")
     p.raw_control(*(d14.Subscribe(rid, NS, b"t") for rid in (0, 2, 4)))
     events = p.take("server")

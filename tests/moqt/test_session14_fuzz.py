@@ -4,14 +4,15 @@ close the session with a MOQT close code; no other exception leaves `handle_even
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvsp_moq.moqt import events as ev
 from kvsp_moq.moqt.d14.messages import SessionCloseCode
 
+from .pair import ENGINES, SessionPair
 from .test_draft14 import any_message
-from .test_session14 import Pair14
 from .test_session_fuzz import encoded
 
 
@@ -28,11 +29,12 @@ STEPS = st.lists(st.one_of(st.tuples(st.just("control"), encoded(any_message)),
                            st.tuples(st.just("data"), data_stream())), min_size=1, max_size=6)
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @settings(max_examples=150, deadline=None, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(steps=STEPS, from_client=st.booleans())
-def test_any_messages_and_data_streams_are_handled_or_close_the_session(steps, from_client) -> None:
-    pair = Pair14()
+def test_any_messages_and_data_streams_are_handled_or_close_the_session(engine, steps, from_client) -> None:
+    pair = SessionPair(draft=14, engine=engine)
     sender = pair.client if from_client else pair.server
     receiver_side = "server" if from_client else "client"
     quic = pair.client_quic if from_client else pair.server_quic

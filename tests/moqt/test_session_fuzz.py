@@ -4,6 +4,7 @@ stream, from either peer: the session handles each one or closes with a MOQT clo
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -11,7 +12,7 @@ from kvsp_moq.moqt import events as ev
 from kvsp_moq.moqt.d18.data import FetchHeader, SubgroupHeader
 from kvsp_moq.moqt.errors import SessionCloseCode
 
-from .pair import SessionPair
+from .pair import ENGINES, SessionPair
 from .strategies import messages
 
 WHERE = st.sampled_from(["new request stream", "same request stream", "new unidirectional"])
@@ -71,11 +72,12 @@ def _inject(pair: SessionPair, from_client: bool, steps) -> list:
     return events
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @settings(max_examples=150, deadline=None, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(steps=STEPS, from_client=st.booleans())
-def test_any_messages_on_any_stream_are_handled_or_close_the_session(steps, from_client) -> None:
-    pair = SessionPair()
+def test_any_messages_on_any_stream_are_handled_or_close_the_session(engine, steps, from_client) -> None:
+    pair = SessionPair(engine=engine)
     events = _inject(pair, from_client, steps)
     codes = {int(code) for code in SessionCloseCode}
     for event in events:

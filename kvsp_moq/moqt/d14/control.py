@@ -1,8 +1,8 @@
 """The draft-14 control messages this endpoint receives, on its one control stream:
 CLIENT_SETUP / SERVER_SETUP, GOAWAY, the peer's requests and SUBSCRIBE_UPDATEs, the
 answers to ours, PUBLISH_DONE, and the peer's UNSUBSCRIBE and FETCH_CANCEL. The
-namespace messages are in `namespaces`, MAX_REQUEST_ID and REQUESTS_BLOCKED in
-`credit`; the session's `_HANDLERS` maps each message to its handler."""
+namespace messages are in `namespaces`; MAX_REQUEST_ID and REQUESTS_BLOCKED are handed
+to `credit`; the session's `_HANDLERS` maps each message to its handler."""
 
 from __future__ import annotations
 
@@ -12,12 +12,11 @@ from ..d18.messages import Parameters, Setup
 from ..errors import (
     DuplicateTrackAlias,
     ProtocolViolation,
-    RequestErrorCode,
     SessionCloseCode,
     SessionError,
     StreamResetCode,
 )
-from ..fetches import fetch_end_before_start
+from ..session.fetches import fetch_end_before_start
 from ..wire import SubscriptionFilter, TrackPropertyType
 from . import messages as d14
 from .request_state import (
@@ -30,12 +29,12 @@ from .request_state import (
     TRACK_STATUS,
     Request14,
 )
-from .session_state import SessionState14
+from .sending import MessageSending
 
 __all__ = ["ControlMessageHandling"]
 
 
-class ControlMessageHandling(SessionState14):
+class ControlMessageHandling(MessageSending):
     """Part of `MoqtSession14`: the control messages received, each turned into events
     and the state of its request."""
 
@@ -58,7 +57,7 @@ class ControlMessageHandling(SessionState14):
         s = self.local_setup
         return d14.SetupParameters(
             path=s.path if self._is_client else None,
-            max_request_id=self._granted,
+            max_request_id=self._credit.granted,
             authorization_tokens=s.authorization_tokens,
             max_auth_token_cache_size=s.max_auth_token_cache_size,
             authority=s.authority if self._is_client else None,
@@ -88,7 +87,7 @@ class ControlMessageHandling(SessionState14):
         self._complete_setup(message.parameters, out)
 
     def _complete_setup(self, p: d14.SetupParameters, out: list[ev.MoqtEvent]) -> None:
-        self._register_setup_tokens(p.authorization_tokens)
+        self._tokens.register_setup(p.authorization_tokens)
         setup = Setup(
             path=p.path,
             authority=p.authority,
@@ -97,12 +96,18 @@ class ControlMessageHandling(SessionState14):
             implementation=p.implementation,
         )
         self.peer_setup = setup
-        self._peer_grant = p.max_request_id or 0
+        self._credit.peer_grant = p.max_request_id or 0
         out.append(ev.SetupCompleted(setup))
-        self._flush_queue()
+        self._credit.flush_queue()
         self._replay_held(out)
 
     # -- session-level messages --------------------------------------------
+
+    def _on_max_request_id(self, message: d14.MaxRequestId, out: list[ev.MoqtEvent]) -> None:
+        self._credit.on_max_request_id(message)
+
+    def _on_requests_blocked(self, message: d14.RequestsBlocked, out: list[ev.MoqtEvent]) -> None:
+        self._credit.grant(force=True)
 
     def _on_goaway(self, message: d14.Goaway, out: list[ev.MoqtEvent]) -> None:
         if self.goaway_received is not None:
@@ -115,28 +120,22 @@ class ControlMessageHandling(SessionState14):
 
     # -- peer requests -----------------------------------------------------
 
-    def _refuse_if_going_away(self, request: Request14) -> bool:
-        if self._goaway_sent:
-            self._reject(request, RequestErrorCode.GOING_AWAY, "going away")
-            return True
-        return False
-
     def _on_subscribe(self, message: d14.Subscribe, out: list[ev.MoqtEvent]) -> None:
         """SUBSCRIBE, or TRACK_STATUS (SUBSCRIBE's format)."""
         s18 = message.to_draft18()
         status = isinstance(message, d14.TrackStatus)
-        request = self._new_peer_request(
+        request = self._credit.new_peer_request(
             message.request_id, TRACK_STATUS if status else SUBSCRIBE, parameters=s18.parameters,
             namespace=message.namespace, track_name=message.track_name,
         )
-        tokens = self._resolve_tokens(message.parameters.authorization_tokens)
+        tokens = self._tokens.resolve(message.parameters.authorization_tokens)
         if self._refuse_if_going_away(request):
             return
         received = ev.TrackStatusReceived if status else ev.SubscribeReceived
         out.append(received(request.request_id, message.namespace, message.track_name, s18.parameters, tokens))
 
     def _on_publish(self, message: d14.Publish, out: list[ev.MoqtEvent]) -> None:
-        other = self._aliases_in.get(message.track_alias)
+        other = self._receiving.aliases.get(message.track_alias)
         if other is not None and not other.closed:
             raise DuplicateTrackAlias(f"track alias {message.track_alias} already in use")
         p = message.parameters
@@ -150,12 +149,12 @@ class ControlMessageHandling(SessionState14):
         if p.max_cache_duration is not None:
             properties.append((TrackPropertyType.MAX_CACHE_DURATION, p.max_cache_duration))
         properties.append((TrackPropertyType.DEFAULT_PUBLISHER_GROUP_ORDER, int(message.group_order)))
-        request = self._new_peer_request(
+        request = self._credit.new_peer_request(
             message.request_id, PUBLISH, parameters=parameters,
             namespace=message.namespace, track_name=message.track_name, track_alias=message.track_alias,
         )
-        self._aliases_in[message.track_alias] = request
-        tokens = self._resolve_tokens(p.authorization_tokens)
+        self._receiving.aliases[message.track_alias] = request
+        tokens = self._tokens.resolve(p.authorization_tokens)
         if self._refuse_if_going_away(request):
             return
         out.append(
@@ -164,20 +163,20 @@ class ControlMessageHandling(SessionState14):
                 parameters, tuple(properties), tokens,
             )
         )
-        self._flush_held_for_alias(message.track_alias, out)
+        self._receiving.flush_held_for_alias(message.track_alias, out)
 
     def _on_fetch(self, message: d14.Fetch, out: list[ev.MoqtEvent]) -> None:
         f18 = message.to_draft18()
-        request = self._new_peer_request(message.request_id, FETCH, parameters=f18.parameters, fetch=f18)
-        tokens = self._resolve_tokens(message.parameters.authorization_tokens)
+        request = self._credit.new_peer_request(message.request_id, FETCH, parameters=f18.parameters, fetch=f18)
+        tokens = self._tokens.resolve(message.parameters.authorization_tokens)
         if self._refuse_if_going_away(request):
             return
-        self._on_fetch_request(request, f18, tokens, out)
+        self._fetches.on_fetch(request, f18, tokens, out)
 
     def _on_subscribe_update(self, message: d14.SubscribeUpdate, out: list[ev.MoqtEvent]) -> None:
         subscription = self._requests.get(message.subscription_request_id)
-        self._accept_peer_id(message.request_id)
-        self._grant()  # an update uses a Request ID but holds nothing open
+        self._credit.accept_peer_id(message.request_id)
+        self._credit.grant()  # an update uses a Request ID but holds nothing open
         if subscription is None or subscription.closed:
             return  # a race with PUBLISH_DONE / UNSUBSCRIBE
         if subscription.local or subscription.kind != SUBSCRIBE:
@@ -198,7 +197,7 @@ class ControlMessageHandling(SessionState14):
         if resumed:
             subscription.largest_at_ok = None  # no REQUEST_UPDATE_OK carries the new Joining Location
         self._updates[message.request_id] = subscription
-        tokens = self._resolve_tokens(message.parameters.authorization_tokens)
+        tokens = self._tokens.resolve(message.parameters.authorization_tokens)
         out.append(ev.RequestUpdateReceived(message.request_id, subscription.request_id, parameters, tokens))
 
     # -- answers to our requests -------------------------------------------
@@ -248,16 +247,16 @@ class ControlMessageHandling(SessionState14):
         request = self._first_answer(message.request_id, (SUBSCRIBE,), message.NAME)
         if request is None:
             return
-        other = self._aliases_in.get(message.track_alias)
+        other = self._receiving.aliases.get(message.track_alias)
         if other is not None and other is not request and not other.closed:
             raise DuplicateTrackAlias(f"track alias {message.track_alias} already in use")
         ok = message.to_draft18()
         request.accepted = True
         request.track_alias = message.track_alias
         request.largest_at_ok = message.largest_location
-        self._aliases_in[message.track_alias] = request
+        self._receiving.aliases[message.track_alias] = request
         out.append(ev.SubscribeAccepted(request.request_id, message.track_alias, ok.parameters, ok.track_properties))
-        self._flush_held_for_alias(message.track_alias, out)
+        self._receiving.flush_held_for_alias(message.track_alias, out)
 
     def _on_fetch_ok(self, message: d14.FetchOk, out: list[ev.MoqtEvent]) -> None:
         request = self._first_answer(message.request_id, (FETCH,), message.NAME)
@@ -323,19 +322,9 @@ class ControlMessageHandling(SessionState14):
         done = message.to_draft18()
         out.append(ev.PublishDoneReceived(request.request_id, done.status_code, done.stream_count, done.reason))
         request.done_stream_count = message.stream_count
-        self._maybe_end_subscription(request)
+        self._receiving.maybe_end_subscription(request)
 
     # -- cancellations by the peer -----------------------------------------
-
-    def _peer_cancelled(self, request: Request14, code: int, out: list[ev.MoqtEvent]) -> None:
-        if self._forget_held(request):
-            self._close_request(request)
-            return
-        out.append(ev.RequestCancelled(request.request_id, code, request.local))
-        if request.held_fetches:
-            self._refuse_held_fetches(request, "subscription cancelled")
-        self._end_data_streams(request, StreamResetCode.CANCELLED)
-        self._close_request(request)
 
     def _on_unsubscribe(self, message: d14.Unsubscribe, out: list[ev.MoqtEvent]) -> None:
         request = self._requests.get(message.request_id)

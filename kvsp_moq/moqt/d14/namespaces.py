@@ -19,12 +19,12 @@ from .request_state import (
     TRACKS_ID_BASE,
     Request14,
 )
-from .session_state import SessionState14
+from .requests import Requests14
 
 __all__ = ["NamespaceMapping"]
 
 
-class NamespaceMapping(SessionState14):
+class NamespaceMapping(Requests14):
     """Part of `MoqtSession14`: PUBLISH_NAMESPACE and SUBSCRIBE_NAMESPACE, received and
     sent, for the draft-18 requests and messages they stand for."""
 
@@ -34,10 +34,10 @@ class NamespaceMapping(SessionState14):
         parameters = Parameters(authorization_tokens=message.parameters.authorization_tokens)
         parent = self._subscription_for(message.namespace)
         kind = PUBLISH_NAMESPACE if parent is None else ANNOUNCED
-        request = self._new_peer_request(
+        request = self._credit.new_peer_request(
             message.request_id, kind, parameters=parameters, namespace=message.namespace, parent=parent
         )
-        tokens = self._resolve_tokens(message.parameters.authorization_tokens)
+        tokens = self._tokens.resolve(message.parameters.authorization_tokens)
         if parent is not None:
             # The draft-18 NAMESPACE: answered here, reported against the SUBSCRIBE_NAMESPACE.
             suffix = message.namespace[len(parent.namespace):]
@@ -64,10 +64,10 @@ class NamespaceMapping(SessionState14):
 
     def _on_subscribe_namespace(self, message: d14.SubscribeNamespace, out: list[ev.MoqtEvent]) -> None:
         parameters = Parameters(authorization_tokens=message.parameters.authorization_tokens)
-        request = self._new_peer_request(
+        request = self._credit.new_peer_request(
             message.request_id, SUBSCRIBE_NAMESPACE, parameters=parameters, namespace=message.namespace_prefix
         )
-        tokens = self._resolve_tokens(message.parameters.authorization_tokens)
+        tokens = self._tokens.resolve(message.parameters.authorization_tokens)
         if self._refuse_if_going_away(request):
             return
         out.append(ev.SubscribeNamespaceReceived(request.request_id, message.namespace_prefix, parameters, tokens))
@@ -173,7 +173,7 @@ class NamespaceMapping(SessionState14):
 
     def _withdraw(self, announced: Request14) -> None:
         if not announced.closed:
-            self._send_about(announced, d14.PublishNamespaceDone(announced.namespace))
+            self._credit.send_about(announced, d14.PublishNamespaceDone(announced.namespace))
             self._close_request(announced)
 
     def _drop_announced(self, request: Request14) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..d18 import messages as m18
-from ..state import RequestState
+from ..session.records import RequestState
 from ..wire import TrackNamespace
 
 __all__ = [

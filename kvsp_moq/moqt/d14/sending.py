@@ -6,7 +6,6 @@ renumbered, PUBLISH_DONE)."""
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Callable
 
 from .. import events as ev
 from ..d18 import messages as m18
@@ -24,6 +23,7 @@ from ..wire import (
     property_value,
 )
 from . import messages as d14
+from .namespaces import NamespaceMapping
 from .request_state import (
     ANNOUNCED,
     FETCH,
@@ -36,7 +36,6 @@ from .request_state import (
     TRACKS,
     Request14,
 )
-from .session_state import SessionState14
 
 __all__ = ["MessageSending"]
 
@@ -51,23 +50,12 @@ _ERROR_MESSAGES: dict[type[m18.Message], type[d14._RequestError]] = {
 }
 
 
-class MessageSending(SessionState14):
+class MessageSending(NamespaceMapping):
     """Part of `MoqtSession14`: the requests, updates, cancellations and answers it sends."""
 
     # ------------------------------------------------------------------
     # Sending: requests
     # ------------------------------------------------------------------
-
-    def _open_request(self, kind: type[m18.Message], build: Callable[[int], d14.Message], **fields: Any) -> int:
-        self._check_open()
-        request_id = self._next_request_id
-        # Encoded first: a value draft-14 cannot carry is refused before the ID is spent.
-        data = build(request_id).encode()
-        self._next_request_id += 2
-        request = Request14(request_id, kind, True, **fields)
-        self._requests[request_id] = request
-        self._send_request(request, data)
-        return request_id
 
     def subscribe(self, namespace: TrackNamespace, track_name: bytes, parameters: Parameters = Parameters()) -> int:
         """Send SUBSCRIBE; returns its Request ID."""
@@ -215,7 +203,7 @@ class MessageSending(SessionState14):
         data = message.encode()  # before the ID is spent, as for requests
         self._next_request_id += 2
         update = Request14(update_id, SUBSCRIBE_UPDATE, True, closed=True)
-        self._send_request(update, data)
+        self._credit.send_request(update, data)
         request.parameters = merged
         self._released.append(ev.RequestAccepted(update_id, Parameters(), ()))
         return update_id
@@ -233,7 +221,7 @@ class MessageSending(SessionState14):
             return
         self._end_tracks(request, self._released)
         if request.held_fetches:
-            self._refuse_held_fetches(request, "subscription cancelled")
+            self._fetches.refuse_held(request, "subscription cancelled")
         if not request.local and not request.answered and request.kind in _ERROR_MESSAGES:
             self._reject(request, RequestErrorCode.INTERNAL_ERROR, "cancelled")
         else:
@@ -270,7 +258,7 @@ class MessageSending(SessionState14):
                 self._withdraw_announced(request)
             # A peer FETCH already answered ends by resetting its data stream.
         if message is not None and not self._closed:
-            self._send_about(request, message)
+            self._credit.send_about(request, message)
 
     def goaway(self, new_session_uri: str = "", timeout_ms: int = 0) -> None:
         """Send GOAWAY (draft-14 carries no timeout); later peer requests are refused."""
@@ -363,11 +351,11 @@ class MessageSending(SessionState14):
         if not self._closed:
             self._send(message)
         if request.held_fetches:
-            self._refuse_held_fetches(request, "subscription refused")
+            self._fetches.refuse_held(request, "subscription refused")
 
     def _send_publish_done(self, request: Request14, status_code: int, reason: str) -> None:
         done = m18.PublishDone(status_code, request.data_streams_opened, reason)
-        self._send_about(request, d14.PublishDone.from_draft18(done, request.request_id))
+        self._credit.send_about(request, d14.PublishDone.from_draft18(done, request.request_id))
         self._close_request(request)
 
     def publish_blocked(self, request_id: int, namespace_suffix: TrackNamespace, track_name: bytes) -> None:

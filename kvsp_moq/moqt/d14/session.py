@@ -3,14 +3,15 @@
 `MoqtSession14` has the constructor shape, the `handle_event()` contract and the
 public methods of the draft-18 `MoqtSession`, and returns the same `events.py`
 events, so the layer above needs no second code path for the fallback version.
-Both derive from `session_base.SessionBase`, which keeps what the drafts share (token
+Both derive from `session.base.SessionBase`, which keeps what the drafts share (token
 cache, track aliases, joining FETCHes, data streams and datagrams, writing
 objects); data stream items and answers are converted to and from their
-draft-18 forms at the edges (`adapters`). `MoqtSession14` is made of parts: the
-control messages received (`control`), what it sends (`sending`), namespaces
-(`namespaces`) and Request ID credit (`credit`), each deriving from
-`session_state.SessionState14`, which declares with their types what they share; this
-module keeps the session's state, its streams and teardown. The wire is draft-14's
+draft-18 forms at the edges (`adapters`, `dialect`). `MoqtSession14` owns Request ID
+credit as an object (`credit.RequestCredit`) and is made of parts in layers, each
+deriving from the one below it: its requests' state, sending and teardown
+(`requests`), namespaces (`namespaces`), what it sends (`sending`) and the control
+messages received (`control`); this module sets the session's state and routes its
+streams. The wire is draft-14's
 (codec in `messages` and `data`):
 
 * the client opens one bidirectional control stream and sends CLIENT_SETUP with
@@ -87,7 +88,6 @@ What has no draft-14 form, and what happens instead:
 
 from __future__ import annotations
 
-from collections import deque
 from typing import Iterable
 
 from .. import events as ev
@@ -102,17 +102,14 @@ from ..engine import (
     stream_is_unidirectional,
 )
 from ..errors import NotSupported, ProtocolViolation, StreamResetCode
-from ..session_base import SessionBase
-from ..state import UNKNOWN_STREAM_COUNT, IncomingDataStream
-from ..wire import DEFAULT_MAX_OBJECT_SIZE, TrackNamespace
-from . import data as d14data
+from ..session.records import UNKNOWN_STREAM_COUNT, IncomingDataStream
+from ..wire import DEFAULT_MAX_OBJECT_SIZE
 from . import messages as d14
-from .adapters import DataStreamParser14, FetchWriter14, SubgroupWriter14
+from .adapters import DataStreamParser14
 from .control import ControlMessageHandling
 from .credit import RequestCredit
-from .namespaces import NamespaceMapping
+from .dialect import Dialect14
 from .request_state import FETCH, Request14
-from .sending import MessageSending
 
 __all__ = ["MoqtSession14", "ALPN", "DEFAULT_MAX_REQUESTS", "UNKNOWN_STREAM_COUNT"]
 
@@ -120,7 +117,7 @@ ALPN = d14.ALPN
 DEFAULT_MAX_REQUESTS = 100
 
 
-class MoqtSession14(ControlMessageHandling, NamespaceMapping, MessageSending, RequestCredit, SessionBase):
+class MoqtSession14(ControlMessageHandling):
     """The draft-14 MOQT state of one QUIC connection (ALPN "moq-00").
 
     `versions` are the SETUP versions offered (client, most preferred first) or
@@ -151,6 +148,7 @@ class MoqtSession14(ControlMessageHandling, NamespaceMapping, MessageSending, Re
             is_client=is_client,
             draft=draft,
             setup=setup,
+            dialect=Dialect14(),
             max_object_size=max_object_size,
             max_auth_token_cache_size=max_auth_token_cache_size,
             max_buffered_before_setup=max_buffered_before_setup,
@@ -165,13 +163,7 @@ class MoqtSession14(ControlMessageHandling, NamespaceMapping, MessageSending, Re
         self._goaway_sent = False
 
         # Request IDs and their credit (section 9.1 / MAX_REQUEST_ID).
-        self._max_requests = max_requests
-        self._peer_next_id = 1 if is_client else 0
-        self._peer_active = 0
-        self._granted = self._peer_next_id + 2 * max_requests  # peer IDs below this are allowed
-        self._peer_grant = 0  # our IDs below this may be sent
-        self._blocked_reported = None
-        self._queue = deque()  # [request_id, bytearray] not yet sent
+        self._credit = RequestCredit(self, quic, self._requests, is_client=is_client, max_requests=max_requests)
         self._updates = {}  # peer SUBSCRIBE_UPDATE id -> subscription
 
         self._control_stream_id = None
@@ -207,42 +199,30 @@ class MoqtSession14(ControlMessageHandling, NamespaceMapping, MessageSending, Re
             return
         if self._is_local_stream(sid):
             return
-        stream = self._incoming_data.get(sid)
+        stream = self._receiving.streams.get(sid)
         if stream is None:
             stream = IncomingDataStream(DataStreamParser14(self.max_object_size))
-            self._incoming_data[sid] = stream
-        self._on_data_stream(sid, stream, event.data, event.end_stream, out)
+            self._receiving.streams[sid] = stream
+        self._receiving.on_data(sid, stream, event.data, event.end_stream, out)
 
     def _on_stream_reset(self, event: StreamReset, out: list[ev.MoqtEvent]) -> None:
         sid = event.stream_id
         if sid == self._control_stream_id:
             raise ProtocolViolation("control stream reset")
-        stream = self._incoming_data.pop(sid, None)
+        stream = self._receiving.streams.pop(sid, None)
         if stream is not None:
-            self._on_data_stream_reset(sid, stream, event.error_code, out)
+            self._receiving.on_reset(sid, stream, event.error_code, out)
 
     def _on_stop_sending(self, event: StopSendingReceived, out: list[ev.MoqtEvent]) -> None:
         if event.stream_id == self._control_stream_id:
             raise ProtocolViolation("STOP_SENDING on the control stream")
-        self._on_data_stream_stopped(event.stream_id, event.error_code, out)
+        self._sending.on_stop_sending(event.stream_id, event.error_code, out)
 
-    # ------------------------------------------------------------------
-    # Control stream
-    # ------------------------------------------------------------------
-
-    def _send(self, message: d14.Message) -> None:
-        assert self._control_stream_id is not None
-        self._quic.send_stream_data(self._control_stream_id, message.encode())
-
-    _HANDLERS = {}
+    _HANDLERS = {}  # filled in below, once the handlers exist
 
     # ------------------------------------------------------------------
     # Data streams and datagrams
     # ------------------------------------------------------------------
-
-    def _was_ours(self, request_id: int) -> bool:
-        """Whether a Request ID is one this endpoint used (its request may be forgotten)."""
-        return request_id & 1 == self._next_request_id & 1 and request_id < self._next_request_id
 
     def _on_data_header(
         self, sid: int, stream: IncomingDataStream[Request14], item: object, out: list[ev.MoqtEvent]
@@ -252,7 +232,7 @@ class MoqtSession14(ControlMessageHandling, NamespaceMapping, MessageSending, Re
             request = self._requests.get(item.request_id)
             if request is None or request.closed:
                 if self._was_ours(item.request_id):
-                    self._stop_incoming(sid, stream, StreamResetCode.CANCELLED)
+                    self._receiving.stop(sid, stream, StreamResetCode.CANCELLED)
                     return False
                 raise ProtocolViolation(f"FETCH_HEADER for unknown fetch {item.request_id}")
             if request.kind is not FETCH or not request.local:
@@ -261,91 +241,22 @@ class MoqtSession14(ControlMessageHandling, NamespaceMapping, MessageSending, Re
             request.open_data_streams.add(sid)
             return True
         assert isinstance(item, data18.SubgroupHeader)
-        return self._on_subgroup_header(sid, stream, item, out)
-
-    def _stop_incoming(self, sid: int, stream: IncomingDataStream[Request14], code: int) -> None:
-        request = stream.request
-        attached = request is not None and not stream.discard and sid in request.open_data_streams
-        super()._stop_incoming(sid, stream, code)
-        if attached and request is not None:
-            self._forget_if_done(request)
-
-    def _end_data_streams(self, request: Request14, error_code: int) -> None:
-        """Reset the data streams we send for a request and stop those we receive."""
-        for sid in list(request.open_data_streams):
-            if sid in self._outgoing_data:
-                self.reset_data_stream(sid, error_code)
-            else:
-                stream = self._incoming_data.get(sid)
-                if stream is not None:
-                    self._stop_incoming(sid, stream, error_code)
-
-    def _decode_datagram(self, data: bytes) -> data18.ObjectDatagram | None:
-        return d14data.decode_datagram(data).to_draft18()
-
-    def _encode_datagram(self, request: Request14, datagram: data18.ObjectDatagram) -> bytes:
-        """Draft-14 datagrams always carry a priority: an inherited one is the track's default."""
-        return d14data.ObjectDatagram.from_draft18(datagram, request.default_priority).encode()
+        return self._receiving.on_subgroup_header(sid, stream, item, out)
 
     # ------------------------------------------------------------------
     # Sending: objects
     # ------------------------------------------------------------------
 
-    _FETCH_WRITER = FetchWriter14
-
-    def _subgroup_writer(self, request: Request14, header: data18.SubgroupHeader) -> SubgroupWriter14:
-        """Draft-14 headers always carry a priority (None: the track's default) and have
-        no FIRST_OBJECT bit."""
-        return SubgroupWriter14(d14data.SubgroupHeader.from_draft18(header, request.default_priority))
-
     def write_fetch_end_of_range(
         self, stream_id: int, group_id: int, object_id: int, *, unknown: bool = False, end_stream: bool = False
     ) -> None:
         """Draft-14 has no end-of-range marker: nothing is written; `end_stream` FINs."""
-        self._new_object(stream_id, fetch=True)
+        self._sending.new_object(stream_id, fetch=True)
         if end_stream:
             self.close_data_stream(stream_id)
 
     def send_padding_stream(self, size: int) -> None:
         raise NotSupported("draft-14 has no padding streams")
-
-    # ------------------------------------------------------------------
-    # Teardown
-    # ------------------------------------------------------------------
-
-    def _track_of(self, request: Request14) -> tuple[TrackNamespace, bytes]:
-        return request.namespace, request.track_name
-
-    def _fetch_stream_reset(self, request: Request14) -> None:
-        """The publisher has dropped the fetch already, so no FETCH_CANCEL follows."""
-        self._close_request(request)
-
-    def _data_stream_reset(self, request: Request14) -> None:
-        self._forget_if_done(request)
-
-    def _maybe_finish_fetch(self, request: Request14) -> None:
-        """A fetch ends once it was accepted and its data stream is done."""
-        if not request.accepted or request.closed:
-            return
-        if request.fetch_stream_closed and not request.open_data_streams:
-            self._close_request(request)
-
-    def _close_request(self, request: Request14) -> None:
-        """Mark a request over; a peer request gives its Request ID credit back."""
-        request.closed = True
-        if not request.local and not request.credit_returned:
-            request.credit_returned = True
-            self._peer_active -= 1
-            self._grant()
-        self._forget_if_done(request)
-
-    def _forget_if_done(self, request: Request14) -> None:
-        """Drop a closed request once no data stream refers to it."""
-        if request.closed and not request.open_data_streams:
-            if self._requests.get(request.request_id) is request:
-                del self._requests[request.request_id]
-            if request.track_alias is not None and self._aliases_out.get(request.track_alias) is request:
-                del self._aliases_out[request.track_alias]
 
 
 MoqtSession14._HANDLERS = {

@@ -12,7 +12,7 @@ from ..errors import (
     RequestErrorCode,
     StreamResetCode,
 )
-from ..fetches import fetch_end_before_start
+from ..session.fetches import fetch_end_before_start
 from ..wire import (
     DEFAULT_PUBLISHER_PRIORITY,
     FetchType,
@@ -45,7 +45,7 @@ from .messages import (
     TrackStatus,
 )
 from .request_state import REQUEST_TYPES, UPDATE_SCOPE, RequestStream
-from .session_state import SessionState
+from .sending import MessageSending
 
 __all__ = ["ControlMessageHandling"]
 
@@ -56,7 +56,7 @@ _RESERVED_FIRST_FIELDS = (b".", b".session")
 _NO_RANGE_FILTERS = "range filters are not accepted (MAX_FILTER_RANGES 0)"
 
 
-class ControlMessageHandling(SessionState):
+class ControlMessageHandling(MessageSending):
     """Part of `MoqtSession`: the control messages received, each turned into events and
     the state of its request."""
 
@@ -74,7 +74,7 @@ class ControlMessageHandling(SessionState):
 
     def _on_setup(self, setup: Setup, out: list[ev.MoqtEvent]) -> None:
         self._check_peer_target(setup.path, setup.authority, "option")
-        self._register_setup_tokens(setup.authorization_tokens)
+        self._tokens.register_setup(setup.authorization_tokens)
         self.peer_setup = setup
         out.append(ev.SetupCompleted(setup))
         self._replay_held(out)
@@ -107,7 +107,7 @@ class ControlMessageHandling(SessionState):
         request = RequestStream(request_id, type(message), False, parameters, stream_id=sid, message=message)
         self._requests[request_id] = request
         self._stream_requests[sid] = request
-        tokens = self._resolve_tokens(parameters.authorization_tokens)
+        tokens = self._tokens.resolve(parameters.authorization_tokens)
 
         if self._goaway_sent_request_id is not None and request_id >= self._goaway_sent_request_id:
             self._reject(request, RequestErrorCode.GOING_AWAY, "going away")
@@ -130,17 +130,17 @@ class ControlMessageHandling(SessionState):
         if isinstance(message, Subscribe):
             out.append(ev.SubscribeReceived(request_id, message.namespace, message.track_name, parameters, tokens))
             if parameters.fill is not None:
-                self._open_fill(request, parameters.fill, request_id, tokens, out)
+                self._fills.open(request, parameters.fill, request_id, tokens, out)
         elif isinstance(message, Publish):
             unsupported = mandatory_properties(message.track_properties)
-            other = self._aliases_in.get(message.track_alias)
+            other = self._receiving.aliases.get(message.track_alias)
             if other is not None and not other.closed:
                 raise DuplicateTrackAlias(f"track alias {message.track_alias} already in use")
             request.track_alias = message.track_alias
             request.default_priority = property_value(
                 message.track_properties, TrackPropertyType.DEFAULT_PUBLISHER_PRIORITY, DEFAULT_PUBLISHER_PRIORITY
             )
-            self._aliases_in[message.track_alias] = request
+            self._receiving.aliases[message.track_alias] = request
             if unsupported:
                 self._reject(request, RequestErrorCode.UNSUPPORTED_EXTENSION, "unsupported mandatory property")
                 return
@@ -155,9 +155,9 @@ class ControlMessageHandling(SessionState):
                     tokens,
                 )
             )
-            self._flush_held_for_alias(message.track_alias, out)
+            self._receiving.flush_held_for_alias(message.track_alias, out)
         elif isinstance(message, Fetch):
-            self._on_fetch_request(request, message, tokens, out)
+            self._fetches.on_fetch(request, message, tokens, out)
         elif isinstance(message, TrackStatus):
             out.append(ev.TrackStatusReceived(request_id, message.namespace, message.track_name, parameters, tokens))
         elif isinstance(message, PublishNamespace):
@@ -218,7 +218,7 @@ class ControlMessageHandling(SessionState):
             # Late data streams are still accepted until Stream Count of them ended.
             request.done_stream_count = message.stream_count
             self._finish_stream(request)
-            self._maybe_end_subscription(request)
+            self._receiving.maybe_end_subscription(request)
             return
         if isinstance(message, (Namespace, NamespaceDone)) and request.local and request.kind is SubscribeNamespace:
             prefix = request.message_as(SubscribeNamespace).namespace_prefix
@@ -252,7 +252,7 @@ class ControlMessageHandling(SessionState):
             self._finish_stream(request)
             return
         if kind is Subscribe and isinstance(message, SubscribeOk):
-            other = self._aliases_in.get(message.track_alias)
+            other = self._receiving.aliases.get(message.track_alias)
             if other is not None and other is not request and not other.closed:
                 raise DuplicateTrackAlias(f"track alias {message.track_alias} already in use")
             if mandatory_properties(message.track_properties):
@@ -268,9 +268,9 @@ class ControlMessageHandling(SessionState):
             request.default_priority = property_value(
                 message.track_properties, TrackPropertyType.DEFAULT_PUBLISHER_PRIORITY, DEFAULT_PUBLISHER_PRIORITY
             )
-            self._aliases_in[message.track_alias] = request
+            self._receiving.aliases[message.track_alias] = request
             out.append(ev.SubscribeAccepted(rid, message.track_alias, message.parameters, message.track_properties))
-            self._flush_held_for_alias(message.track_alias, out)
+            self._receiving.flush_held_for_alias(message.track_alias, out)
             return
         if kind is Fetch and isinstance(message, FetchOk):
             fetch = request.message_as(Fetch)
@@ -332,7 +332,7 @@ class ControlMessageHandling(SessionState):
         request.peer_updates.append(message.request_id)
         self._update_parent[message.request_id] = request
         self._update_parameters[message.request_id] = message.parameters
-        tokens = self._resolve_tokens(message.parameters.authorization_tokens)
+        tokens = self._tokens.resolve(message.parameters.authorization_tokens)
         if message.parameters.range_filters:
             self.request_error(message.request_id, RequestErrorCode.INVALID_FILTER, _NO_RANGE_FILTERS)
             return
@@ -342,7 +342,7 @@ class ControlMessageHandling(SessionState):
             return
         out.append(ev.RequestUpdateReceived(message.request_id, request.request_id, message.parameters, tokens))
         if message.parameters.fill is not None and request.kind is Subscribe and not request.local:
-            self._open_fill(request, message.parameters.fill, message.request_id, tokens, out)
+            self._fills.open(request, message.parameters.fill, message.request_id, tokens, out)
 
     def _on_request_fin(self, request: RequestStream, out: list[ev.MoqtEvent]) -> None:
         request.fin_received = True

@@ -6,8 +6,12 @@ subscriptions arrives on such a stream, and its objects are that subscription's.
 
 from __future__ import annotations
 
+from typing import Mapping, MutableMapping
+
 from .. import events as ev
-from ..state import FetchObjectWriter, SubgroupObjectWriter
+from ..session.dialect import Dialect
+from ..session.fetches import PeerFetches
+from ..session.sending import DataSender
 from ..wire import AuthToken, FetchType, Location, SubscriptionFilter
 from .messages import (
     OPEN_END,
@@ -19,10 +23,10 @@ from .messages import (
     inclusive_end_to_exclusive,
     location_filter_to_range,
 )
+from .profiles import Profile
 from .request_state import FillState, Request18, RequestStream
-from .session_state import SessionState
 
-__all__ = ["FillServing", "FillState"]  # FillState lives in `request_state`
+__all__ = ["Fills", "FillState"]  # FillState lives in `request_state`
 
 
 #: Fills are kept under IDs no peer request can have.
@@ -64,11 +68,34 @@ def _covers_more(end: Location, other: Location) -> bool:
     return key(end) > key(other)
 
 
-class FillServing(SessionState):
-    """Part of `MoqtSession`: serving the peer's fills (kept in `_fills` by the Request ID
-    of the subscription they fill) and recognising the fills of our subscriptions."""
+class Fills:
+    """The peer's fills being served (by the Request ID of the subscription they fill)
+    and the recognition of our subscriptions' fills: a part `MoqtSession` owns. It shares
+    the session's tables of requests and of REQUEST_UPDATEs (`update_parent`), and hands
+    a fill to the session's FETCH part as the joining FETCH it replaces."""
 
-    def _open_fill(
+    def __init__(
+        self,
+        profile: Profile,
+        requests: MutableMapping[int, Request18],
+        update_parent: Mapping[int, RequestStream],
+        fetches: PeerFetches[Request18],
+        sending: DataSender[Request18],
+        dialect: Dialect[Request18],
+    ) -> None:
+        self._profile = profile
+        self._requests = requests
+        self._update_parent = update_parent
+        self._fetches = fetches
+        self._sending = sending
+        self._dialect = dialect
+        self._by_subscription: dict[int, list[FillState]] = {}
+
+    def of(self, subscription_id: int) -> list[FillState]:
+        """The fills being served of a subscription (a copy)."""
+        return list(self._by_subscription.get(subscription_id, ()))
+
+    def open(
         self, joined: RequestStream, fill: Fill, wire_id: int, tokens: tuple[AuthToken, ...], out: list[ev.MoqtEvent]
     ) -> None:
         """Serve a fill as the joining FETCH it replaces (held until the SUBSCRIBE is
@@ -86,46 +113,39 @@ class FillServing(SessionState):
                         parameters=parameters)
         request = FillState(internal, Fetch, False, parameters, wire_id=wire_id, joined=joined, bounds=bounds)
         self._requests[internal] = request
-        self._fills.setdefault(joined.request_id, []).append(request)
-        self._on_fetch_request(request, message, tokens, out)
+        self._by_subscription.setdefault(joined.request_id, []).append(request)
+        self._fetches.on_fetch(request, message, tokens, out)
 
-    def _resolve_joining(
+    def resolve_own_joining(
         self,
         request: Request18,
         message: Fetch,
         tokens: tuple[AuthToken, ...],
         joined: Request18,
         out: list[ev.MoqtEvent],
-    ) -> None:
+    ) -> bool:
         """A fill that names its range is that range clamped to the Largest Object (a
-        FETCH's evaluation); nothing is sent when it starts after the Largest Object."""
+        FETCH's evaluation); nothing is sent when it starts after the Largest Object.
+        False for anything else (the FETCH part resolves it)."""
         if not isinstance(request, FillState) or request.bounds is None:
-            super()._resolve_joining(request, message, tokens, joined, out)
-            return
+            return False
         largest = joined.largest_at_ok
         start, end = request.bounds
         if joined.parameters.forward is False or largest is None or start > largest:
-            self._end_fill(request)
-            return
+            self.end(request)
+            return True
         limit = Location(largest.group, largest.object + 1)
         if _covers_more(end, limit):
             end = limit
-        namespace, track_name = self._track_of(joined)
+        namespace, track_name = self._dialect.track_of(joined)
         out.append(ev.FetchReceived(request.request_id, message.fetch_type, namespace, track_name, start, end,
                                     joined.request_id, message.parameters, tokens))
-
-    def _on_data_stream_stopped(self, sid: int, error_code: int, out: list[ev.MoqtEvent]) -> bool:
-        stream = self._outgoing_data.get(sid)
-        if not super()._on_data_stream_stopped(sid, error_code, out):
-            return False
-        if stream is not None and isinstance(stream.request, FillState):
-            self._end_fill(stream.request)  # the subscriber wants no more of this fill
         return True
 
-    def _filled_subscription(self, request_id: int) -> Request18 | None:
+    def filled_subscription(self, request_id: int) -> Request18 | None:
         """Our subscription whose fill a FETCH_HEADER with this Request ID carries: the
         SUBSCRIBE's own ID, or one of its REQUEST_UPDATEs' (draft-20+)."""
-        if not self.profile.location_filter:
+        if not self._profile.location_filter:
             return None
         request = self._requests.get(request_id)
         if request is None:
@@ -134,26 +154,17 @@ class FillServing(SessionState):
             return None
         return request
 
-    def _wire_id(self, request: Request18) -> int:
-        return request.wire_id if isinstance(request, FillState) else request.request_id
-
-    def _open_data_stream(self, request: Request18, writer: SubgroupObjectWriter | FetchObjectWriter) -> int:
-        sid = super()._open_data_stream(request, writer)
-        if isinstance(request, FillState):
-            request.joined.data_streams_opened += 1  # draft-20: PUBLISH_DONE counts fill streams
-        return sid
-
-    def _end_fill(self, request: FillState, error_code: int | None = None) -> None:
+    def end(self, request: FillState, error_code: int | None = None) -> None:
         """A fill is over: reset its stream when it failed, and forget it."""
         request.answered = request.closed = True
-        siblings = self._fills.get(request.joined.request_id)
+        siblings = self._by_subscription.get(request.joined.request_id)
         if siblings is not None and request in siblings:
             siblings.remove(request)
             if not siblings:
-                del self._fills[request.joined.request_id]
+                del self._by_subscription[request.joined.request_id]
         if error_code is not None:
             for sid in list(request.open_data_streams):
-                if sid in self._outgoing_data:
-                    self.reset_data_stream(sid, error_code)
+                if sid in self._sending.streams:
+                    self._sending.reset_data_stream(sid, error_code)
         if not request.open_data_streams:
             self._requests.pop(request.request_id, None)

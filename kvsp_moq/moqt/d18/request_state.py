@@ -8,7 +8,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from ..state import RequestState
+from ..session.records import RequestState
 from ..wire import Location, TrackNamespace
 from .messages import (
     Fetch,

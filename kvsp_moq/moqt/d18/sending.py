@@ -33,12 +33,12 @@ from .messages import (
     TrackStatus,
 )
 from .request_state import REQUEST_TYPES, UPDATE_SCOPE, FillState, Request18, RequestMessage, RequestStream
-from .session_state import SessionState
+from .request_streams import RequestStreams
 
 __all__ = ["MessageSending"]
 
 
-class MessageSending(SessionState):
+class MessageSending(RequestStreams):
     """Part of `MoqtSession`: the requests, updates and answers it sends."""
 
     # ------------------------------------------------------------------
@@ -179,9 +179,9 @@ class MessageSending(SessionState):
         request.closed = True
         self._abort_stream(request, error_code)
         for sid in list(request.open_data_streams):
-            stream = self._incoming_data.get(sid)
+            stream = self._receiving.streams.get(sid)
             if stream is not None:
-                self._stop_incoming(sid, stream, error_code)
+                self._receiving.stop(sid, stream, error_code)
         self._forget_if_done(request)
 
     def goaway(self, new_session_uri: str = "", timeout_ms: int = 0) -> None:
@@ -319,7 +319,7 @@ class MessageSending(SessionState):
         redirect: Redirect | None = None,
     ) -> None:
         if isinstance(request, FillState):
-            self._end_fill(request, StreamResetCode.INTERNAL_ERROR)
+            self._fills.end(request, StreamResetCode.INTERNAL_ERROR)
             return
         if not self.profile.joining_error_codes and error_code in (
             RequestErrorCode.DUPLICATE_SUBSCRIPTION, RequestErrorCode.INVALID_JOINING_REQUEST_ID
@@ -332,7 +332,7 @@ class MessageSending(SessionState):
             self._send_on_request(request, message, end_stream=True)
         finally:
             if request.held_fetches:
-                self._refuse_held_fetches(request, "subscription refused")
+                self._fetches.refuse_held(request, "subscription refused")
 
     def namespace(self, request_id: int, namespace_suffix: TrackNamespace) -> None:
         """Send NAMESPACE on a peer's SUBSCRIBE_NAMESPACE stream (after REQUEST_OK)."""

@@ -2,12 +2,13 @@
 
 `handle_event()` takes each QUIC event and returns MOQT events; the other methods
 write into the QuicConnection, and the caller transmits. Nothing here touches a
-socket, a clock or an event loop. `session_base.SessionBase` holds what every
+socket, a clock or an event loop. `session.base.SessionBase` holds what every
 draft's session shares; `MoqtSession` adds draft-18's streams, messages and wire
-forms, in parts: stream routing (`streams`), the control messages received
-(`control`), what it sends (`sending`) and fills (`fill`, drafts 20 and 22); this
-module keeps the session's state, the draft-18 forms of what `SessionBase` sends and
-receives, and the teardown of request streams.
+forms (`dialect`), owns the fills of drafts 20 and 22 as an object (`fill.Fills`), and
+is made of parts in layers, each deriving from the one below it: the state and
+teardown of request streams (`request_streams`), what it sends (`sending`), the
+control messages received (`control`) and stream routing (`streams`); this module
+sets the session's state and gives the draft-18 forms of what `SessionBase` sends.
 
 Stream layout in draft-18 (section 3.3):
 
@@ -50,39 +51,34 @@ from __future__ import annotations
 
 from typing import Iterable
 
+from .. import events as ev
 from ..engine import QuicEngine
-from ..errors import PublishDoneCode, StreamResetCode
-from ..state import RequestIdTracker
-from ..wire import DEFAULT_MAX_OBJECT_SIZE, TrackNamespace
-from .control import ControlMessageHandling
+from ..errors import PublishDoneCode
+from ..session.records import RequestIdTracker
+from ..wire import DEFAULT_MAX_OBJECT_SIZE, AuthToken
 from .data import (
     FetchStreamWriter,
-    ObjectDatagram,
-    PaddingDatagram,
-    SubgroupHeader,
-    SubgroupWriter,
-    decode_datagram,
     encode_padding_stream,
 )
-from .fill import FillServing
+from .dialect import Dialect18
+from .fill import Fills
 from .messages import (
     ControlStreamParser,
+    Fetch,
     FetchOk,
     Parameters,
     PublishDone,
     Setup,
-    Subscribe,
     SubscribeOk,
 )
 from .profiles import profile
 from .request_state import FillState, Request18, RequestStream
-from .sending import MessageSending
 from .streams import StreamRouting
 
 __all__ = ["MoqtSession"]
 
 
-class MoqtSession(FillServing, StreamRouting, ControlMessageHandling, MessageSending):
+class MoqtSession(StreamRouting):
     """The MOQT state of one QUIC connection.
 
     `setup` holds the Setup Options to send; a client should set `path` and
@@ -113,6 +109,7 @@ class MoqtSession(FillServing, StreamRouting, ControlMessageHandling, MessageSen
             is_client=is_client,
             draft=draft,
             setup=setup,
+            dialect=Dialect18(),
             max_object_size=max_object_size,
             max_auth_token_cache_size=max_auth_token_cache_size,
             max_buffered_before_setup=max_buffered_before_setup,
@@ -126,7 +123,8 @@ class MoqtSession(FillServing, StreamRouting, ControlMessageHandling, MessageSen
         self._request_parsers: dict[int, ControlStreamParser] = {}
         self._update_parent: dict[int, RequestStream] = {}
         self._update_parameters: dict[int, Parameters] = {}  # REQUEST_UPDATEs not yet answered
-        self._fills: dict[int, list[FillState]] = {}  # fills being served, by the subscription's Request ID
+        self._fills = Fills(self.profile, self._requests, self._update_parent, self._fetches, self._sending,
+                            self._dialect)  # drafts 20 and 22
 
         self._peer_control_stream_id: int | None = None
         self._control_parser = ControlStreamParser(draft)
@@ -152,11 +150,11 @@ class MoqtSession(FillServing, StreamRouting, ControlMessageHandling, MessageSen
     def write_fetch_end_of_range(
         self, stream_id: int, group_id: int, object_id: int, *, unknown: bool = False, end_stream: bool = False
     ) -> None:
-        stream = self._new_object(stream_id, fetch=True)
+        stream = self._sending.new_object(stream_id, fetch=True)
         writer = stream.writer
-        assert isinstance(writer, FetchStreamWriter)  # _new_object() checked it is the fetch writer
+        assert isinstance(writer, FetchStreamWriter)  # new_object() checked it is the fetch writer
         marker = writer.end_of_range(group_id, object_id, unknown=unknown)
-        self._send_data(stream, stream_id, marker, end_stream)
+        self._sending.send_data(stream, stream_id, marker, end_stream)
 
     def send_padding_stream(self, size: int) -> None:
         """Open a padding stream of `size` zero bytes and FIN it."""
@@ -165,23 +163,8 @@ class MoqtSession(FillServing, StreamRouting, ControlMessageHandling, MessageSen
         self._quic.send_stream_data(sid, encode_padding_stream(size), end_stream=True)
 
     # ------------------------------------------------------------------
-    # Draft-18 forms of what SessionBase sends and receives
+    # Draft-18 forms of what SessionBase sends
     # ------------------------------------------------------------------
-
-    def _decode_datagram(self, data: bytes) -> ObjectDatagram | None:
-        datagram = decode_datagram(data)
-        return None if isinstance(datagram, PaddingDatagram) else datagram
-
-    def _encode_datagram(self, request: Request18, datagram: ObjectDatagram) -> bytes:
-        return datagram.encode()
-
-    def _subgroup_writer(self, request: Request18, header: SubgroupHeader) -> SubgroupWriter:
-        return SubgroupWriter(header)
-
-    def _track_of(self, request: Request18) -> tuple[TrackNamespace, bytes]:
-        assert isinstance(request, RequestStream)  # a subscription, not a fill
-        subscribe = request.message_as(Subscribe)
-        return subscribe.namespace, subscribe.track_name
 
     def _send_answer(self, request: Request18, message: SubscribeOk | FetchOk) -> None:
         if isinstance(request, FillState):
@@ -197,92 +180,20 @@ class MoqtSession(FillServing, StreamRouting, ControlMessageHandling, MessageSen
         done = PublishDone(status_code, request.data_streams_opened, reason)
         self._send_on_request(request, done, end_stream=True)
 
-    def _fetch_stream_reset(self, request: Request18) -> None:
+    def _resolve_own_joining(
+        self,
+        request: Request18,
+        message: Fetch,
+        tokens: tuple[AuthToken, ...],
+        joined: Request18,
+        out: list[ev.MoqtEvent],
+    ) -> bool:
+        return self._fills.resolve_own_joining(request, message, tokens, joined, out)
+
+    def _data_stream_opened(self, request: Request18) -> None:
         if isinstance(request, FillState):
-            self._end_fill(request, StreamResetCode.CANCELLED)
-            return
-        self._cancel(request, StreamResetCode.CANCELLED)
+            request.joined.data_streams_opened += 1  # draft-20: PUBLISH_DONE counts fill streams
 
-    def _close_request(self, request: Request18) -> None:
+    def _data_stream_stopped(self, request: Request18) -> None:
         if isinstance(request, FillState):
-            self._end_fill(request)
-            return
-        request.closed = True
-        self._forget_if_done(request)
-
-    # ------------------------------------------------------------------
-    # Request stream teardown
-    # ------------------------------------------------------------------
-
-    def _maybe_finish_fetch(self, request: Request18) -> None:
-        """A fetch ends once it was accepted and its data stream is done."""
-        if not request.accepted or request.closed:
-            return
-        if isinstance(request, FillState):
-            if request.fetch_stream_closed and not request.open_data_streams:
-                self._end_fill(request)
-            return
-        if request.local:
-            if request.fetch_stream_closed:
-                request.closed = True
-                self._finish_stream(request)
-        elif request.fetch_stream_closed and not request.open_data_streams:
-            request.closed = True
-            self._finish_stream(request)
-
-    def _finish_stream(self, request: RequestStream) -> None:
-        """FIN our side of a finished request's stream and forget it once both ends closed."""
-        if not request.fin_sent:
-            request.fin_sent = True
-            try:
-                self._quic.send_stream_data(request.stream_id, b"", end_stream=True)
-            except (ValueError, RuntimeError, AssertionError):
-                pass
-        self._forget_if_done(request)
-
-    def _abort_stream(self, request: RequestStream, error_code: int) -> None:
-        for fill in list(self._fills.get(request.request_id, ())):
-            self._end_fill(fill, error_code)  # draft-20: cancelling a subscription resets its fills
-        if request.held_fetches:
-            self._refuse_held_fetches(request, "subscription cancelled")
-        for sid in list(request.open_data_streams):
-            if sid in self._outgoing_data:
-                self.reset_data_stream(sid, error_code)
-        if not request.fin_sent:
-            request.fin_sent = True
-            try:
-                self._quic.reset_stream(request.stream_id, error_code)
-            except (ValueError, RuntimeError, AssertionError):
-                pass
-        if not request.fin_received:
-            try:
-                self._quic.stop_stream(request.stream_id, error_code)
-            except (ValueError, RuntimeError, AssertionError):
-                pass
-            request.fin_received = True
-
-    def _cancel(self, request: Request18, error_code: int) -> None:
-        if isinstance(request, FillState):
-            self._end_fill(request, error_code)
-            return
-        request.closed = True
-        self._abort_stream(request, error_code)
-        self._forget_if_done(request)
-
-    def _forget_if_done(self, request: Request18) -> None:
-        """Drop per-stream state; the request entry stays while data may still refer to it."""
-        if isinstance(request, FillState):
-            if request.closed and not request.open_data_streams:
-                self._requests.pop(request.request_id, None)
-            return
-        if request.fin_sent and request.fin_received and request.closed:
-            self._stream_requests.pop(request.stream_id, None)
-            self._request_parsers.pop(request.stream_id, None)
-            self._ignored_streams.add(request.stream_id)
-            if not request.open_data_streams:
-                self._requests.pop(request.request_id, None)
-                for update_id in (*request.our_updates, *request.peer_updates):
-                    self._update_parent.pop(update_id, None)
-                    self._update_parameters.pop(update_id, None)
-                if request.track_alias is not None and self._aliases_out.get(request.track_alias) is request:
-                    del self._aliases_out[request.track_alias]
+            self._fills.end(request)  # the subscriber wants no more of this fill

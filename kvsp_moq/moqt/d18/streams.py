@@ -13,18 +13,18 @@ from ..engine import (
     stream_is_unidirectional,
 )
 from ..errors import ProtocolViolation, StreamResetCode
-from ..state import IncomingDataStream
+from ..session.records import IncomingDataStream
 from ..varint import decode_vi64
 from ..wire import GroupOrder
+from .control import ControlMessageHandling
 from .data import STREAM_TYPE_SETUP, DataStreamParser, FetchHeader, PaddingHeader, SubgroupHeader
 from .messages import ControlStreamParser, Fetch, SubscribeNamespace
 from .request_state import Request18
-from .session_state import SessionState
 
 __all__ = ["StreamRouting"]
 
 
-class StreamRouting(SessionState):
+class StreamRouting(ControlMessageHandling):
     """Part of `MoqtSession`: QUIC stream events, by the stream they concern."""
 
     def _is_control_event(self, event: QuicEvent) -> bool:
@@ -40,7 +40,7 @@ class StreamRouting(SessionState):
             isinstance(event, StreamDataReceived)
             and stream_is_unidirectional(sid)
             and self._peer_control_stream_id is None
-            and sid not in self._incoming_data
+            and sid not in self._receiving.streams
             and not self._is_local_stream(sid)
         )
 
@@ -51,9 +51,9 @@ class StreamRouting(SessionState):
             if event.end_stream:
                 raise ProtocolViolation("control stream closed")
             return
-        data_stream = self._incoming_data.get(sid)
+        data_stream = self._receiving.streams.get(sid)
         if data_stream is not None:
-            self._on_data_stream(sid, data_stream, event.data, event.end_stream, out)
+            self._receiving.on_data(sid, data_stream, event.data, event.end_stream, out)
             return
         if sid in self._ignored_streams:
             return
@@ -87,11 +87,11 @@ class StreamRouting(SessionState):
             timed_out_range=self.profile.timed_out_range,
         )
         data_stream: IncomingDataStream[Request18] = IncomingDataStream(parser)
-        self._incoming_data[sid] = data_stream
+        self._receiving.streams[sid] = data_stream
         if self.peer_setup is None:
             self._hold_before_setup(StreamDataReceived(data=bytes(prefix), end_stream=event.end_stream, stream_id=sid))
             return
-        self._on_data_stream(sid, data_stream, bytes(prefix), event.end_stream, out)
+        self._receiving.on_data(sid, data_stream, bytes(prefix), event.end_stream, out)
 
     def _on_request_stream(self, sid: int, data: bytes, end_stream: bool, out: list[ev.MoqtEvent]) -> None:
         parser = self._request_parsers.get(sid)
@@ -119,9 +119,9 @@ class StreamRouting(SessionState):
         sid = event.stream_id
         if sid == self._peer_control_stream_id:
             raise ProtocolViolation("control stream reset")
-        data_stream = self._incoming_data.pop(sid, None)
+        data_stream = self._receiving.streams.pop(sid, None)
         if data_stream is not None:
-            self._on_data_stream_reset(sid, data_stream, event.error_code, out)
+            self._receiving.on_reset(sid, data_stream, event.error_code, out)
             return
         if self._unclassified_uni.pop(sid, None) is not None:
             return
@@ -133,7 +133,7 @@ class StreamRouting(SessionState):
         request.fin_received = True
         if not request.closed:
             request.closed = True
-            if not self._forget_held(request):
+            if not self._fetches.forget_held(request):
                 out.append(ev.RequestCancelled(request.request_id, event.error_code, request.local))
             if request.local and request.kind is SubscribeNamespace:
                 prefix = request.message_as(SubscribeNamespace).namespace_prefix
@@ -145,7 +145,7 @@ class StreamRouting(SessionState):
 
     def _on_stop_sending(self, event: StopSendingReceived, out: list[ev.MoqtEvent]) -> None:
         sid = event.stream_id
-        if self._on_data_stream_stopped(sid, event.error_code, out):
+        if self._sending.on_stop_sending(sid, event.error_code, out):
             return
         if sid == self._control_stream_id:
             raise ProtocolViolation("STOP_SENDING on the control stream")
@@ -155,7 +155,7 @@ class StreamRouting(SessionState):
         request.fin_sent = True  # the stream was reset by the transport
         if not request.closed:
             request.closed = True
-            if not self._forget_held(request):
+            if not self._fetches.forget_held(request):
                 out.append(ev.RequestCancelled(request.request_id, event.error_code, request.local))
             self._abort_stream(request, event.error_code)
         self._forget_if_done(request)
@@ -171,13 +171,13 @@ class StreamRouting(SessionState):
         if isinstance(item, FetchHeader):
             stream.fetch = True
             request = self._requests.get(item.request_id)
-            subscription = self._filled_subscription(item.request_id)
+            subscription = self._fills.filled_subscription(item.request_id)
             if subscription is not None:
                 # Draft-20: a fill of our subscription; its objects are the subscription's.
                 stream.fill = True
                 stream.request = subscription
                 if subscription.closed:
-                    self._stop_incoming(sid, stream, StreamResetCode.CANCELLED)
+                    self._receiving.stop(sid, stream, StreamResetCode.CANCELLED)
                     return False
                 subscription.open_data_streams.add(sid)
                 out.append(ev.SubgroupStreamOpened(subscription.request_id, sid, None))
@@ -185,10 +185,10 @@ class StreamRouting(SessionState):
             if request is None or request.kind is not Fetch or not request.local:
                 raise ProtocolViolation(f"FETCH_HEADER for unknown fetch {item.request_id}")
             if request.closed:
-                self._stop_incoming(sid, stream, StreamResetCode.CANCELLED)
+                self._receiving.stop(sid, stream, StreamResetCode.CANCELLED)
                 return False
             stream.request = request
             request.open_data_streams.add(sid)
             return True
         assert isinstance(item, SubgroupHeader)
-        return self._on_subgroup_header(sid, stream, item, out)
+        return self._receiving.on_subgroup_header(sid, stream, item, out)

@@ -74,7 +74,7 @@ from .subscriber import (
 from .track_subscriptions import TrackSubscriptions
 
 if TYPE_CHECKING:
-    from ..session_base import SessionBase
+    from ..session.base import SessionBase
 
 __all__ = ["Handler", "MoqtConnection"]
 

@@ -30,7 +30,7 @@ from ..errors import (
     request_error_for,
 )
 from ..objects import MoqtObject, SubgroupEnd
-from ..state import UNKNOWN_STREAM_COUNT
+from ..session.records import UNKNOWN_STREAM_COUNT
 from ..wire import (
     Location,
     ObjectStatus,

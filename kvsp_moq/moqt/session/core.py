@@ -1,29 +1,36 @@
 """The core of every session, sans I/O: the state it keeps (requests, data streams, track
-aliases, the peer's tokens), the lookups of its requests, and the hooks through which a
-draft supplies its control messages and wire forms. The shared machinery builds on it
-(`tokens`, `fetches`, `incoming_data`, `outgoing_data`) and `session_base.SessionBase`
-puts that together; a draft's `session` module fills in the hooks."""
+aliases), the parts it owns (the peer's tokens, a `tokens.PeerTokens`; the draft's wire
+forms, a `dialect.Dialect`; reading data, a `receiving.DataReceiver`; the peer's
+FETCHes, a `fetches.PeerFetches`; writing data, a `sending.DataSender`), the lookups of
+its requests, and the hooks through which a draft supplies its control messages and the
+parts ask of it (abstract where every draft must fill them in). `base.SessionBase`
+builds the session's public methods on it; a draft's `session` module fills in the hooks."""
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import replace
-from typing import ClassVar, Generic, Iterable
+from typing import Generic, Iterable
 
-from . import events as ev
-from .d18.data import FetchStreamWriter, ObjectDatagram, SubgroupHeader
-from .d18.messages import FetchOk, Message, Setup, SubscribeOk
-from .engine import QuicEngine, QuicEvent, StopSendingReceived, StreamDataReceived, StreamReset
-from .errors import StreamClosed
-from .state import FetchObjectWriter, IncomingDataStream, OutgoingDataStream, RequestT, SubgroupObjectWriter
-from .wire import AuthToken, TrackNamespace
+from .. import events as ev
+from ..d18.messages import Fetch, FetchOk, Message, Setup, SubscribeOk
+from ..engine import QuicEngine, QuicEvent, StopSendingReceived, StreamDataReceived, StreamReset
+from ..errors import StreamClosed
+from ..wire import AuthToken
+from .dialect import Dialect
+from .fetches import PeerFetches
+from .receiving import DataReceiver
+from .records import IncomingDataStream, RequestT
+from .sending import DataSender
+from .tokens import PeerTokens
 
 __all__ = ["IMPLEMENTATION", "SessionCore"]
 
 IMPLEMENTATION = "kvsp-moq/0.1"
 
 
-class SessionCore(Generic[RequestT]):
-    """The state and hooks every session shares; see `session_base.SessionBase` for the
+class SessionCore(ABC, Generic[RequestT]):
+    """The state and hooks every session shares; see `base.SessionBase` for the
     whole of what the drafts share. `RequestT` is the record a draft keeps of each
     request (draft-18: its stream or a fill; draft-14: `Request14`), so the shared code
     and the draft's parts agree on what `_requests` and the hooks hold."""
@@ -37,6 +44,7 @@ class SessionCore(Generic[RequestT]):
         is_client: bool,
         draft: int,
         setup: Setup | None,
+        dialect: Dialect[RequestT],
         max_object_size: int,
         max_auth_token_cache_size: int,
         max_buffered_before_setup: int,
@@ -47,9 +55,9 @@ class SessionCore(Generic[RequestT]):
         self._quic = quic
         self._is_client = is_client
         self.draft = draft
+        self._dialect = dialect  # the wire forms of the draft's data streams and datagrams
         self.max_object_size = max_object_size
         self._max_buffered_before_setup = max_buffered_before_setup
-        self._max_unmatched_stream_bytes = max_unmatched_stream_bytes
         self._accept_path = None if accept_path is None else set(accept_path)
         self._accept_authority = None if accept_authority is None else set(accept_authority)
         self._closed = False
@@ -58,10 +66,7 @@ class SessionCore(Generic[RequestT]):
 
         self._next_request_id = 0 if is_client else 1
         self._requests: dict[int, RequestT] = {}
-        self._incoming_data: dict[int, IncomingDataStream[RequestT]] = {}
-        self._outgoing_data: dict[int, OutgoingDataStream[RequestT]] = {}
 
-        self._aliases_in: dict[int, RequestT] = {}  # track alias -> our subscription
         self._aliases_out: dict[int, RequestT] = {}  # track alias -> subscription we publish
         self._next_alias = 0
 
@@ -70,9 +75,11 @@ class SessionCore(Generic[RequestT]):
         self._before_setup_bytes = 0
 
         # Peer token registrations (section 10.2.2); ours are not tracked.
-        self._max_auth_token_cache_size = max_auth_token_cache_size
-        self._peer_tokens: dict[int, AuthToken] = {}
-        self._peer_token_bytes = 0
+        self._tokens = PeerTokens(max_auth_token_cache_size)
+        # The peer's data streams and datagrams, and our subscriptions by track alias.
+        self._receiving = DataReceiver(quic, self, dialect, max_unmatched_stream_bytes)
+        self._fetches = PeerFetches(self, dialect, self._requests)  # the peer's FETCHes
+        self._sending = DataSender(quic, self, dialect)  # our data streams and datagrams
 
         options = setup or Setup()
         if options.max_auth_token_cache_size is None and max_auth_token_cache_size:
@@ -143,77 +150,78 @@ class SessionCore(Generic[RequestT]):
         return request
 
     # ------------------------------------------------------------------
-    # What each draft supplies
+    # What each draft supplies (abstract), and what the parts ask of it
     # ------------------------------------------------------------------
 
-    _FETCH_WRITER: ClassVar[type[FetchObjectWriter]] = FetchStreamWriter  # writes a fetch stream
-
+    @abstractmethod
     def _on_control_data(self, data: bytes, out: list[ev.MoqtEvent]) -> None:
         """Bytes of the peer's control stream (both drafts have one)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _is_control_event(self, event: QuicEvent) -> bool:
         """Whether an event arriving before the peer's SETUP is processed at once."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _on_stream_data(self, event: StreamDataReceived, out: list[ev.MoqtEvent]) -> None:
-        raise NotImplementedError
+        """Data on any stream, routed by the draft by the stream's kind."""
 
+    @abstractmethod
     def _on_stream_reset(self, event: StreamReset, out: list[ev.MoqtEvent]) -> None:
-        raise NotImplementedError
+        """The peer reset one of its streams."""
 
+    @abstractmethod
     def _on_stop_sending(self, event: StopSendingReceived, out: list[ev.MoqtEvent]) -> None:
-        raise NotImplementedError
+        """The peer sent STOP_SENDING for one of our streams."""
 
-    def _wire_id(self, request: RequestT) -> int:
-        """The Request ID a request's data streams carry."""
-        return request.request_id
-
+    @abstractmethod
     def _on_data_header(
         self, sid: int, stream: IncomingDataStream[RequestT], item: object, out: list[ev.MoqtEvent]
     ) -> bool:
         """The first item of an incoming data stream; False when the stream is dropped."""
-        raise NotImplementedError
 
-    def _decode_datagram(self, data: bytes) -> ObjectDatagram | None:
-        """A received datagram in its draft-18 form; None when it carries no object."""
-        raise NotImplementedError
-
-    def _encode_datagram(self, request: RequestT, datagram: ObjectDatagram) -> bytes:
-        raise NotImplementedError
-
-    def _subgroup_writer(self, request: RequestT, header: SubgroupHeader) -> SubgroupObjectWriter:
-        """The writer of a new subgroup stream."""
-        raise NotImplementedError
-
-    def _track_of(self, request: RequestT) -> tuple[TrackNamespace, bytes]:
-        """Namespace and track name of a peer SUBSCRIBE."""
-        raise NotImplementedError
-
+    @abstractmethod
     def _send_answer(self, request: RequestT, message: SubscribeOk | FetchOk) -> None:
         """Send SUBSCRIBE_OK / FETCH_OK (draft-18 form) for a peer request."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _send_publish_done(self, request: RequestT, status_code: int, reason: str) -> None:
         """Send PUBLISH_DONE for a subscription this endpoint publishes and close it."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _reject(self, request: RequestT, error_code: int, reason: str) -> None:
-        raise NotImplementedError
+        """Refuse a peer request with a request error."""
 
+    def _resolve_own_joining(
+        self, request: RequestT, message: Fetch, tokens: tuple[AuthToken, ...], joined: RequestT,
+        out: list[ev.MoqtEvent],
+    ) -> bool:
+        """Resolve a joining FETCH the draft resolves itself (a draft-20 fill that names
+        its range); False when it is an ordinary one."""
+        return False
+
+    @abstractmethod
     def _fetch_stream_reset(self, request: RequestT) -> None:
         """The data stream of an open FETCH of ours was reset."""
-        raise NotImplementedError
 
     def _data_stream_reset(self, request: RequestT) -> None:
-        """One of our data streams was reset (by us or, through STOP_SENDING, the peer)."""
+        """One of the request's data streams was reset (by us or, through STOP_SENDING,
+        the peer) or, one of the peer's, stopped by us."""
 
+    def _data_stream_opened(self, request: RequestT) -> None:
+        """A data stream of the request was opened (draft-20: a fill's counts for its subscription)."""
+
+    def _data_stream_stopped(self, request: RequestT) -> None:
+        """The peer sent STOP_SENDING for one of the request's data streams (after the
+        stream was marked reset and the event reported)."""
+
+    @abstractmethod
     def _maybe_finish_fetch(self, request: RequestT) -> None:
-        raise NotImplementedError
+        """A fetch ends once it was accepted and its data stream is done."""
 
+    @abstractmethod
     def _close_request(self, request: RequestT) -> None:
         """Mark a request over; forget it once nothing refers to it."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _forget_if_done(self, request: RequestT) -> None:
-        raise NotImplementedError
+        """Drop a request that is over once nothing refers to it."""

@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, Sequence, TypeVar
 
-from .d18.data import SubgroupHeader
-from .d18.messages import Fetch, Message, Parameters, Publish, Subscribe
-from .wire import DEFAULT_PUBLISHER_PRIORITY, AuthToken, GroupOrder, Location, ObjectStatus, Properties
+from ..d18.data import SubgroupHeader
+from ..d18.messages import Fetch, Message, Parameters, Publish, Subscribe
+from ..wire import DEFAULT_PUBLISHER_PRIORITY, AuthToken, GroupOrder, Location, ObjectStatus, Properties
 
 __all__ = [
     "UNKNOWN_STREAM_COUNT",
