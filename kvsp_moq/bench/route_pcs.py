@@ -69,7 +69,7 @@ class _Redis:
 
 def _fill(url: str, seed: int) -> None:
     """The benchmark's 64 instances, reported into the shared registry."""
-    from kvsp_moq.bench.route import _registry
+    from kvsp_moq.bench.route_world import _registry
     from pc.redis_state import RedisState, SharedInstanceRegistry
 
     local = _registry(seed)
@@ -86,7 +86,7 @@ def _worker(url: str, routes: int, start: Any, out: Any) -> None:
 
 
 async def _route(url: str, routes: int, start: Any, out: Any) -> None:
-    from kvsp_moq.bench.route import BLOCK_TOKENS, KEYS, _world
+    from kvsp_moq.bench.route_world import BLOCK_TOKENS, KEYS, _world
     from pc.placement import PlacementSettings, Router, RouteRequest, ScopeKeys
     from pc.redis_state import RedisState, SharedInstanceRegistry
 
@@ -113,7 +113,7 @@ async def _route(url: str, routes: int, start: Any, out: Any) -> None:
 
 def run_pcs(pcs: int, *, quick: bool) -> dict[str, Any]:
     """Totals for 1..pcs processes, and the ratio of the largest to one."""
-    from kvsp_moq.bench.route import INSTANCES, KEYS
+    from kvsp_moq.bench.route_world import INSTANCES, KEYS
 
     if pcs < 1:
         raise SettingError("--pcs must be at least 1")
