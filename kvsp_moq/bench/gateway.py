@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -51,9 +52,9 @@ from typing import Any, Sequence
 
 import httpx
 
-#: The model: large enough that a prefix's prefill takes visible time on a CPU, small enough that
-#: a few hundred requests run in minutes on two cores (8 KiB of float32 KV per token).
-MODEL = {"layers": 8, "hidden": 512, "heads": 8, "kv_heads": 2, "intermediate": 1024}
+#: The model of `kvsp bench vllm` (made locally, float32, 32 KiB of KV per token): large enough
+#: that a prefix's prefill takes visible time on a CPU, as it does with real models on any device.
+MODEL = {"layers": 16, "hidden": 1024, "heads": 16, "kv_heads": 4, "intermediate": 2048}
 BLOCK = 32
 MAX_LEN = 1024
 #: how long a server may take to answer after it is started (a vLLM engine: ~30-60 s on 2 cores)
@@ -67,10 +68,10 @@ def _workload(quick: bool) -> dict[str, Any]:
     more than one engine's cache (`engine_cache_blocks`) holds, the two engines' together not."""
     if quick:
         return {"prefixes": 4, "questions_per_prefix": 6, "prefix_tokens": 512,
-                "question_tokens": 40, "max_tokens": 4, "rate_per_s": 1.5,
+                "question_tokens": 40, "max_tokens": 4, "rate_per_s": 1.0,
                 "engine_cache_blocks": 48, "max_num_seqs": 4}
     return {"prefixes": 6, "questions_per_prefix": 16, "prefix_tokens": 512,
-            "question_tokens": 40, "max_tokens": 8, "rate_per_s": 2.0,
+            "question_tokens": 40, "max_tokens": 8, "rate_per_s": 1.0,
             "engine_cache_blocks": 64, "max_num_seqs": 4}
 
 
@@ -80,13 +81,13 @@ def _tokens(n: int, seed: int) -> list[int]:
 
 
 def requests_of(w: dict[str, Any]) -> list[list[int]]:
-    """The prompts in arrival order: the prefixes interleaved (question q of every prefix, then
-    q+1), so that consecutive requests share no prefix and round-robin spreads each over both."""
+    """The prompts in arrival order: every (system prompt, question) pair once, in a seeded
+    random order, as independent clients send them (round-robin then spreads each prefix over
+    both engines; a fixed cycle of an even number of prefixes would pin each to one)."""
     prefixes = [_tokens(w["prefix_tokens"], seed=1 + p) for p in range(w["prefixes"])]
-    out = []
-    for q in range(w["questions_per_prefix"]):
-        for p, prefix in enumerate(prefixes):
-            out.append(prefix + _tokens(w["question_tokens"], seed=1000 + 100 * p + q))
+    out = [prefix + _tokens(w["question_tokens"], seed=1000 + 100 * p + q)
+           for q in range(w["questions_per_prefix"]) for p, prefix in enumerate(prefixes)]
+    random.Random(0).shuffle(out)
     return out
 
 
@@ -279,6 +280,7 @@ def _baselines(model: Path, workdir: Path, w: dict[str, Any], prompts: list[list
             log(f"bench gateway: {arm}")
             results, wall = asyncio.run(_drive(targets, prompts, w))
             out[arm] = _arm(results, wall)
+            log(f"bench gateway: {arm} {json.dumps(out[arm])}")
     return out
 
 
@@ -303,7 +305,8 @@ def _kvsp(model: Path, workdir: Path, w: dict[str, Any], prompts: list[list[int]
             servers.start(f"vllm-kvsp-{i}", _engine_argv(model, port, w, extra), urls[i] + "health")
         servers.wait()
         servers.start("gateway", KVSP + ["gateway", "--listen", gateway, "--pc", f"http://{index}/",
-                                         "--model", str(model), "--block-tokens", str(BLOCK)],
+                                         "--model", str(model), "--block-tokens", str(BLOCK),
+                                         "--instance-api", "openai"],
                       gw + "healthz")
         servers.wait()
         deadline = time.monotonic() + 60
@@ -315,13 +318,14 @@ def _kvsp(model: Path, workdir: Path, w: dict[str, Any], prompts: list[list[int]
                 raise RuntimeError(f"the engines did not report to the PC: {listed}")
             time.sleep(0.5)
         served = httpx.get(gw + "v1/models", timeout=10, trust_env=False).json()["data"][0]["id"]
-        _warm([(u, str(model)) for u in urls], w)
+        _warm([(u, str(model)) for u in urls] + [(gw, served)] * 2, w)
         for u in urls:
             httpx.post(u + "reset_prefix_cache", timeout=30, trust_env=False).raise_for_status()
         external = sum(_metric(u, "vllm:external_prefix_cache_hits_total") for u in urls)
         log("bench gateway: kvsp")
         results, wall = asyncio.run(_drive([(gw, served)], prompts, w))
         arm = _arm(results, wall)
+        log(f"bench gateway: kvsp {json.dumps(arm)}")
         arm["prompt_tokens_loaded_from_kvsp"] = int(
             sum(_metric(u, "vllm:external_prefix_cache_hits_total") for u in urls) - external)
         overheads = [r["gateway_ms"] for r in results if r["gateway_ms"] is not None]
@@ -339,7 +343,7 @@ def run(*, quick: bool = False) -> dict[str, Any]:
     w = _workload(quick)
     prompts = requests_of(w)
     cache = Path(os.environ.get("KVSP_BENCH_MODELS") or Path(tempfile.gettempdir()) / "kvsp-bench-models")
-    model = ensure_tiny_model(cache / "bench-8x512", **MODEL)
+    model = ensure_tiny_model(cache / "bench-16x1024", **MODEL)
 
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
