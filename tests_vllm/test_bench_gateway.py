@@ -40,9 +40,8 @@ def test_the_quick_benchmark_prints_consistent_json(tmp_path: Path) -> None:
         assert 0 <= arm["prompt_tokens_loaded"] < total
         assert 0 < arm["ttft_ms_p50"] <= arm["ttft_ms_p99"]
         assert arm["requests_per_s"] > 0
-    # vLLM's prefix cache has hits in every arm (questions share their system prompt)
-    assert out["single"]["prompt_tokens_loaded"] > 0
-    assert 0 <= out["kvsp"]["prompt_tokens_loaded_from_kvsp"] <= out["kvsp"]["prompt_tokens_loaded"]
+    # behind the gateway, engines loaded prefixes from KVSP (the holder), counted by vLLM itself
+    assert 0 < out["kvsp"]["prompt_tokens_loaded_from_kvsp"] <= out["kvsp"]["prompt_tokens_loaded"]
     assert 0 < out["gateway_ms_per_request"] <= out["gateway_ms_p99"]
     # the header's mean is the gateway's own two parts, as its /metrics count them
     parts = out["gateway_tokenize_ms_mean"] + out["gateway_route_ms_mean"]
