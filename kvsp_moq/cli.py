@@ -217,7 +217,8 @@ def _apply_engine_option(args: argparse.Namespace) -> None:
 
 
 #: Benchmarks: name -> module under kvsp_moq.bench.
-BENCHMARKS = ("core", "http", "moqt", "loss", "ttft", "route", "load", "vllm", "fleet", "live")
+BENCHMARKS = ("core", "http", "moqt", "loss", "ttft", "route", "load", "vllm", "fleet", "live",
+              "gateway")
 
 
 def _add_services(sub: argparse._SubParsersAction, argv: Sequence[str]) -> None:
