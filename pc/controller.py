@@ -136,6 +136,7 @@ class PlacementController:
         self._started_at = clock()
         self._orphans_checked = False
         self._purged_at = clock()
+        self._reshards_at = clock()
 
     # ------------------------------------------------------------------ running
 
@@ -194,6 +195,10 @@ class PlacementController:
             return
         self.handle(self.registry.expire())
         now = self.clock()
+        if now - self._reshards_at >= 1.0:
+            self._reshards_at = now
+            if self.maps.abandoned(time.time()):
+                self._spawn(self.resharder.finish_abandoned())
         if now - self._purged_at >= 10.0:
             self._purged_at = now
             self.sessions.purge_ended(self.settings.ended_sessions_keep_s)

@@ -55,6 +55,7 @@ from kvsp_moq.errors import StoreUnavailable
 from kvsp_moq.protocol.records import InstanceStatus, SessionCheckpoint, ShardMap
 from kvsp_moq.protocol.urls import base_url
 from pc.lifecycle import InstanceFailed, InstanceRegistry, LifecycleSettings, Reply, StateChanged, _Entry
+from pc.reshard import PendingReshard
 from pc.sessions import SessionState, _never_live, accept_checkpoint, end_session, move_session
 
 try:
@@ -263,6 +264,27 @@ class RedisShardMapStore:
         with self.r.unavailable("storing a shard map"):
             self.r.client.set(f"{self.r.p}m:{m.map}",
                               json.dumps(m.to_json(), separators=(",", ":")))
+
+    def begin(self, pending: PendingReshard) -> None:
+        with self.r.unavailable("storing a reshard"):
+            with self.r.client.pipeline() as pipe:
+                pipe.set(f"{self.r.p}rs:{pending.map}", json.dumps(pending.to_json()))
+                pipe.sadd(f"{self.r.p}reshards", pending.map)
+                pipe.execute()
+
+    def end(self, name: str) -> None:
+        with self.r.unavailable("ending a reshard"):
+            with self.r.client.pipeline() as pipe:
+                pipe.delete(f"{self.r.p}rs:{name}")
+                pipe.srem(f"{self.r.p}reshards", name)
+                pipe.execute()
+
+    def abandoned(self, now: float) -> list[PendingReshard]:
+        with self.r.unavailable("reading reshards"):
+            names = sorted(self.r.client.smembers(f"{self.r.p}reshards"))
+            raws = self.r.client.mget([f"{self.r.p}rs:{n}" for n in names]) if names else []
+        pending = [PendingReshard.from_json(json.loads(raw)) for raw in raws if raw]
+        return [p for p in pending if p.decide_by < now]
 
 
 # --------------------------------------------------------------------------- instances

@@ -18,6 +18,7 @@ import json
 import logging
 import sqlite3
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Iterable, Protocol, Sequence
 
@@ -130,9 +131,15 @@ class ShardMapStore:
         self.db = db
         self._lock = threading.Lock()
         self._maps: dict[str, ShardMap] = {}
+        self._pending: dict[str, PendingReshard] = {}
         if db is not None:
             db.execute("CREATE TABLE IF NOT EXISTS shardmaps (map TEXT PRIMARY KEY, "
                        "version INTEGER NOT NULL, body TEXT NOT NULL)")
+            db.execute("CREATE TABLE IF NOT EXISTS reshards (map TEXT PRIMARY KEY, "
+                       "body TEXT NOT NULL)")
+            for (body,) in db.execute("SELECT body FROM reshards").fetchall():
+                p = PendingReshard.from_json(json.loads(body))
+                self._pending[p.map] = p
             for (body,) in db.execute("SELECT body FROM shardmaps").fetchall():
                 m = ShardMap.from_json(json.loads(body))
                 self._maps[m.map] = m
@@ -151,6 +158,45 @@ class ShardMapStore:
                     (m.map, m.version, json.dumps(m.to_json(), separators=(",", ":"))))
             self._maps[m.map] = m
 
+    def begin(self, pending: PendingReshard) -> None:
+        with self._lock:
+            if self.db is not None:
+                self.db.execute("INSERT INTO reshards (map, body) VALUES (?, ?) ON CONFLICT (map) "
+                                "DO UPDATE SET body = excluded.body",
+                                (pending.map, json.dumps(pending.to_json())))
+            self._pending[pending.map] = pending
+
+    def end(self, name: str) -> None:
+        with self._lock:
+            if self.db is not None:
+                self.db.execute("DELETE FROM reshards WHERE map = ?", (name,))
+            self._pending.pop(name, None)
+
+    def abandoned(self, now: float) -> list[PendingReshard]:
+        with self._lock:
+            return [p for p in self._pending.values() if p.decide_by < now]
+
+
+@dataclass(frozen=True)
+class PendingReshard:
+    """A reshard between its plans and its decision, kept in the store: if the PC running it
+    dies, the PC doing the duties finishes it once `decide_by` (wall clock) has passed, with
+    commit when v+1 was installed already, else abort (`Resharder.finish_abandoned`)."""
+
+    map: str
+    to_version: int
+    members: tuple[str, ...]
+    decide_by: float
+
+    def to_json(self) -> dict:
+        return {"map": self.map, "to": self.to_version, "members": list(self.members),
+                "decide_by": self.decide_by}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "PendingReshard":
+        return cls(str(data["map"]), int(data["to"]), tuple(data["members"]),
+                   float(data["decide_by"]))
+
 
 class ShardMaps(Protocol):
     """Where the PC keeps Shard Maps: `ShardMapStore` or `pc.redis_state`'s (Redis)."""
@@ -158,6 +204,12 @@ class ShardMaps(Protocol):
     def get(self, name: str) -> ShardMap | None: ...
 
     def put(self, m: ShardMap) -> None: ...
+
+    def begin(self, pending: PendingReshard) -> None: ...
+
+    def end(self, name: str) -> None: ...
+
+    def abandoned(self, now: float) -> list[PendingReshard]: ...
 
 
 # --------------------------------------------------------------------------- two phases (I/O)
@@ -174,6 +226,9 @@ class ReshardSettings:
     decision_attempts: int = 3
     """Tries to deliver commit or abort to each member."""
     decision_timeout_s: float = 2.0
+    abandoned_after_s: float = 30.0
+    """After its deadline, how long a reshard may wait for its decision before the PC doing
+    the duties takes it for abandoned (its PC died) and finishes it."""
 
 
 @dataclass(frozen=True)
@@ -219,6 +274,9 @@ class Resharder:
                 target = dataclasses.replace(target, scope_id=current.scope_id)
             deadline = deadline_ms or self.settings.deadline_ms
             plans = plan_reshard(current, target, deadline)
+            self.maps.begin(PendingReshard(target.map, target.version, tuple(plans),
+                                           time.time() + deadline / 1000.0
+                                           + self.settings.abandoned_after_s))
             acks = await self._propose(plans, deadline / 1000.0)
             committed = all(a == "ok" for a in acks.values())
             decision = ReshardDecision(target.map, "commit" if committed else "abort",
@@ -226,10 +284,26 @@ class Resharder:
             if committed:
                 self.maps.put(target)  # v+1 is authoritative once every member acknowledged
             delivered = await self._decide(list(plans), decision)
+            self.maps.end(target.map)
             log.info("reshard %s v%d->v%d %s (%s)", target.map, current.version, target.version,
                      decision.kind, acks)
             return ReshardOutcome(target.map, current.version, target.version, committed,
                                   plans, acks, delivered)
+
+    async def finish_abandoned(self) -> list[ReshardDecision]:
+        """Finish the reshards whose PC died between plans and decision: commit where v+1 was
+        installed (every member had acknowledged), else abort, so members stop holding plans."""
+        out = []
+        for p in self.maps.abandoned(time.time()):
+            self.maps.end(p.map)  # taken: the next sweep does not send it again
+            current = self.maps.get(p.map)
+            kind = "commit" if current is not None and current.version == p.to_version else "abort"
+            decision = ReshardDecision(p.map, kind, p.to_version)  # type: ignore[arg-type]
+            delivered = await self._decide(list(p.members), decision)
+            log.warning("reshard %s to v%d was left by its PC; sent %s (%s)", p.map,
+                        p.to_version, kind, delivered)
+            out.append(decision)
+        return out
 
     async def _propose(self, plans: dict[str, ReshardPlan], timeout: float) -> dict[str, str]:
         async def one(inst: str, plan: ReshardPlan) -> str:
@@ -265,5 +339,5 @@ class Resharder:
         return dict(zip(insts, results))
 
 
-__all__ = ["ReshardOutcome", "ReshardSettings", "Resharder", "ShardMapStore", "intersect",
+__all__ = ["PendingReshard", "ReshardOutcome", "ReshardSettings", "Resharder", "ShardMapStore", "intersect",
            "members", "merge", "plan_reshard", "subtract"]

@@ -9,6 +9,7 @@ from kvsp_moq.errors import BadRecord
 from kvsp_moq.protocol.records import ShardMap, parse_reshard
 from pc.reshard import intersect, merge, plan_reshard, subtract
 from tests.pc.fakes import fake_agents, pc_server
+from tests.polling import eventually
 
 U = ["http://127.0.0.1:9001/", "http://127.0.0.1:9002/", "http://127.0.0.1:9003/",
      "http://127.0.0.1:9004/"]
@@ -152,3 +153,49 @@ async def test_reshard_aborts_when_one_member_does_not_ack(tmp_path):
         async with httpx.AsyncClient(timeout=10) as http:
             assert (await http.get(pc.url + "shardmaps/m1")).json()["version"] == 4
             assert (await http.get(pc.url + "shardmaps/zz")).status_code == 404
+
+
+async def test_a_reshard_its_pc_left_is_finished_by_the_pc_after_it(tmp_path):
+    """The PC running a reshard died between its plans and its decision (its pending reshard
+    is in the store); the PC after it (a restart on the same file, or the one doing the duties
+    on a shared store) sends the members abort, or commit where v+1 was installed."""
+    import time
+
+    from pc.reshard import PendingReshard, ShardMapStore
+    from pc.sessions import open_database
+
+    db = str(tmp_path / "pc.db")
+    with fake_agents(2) as agents:
+        urls = [a.url for a in agents]
+        conn = open_database(db)
+        left = ShardMapStore(conn)
+        left.put(ShardMap.from_json(body(4, [((0, 65536), urls[0]), ((65536, 98304), urls[1])])))
+        left.begin(PendingReshard("m1", 5, tuple(urls), time.time() - 1))
+        left.put(ShardMap.from_json({**body(4, []), "map": "m2", "shards": [
+            {"tokens": [0, 10], "instance": urls[0]}], "version": 8}))
+        left.begin(PendingReshard("m2", 8, (urls[0],), time.time() - 1))  # v8 installed: commit
+        left.begin(PendingReshard("m3", 2, (urls[1],), time.time() + 600))  # still running
+        conn.close()
+        with pc_server(db) as pc:
+            await eventually(lambda: len(agents[0].received("decision")) == 2
+                             and len(agents[1].received("decision")) == 1, timeout=10,
+                             what="the left reshards finished")
+            assert [p.map for p in pc.pc.maps.abandoned(time.time() + 3600)] == ["m3"]
+        assert sorted(agents[0].received("decision"), key=lambda d: d["map"]) == [
+            {"map": "m1", "abort": 5}, {"map": "m2", "commit": 8}]
+        assert agents[1].received("decision") == [{"map": "m1", "abort": 5}]
+
+
+async def test_a_reshard_that_ends_leaves_nothing_pending(tmp_path):
+    import time
+
+    with fake_agents(2) as agents, pc_server(str(tmp_path / "pc.db")) as pc:
+        urls = [a.url for a in agents]
+        async with httpx.AsyncClient(timeout=10) as http:
+            r = await http.post(pc.url + "reshard/m1", json=body(4, [((0, 65536), urls[0]),
+                                                                      ((65536, 98304), urls[1])]))
+            assert r.status_code == 201
+            r = await http.post(pc.url + "reshard/m1", json=body(5, [((0, 98304), urls[0])],
+                                                                 deadline_ms=2000))
+            assert r.status_code == 200 and r.json()["committed"]
+        assert pc.pc.maps.abandoned(time.time() + 3600) == []

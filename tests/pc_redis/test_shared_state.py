@@ -142,3 +142,15 @@ def test_pc_endpoints_move_to_the_next_pc_when_one_fails() -> None:
     assert one.url == "http://10.0.0.1:8700/" and str(PCEndpoints(pcs)) == str(pcs)
     with pytest.raises(ValueError):
         PCEndpoints(" , ")
+
+
+def test_a_pending_reshard_is_shared_and_found_abandoned_after_its_time(redis_url: str) -> None:
+    from pc.redis_state import RedisShardMapStore
+    from pc.reshard import PendingReshard
+
+    one, two = RedisShardMapStore(RedisState(redis_url)), RedisShardMapStore(RedisState(redis_url))
+    one.begin(PendingReshard("m1", 5, (A, B), decide_by=1000.0))
+    one.begin(PendingReshard("m2", 3, (A,), decide_by=5000.0))
+    assert two.abandoned(2000.0) == [PendingReshard("m1", 5, (A, B), 1000.0)]
+    two.end("m1")
+    assert one.abandoned(2000.0) == [] and [p.map for p in one.abandoned(9000.0)] == ["m2"]
