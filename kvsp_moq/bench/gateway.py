@@ -46,6 +46,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -114,6 +115,10 @@ def _env() -> dict[str, str]:
 KVSP = [sys.executable, "-c", "import sys; from kvsp_moq.cli import main; sys.exit(main())"]
 
 
+def _terminated(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
 class Servers:
     """Processes started for one arm, each in a process group of its own, logs in `workdir`."""
 
@@ -162,10 +167,19 @@ class Servers:
         self.procs = []
 
     def __enter__(self) -> "Servers":
+        # The servers run in sessions of their own (so that a stop reaches an engine's
+        # workers): a benchmark ended by SIGTERM (a timeout, a CI runner) must still stop them.
+        self._sigterm: Any = None
+        if threading.current_thread() is threading.main_thread():
+            self._sigterm = signal.signal(signal.SIGTERM, _terminated)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.stop()
+        try:
+            self.stop()
+        finally:
+            if self._sigterm is not None:
+                signal.signal(signal.SIGTERM, self._sigterm)
 
 
 def _engine_argv(model: Path, port: int, w: dict[str, Any], extra: dict[str, Any] | None) -> list[str]:
