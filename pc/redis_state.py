@@ -50,7 +50,7 @@ import logging
 import time
 from typing import Any, Callable, Iterator, TypeVar
 
-from kvsp_moq.auth import OPEN, Principal
+from kvsp_moq.auth import ANY, OPEN, Principal
 from kvsp_moq.errors import StoreUnavailable
 from kvsp_moq.protocol.records import InstanceStatus, SessionCheckpoint, ShardMap
 from kvsp_moq.protocol.urls import base_url
@@ -369,7 +369,7 @@ class SharedInstanceRegistry(InstanceRegistry):
         return self._transact(url, "setting a state",
                               lambda: InstanceRegistry.set_state(self, url, state))
 
-    def register_started(self, started: str | InstanceStatus, scope_id: str = "*") -> bool:
+    def register_started(self, started: str | InstanceStatus, scope_id: str = ANY) -> bool:
         url = base_url(started if isinstance(started, str) else started.instance)
         return self._transact(url, "registering an instance",
                               lambda: InstanceRegistry.register_started(self, started, scope_id))

@@ -41,7 +41,6 @@ import os
 import random
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -52,6 +51,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import httpx
+
+from kvsp_moq.demo.cluster import free_port
 
 #: The model of `kvsp bench vllm` (made locally, float32, 32 KiB of KV per token): large enough
 #: that a prefix's prefill takes visible time on a CPU, as it does with real models on any device.
@@ -94,11 +95,6 @@ def requests_of(w: dict[str, Any]) -> list[list[int]]:
 
 # --------------------------------------------------------------------------- processes
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _env() -> dict[str, str]:
@@ -279,7 +275,7 @@ def _warm(targets: Sequence[tuple[str, str]], w: dict[str, Any]) -> None:
 def _baselines(model: Path, workdir: Path, w: dict[str, Any], prompts: list[list[int]],
                log: Any) -> dict[str, Any]:
     """round_robin then single, on two engines without the connector."""
-    ports = [_free_port(), _free_port()]
+    ports = [free_port(), free_port()]
     urls = [f"http://127.0.0.1:{p}/" for p in ports]
     out: dict[str, Any] = {}
     with Servers(workdir) as servers:
@@ -302,8 +298,8 @@ def _kvsp(model: Path, workdir: Path, w: dict[str, Any], prompts: list[list[int]
           log: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """Index (IS and PC), holder, two engines with the connector, the gateway; the arm's figures
     and the gateway's own."""
-    index, holder, gateway = (f"127.0.0.1:{_free_port()}" for _ in range(3))
-    ports = [_free_port(), _free_port()]
+    index, holder, gateway = (f"127.0.0.1:{free_port()}" for _ in range(3))
+    ports = [free_port(), free_port()]
     urls = [f"http://127.0.0.1:{p}/" for p in ports]
     gw = f"http://{gateway}/"
     with Servers(workdir) as servers:

@@ -21,15 +21,11 @@ import tempfile
 import time
 from typing import Any
 
+from kvsp_moq.demo.cluster import free_port
 from kvsp_moq.errors import SettingError
 
 __all__ = ["run_pcs"]
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _Redis:
@@ -41,7 +37,7 @@ class _Redis:
             raise SettingError("bench route --pcs needs redis-server (or valkey-server) on PATH: "
                                "apt-get install -y redis-server")
         self.dir = tempfile.mkdtemp(prefix="kvsp-bench-redis-")
-        self.port = _free_port()
+        self.port = free_port()
         self.proc = subprocess.Popen(
             [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
              "--appendonly", "no", "--dir", self.dir],
