@@ -101,3 +101,76 @@ def test_only_the_blocks_before_the_last_token_are_offered(side: SchedulerSide) 
     short = request("e", prompt(20, seed=6))
     assert side.matched_tokens(short, 0) == (0, False)
     assert side.finished(exact) == (False, None)
+
+
+class _Blocks:
+    """vLLM's KVCacheBlocks as update_state_after_alloc sees it: one KV cache group."""
+
+    def __init__(self, ids: list[int]) -> None:
+        self.ids = ids
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return (self.ids,)
+
+
+@pytest.fixture
+def live_side(model_dir: Path) -> SchedulerSide:
+    descriptor = CompatDescriptor.from_dict(model_descriptor(model_dir, dtype="float32",
+                                                             block_tokens=BLOCK))
+    config = parse_extra_config({"index": "http://127.0.0.1:9/", "relay": "moqt://127.0.0.1:9"})
+    s = SchedulerSide(config, descriptor)
+    yield s
+    s.shutdown()
+
+
+def live_request(req_id: str, tokens: list[int]) -> Any:
+    return SimpleNamespace(request_id=req_id, prompt_token_ids=tokens,
+                           kv_transfer_params={"kvsp_prefill_at": "http://127.0.0.1:8801/"})
+
+
+def test_blocks_being_computed_elsewhere_load_asynchronously(live_side: SchedulerSide) -> None:
+    req = live_request("p", prompt(140, seed=7))  # 4 complete blocks before the last token
+    assert live_side.matched_tokens(req, 0) == (128, True)
+    live_side.after_alloc(req, 128, _Blocks([21, 22, 23, 24, 25]))
+    # The request is not scheduled while it waits, but its load goes out in this pass.
+    meta = live_side.build(output({}))
+    [spec] = meta.requests
+    assert spec.async_load and [s.block_id for s in spec.loads] == [21, 22, 23, 24]
+    assert all(s.records for s in spec.loads) and spec.saves == ()
+    assert live_side.build(output({})).requests == []  # planned once
+    # Loaded: vLLM schedules it from token 128 on; nothing is loaded again.
+    loads, saves = plan(live_side.build(output({"p": 12}, [new("p", [21, 22, 23, 24, 25], 128)])))
+    assert loads == [] and saves == []
+    assert live_side.stats["async_loads"] == 1
+
+
+def test_a_failed_asynchronous_load_is_offered_short_then_synchronously(live_side: SchedulerSide) -> None:
+    req = live_request("q", prompt(140, seed=8))
+    assert live_side.matched_tokens(req, 0) == (128, True)
+    live_side.after_alloc(req, 128, _Blocks([5, 6, 7, 8, 9]))
+    live_side.build(output({}))
+    # The third block could not be loaded: vLLM keeps the first two and recomputes the rest
+    # (here, as after a preemption, it asks again from what it kept).
+    live_side.connector_output(SimpleNamespace(invalid_block_ids={7}, finished_recving={"q"}))
+    assert live_side.matched_tokens(req, 0) == (64, True)
+    live_side.after_alloc(req, 64, _Blocks([1, 2, 3, 4, 5]))
+    [spec] = live_side.build(output({})).requests
+    assert spec.async_load and [s.block_id for s in spec.loads] == [1, 2]
+    # Out of asynchronous tries: what remains loads inside a step.
+    assert live_side.matched_tokens(req, 32) == (32, False)
+
+
+def test_load_async_none_keeps_every_load_in_the_step(model_dir: Path) -> None:
+    descriptor = CompatDescriptor.from_dict(model_descriptor(model_dir, dtype="float32",
+                                                             block_tokens=BLOCK))
+    config = parse_extra_config({"index": "http://127.0.0.1:9/", "relay": "moqt://127.0.0.1:9",
+                                 "load_async": "none"})
+    s = SchedulerSide(config, descriptor)
+    try:
+        req = live_request("r", prompt(140, seed=9))
+        assert s.matched_tokens(req, 0) == (128, False)
+        s.after_alloc(req, 128, _Blocks([1, 2, 3, 4, 5]))
+        loads, _ = plan(s.build(output({"r": 12}, [new("r", [1, 2, 3, 4, 5], 128)])))
+        assert loads == [1, 2, 3, 4]
+    finally:
+        s.shutdown()

@@ -50,6 +50,8 @@ def test_a_full_configuration(tmp_path: Path) -> None:
                                "datagram_size": 9000}).quic
     assert (quic.engine, quic.max_datagram_size) == ("aioquic", 9000)
     assert parse_extra_config({"index": INDEX, "holder": None}).holder is None
+    assert parse_extra_config({"index": INDEX}).load_async == "live"
+    assert parse_extra_config({"index": INDEX, "load_async": "all"}).load_async == "all"
 
 
 @pytest.mark.parametrize(("data", "key"), [
@@ -70,6 +72,8 @@ def test_a_full_configuration(tmp_path: Path) -> None:
     ({"index": INDEX, "quic_engine": "quiche"}, "quic_engine"),
     ({"index": INDEX, "datagram_size": 900}, "datagram_size"),
     ({"index": INDEX, "datagram_size": "big"}, "datagram_size"),
+    ({"index": INDEX, "load_async": "sometimes"}, "load_async"),
+    ({"index": INDEX, "load_async": True}, "load_async"),
 ])
 def test_refusals_name_the_key(data: dict, key: str) -> None:
     assert f"kv_connector_extra_config: {key}:" in refusal(data)

@@ -94,6 +94,12 @@ class ConnectorConfig:
     #: publish each saved block's layers over MOQT as vLLM computes them (live KV: other
     #: instances subscribe while the prefill runs); needs "relay" and the embedded holder
     live_kv: bool = True
+    #: which loads run beside the engine's steps rather than inside one (vLLM's asynchronous
+    #: load, WAITING_FOR_REMOTE_KVS): "live" (blocks another instance is still computing, i.e.
+    #: prefill and decode apart), "all", or "none". An asynchronous load lets the engine's other
+    #: requests keep decoding while it waits; a synchronous one overlaps the request's own
+    #: forward pass with its load layer by layer, which is faster for one request alone.
+    load_async: str = "live"
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     @property
@@ -169,7 +175,10 @@ _KEYS = frozenset({
     "principals", "lease_ms", "lookup_timeout_ms", "load_timeout_s", "record_ttl_ms",
     "layers_per_request", "load_concurrency", "timeline", "pipelined", "switch_interval_us",
     "cpus", "quic_engine", "datagram_size", "pc", "instance_url", "status_ttl_ms", "live_kv",
+    "load_async",
 })
+
+LOAD_ASYNC = ("live", "all", "none")
 
 
 def parse_extra_config(data: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -257,6 +266,9 @@ def parse_extra_config(data: Mapping[str, Any] | None) -> ConnectorConfig:
         quic = quic_settings(engine, size)
     except SettingError as e:
         raise _fail("datagram_size", str(e)) from None
+    load_async = _text(data, "load_async", "live")
+    if load_async not in LOAD_ASYNC:
+        raise _fail("load_async", f"must be one of {', '.join(LOAD_ASYNC)}, got {load_async!r}")
     return ConnectorConfig(
         index=index, scope_key=scope_key, scope=scope, holder=holder, listen=listen,
         public_url=public_url, data=Path(data_dir).expanduser() if data_dir else None,
@@ -274,4 +286,5 @@ def parse_extra_config(data: Mapping[str, Any] | None) -> ConnectorConfig:
         timeline=_flag(data, "timeline"), pipelined=_flag(data, "pipelined", True),
         switch_interval_us=_number(data, "switch_interval_us", 200, low=0), cpus=cpus,
         pc=pc, instance_url=instance_url, status_ttl_ms=_number(data, "status_ttl_ms", 3_000, low=300),
-        quic=quic, live_kv=_flag(data, "live_kv", True), extra=data)
+        quic=quic, live_kv=_flag(data, "live_kv", True),
+        load_async=load_async, extra=data)

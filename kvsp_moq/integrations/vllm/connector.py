@@ -94,7 +94,7 @@ class KVSPConnector(KVConnectorBase_V1):
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int) -> None:
         assert self._scheduler is not None
-        self._scheduler.after_alloc(request, num_external_tokens)
+        self._scheduler.after_alloc(request, num_external_tokens, blocks)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         assert self._scheduler is not None
@@ -139,7 +139,10 @@ class KVSPConnector(KVConnectorBase_V1):
         self._worker.wait_for_save()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return None, None  # loads are synchronous and saves copy out at once
+        """Nothing is ever sent asynchronously (saves copy out at once); the requests whose
+        asynchronous load ended are received."""
+        assert self._worker is not None
+        return None, self._worker.finished_loads(finished_req_ids)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self._worker is not None

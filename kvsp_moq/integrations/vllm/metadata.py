@@ -40,6 +40,9 @@ class RequestSpec:
     scope_id: str
     loads: tuple[LoadSpec, ...] = ()
     saves: tuple[SaveSpec, ...] = ()
+    #: the loads run beside the engine's steps (the request waits in WAITING_FOR_REMOTE_KVS and
+    #: the worker reports it in get_finished), not inside this step's forward pass
+    async_load: bool = False
 
 
 @dataclass

@@ -9,7 +9,16 @@ prompt's last token are offered.
 
 Per step (`build_connector_meta`) each request gets the blocks to load into its freshly
 allocated paged blocks (synchronous loads, so the worker can pipeline them layer by layer with
-the forward pass), and the prompt blocks that become complete in this step, to be saved. A
+the forward pass), and the prompt blocks that become complete in this step, to be saved.
+
+A load of blocks another instance is still computing (prefill and decode apart) is asynchronous
+instead ("load_async", default "live"): vLLM parks the request in WAITING_FOR_REMOTE_KVS with
+its blocks allocated, the worker loads beside the engine's steps and reports the request in
+`get_finished`, and every other request keeps decoding meanwhile; a synchronous load would hold
+the whole step until the producer's last layer. Such a load is planned the moment its blocks
+are allocated (`after_alloc`), since the request is not scheduled again until it is in. Its
+blocks that failed shorten what a retry (after a preemption) may offer, and a request gets at
+most `ASYNC_TRIES` asynchronous loads. A
 chunked prefill completes blocks over several steps; a load error makes vLLM roll the request
 back to its first bad block and recompute, which shows here as fewer computed tokens than the
 last step left: blocks from there on are saved again, once recomputed.
@@ -40,7 +49,10 @@ from kvsp_moq.protocol.urls import base_url
 
 log = logging.getLogger("kvsp.vllm.scheduler")
 
-__all__ = ["SchedulerSide"]
+__all__ = ["ASYNC_TRIES", "SchedulerSide"]
+
+#: asynchronous loads one request may get (a retry follows a preemption or a failed load)
+ASYNC_TRIES = 2
 
 
 @dataclass(eq=False)
@@ -60,6 +72,16 @@ class _Request:
     #: tokens computed once the last scheduled step has run; None before the first step
     expected: int | None = None
     saved: set[int] = field(default_factory=set)
+    #: the records are of blocks another instance is computing (kvsp_prefill_at)
+    live: bool = False
+    #: tokens vLLM had computed when it last asked, and whether the load offered then is async
+    local: int = 0
+    offered_async: bool = False
+    #: an asynchronous load planned at allocation, for the next metadata
+    async_plan: tuple[LoadSpec, ...] | None = None
+    #: paged id -> block index, of the asynchronous load in flight
+    async_slots: dict[int, int] = field(default_factory=dict)
+    async_tries: int = 0
 
 
 class SchedulerSide:
@@ -77,7 +99,8 @@ class SchedulerSide:
         self._reqs: dict[str, _Request] = {}
         self.stats: dict[str, int] = {"lookups": 0, "lookup_failures": 0, "lookup_timeouts": 0,
                                       "hit_requests": 0, "hit_tokens": 0, "load_errors": 0,
-                                      "saves_planned": 0, "live_requests": 0}
+                                      "saves_planned": 0, "live_requests": 0,
+                                      "async_loads": 0}
         self._loop = LoopThread("kvsp-vllm-scheduler") if load or config.pc else None
         self._index: IndexClient | None = None
         if self._loop is not None and load:
@@ -108,6 +131,7 @@ class SchedulerSide:
         producer = self._prefill_at(request)
         if producer is not None and self.load and st.cap > 0:
             st.found = self._live_records(st, *producer)
+            st.live = True
             self.stats["live_requests"] += 1
         elif self.load and st.cap > 0 and self._loop is not None and self._index is not None:
             st.lookup = self._loop.submit(self._index.lookup(self.scope_id, self.compat_id, keys[:st.cap]))
@@ -191,17 +215,25 @@ class SchedulerSide:
 
     def matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         """vLLM's get_num_new_matched_tokens: tokens beyond `num_computed_tokens` that KVSP
-        can load (None: ask again), always loaded synchronously (False)."""
+        can load (None: ask again), and whether they load asynchronously ("load_async")."""
         st = self._state(request)
         if st is None or st.cap == 0 or num_computed_tokens >= st.cap * self.block_size:
             return 0, False
         found = self._answer(st)
         if found is None:
             return None, False
-        return max(0, min(len(found), st.cap) * self.block_size - num_computed_tokens), False
+        tokens = max(0, min(len(found), st.cap) * self.block_size - num_computed_tokens)
+        st.local = num_computed_tokens
+        st.offered_async = tokens > 0 and self._loads_async(st)
+        return tokens, st.offered_async
 
-    def after_alloc(self, request: Any, num_external_tokens: int) -> None:
-        """vLLM's update_state_after_alloc: the next step loads `num_external_tokens`."""
+    def _loads_async(self, st: _Request) -> bool:
+        mode = self.config.load_async
+        return (mode == "all" or (mode == "live" and st.live)) and st.async_tries < ASYNC_TRIES
+
+    def after_alloc(self, request: Any, num_external_tokens: int, blocks: Any = None) -> None:
+        """vLLM's update_state_after_alloc: the next step loads `num_external_tokens`; an
+        asynchronous load is planned here, in the blocks just allocated (`blocks`)."""
         st = self._reqs.get(request.request_id)
         if st is None:
             return
@@ -209,6 +241,20 @@ class SchedulerSide:
         if num_external_tokens > 0:
             self.stats["hit_requests"] += 1
             self.stats["hit_tokens"] += num_external_tokens
+        if num_external_tokens > 0 and st.offered_async and blocks is not None:
+            self._plan_async(st, list(blocks.get_block_ids()[0]), num_external_tokens)
+        st.offered_async = False
+
+    def _plan_async(self, st: _Request, block_ids: list[int], tokens: int) -> None:
+        b = self.block_size
+        found = st.found or []
+        first, last = st.local // b, min((st.local + tokens) // b, len(block_ids))
+        st.async_plan = tuple(LoadSpec(block_ids[i], st.keys[i], found[i] if i < len(found) else ())
+                              for i in range(first, last))
+        st.async_slots = {block_ids[i]: i for i in range(first, last)}
+        st.async_tries += 1
+        st.pending = 0  # loaded before the request is scheduled, not in its first step
+        self.stats["async_loads"] += 1
 
     def finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
         """vLLM's request_finished: the blocks can be freed at once, saves copy synchronously."""
@@ -220,10 +266,18 @@ class SchedulerSide:
         return False, None
 
     def connector_output(self, output: Any) -> None:
-        """vLLM's update_connector_output: counts the blocks workers could not load."""
-        invalid = getattr(output, "invalid_block_ids", None)
+        """vLLM's update_connector_output: counts the blocks workers could not load; an
+        asynchronous load's failed blocks are offered no more (a retry stops before them)."""
+        invalid = getattr(output, "invalid_block_ids", None) or set()
         if invalid:
             self.stats["load_errors"] += len(invalid)
+            for st in self._reqs.values():
+                bad = [i for pid, i in st.async_slots.items() if pid in invalid]
+                if bad and st.found is not None:
+                    st.found = st.found[:min(bad)]
+        for req_id in getattr(output, "finished_recving", None) or ():
+            if req_id in self._reqs:
+                self._reqs[req_id].async_slots = {}
 
     # ---------------------------------------------------------------- steps
 
@@ -233,6 +287,11 @@ class SchedulerSide:
         scheduled = scheduler_output.num_scheduled_tokens
         if self.status is not None:
             self.status.stepped(self._steps(scheduler_output))
+        for waiting in self._reqs.values():
+            if waiting.async_plan is not None:  # allocated in this pass, not scheduled
+                meta.requests.append(RequestSpec(waiting.req_id, self.scope_id,
+                                                 waiting.async_plan, async_load=True))
+                waiting.async_plan = None
         for new in scheduler_output.scheduled_new_reqs:
             st = self._reqs.get(new.req_id)
             if st is None:

@@ -5,6 +5,12 @@ its prefix), so `start_load_kv`, which vLLM calls before that forward pass, only
 on this role's loop thread; each attention layer then waits in `wait_for_layer_load` for its
 own layer of every loaded block, and layer l+1 keeps arriving while layer l computes.
 
+An asynchronous load (a request vLLM parks in WAITING_FOR_REMOTE_KVS, see `scheduler`) starts
+the same way but is waited for by nobody: `finished_loads` (vLLM's get_finished, called every
+step, forward pass or not) reports the request once its load has ended, or at once when vLLM
+finished the request meanwhile (the load is stopped first: vLLM then frees its blocks), or when
+it ran past `load_timeout_s`; its failed blocks are load errors of that same step.
+
 A block counts as loaded only when every one of its layers was written, each verified against
 its replica's record. A source that dies, a digest that does not match, a timeout: the block's
 paged id goes to `get_block_ids_with_load_errors`, vLLM rolls the request back to its first
@@ -37,6 +43,7 @@ from __future__ import annotations
 import logging
 import sys
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,7 +57,7 @@ from kvsp_moq.integrations.vllm.config import ConnectorConfig
 from kvsp_moq.integrations.vllm.descriptor import EngineFacts
 from kvsp_moq.integrations.vllm.layout import Layout, PagedBlocks, layer_order, layout_for
 from kvsp_moq.integrations.vllm.loop import LoopThread
-from kvsp_moq.integrations.vllm.metadata import KVSPMetadata
+from kvsp_moq.integrations.vllm.metadata import KVSPMetadata, RequestSpec
 from kvsp_moq.integrations.vllm.publish import BlockSink, EmbeddedHolder, make_sink
 from kvsp_moq.integrations.vllm.transport import BlockTransport, Load
 from kvsp_moq.protocol.container import encode
@@ -82,6 +89,15 @@ class _Step:
     live_opened: bool = False
 
 
+@dataclass(eq=False)
+class _AsyncLoad:
+    """A load no forward pass waits for; reported in get_finished once ended."""
+
+    spec: RequestSpec
+    load: Load
+    started: float = field(default_factory=time.monotonic)
+
+
 class WorkerSide:
     """Loads, saves and their counters for one worker; all state here, none global."""
 
@@ -101,12 +117,15 @@ class WorkerSide:
         self._layers: list[torch.Tensor] = []
         self._index: dict[str, int] = {}
         self._step: _Step | None = None
+        #: req_id -> its asynchronous load, until reported finished
+        self._async: dict[str, _AsyncLoad] = {}
         self._errors: set[int] = set()
         self._lock = threading.Lock()  # the counters: sinks report from other threads
         self.stats: dict[str, Any] = {"loads": 0, "loaded_blocks": 0, "loaded_by": {},
                                       "load_errors": 0, "load_failures": [], "saved_blocks": 0,
                                       "save_held": 0, "save_failures": 0, "saves_dropped": 0,
-                                      "live_blocks": 0, "live_aborted": 0}
+                                      "live_blocks": 0, "live_aborted": 0,
+                                      "async_loads": 0, "async_finished": 0}
         #: per load, when timelines are kept (config "timeline")
         self.timelines: deque[list[dict[str, Any]]] = deque(maxlen=64)
 
@@ -162,8 +181,13 @@ class WorkerSide:
                 continue
             target = PagedBlocks(self.layout, self._layers, [s.block_id for s in spec.loads],
                                  [s.block_key for s in spec.loads])
-            step.loads[spec.req_id] = self.transport.start(target, [s.records for s in spec.loads])
+            load = self.transport.start(target, [s.records for s in spec.loads])
             self.stats["loads"] += 1
+            if spec.async_load:
+                self._async[spec.req_id] = _AsyncLoad(spec, load)
+                self.stats["async_loads"] += 1
+            else:
+                step.loads[spec.req_id] = load
         if not self.config.pipelined:
             for load in step.loads.values():
                 load.wait_all(self.config.load_timeout_s)
@@ -278,6 +302,25 @@ class WorkerSide:
             key = {"stored": "saved_blocks", "held": "save_held"}.get(outcome, "save_failures")
             self.stats[key] += 1
 
+    def finished_loads(self, finished_req_ids: set[str]) -> set[str] | None:
+        """vLLM's get_finished, receiving half: the requests whose asynchronous load ended in
+        this step, each reported once; `finished_req_ids` (requests vLLM ended) are stopped
+        and reported at once, so that vLLM may free their blocks."""
+        if not self._async:
+            return None
+        done: set[str] = set()
+        now = time.monotonic()
+        for req_id, pending in list(self._async.items()):
+            ended = pending.load.future.done() or req_id in finished_req_ids
+            if not ended and now - pending.started < self.config.load_timeout_s:
+                continue
+            del self._async[req_id]
+            self._account(req_id, pending.spec, pending.load.finish(0))
+            done.add(req_id)
+        with self._lock:
+            self.stats["async_finished"] += len(done)
+        return done or None
+
     def load_errors(self) -> set[int]:
         """vLLM's get_block_ids_with_load_errors (the step's loads are finished first)."""
         if self._step is not None:
@@ -292,24 +335,28 @@ class WorkerSide:
         step.finished = True
         specs = {spec.req_id: spec for spec in step.meta.requests}
         for req_id, load in step.loads.items():
-            outcome = load.finish(FINISH_S)
-            spec = specs[req_id]
-            bad = {s.block_id for s, ok in zip(spec.loads, outcome.complete) if not ok}
-            good = len(spec.loads) - len(bad)
+            bad = self._account(req_id, specs[req_id], load.finish(FINISH_S))
             if bad:
                 step.failed[req_id] = bad
-                self._errors |= bad
-                log.warning("request %s: %d of %d blocks not loaded (%s); vLLM recomputes them",
-                            req_id, len(bad), len(spec.loads),
-                            "; ".join(f["reason"] for f in outcome.failures[:3]) or "timed out")
-            with self._lock:
-                self.stats["loaded_blocks"] += good
-                self.stats["load_errors"] += len(bad)
-                for kind, n in outcome.by_kind.items():
-                    self.stats["loaded_by"][kind] = self.stats["loaded_by"].get(kind, 0) + n
-                self.stats["load_failures"].extend(outcome.failures[-8:])
-            if outcome.timeline is not None:
-                self.timelines.append(outcome.timeline)
+
+    def _account(self, req_id: str, spec: RequestSpec, outcome: Any) -> set[int]:
+        """A load's counters and its paged ids not loaded (load errors of this step)."""
+        bad = {s.block_id for s, ok in zip(spec.loads, outcome.complete) if not ok}
+        good = len(spec.loads) - len(bad)
+        if bad:
+            self._errors |= bad
+            log.warning("request %s: %d of %d blocks not loaded (%s); vLLM recomputes them",
+                        req_id, len(bad), len(spec.loads),
+                        "; ".join(f["reason"] for f in outcome.failures[:3]) or "timed out")
+        with self._lock:
+            self.stats["loaded_blocks"] += good
+            self.stats["load_errors"] += len(bad)
+            for kind, n in outcome.by_kind.items():
+                self.stats["loaded_by"][kind] = self.stats["loaded_by"].get(kind, 0) + n
+            self.stats["load_failures"].extend(outcome.failures[-8:])
+        if outcome.timeline is not None:
+            self.timelines.append(outcome.timeline)
+        return bad
 
     def shutdown(self) -> None:
         if "cpus" in self.stats:  # the hash workers serve the whole process: back everywhere
@@ -319,6 +366,9 @@ class WorkerSide:
         if self._step is not None:
             self._finish(self._step)
             self._step = None
+        for pending in self._async.values():
+            pending.load.finish(0)
+        self._async.clear()
         if self.sink is not None:
             self.sink.drain(DRAIN_S)
             self.sink.close()
