@@ -50,3 +50,24 @@ def test_pc_needs_instance_url(model_dir: Path, index_url: str) -> None:
     while chain is not None and "kv_connector_extra_config: instance_url:" not in str(chain):
         chain = chain.__cause__ or chain.__context__
     assert chain is not None, str(caught.value)
+
+
+def test_the_engines_status_carries_the_links_its_workers_loaded_over(
+        model_dir: Path, index_url: str, tmp_path: Path) -> None:
+    """The workers load, the scheduler reports: each step's link measurements reach the status
+    as vLLM's connector worker metadata, and the PC lists the holder's rate (KVSP §6.3)."""
+    app = create_pc_app(PCSettings(database=str(tmp_path / "pc.sqlite3"), index_url=index_url,
+                                   sweep_interval_s=0.05))
+    tokens = prompt(256, 2)
+    with BackgroundServer(app) as pc, \
+            Engine(model_dir, {"index": index_url, "pc": pc.url, "instance_url": OPENAI_URL,
+                               "status_ttl_ms": 5000}) as engine:
+        first = engine.generate([tokens])  # computed and stored at its embedded holder
+        holder = engine.worker_stats()["holder"]
+        eventually(lambda: engine.worker_stats()["saved_blocks"] >= 7, "the blocks stored")
+        again = engine.generate([tokens])  # loaded from there
+        assert again[0][0] == first[0][0] and again[0][1] == 7 * 32
+        listed = eventually(lambda: [i for i in instances(pc.url) if i["instance"] == OPENAI_URL
+                                     and i.get("links")], "the engine's links at the PC")
+        [link] = listed[0]["links"]
+        assert link["holder"] == holder and link["mbit_per_s"] > 0 and link["rtt_us"] > 0, link

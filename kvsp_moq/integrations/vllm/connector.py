@@ -21,7 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvsp_moq.integrations.vllm.config import parse_extra_config
 from kvsp_moq.integrations.vllm.descriptor import engine_descriptor, engine_facts
-from kvsp_moq.integrations.vllm.metadata import KVSPMetadata
+from kvsp_moq.integrations.vllm.metadata import KVSPMetadata, KVSPWorkerMetadata
 from kvsp_moq.integrations.vllm.scheduler import SchedulerSide
 from kvsp_moq.integrations.vllm.worker import WorkerSide
 
@@ -143,6 +143,10 @@ class KVSPConnector(KVConnectorBase_V1):
         asynchronous load ended are received."""
         assert self._worker is not None
         return None, self._worker.finished_loads(finished_req_ids)
+
+    def build_connector_worker_meta(self) -> KVSPWorkerMetadata | None:
+        assert self._worker is not None
+        return self._worker.link_meta()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self._worker is not None

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
 
-__all__ = ["KVSPMetadata", "LoadSpec", "RequestSpec", "SaveSpec", "is_plain"]
+__all__ = ["KVSPMetadata", "KVSPWorkerMetadata", "LoadSpec", "RequestSpec", "SaveSpec", "is_plain"]
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,21 @@ class KVSPMetadata(KVConnectorMetadata):
     @property
     def has_saves(self) -> bool:
         return any(r.saves for r in self.requests)
+
+
+@dataclass
+class KVSPWorkerMetadata(KVConnectorWorkerMetadata):
+    """What the workers saw of their links in one step, for the engine's §6.3 status (the
+    scheduler reports it; the workers load): per transfer (holder URL, octets, seconds), per
+    lease round trip (holder URL, seconds)."""
+
+    transfers: list[tuple[str, int, float]] = field(default_factory=list)
+    rtts: list[tuple[str, float]] = field(default_factory=list)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> "KVSPWorkerMetadata":
+        if not isinstance(other, KVSPWorkerMetadata):
+            return self
+        return KVSPWorkerMetadata(self.transfers + other.transfers, self.rtts + other.rtts)
 
 
 def is_plain(value: object) -> bool:

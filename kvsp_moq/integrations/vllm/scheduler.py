@@ -37,7 +37,13 @@ from kvsp_moq.errors import KvspError
 from kvsp_moq.index_client import IndexClient, LookupResult
 from kvsp_moq.integrations.vllm.config import ConnectorConfig
 from kvsp_moq.integrations.vllm.loop import LoopThread
-from kvsp_moq.integrations.vllm.metadata import KVSPMetadata, LoadSpec, RequestSpec, SaveSpec
+from kvsp_moq.integrations.vllm.metadata import (
+    KVSPMetadata,
+    KVSPWorkerMetadata,
+    LoadSpec,
+    RequestSpec,
+    SaveSpec,
+)
 from kvsp_moq.integrations.vllm.status import EngineStatus
 from kvsp_moq.naming import BlockTrack
 from kvsp_moq.protocol import validate as v
@@ -278,6 +284,9 @@ class SchedulerSide:
         for req_id in getattr(output, "finished_recving", None) or ():
             if req_id in self._reqs:
                 self._reqs[req_id].async_slots = {}
+        links = getattr(output, "kv_connector_worker_meta", None)
+        if self.status is not None and isinstance(links, KVSPWorkerMetadata):
+            self.status.links(links)
 
     # ---------------------------------------------------------------- steps
 

@@ -4,8 +4,10 @@ With `pc` and `instance_url` in `kv_connector_extra_config`, the scheduler's hal
 reports an Instance Status Record to `PUT {pc}instances/{id}/status` every third of
 `status_ttl_ms`, under `instance_url` (the engine's OpenAI-compatible base URL, where the PC's
 routes and the gateway send requests): requests waiting and running as the scheduler sees them,
-and prefill and decode rates measured from its steps (the tokens a step scheduled over the time
-until the next step began). The PC then routes among vLLM engines and `kvsp agent`s alike by the
+prefill and decode rates measured from its steps (the tokens a step scheduled over the time
+until the next step began), and the links to the holders its workers loaded from (rate and lease
+round trip, as an agent measures them; the workers send what they saw each step as vLLM's
+connector worker metadata). The PC then routes among vLLM engines and `kvsp agent`s alike by the
 §6.4 cost. The reporting principal must list `instance_url` among its holders, as an agent's
 lists its own URL.
 """
@@ -21,6 +23,7 @@ import httpx
 from kvsp_moq.instance_status import Meters, StatusReporter
 from kvsp_moq.integrations.vllm.config import ConnectorConfig
 from kvsp_moq.integrations.vllm.loop import LoopThread
+from kvsp_moq.integrations.vllm.metadata import KVSPWorkerMetadata
 from kvsp_moq.protocol.urls import base_url
 
 log = logging.getLogger("kvsp.vllm.status")
@@ -105,6 +108,13 @@ class EngineStatus:
             prefill += part
             decoded = decoded or scheduled > part
         self._last = (now, prefill, decoded) if steps else None
+
+    def links(self, seen: KVSPWorkerMetadata) -> None:
+        """What the workers saw of their links in one step."""
+        for holder, octets, seconds in seen.transfers:
+            self.meters.transfer(holder, octets, seconds)
+        for holder, seconds in seen.rtts:
+            self.meters.rtt(holder, seconds)
 
     def finished(self, req_id: str) -> None:
         self.waiting.discard(req_id)

@@ -24,8 +24,8 @@ import httpx
 
 from kvsp_moq.errors import KvspError
 from kvsp_moq.fetch.http import HttpFetcher
-from kvsp_moq.fetch.leases import LeaseClient
-from kvsp_moq.fetch.prefix import PrefixLoader, Timeline
+from kvsp_moq.fetch.leases import LeaseClient, RttObserver
+from kvsp_moq.fetch.prefix import PrefixLoader, Timeline, TransferObserver
 from kvsp_moq.fetch.sources import HttpLayerSource, MoqtLayerSource, order_candidates
 from kvsp_moq.integrations.vllm.config import ConnectorConfig
 from kvsp_moq.integrations.vllm.layout import PagedBlocks
@@ -119,9 +119,14 @@ def _timeline(tl: Timeline) -> list[dict[str, Any]]:
 class BlockTransport:
     """The sources, lease client and fetchers of one worker, on its loop."""
 
-    def __init__(self, config: ConnectorConfig, loop: LoopThread) -> None:
+    def __init__(self, config: ConnectorConfig, loop: LoopThread, *,
+                 on_transfer: TransferObserver | None = None,
+                 on_rtt: RttObserver | None = None) -> None:
         self.config = config
         self.loop = loop
+        #: link measurements (the engine's status reports them)
+        self.on_transfer = on_transfer
+        self.on_rtt = on_rtt
         self._sources: list[Any] = []
         self._client: httpx.AsyncClient | None = None
         self._fetcher: HttpFetcher | None = None
@@ -133,7 +138,7 @@ class BlockTransport:
         c = self.config
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(10.0, connect=5.0), trust_env=False)
         self._fetcher = HttpFetcher(token=c.token, timeout=10.0)
-        self.leases = LeaseClient(self._client, token=c.token)
+        self.leases = LeaseClient(self._client, token=c.token, on_rtt=self.on_rtt)
         if c.relay:
             from kvsp_moq.fetch.moqt import MoqtBlockFetcher
             from kvsp_moq.moqt.certs import client_tls
@@ -166,6 +171,7 @@ class BlockTransport:
                               concurrency=self.config.load_concurrency,
                               layers_per_request=self.config.layers_per_request,
                               readiness_timeout=self.config.load_timeout_s,
+                              on_transfer=self.on_transfer,
                               timeline=Timeline(target.num_layers))
         return Load(loader, target, self, started)
 

@@ -57,7 +57,7 @@ from kvsp_moq.integrations.vllm.config import ConnectorConfig
 from kvsp_moq.integrations.vllm.descriptor import EngineFacts
 from kvsp_moq.integrations.vllm.layout import Layout, PagedBlocks, layer_order, layout_for
 from kvsp_moq.integrations.vllm.loop import LoopThread
-from kvsp_moq.integrations.vllm.metadata import KVSPMetadata, RequestSpec
+from kvsp_moq.integrations.vllm.metadata import KVSPMetadata, KVSPWorkerMetadata, RequestSpec
 from kvsp_moq.integrations.vllm.publish import BlockSink, EmbeddedHolder, make_sink
 from kvsp_moq.integrations.vllm.transport import BlockTransport, Load
 from kvsp_moq.protocol.container import encode
@@ -111,7 +111,11 @@ class WorkerSide:
             log.info("interpreter switch interval set to %d µs for loads beside the model",
                      config.switch_interval_us)
         self.loop = LoopThread("kvsp-vllm-worker")
-        self.transport = BlockTransport(config, self.loop) if load else None
+        #: link measurements since the last step, for the scheduler's status (loop thread adds)
+        self._transfers: list[tuple[str, int, float]] = []
+        self._rtts: list[tuple[str, float]] = []
+        self.transport = BlockTransport(config, self.loop, on_transfer=self._transferred,
+                                        on_rtt=self._round_trip) if load else None
         self.sink: BlockSink | None = make_sink(config, self.loop) if save else None
         self.layout: Layout | None = None
         self._layers: list[torch.Tensor] = []
@@ -320,6 +324,26 @@ class WorkerSide:
         with self._lock:
             self.stats["async_finished"] += len(done)
         return done or None
+
+    def _transferred(self, holder: str, octets: int, seconds: float) -> None:
+        with self._lock:
+            if len(self._transfers) < 1024:  # per step; the status needs a rate, not each one
+                self._transfers.append((holder, octets, seconds))
+
+    def _round_trip(self, holder: str, seconds: float) -> None:
+        with self._lock:
+            if len(self._rtts) < 1024:
+                self._rtts.append((holder, seconds))
+
+    def link_meta(self) -> KVSPWorkerMetadata | None:
+        """vLLM's build_connector_worker_meta: the links seen since the last step, to the
+        scheduler (whose status reports them; the workers are where loads run)."""
+        with self._lock:
+            if not self._transfers and not self._rtts:
+                return None
+            meta = KVSPWorkerMetadata(self._transfers, self._rtts)
+            self._transfers, self._rtts = [], []
+        return meta
 
     def load_errors(self) -> set[int]:
         """vLLM's get_block_ids_with_load_errors (the step's loads are finished first)."""
