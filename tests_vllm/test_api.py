@@ -27,6 +27,7 @@ PINNED: dict[str, list[str]] = {
     "__init__": ["self", "vllm_config", "role", "kv_cache_config"],
     "bind_connector_metadata": ["self", "connector_metadata"],
     "build_connector_meta": ["self", "scheduler_output"],
+    "build_connector_worker_meta": ["self"],
     "get_block_ids_with_load_errors": ["self"],
     "get_finished": ["self", "finished_req_ids"],
     "get_num_new_matched_tokens": ["self", "request", "num_computed_tokens"],
@@ -80,7 +81,10 @@ def test_what_the_connector_reads_from_vllm_is_there() -> None:
             "finished_req_ids"} <= fields(SchedulerOutput)
     assert {"req_id", "prompt_token_ids", "block_ids", "num_computed_tokens"} <= fields(NewRequestData)
     assert {"req_ids", "resumed_req_ids", "new_block_ids", "num_computed_tokens"} <= fields(CachedRequestData)
-    assert "invalid_block_ids" in fields(KVConnectorOutput)
+    assert {"invalid_block_ids", "finished_recving", "kv_connector_worker_meta"} <= fields(KVConnectorOutput)
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # update_state_after_alloc's blocks
+
+    assert callable(KVCacheBlocks.get_block_ids)
     assert {"kv_connector_extra_config", "kv_role", "kv_load_failure_policy",
             "kv_connector_module_path"} <= set(KVTransferConfig.model_fields if hasattr(
                 KVTransferConfig, "model_fields") else fields(KVTransferConfig))
