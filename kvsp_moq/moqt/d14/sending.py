@@ -223,7 +223,7 @@ class MessageSending(NamespaceMapping):
         if request.held_fetches:
             self._fetches.refuse_held(request, "subscription cancelled")
         if not request.local and not request.answered and request.kind in _ERROR_MESSAGES:
-            self._reject(request, RequestErrorCode.INTERNAL_ERROR, "cancelled")
+            self.reject(request, RequestErrorCode.INTERNAL_ERROR, "cancelled")
         else:
             self._send_cancel(request, error_code)
         self._end_data_streams(request, error_code)
@@ -277,7 +277,7 @@ class MessageSending(NamespaceMapping):
     # Sending: answers
     # ------------------------------------------------------------------
 
-    def _send_answer(self, request: Request14, message: m18.SubscribeOk | m18.FetchOk) -> None:
+    def send_answer(self, request: Request14, message: m18.SubscribeOk | m18.FetchOk) -> None:
         if isinstance(message, m18.SubscribeOk):
             self._send(d14.SubscribeOk.from_draft18(message, request.request_id))
         else:
@@ -340,9 +340,9 @@ class MessageSending(NamespaceMapping):
         if self._answer_tracks(request_id, refused=True):
             return  # the SUBSCRIBE_NAMESPACE half answers the peer
         request = self._peer_request(request_id, tuple(_ERROR_MESSAGES))
-        self._reject(request, error_code, reason)
+        self.reject(request, error_code, reason)
 
-    def _reject(self, request: Request14, error_code: int, reason: str) -> None:
+    def reject(self, request: Request14, error_code: int, reason: str) -> None:
         self._end_tracks(request, self._released)
         request.answered = True
         cls = _ERROR_MESSAGES[PUBLISH_NAMESPACE if request.kind == ANNOUNCED else request.kind]
@@ -353,7 +353,7 @@ class MessageSending(NamespaceMapping):
         if request.held_fetches:
             self._fetches.refuse_held(request, "subscription refused")
 
-    def _send_publish_done(self, request: Request14, status_code: int, reason: str) -> None:
+    def send_publish_done(self, request: Request14, status_code: int, reason: str) -> None:
         done = m18.PublishDone(status_code, request.data_streams_opened, reason)
         self._credit.send_about(request, d14.PublishDone.from_draft18(done, request.request_id))
         self._close_request(request)

@@ -156,6 +156,7 @@ class MoqtSession14(ControlMessageHandling):
             accept_path=accept_path,
             accept_authority=accept_authority,
         )
+        self._messages = self
         self.versions = tuple(versions)
         if not self.versions:
             raise ValueError("no version to offer")

@@ -2,8 +2,9 @@
 aliases), the parts it owns (the peer's tokens, a `tokens.PeerTokens`; the draft's wire
 forms, a `dialect.Dialect`; reading data, a `receiving.DataReceiver`; the peer's
 FETCHes, a `fetches.PeerFetches`; writing data, a `sending.DataSender`), the lookups of
-its requests, and the hooks through which a draft supplies its control messages and the
-parts ask of it (abstract where every draft must fill them in). `base.SessionBase`
+its requests, the draft's control messages (a `messages.Messages`, which the draft's
+session sets), and the hooks through which a draft routes its streams and the parts ask
+of it (abstract where every draft must fill them in). `base.SessionBase`
 builds the session's public methods on it; a draft's `session` module fills in the hooks."""
 
 from __future__ import annotations
@@ -13,12 +14,13 @@ from dataclasses import replace
 from typing import Generic, Iterable
 
 from .. import events as ev
-from ..d18.messages import Fetch, FetchOk, Message, Setup, SubscribeOk
+from ..d18.messages import Fetch, Message, Setup
 from ..engine import QuicEngine, QuicEvent, StopSendingReceived, StreamDataReceived, StreamReset
 from ..errors import StreamClosed
 from ..wire import AuthToken
 from .dialect import Dialect
 from .fetches import PeerFetches
+from .messages import Messages
 from .receiving import DataReceiver
 from .records import IncomingDataStream, RequestT
 from .sending import DataSender
@@ -36,6 +38,7 @@ class SessionCore(ABC, Generic[RequestT]):
     and the draft's parts agree on what `_requests` and the hooks hold."""
 
     draft: int
+    _messages: Messages[RequestT]  # the draft's control messages, set by the draft's session
 
     def __init__(
         self,
@@ -179,17 +182,9 @@ class SessionCore(ABC, Generic[RequestT]):
     ) -> bool:
         """The first item of an incoming data stream; False when the stream is dropped."""
 
-    @abstractmethod
-    def _send_answer(self, request: RequestT, message: SubscribeOk | FetchOk) -> None:
-        """Send SUBSCRIBE_OK / FETCH_OK (draft-18 form) for a peer request."""
-
-    @abstractmethod
-    def _send_publish_done(self, request: RequestT, status_code: int, reason: str) -> None:
-        """Send PUBLISH_DONE for a subscription this endpoint publishes and close it."""
-
-    @abstractmethod
     def _reject(self, request: RequestT, error_code: int, reason: str) -> None:
-        """Refuse a peer request with a request error."""
+        """Refuse a peer request with a request error (the draft's `Messages` sends it)."""
+        self._messages.reject(request, error_code, reason)
 
     def _resolve_own_joining(
         self, request: RequestT, message: Fetch, tokens: tuple[AuthToken, ...], joined: RequestT,
