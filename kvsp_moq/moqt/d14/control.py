@@ -19,6 +19,7 @@ from ..errors import (
     SessionError,
     StreamResetCode,
 )
+from ..session.core import SessionPart
 from ..session.fetches import fetch_end_before_start
 from ..wire import SubscriptionFilter, TrackPropertyType
 from . import messages as d14
@@ -41,19 +42,16 @@ if TYPE_CHECKING:
 __all__ = ["ControlReceiver14"]
 
 
-class ControlReceiver14:
+class ControlReceiver14(SessionPart[Request14]):
     """The control messages a draft-14 session receives, each turned into events and the
     state of its request."""
 
     def __init__(self, session: MoqtSession14, requests14: Requests14, namespaces: NamespaceMapping) -> None:
+        super().__init__(session)
         self._session = session
         self._requests14 = requests14
         self._namespaces = namespaces
-        self._requests = session._requests
         self._credit = session._credit
-        self._tokens = session._tokens
-        self._receiving = session._receiving
-        self._fetches = session._fetches
         self._parser = d14.ControlStreamParser()
         # Message class -> its handler; the message type cannot be spelled for every entry.
         self._handlers: dict[type[d14.Message], Callable[[Any, list[ev.MoqtEvent]], None]] = {

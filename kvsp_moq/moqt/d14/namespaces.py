@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from .. import events as ev
 from ..d18.messages import Parameters
 from ..errors import StreamResetCode
+from ..session.core import SessionPart
 from ..wire import TrackNamespace
 from . import messages as d14
 from .request_state import (
@@ -29,16 +30,15 @@ if TYPE_CHECKING:
 __all__ = ["NamespaceMapping"]
 
 
-class NamespaceMapping:
+class NamespaceMapping(SessionPart[Request14]):
     """PUBLISH_NAMESPACE and SUBSCRIBE_NAMESPACE of a draft-14 session, received and
     sent, for the draft-18 requests and messages they stand for."""
 
     def __init__(self, session: MoqtSession14, requests14: Requests14) -> None:
+        super().__init__(session)
         self._session = session
         self._requests14 = requests14
-        self._requests = session._requests
         self._credit = session._credit
-        self._tokens = session._tokens
 
     # -- received ----------------------------------------------------------
 

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from .. import events as ev
 from ..d18 import messages as m18
 from ..errors import RequestErrorCode, StreamResetCode
+from ..session.core import SessionPart
 from . import messages as d14
 from .request_state import Request14
 
@@ -21,18 +22,14 @@ if TYPE_CHECKING:
 __all__ = ["Requests14"]
 
 
-class Requests14:
+class Requests14(SessionPart[Request14]):
     """The requests of a draft-14 session: sending a new one, and ending each; the
     SUBSCRIBE_UPDATEs the peer sent (`updates`) and whether this side sent GOAWAY."""
 
     def __init__(self, session: MoqtSession14) -> None:
+        super().__init__(session)
         self._session = session
-        self._requests = session._requests
-        self._aliases_out = session._aliases_out
         self._credit = session._credit
-        self._fetches = session._fetches
-        self._sending = session._sending
-        self._receiving = session._receiving
         self.goaway_sent = False  # peer requests are refused from then on
         self.updates: dict[int, Request14] = {}  # peer SUBSCRIBE_UPDATE Request ID -> the subscription it updates
 

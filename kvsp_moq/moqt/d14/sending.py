@@ -13,6 +13,7 @@ from .. import events as ev
 from ..d18 import messages as m18
 from ..d18.messages import Parameters, Redirect
 from ..errors import NotSupported, PublishDoneCode, RequestErrorCode, StreamClosed, StreamResetCode
+from ..session.core import SessionPart
 from ..wire import (
     DEFAULT_PUBLISHER_PRIORITY,
     FetchType,
@@ -56,24 +57,21 @@ _ERROR_MESSAGES: dict[type[m18.Message], type[d14._RequestError]] = {
 }
 
 
-class MessageSender14:
+class MessageSender14(SessionPart[Request14]):
     """The requests, updates, cancellations and answers a draft-14 session sends, on its
     control stream; the namespace announcements are the `NamespaceMapping` part's."""
 
     def __init__(self, session: MoqtSession14, requests14: Requests14, namespaces: NamespaceMapping) -> None:
+        super().__init__(session)
         self._session = session
         self._requests14 = requests14
         self._namespaces = namespaces
-        self._requests = session._requests
-        self._credit = session._credit
-        self._fetches = session._fetches
-        self._aliases_out = session._aliases_out
 
     # ------------------------------------------------------------------
     # Sending: requests
     # ------------------------------------------------------------------
 
-    def subscribe(self, namespace: TrackNamespace, track_name: bytes, parameters: Parameters = Parameters()) -> int:
+    def subscribe(self, namespace: TrackNamespace, track_name: bytes, parameters: Parameters) -> int:
         """Send SUBSCRIBE; returns its Request ID."""
         message18 = m18.Subscribe(0, tuple(namespace), track_name, parameters)
         return self._requests14.open_request(
@@ -83,26 +81,14 @@ class MessageSender14:
         )
 
     def fetch(
-        self,
-        namespace: TrackNamespace,
-        track_name: bytes,
-        start: Location,
-        end: Location,
-        parameters: Parameters = Parameters(),
+        self, namespace: TrackNamespace, track_name: bytes, start: Location, end: Location, parameters: Parameters
     ) -> int:
-        """Send a standalone FETCH. `end` is the wire End Location (last Object + 1,
-        or Object 0 for the whole group)."""
         f18 = m18.Fetch(0, FetchType.STANDALONE, tuple(namespace), track_name, Location(*start), Location(*end),
                         parameters=parameters)
         return self._fetch(f18)
 
     def joining_fetch(
-        self,
-        subscribe_request_id: int,
-        joining_start: int,
-        *,
-        relative: bool = True,
-        parameters: Parameters = Parameters(),
+        self, subscribe_request_id: int, joining_start: int, *, relative: bool, parameters: Parameters
     ) -> int:
         """Send a joining FETCH for one of our subscriptions."""
         fetch_type = FetchType.RELATIVE_JOINING if relative else FetchType.ABSOLUTE_JOINING
@@ -122,14 +108,14 @@ class MessageSender14:
             request.fetch_group_order = f18.parameters.group_order
         return request_id
 
-    def track_status(self, namespace: TrackNamespace, track_name: bytes, parameters: Parameters = Parameters()) -> int:
+    def track_status(self, namespace: TrackNamespace, track_name: bytes, parameters: Parameters) -> int:
         t18 = m18.TrackStatus(0, tuple(namespace), track_name, parameters)
         return self._requests14.open_request(
             TRACK_STATUS, lambda rid: d14.TrackStatus.from_draft18(replace(t18, request_id=rid)),
             parameters=parameters, namespace=tuple(namespace), track_name=track_name,
         )
 
-    def publish_namespace(self, namespace: TrackNamespace, parameters: Parameters = Parameters()) -> int:
+    def publish_namespace(self, namespace: TrackNamespace, parameters: Parameters) -> int:
         """Send PUBLISH_NAMESPACE; withdrawn by cancel_request() (PUBLISH_NAMESPACE_DONE)."""
         ns = tuple(namespace)
         return self._requests14.open_request(
@@ -138,7 +124,7 @@ class MessageSender14:
             parameters=parameters, namespace=ns,
         )
 
-    def subscribe_namespace(self, namespace_prefix: TrackNamespace, parameters: Parameters = Parameters()) -> int:
+    def subscribe_namespace(self, namespace_prefix: TrackNamespace, parameters: Parameters) -> int:
         """Send SUBSCRIBE_NAMESPACE; the namespaces come as NamespaceReceived events."""
         prefix = tuple(namespace_prefix)
         return self._requests14.open_request(
@@ -147,19 +133,13 @@ class MessageSender14:
             parameters=parameters, namespace=prefix,
         )
 
-    def subscribe_tracks(self, namespace_prefix: TrackNamespace, parameters: Parameters = Parameters()) -> int:
+    def subscribe_tracks(self, namespace_prefix: TrackNamespace, parameters: Parameters) -> int:
         raise NotSupported("SUBSCRIBE_TRACKS does not exist in draft-14")
 
     def publish(
-        self,
-        namespace: TrackNamespace,
-        track_name: bytes,
-        *,
-        track_alias: int | None = None,
-        parameters: Parameters = Parameters(),
-        track_properties: Properties = (),
+        self, namespace: TrackNamespace, track_name: bytes, *, track_alias: int | None, parameters: Parameters,
+        track_properties: Properties,
     ) -> int:
-        """Send PUBLISH; objects may follow at once unless FORWARD is 0."""
         alias = self._session._allocate_alias(track_alias)
         ns = tuple(namespace)
         order = GroupOrder(property_value(track_properties, TrackPropertyType.DEFAULT_PUBLISHER_GROUP_ORDER, 1))
@@ -219,12 +199,12 @@ class MessageSender14:
         data = message.encode()  # before the ID is spent, as for requests
         self._session._next_request_id += 2
         update = Request14(update_id, SUBSCRIBE_UPDATE, True, closed=True)
-        self._credit.send_request(update, data)
+        self._session._credit.send_request(update, data)
         request.parameters = merged
         self._session._released.append(ev.RequestAccepted(update_id, Parameters(), ()))
         return update_id
 
-    def cancel_request(self, request_id: int, error_code: int = StreamResetCode.CANCELLED) -> None:
+    def cancel_request(self, request_id: int, error_code: int) -> None:
         """Abandon a request: UNSUBSCRIBE, FETCH_CANCEL, PUBLISH_NAMESPACE_DONE,
         UNSUBSCRIBE_NAMESPACE for ours; an error, PUBLISH_DONE or
         PUBLISH_NAMESPACE_CANCEL for a peer's."""
@@ -274,9 +254,9 @@ class MessageSender14:
                 self._namespaces.withdraw_announced(request)
             # A peer FETCH already answered ends by resetting its data stream.
         if message is not None and not self._session.closed:
-            self._credit.send_about(request, message)
+            self._session._credit.send_about(request, message)
 
-    def goaway(self, new_session_uri: str = "", timeout_ms: int = 0) -> None:
+    def goaway(self, new_session_uri: str, timeout_ms: int) -> None:
         """Send GOAWAY (draft-14 carries no timeout); later peer requests are refused."""
         self._session._check_open()
         if self._session.is_client and new_session_uri:
@@ -286,7 +266,7 @@ class MessageSender14:
         self._requests14.goaway_sent = True
         self._session._send(d14.Goaway(new_session_uri))
 
-    def request_goaway(self, request_id: int, new_session_uri: str = "", timeout_ms: int = 0) -> None:
+    def request_goaway(self, request_id: int, new_session_uri: str, timeout_ms: int) -> None:
         raise NotSupported("draft-14 has no per-request GOAWAY")
 
     # ------------------------------------------------------------------
@@ -299,9 +279,7 @@ class MessageSender14:
         else:
             self._session._send(d14.FetchOk.from_draft18(message, request.request_id, request.fetch_group_order))
 
-    def request_ok(
-        self, request_id: int, parameters: Parameters = Parameters(), track_properties: Properties = ()
-    ) -> None:
+    def request_ok(self, request_id: int, parameters: Parameters, track_properties: Properties) -> None:
         """Send PUBLISH_OK, TRACK_STATUS_OK, PUBLISH_NAMESPACE_OK or
         SUBSCRIBE_NAMESPACE_OK; for a peer SUBSCRIBE_UPDATE, or the SUBSCRIBE_TRACKS
         half of a SUBSCRIBE_NAMESPACE, nothing is sent."""
@@ -338,13 +316,7 @@ class MessageSender14:
             self._requests14.close_request(request)
 
     def request_error(
-        self,
-        request_id: int,
-        error_code: int,
-        reason: str = "",
-        *,
-        retry_interval: int = 0,
-        redirect: Redirect | None = None,
+        self, request_id: int, error_code: int, reason: str, *, retry_interval: int, redirect: Redirect | None
     ) -> None:
         """Reject a peer's request with its *_ERROR message (code renumbered to
         draft-14; Retry Interval and redirect have no draft-14 field)."""
@@ -372,7 +344,7 @@ class MessageSender14:
 
     def send_publish_done(self, request: Request14, status_code: int, reason: str) -> None:
         done = m18.PublishDone(status_code, request.data_streams_opened, reason)
-        self._credit.send_about(request, d14.PublishDone.from_draft18(done, request.request_id))
+        self._session._credit.send_about(request, d14.PublishDone.from_draft18(done, request.request_id))
         self._requests14.close_request(request)
 
     def namespace(self, request_id: int, namespace_suffix: TrackNamespace) -> None:

@@ -168,7 +168,7 @@ class MoqtSession14(SessionBase[Request14]):
 
         # Request IDs and their credit (section 9.1 / MAX_REQUEST_ID).
         self._credit = RequestCredit(self, quic, self._requests, is_client=is_client, max_requests=max_requests)
-        self._requests14 = Requests14(self)
+        self._requests14 = self._ends = Requests14(self)
         self._namespaces = NamespaceMapping(self, self._requests14)
         self._messages = MessageSender14(self, self._requests14, self._namespaces)
         self._control = ControlReceiver14(self, self._requests14, self._namespaces)
@@ -261,7 +261,7 @@ class MoqtSession14(SessionBase[Request14]):
         raise NotSupported("draft-14 has no padding streams")
 
     # ------------------------------------------------------------------
-    # The control stream, and the hooks of SessionBase handed to the parts
+    # The control stream
     # ------------------------------------------------------------------
 
     def _send(self, message: d14.Message) -> None:
@@ -272,18 +272,4 @@ class MoqtSession14(SessionBase[Request14]):
     def _on_control_data(self, data: bytes, out: list[ev.MoqtEvent]) -> None:
         self._control.on_control_data(data, out)
 
-    def _fetch_stream_reset(self, request: Request14) -> None:
-        self._requests14.fetch_stream_reset(request)
-
-    def _data_stream_reset(self, request: Request14) -> None:
-        self._requests14.data_stream_reset(request)
-
-    def _maybe_finish_fetch(self, request: Request14) -> None:
-        self._requests14.maybe_finish_fetch(request)
-
-    def _close_request(self, request: Request14) -> None:
-        self._requests14.close_request(request)
-
-    def _forget_if_done(self, request: Request14) -> None:
-        self._requests14.forget_if_done(request)
 

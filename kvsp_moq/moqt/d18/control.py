@@ -15,6 +15,7 @@ from ..errors import (
     RequestErrorCode,
     StreamResetCode,
 )
+from ..session.core import SessionPart
 from ..session.fetches import fetch_end_before_start
 from ..wire import (
     DEFAULT_PUBLISHER_PRIORITY,
@@ -48,7 +49,7 @@ from .messages import (
     SubscribeTracks,
     TrackStatus,
 )
-from .request_state import REQUEST_TYPES, UPDATE_SCOPE, RequestStream
+from .request_state import REQUEST_TYPES, UPDATE_SCOPE, Request18, RequestStream
 from .request_streams import RequestStreams
 from .sending import MessageSender
 
@@ -64,19 +65,16 @@ _RESERVED_FIRST_FIELDS = (b".", b".session")
 _NO_RANGE_FILTERS = "range filters are not accepted (MAX_FILTER_RANGES 0)"
 
 
-class ControlReceiver:
+class ControlReceiver(SessionPart[Request18]):
     """The control messages a draft-18 session receives, each turned into events and the
     state of its request; what they call for is sent by the `MessageSender` part."""
 
     def __init__(self, session: MoqtSession, streams: RequestStreams, sender: MessageSender) -> None:
+        super().__init__(session)
         self._session = session
         self._streams = streams
         self._sender = sender
         self._profile = session.profile
-        self._requests = session._requests
-        self._tokens = session._tokens
-        self._receiving = session._receiving
-        self._fetches = session._fetches
         self._parser = ControlStreamParser(session.draft)  # the peer's control stream
 
     def on_control_data(self, data: bytes, out: list[ev.MoqtEvent]) -> None:
@@ -353,10 +351,10 @@ class ControlReceiver:
         self._streams.update_parameters[message.request_id] = message.parameters
         tokens = self._tokens.resolve(message.parameters.authorization_tokens)
         if message.parameters.range_filters:
-            self._sender.request_error(message.request_id, RequestErrorCode.INVALID_FILTER, _NO_RANGE_FILTERS)
+            self._session.request_error(message.request_id, RequestErrorCode.INVALID_FILTER, _NO_RANGE_FILTERS)
             return
         if message.parameters.unsupported:
-            self._sender.request_error(message.request_id, RequestErrorCode.NOT_SUPPORTED,
+            self._session.request_error(message.request_id, RequestErrorCode.NOT_SUPPORTED,
                                f"not supported: {message.parameters.unsupported}")
             return
         out.append(ev.RequestUpdateReceived(message.request_id, request.request_id, message.parameters, tokens))

@@ -5,58 +5,48 @@ It owns the fills of drafts 20 and 22 (`fill.Fills`), which share its tables."""
 
 from __future__ import annotations
 
-from typing import MutableMapping
+from typing import TYPE_CHECKING
 
-from ..engine import QuicEngine
 from ..errors import StreamResetCode
-from ..session.dialect import Dialect
-from ..session.fetches import PeerFetches
+from ..session.core import SessionPart
 from ..session.records import RequestIdTracker
-from ..session.sending import DataSender
 from .fill import Fills
 from .messages import ControlStreamParser, Parameters
-from .profiles import Profile
 from .request_state import FillState, Request18, RequestStream
+
+if TYPE_CHECKING:
+    from .session import MoqtSession
 
 __all__ = ["RequestStreams"]
 
 
-class RequestStreams:
+class RequestStreams(SessionPart[Request18]):
     """The requests' streams and the end of each request: a finished request's stream
     FINned, an aborted one's reset and stopped, and each forgotten once nothing refers to
-    it. `requests` (the session's table) holds request streams and fills (under IDs from
-    2^64 up); `aliases_out` the subscriptions this endpoint publishes, by track alias."""
+    it. The session's table of requests holds request streams and fills (under IDs from
+    2^64 up)."""
 
-    def __init__(
-        self,
-        quic: QuicEngine,
-        is_client: bool,
-        profile: Profile,
-        requests: MutableMapping[int, Request18],
-        aliases_out: MutableMapping[int, Request18],
-        fetches: PeerFetches[Request18],
-        sending: DataSender[Request18],
-        dialect: Dialect[Request18],
-    ) -> None:
-        self._quic = quic
-        self._requests = requests
-        self._aliases_out = aliases_out
-        self._fetches = fetches
-        self._sending = sending
-        self.peer_ids = RequestIdTracker(1 if is_client else 0)  # the peer's Request IDs so far
+    def __init__(self, session: MoqtSession) -> None:
+        super().__init__(session)
+        self.peer_ids = RequestIdTracker(1 if session.is_client else 0)  # the peer's Request IDs so far
         self.by_stream: dict[int, RequestStream] = {}  # request stream ID -> its request
         self.parsers: dict[int, ControlStreamParser] = {}  # by request stream ID
         self.ignored: set[int] = set()  # streams of forgotten or refused requests, read no further
         self.update_parent: dict[int, RequestStream] = {}  # REQUEST_UPDATE ID -> the request it updates
         self.update_parameters: dict[int, Parameters] = {}  # REQUEST_UPDATEs not yet answered
         # Drafts 20 and 22: the peer's fills and our subscriptions'.
-        self.fills = Fills(profile, requests, self.update_parent, fetches, sending, dialect)
+        self.fills = Fills(
+            session.profile, self._requests, self.update_parent, self._fetches, self._sending, session._dialect
+        )
 
     def fetch_stream_reset(self, request: Request18) -> None:
         if isinstance(request, FillState):
             self.fills.end(request, StreamResetCode.CANCELLED)
             return
         self.cancel(request, StreamResetCode.CANCELLED)
+
+    def data_stream_reset(self, request: Request18) -> None:
+        """Nothing to do: a request stream outlives its data streams."""
 
     def close_request(self, request: Request18) -> None:
         if isinstance(request, FillState):

@@ -10,6 +10,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Callable
 
 from ..errors import NotSupported, PublishDoneCode, RequestErrorCode, StreamClosed, StreamResetCode
+from ..session.core import SessionPart
 from ..wire import FetchType, Location, Properties, TrackNamespace
 from .messages import (
     SCOPE_PUBLISH_OK,
@@ -46,19 +47,16 @@ if TYPE_CHECKING:
 __all__ = ["MessageSender"]
 
 
-class MessageSender:
+class MessageSender(SessionPart[Request18]):
     """The requests, updates and answers a draft-18 session sends; the request-stream
     state is its `RequestStreams` part's, the request lookups and Request IDs the session's."""
 
     def __init__(self, session: MoqtSession, streams: RequestStreams) -> None:
+        super().__init__(session)
         self._session = session
         self._streams = streams
-        self._quic = session._quic
         self._draft = session.draft
         self._profile = session.profile
-        self._requests = session._requests
-        self._receiving = session._receiving
-        self._fetches = session._fetches
         self.goaway_sent_request_id: int | None = None  # peer requests from this ID on are refused
 
     # ------------------------------------------------------------------
@@ -82,20 +80,13 @@ class MessageSender:
         self._quic.send_stream_data(sid, data)
         return request_id
 
-    def subscribe(self, namespace: TrackNamespace, track_name: bytes, parameters: Parameters = Parameters()) -> int:
+    def subscribe(self, namespace: TrackNamespace, track_name: bytes, parameters: Parameters) -> int:
         """Send SUBSCRIBE on a new request stream; returns its Request ID."""
         return self.open_request(lambda rid: Subscribe(rid, namespace, track_name, parameters))
 
     def fetch(
-        self,
-        namespace: TrackNamespace,
-        track_name: bytes,
-        start: Location,
-        end: Location,
-        parameters: Parameters = Parameters(),
+        self, namespace: TrackNamespace, track_name: bytes, start: Location, end: Location, parameters: Parameters
     ) -> int:
-        """Send a standalone FETCH. `end` is the wire End Location (last Object + 1,
-        or Object 0 for the whole group)."""
         return self.open_request(
             lambda rid: Fetch(
                 rid,
@@ -109,12 +100,7 @@ class MessageSender:
         )
 
     def joining_fetch(
-        self,
-        subscribe_request_id: int,
-        joining_start: int,
-        *,
-        relative: bool = True,
-        parameters: Parameters = Parameters(),
+        self, subscribe_request_id: int, joining_start: int, *, relative: bool, parameters: Parameters
     ) -> int:
         """Send a joining FETCH for one of our subscriptions (draft-18 only: from
         draft-20 on, FILL_PARAMETERS in the SUBSCRIBE asks for the same objects)."""
@@ -131,28 +117,22 @@ class MessageSender:
             )
         )
 
-    def track_status(self, namespace: TrackNamespace, track_name: bytes, parameters: Parameters = Parameters()) -> int:
+    def track_status(self, namespace: TrackNamespace, track_name: bytes, parameters: Parameters) -> int:
         return self.open_request(lambda rid: TrackStatus(rid, namespace, track_name, parameters))
 
-    def publish_namespace(self, namespace: TrackNamespace, parameters: Parameters = Parameters()) -> int:
+    def publish_namespace(self, namespace: TrackNamespace, parameters: Parameters) -> int:
         return self.open_request(lambda rid: PublishNamespace(rid, namespace, parameters))
 
-    def subscribe_namespace(self, namespace_prefix: TrackNamespace, parameters: Parameters = Parameters()) -> int:
+    def subscribe_namespace(self, namespace_prefix: TrackNamespace, parameters: Parameters) -> int:
         return self.open_request(lambda rid: SubscribeNamespace(rid, namespace_prefix, parameters))
 
-    def subscribe_tracks(self, namespace_prefix: TrackNamespace, parameters: Parameters = Parameters()) -> int:
+    def subscribe_tracks(self, namespace_prefix: TrackNamespace, parameters: Parameters) -> int:
         return self.open_request(lambda rid: SubscribeTracks(rid, namespace_prefix, parameters))
 
     def publish(
-        self,
-        namespace: TrackNamespace,
-        track_name: bytes,
-        *,
-        track_alias: int | None = None,
-        parameters: Parameters = Parameters(),
-        track_properties: Properties = (),
+        self, namespace: TrackNamespace, track_name: bytes, *, track_alias: int | None, parameters: Parameters,
+        track_properties: Properties,
     ) -> int:
-        """Send PUBLISH; objects may follow at once unless FORWARD is 0."""
         alias = self._session._allocate_alias(track_alias)
         request_id = self.open_request(
             lambda rid: Publish(rid, namespace, track_name, alias, parameters, track_properties)
@@ -187,7 +167,7 @@ class MessageSender:
         self._quic.send_stream_data(request.stream_id, data)
         return update_id
 
-    def cancel_request(self, request_id: int, error_code: int = StreamResetCode.CANCELLED) -> None:
+    def cancel_request(self, request_id: int, error_code: int) -> None:
         """Abandon a request: reset our side of its stream and STOP_SENDING the other.
 
         This unsubscribes, withdraws a published namespace, stops a fetch, ...
@@ -204,7 +184,7 @@ class MessageSender:
                 self._receiving.stop(sid, stream, error_code)
         self._streams.forget_if_done(request)
 
-    def goaway(self, new_session_uri: str = "", timeout_ms: int = 0) -> None:
+    def goaway(self, new_session_uri: str, timeout_ms: int) -> None:
         """Send GOAWAY on the control stream; later peer requests are refused."""
         self._session._check_open()
         if self._session.is_client and new_session_uri:
@@ -215,7 +195,7 @@ class MessageSender:
         message = Goaway(new_session_uri, timeout_ms, last)
         self._quic.send_stream_data(self._session._control_stream_id, message.encode(self._draft))
 
-    def request_goaway(self, request_id: int, new_session_uri: str = "", timeout_ms: int = 0) -> None:
+    def request_goaway(self, request_id: int, new_session_uri: str, timeout_ms: int) -> None:
         """Send GOAWAY on one request stream: re-issue this request elsewhere."""
         self._session._check_open()
         request = self._session._request(request_id)
@@ -253,9 +233,7 @@ class MessageSender:
         done = PublishDone(status_code, request.data_streams_opened, reason)
         self.send_on_request(request, done, end_stream=True)
 
-    def request_ok(
-        self, request_id: int, parameters: Parameters = Parameters(), track_properties: Properties = ()
-    ) -> None:
+    def request_ok(self, request_id: int, parameters: Parameters, track_properties: Properties) -> None:
         """Send REQUEST_OK: PUBLISH_OK, TRACK_STATUS_OK, PUBLISH_NAMESPACE_OK,
         SUBSCRIBE_NAMESPACE_OK, SUBSCRIBE_TRACKS_OK, or the answer to a peer's
         REQUEST_UPDATE (pass the update's Request ID)."""
@@ -315,13 +293,7 @@ class MessageSender:
         self._streams.update_parent.pop(update_id, None)
 
     def request_error(
-        self,
-        request_id: int,
-        error_code: int,
-        reason: str = "",
-        *,
-        retry_interval: int = 0,
-        redirect: Redirect | None = None,
+        self, request_id: int, error_code: int, reason: str, *, retry_interval: int, redirect: Redirect | None
     ) -> None:
         """Reject a peer's request (and close its stream) or one of its REQUEST_UPDATEs.
 

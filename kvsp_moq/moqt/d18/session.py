@@ -110,10 +110,7 @@ class MoqtSession(SessionBase[Request18]):
             accept_authority=accept_authority,
         )
         self._control_stream_id = quic.get_next_available_stream_id(is_unidirectional=True)
-        self._streams = RequestStreams(
-            quic, is_client, self.profile, self._requests, self._aliases_out, self._fetches, self._sending,
-            self._dialect,
-        )
+        self._streams = self._ends = RequestStreams(self)
         self._fills = self._streams.fills  # drafts 20 and 22
         self._sender = self._messages = MessageSender(self, self._streams)
         self._control = ControlReceiver(self, self._streams, self._sender)
@@ -171,18 +168,6 @@ class MoqtSession(SessionBase[Request18]):
         self, sid: int, stream: IncomingDataStream[Request18], item: object, out: list[ev.MoqtEvent]
     ) -> bool:
         return self._routing.on_data_header(sid, stream, item, out)
-
-    def _fetch_stream_reset(self, request: Request18) -> None:
-        self._streams.fetch_stream_reset(request)
-
-    def _maybe_finish_fetch(self, request: Request18) -> None:
-        self._streams.maybe_finish_fetch(request)
-
-    def _close_request(self, request: Request18) -> None:
-        self._streams.close_request(request)
-
-    def _forget_if_done(self, request: Request18) -> None:
-        self._streams.forget_if_done(request)
 
     def _resolve_own_joining(
         self,

@@ -16,6 +16,7 @@ from ..engine import (
     stream_is_unidirectional,
 )
 from ..errors import ProtocolViolation, StreamResetCode
+from ..session.core import SessionPart
 from ..session.records import IncomingDataStream
 from ..varint import decode_vi64
 from ..wire import GroupOrder
@@ -31,21 +32,18 @@ if TYPE_CHECKING:
 __all__ = ["StreamRouting"]
 
 
-class StreamRouting:
+class StreamRouting(SessionPart[Request18]):
     """QUIC stream events of a draft-18 session, by the stream they concern: the control
     stream and request streams to the `ControlReceiver` part, data streams to the session's
     receiving part."""
 
     def __init__(self, session: MoqtSession, streams: RequestStreams, control: ControlReceiver) -> None:
+        super().__init__(session)
         self._session = session
         self._streams = streams
         self._control = control
         self._draft = session.draft
         self._profile = session.profile
-        self._requests = session._requests
-        self._receiving = session._receiving
-        self._fetches = session._fetches
-        self._sending = session._sending
         self._peer_control_stream_id: int | None = None
         self._unclassified_uni: dict[int, bytearray] = {}  # new unidirectional streams before their type
 
