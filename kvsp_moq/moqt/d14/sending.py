@@ -26,6 +26,7 @@ from ..wire import (
     property_value,
 )
 from . import messages as d14
+from .dialect import ERROR_MESSAGES
 from .namespaces import NamespaceMapping
 from .request_state import (
     ANNOUNCED,
@@ -45,16 +46,6 @@ if TYPE_CHECKING:
     from .session import MoqtSession14
 
 __all__ = ["MessageSender14"]
-
-
-_ERROR_MESSAGES: dict[type[m18.Message], type[d14._RequestError]] = {
-    SUBSCRIBE: d14.SubscribeError,
-    FETCH: d14.FetchError,
-    TRACK_STATUS: d14.TrackStatusError,
-    PUBLISH: d14.PublishError,
-    PUBLISH_NAMESPACE: d14.PublishNamespaceError,
-    SUBSCRIBE_NAMESPACE: d14.SubscribeNamespaceError,
-}
 
 
 class MessageSender14(SessionPart[Request14]):
@@ -218,7 +209,7 @@ class MessageSender14(SessionPart[Request14]):
         self._namespaces.end_tracks(request, self._session._released)
         if request.held_fetches:
             self._fetches.refuse_held(request, "subscription cancelled")
-        if not request.local and not request.answered and request.kind in _ERROR_MESSAGES:
+        if not request.local and not request.answered and request.kind in ERROR_MESSAGES:
             self.reject(request, RequestErrorCode.INTERNAL_ERROR, "cancelled")
         else:
             self._send_cancel(request, error_code)
@@ -273,11 +264,11 @@ class MessageSender14(SessionPart[Request14]):
     # Sending: answers
     # ------------------------------------------------------------------
 
-    def send_answer(self, request: Request14, message: m18.SubscribeOk | m18.FetchOk) -> None:
-        if isinstance(message, m18.SubscribeOk):
-            self._session._send(d14.SubscribeOk.from_draft18(message, request.request_id))
-        else:
-            self._session._send(d14.FetchOk.from_draft18(message, request.request_id, request.fetch_group_order))
+    def send_about(self, request: Request14, data: bytes, *, final: bool = False) -> None:
+        """On the control stream, after the request itself if it is still queued."""
+        self._session._credit.send_encoded_about(request, data)
+        if final:
+            self._requests14.close_request(request)
 
     def request_ok(self, request_id: int, parameters: Parameters, track_properties: Properties) -> None:
         """Send PUBLISH_OK, TRACK_STATUS_OK, PUBLISH_NAMESPACE_OK or
@@ -328,24 +319,18 @@ class MessageSender14(SessionPart[Request14]):
             return
         if self._namespaces.answer_tracks(request_id, refused=True):
             return  # the SUBSCRIBE_NAMESPACE half answers the peer
-        request = self._session._peer_request(request_id, tuple(_ERROR_MESSAGES))
+        request = self._session._peer_request(request_id, tuple(ERROR_MESSAGES))
         self.reject(request, error_code, reason)
 
     def reject(self, request: Request14, error_code: int, reason: str) -> None:
         self._namespaces.end_tracks(request, self._session._released)
         request.answered = True
-        cls = _ERROR_MESSAGES[PUBLISH_NAMESPACE if request.kind == ANNOUNCED else request.kind]
-        message = cls.from_draft18(m18.RequestErrorMessage(error_code, 0, reason), request.request_id)
+        data = self._session._dialect.request_error(request, error_code, reason)
         self._requests14.close_request(request)
         if not self._session.closed:
-            self._session._send(message)
+            self.send_about(request, data)
         if request.held_fetches:
             self._fetches.refuse_held(request, "subscription refused")
-
-    def send_publish_done(self, request: Request14, status_code: int, reason: str) -> None:
-        done = m18.PublishDone(status_code, request.data_streams_opened, reason)
-        self._session._credit.send_about(request, d14.PublishDone.from_draft18(done, request.request_id))
-        self._requests14.close_request(request)
 
     def namespace(self, request_id: int, namespace_suffix: TrackNamespace) -> None:
         self._namespaces.namespace(request_id, namespace_suffix)

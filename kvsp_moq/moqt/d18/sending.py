@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING, Callable
 
-from ..errors import NotSupported, PublishDoneCode, RequestErrorCode, StreamClosed, StreamResetCode
+from ..errors import NotSupported, PublishDoneCode, StreamClosed, StreamResetCode
 from ..session.core import SessionPart
 from ..wire import FetchType, Location, Properties, TrackNamespace
 from .messages import (
@@ -18,7 +18,6 @@ from .messages import (
     SCOPE_TRACK_STATUS_OK,
     ControlStreamParser,
     Fetch,
-    FetchOk,
     Goaway,
     Message,
     Namespace,
@@ -26,7 +25,6 @@ from .messages import (
     Parameters,
     Publish,
     PublishBlocked,
-    PublishDone,
     PublishNamespace,
     Redirect,
     RequestErrorMessage,
@@ -34,7 +32,6 @@ from .messages import (
     RequestUpdate,
     Subscribe,
     SubscribeNamespace,
-    SubscribeOk,
     SubscribeTracks,
     TrackStatus,
 )
@@ -207,9 +204,11 @@ class MessageSender(SessionPart[Request18]):
     # ------------------------------------------------------------------
 
     def send_on_request(self, request: RequestStream, message: Message, end_stream: bool = False) -> None:
+        self._send_encoded(request, message.encode(self._draft), end_stream)
+
+    def _send_encoded(self, request: RequestStream, data: bytes, end_stream: bool) -> None:
         if request.fin_sent:
             raise StreamClosed(f"request stream of {request.request_id} is closed")
-        data = message.encode(self._draft)
         try:
             self._quic.send_stream_data(request.stream_id, data, end_stream=end_stream)
         except (ValueError, RuntimeError, AssertionError) as exc:
@@ -219,19 +218,12 @@ class MessageSender(SessionPart[Request18]):
             request.fin_sent = True
             self._streams.forget_if_done(request)
 
-    def send_answer(self, request: Request18, message: SubscribeOk | FetchOk) -> None:
-        if isinstance(request, FillState):
-            return  # a fill has no FETCH_OK
-        self.send_on_request(request, message)
-
-    def send_publish_done(self, request: Request18, status_code: int, reason: str) -> None:
-        """PUBLISH_DONE ends the request stream too."""
-        assert isinstance(request, RequestStream)  # a subscription, not a fill
-        request.closed = True
-        if status_code == PublishDoneCode.SUBSCRIPTION_ENDED and not self._profile.subscription_ended:
-            status_code = PublishDoneCode.TRACK_ENDED  # the code draft-20 sends in its place
-        done = PublishDone(status_code, request.data_streams_opened, reason)
-        self.send_on_request(request, done, end_stream=True)
+    def send_about(self, request: Request18, data: bytes, *, final: bool = False) -> None:
+        """On the request's stream; a final message (PUBLISH_DONE) ends it too."""
+        assert isinstance(request, RequestStream)  # a fill has no stream and no answer
+        if final:
+            request.closed = True
+        self._send_encoded(request, data, final)
 
     def request_ok(self, request_id: int, parameters: Parameters, track_properties: Properties) -> None:
         """Send REQUEST_OK: PUBLISH_OK, TRACK_STATUS_OK, PUBLISH_NAMESPACE_OK,
@@ -327,15 +319,11 @@ class MessageSender(SessionPart[Request18]):
         if isinstance(request, FillState):
             self._streams.fills.end(request, StreamResetCode.INTERNAL_ERROR)
             return
-        if not self._profile.joining_error_codes and error_code in (
-            RequestErrorCode.DUPLICATE_SUBSCRIPTION, RequestErrorCode.INVALID_JOINING_REQUEST_ID
-        ):
-            error_code = RequestErrorCode.INTERNAL_ERROR  # codes draft-20 removed
         request.answered = True
         request.closed = True
-        message = RequestErrorMessage(error_code, retry_interval, reason, redirect)
+        data = self._session._dialect.request_error(request, error_code, reason, retry_interval, redirect)
         try:
-            self.send_on_request(request, message, end_stream=True)
+            self._send_encoded(request, data, True)
         finally:
             if request.held_fetches:
                 self._fetches.refuse_held(request, "subscription refused")

@@ -101,7 +101,7 @@ class MoqtSession(SessionBase[Request18]):
             is_client=is_client,
             draft=draft,
             setup=setup,
-            dialect=Dialect18(),
+            dialect=Dialect18(self.profile),
             max_object_size=max_object_size,
             max_auth_token_cache_size=max_auth_token_cache_size,
             max_buffered_before_setup=max_buffered_before_setup,

@@ -268,6 +268,11 @@ class SessionBase(SessionCore[RequestT]):
     # Sending: answers
     # ------------------------------------------------------------------
 
+    def _send_answer(self, request: RequestT, message: SubscribeOk | FetchOk) -> None:
+        data = self._dialect.answer(request, message)
+        if data is not None:
+            self._messages.send_about(request, data)
+
     def _allocate_alias(self, alias: int | None) -> int:
         if alias is None:
             while self._next_alias in self._aliases_out:
@@ -295,7 +300,7 @@ class SessionBase(SessionCore[RequestT]):
         request = self._peer_request(request_id, (Subscribe,))
         alias = self._allocate_alias(track_alias)
         parameters = Parameters(expires=expires, largest_object=None if largest is None else Location(*largest))
-        self._messages.send_answer(request, SubscribeOk(alias, parameters, track_properties))
+        self._send_answer(request, SubscribeOk(alias, parameters, track_properties))
         request.answered = request.accepted = True
         request.track_alias = alias
         request.largest_at_ok = parameters.largest_object
@@ -318,7 +323,7 @@ class SessionBase(SessionCore[RequestT]):
         """Accept a peer's FETCH. `end_location` uses the wire encoding (last + 1)."""
         request = self._peer_request(request_id, (Fetch,))
         answer = FetchOk(end_of_track, Location(*end_location), Parameters(), track_properties)
-        self._messages.send_answer(request, answer)
+        self._send_answer(request, answer)
         request.answered = request.accepted = True
         self._maybe_finish_fetch(request)
 
@@ -337,7 +342,7 @@ class SessionBase(SessionCore[RequestT]):
                 self.reset_data_stream(sid, StreamResetCode.CANCELLED)
             else:
                 self.close_data_stream(sid)
-        self._messages.send_publish_done(request, status_code, reason)
+        self._messages.send_about(request, self._dialect.publish_done(request, status_code, reason), final=True)
 
     # ------------------------------------------------------------------
     # Writing data (the `sending` part, for requests checked here)

@@ -1,15 +1,16 @@
 """What a draft's control messages make different for the machinery every draft shares:
 the requests, updates, cancellations and answers it sends, each in the draft's wire form
 and on the draft's streams. A draft's session sets one `Messages` object (its sending
-part) on `core.SessionCore`, to which `base.SessionBase`'s public request methods and the
-answers it gives (SUBSCRIBE_OK, FETCH_OK, PUBLISH_DONE, a refusal) hand their calls;
-requests and answers reach it in their draft-18 form whatever the wire."""
+part) on `core.SessionCore`, to which `base.SessionBase`'s public request methods hand
+their calls, and which carries the answers it gives (SUBSCRIBE_OK, FETCH_OK,
+PUBLISH_DONE, a refusal) in the forms of the draft's `dialect.Dialect`; requests and
+answers reach it in their draft-18 form whatever the wire."""
 
 from __future__ import annotations
 
 from typing import Protocol, TypeVar
 
-from ..d18.messages import FetchOk, Parameters, Redirect, SubscribeOk
+from ..d18.messages import Parameters, Redirect
 from ..wire import Location, Properties, TrackNamespace
 from .records import RequestState
 
@@ -74,14 +75,11 @@ class Messages(Protocol[_RequestC]):
 
     def publish_blocked(self, request_id: int, namespace_suffix: TrackNamespace, track_name: bytes) -> None: ...
 
-    # -- the draft's forms of the answers `base.SessionBase` gives ---------------
+    # -- the answers `base.SessionBase` gives, in the forms of the draft's `Dialect` --
 
-    def send_answer(self, request: _RequestC, message: SubscribeOk | FetchOk) -> None:
-        """Send SUBSCRIBE_OK / FETCH_OK (draft-18 form) for a peer request."""
-        ...
-
-    def send_publish_done(self, request: _RequestC, status_code: int, reason: str) -> None:
-        """Send PUBLISH_DONE for a subscription this endpoint publishes and close it."""
+    def send_about(self, request: _RequestC, data: bytes, *, final: bool = False) -> None:
+        """Send the bytes of a message about a request (an answer, PUBLISH_DONE) where
+        the draft carries it; `final`: the message ends the request."""
         ...
 
     def reject(self, request: _RequestC, error_code: int, reason: str) -> None:
