@@ -325,7 +325,7 @@ class MessageSender14(SessionPart[Request14]):
     def reject(self, request: Request14, error_code: int, reason: str) -> None:
         self._namespaces.end_tracks(request, self._session._released)
         request.answered = True
-        data = self._session._dialect.request_error(request, error_code, reason)
+        data = self._dialect.request_error(request, error_code, reason)
         self._requests14.close_request(request)
         if not self._session.closed:
             self.send_about(request, data)

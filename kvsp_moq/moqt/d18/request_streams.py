@@ -36,7 +36,7 @@ class RequestStreams(SessionPart[Request18]):
         self.update_parameters: dict[int, Parameters] = {}  # REQUEST_UPDATEs not yet answered
         # Drafts 20 and 22: the peer's fills and our subscriptions'.
         self.fills = Fills(
-            session.profile, self._requests, self.update_parent, self._fetches, self._sending, session._dialect
+            session.profile, self._requests, self.update_parent, self._fetches, self._sending, self._dialect
         )
 
     def fetch_stream_reset(self, request: Request18) -> None:

@@ -138,7 +138,7 @@ class MessageSender(SessionPart[Request18]):
         request.track_alias = alias
         request.accepted = False
         request.largest_at_ok = parameters.largest_object
-        self._session._aliases_out[alias] = request
+        self._aliases_out[alias] = request
         return request_id
 
     def request_update(self, request_id: int, parameters: Parameters) -> int:
@@ -321,7 +321,7 @@ class MessageSender(SessionPart[Request18]):
             return
         request.answered = True
         request.closed = True
-        data = self._session._dialect.request_error(request, error_code, reason, retry_interval, redirect)
+        data = self._dialect.request_error(request, error_code, reason, retry_interval, redirect)
         try:
             self._send_encoded(request, data, True)
         finally:

@@ -255,6 +255,7 @@ class SessionPart(Generic[RequestT]):
 
     def __init__(self, core: SessionCore[RequestT]) -> None:
         self._quic = core._quic
+        self._dialect = core._dialect
         self._requests = core._requests
         self._aliases_out = core._aliases_out
         self._tokens = core._tokens
