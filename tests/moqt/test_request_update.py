@@ -95,7 +95,7 @@ def test_an_accepted_update_changes_the_request_and_resuming_sets_the_joining_lo
         request = side._requests[rid]
         assert request.parameters.forward is True and request.parameters.subscriber_priority == 7
         assert request.largest_at_ok == Location(5, 2)  # the Joining Location
-    assert not pair.server._update_parameters and not pair.client._update_parameters
+    assert not pair.server._streams.update_parameters and not pair.client._streams.update_parameters
 
 
 def test_a_refused_update_leaves_the_request_unchanged(pair):
@@ -108,7 +108,7 @@ def test_a_refused_update_leaves_the_request_unchanged(pair):
     events = pair.take("client")
     assert one(events, ev.RequestRejected).error_code == RequestErrorCode.INVALID_RANGE
     assert one(events, ev.PublishDoneReceived).status_code == PublishDoneCode.UPDATE_FAILED
-    assert not pair.server._update_parameters and not pair.client._update_parameters
+    assert not pair.server._streams.update_parameters and not pair.client._streams.update_parameters
 
 
 # -- over QUIC ---------------------------------------------------------------

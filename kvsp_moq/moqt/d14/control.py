@@ -2,9 +2,12 @@
 CLIENT_SETUP / SERVER_SETUP, GOAWAY, the peer's requests and SUBSCRIBE_UPDATEs, the
 answers to ours, PUBLISH_DONE, and the peer's UNSUBSCRIBE and FETCH_CANCEL. The
 namespace messages are in `namespaces`; MAX_REQUEST_ID and REQUESTS_BLOCKED are handed
-to `credit`; the session's `_HANDLERS` maps each message to its handler."""
+to `credit`. A part `session.MoqtSession14` owns (`ControlReceiver14`), whose table of
+handlers maps each message after SETUP to its handler, here or in `namespaces`."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
 
 from .. import events as ev
 from .. import wire
@@ -16,9 +19,11 @@ from ..errors import (
     SessionError,
     StreamResetCode,
 )
+from ..session.core import SessionPart
 from ..session.fetches import fetch_end_before_start
 from ..wire import SubscriptionFilter, TrackPropertyType
 from . import messages as d14
+from .namespaces import NamespaceMapping
 from .request_state import (
     ANNOUNCED,
     FETCH,
@@ -29,61 +34,103 @@ from .request_state import (
     TRACK_STATUS,
     Request14,
 )
-from .sending import MessageSending
+from .requests import Requests14
 
-__all__ = ["ControlMessageHandling"]
+if TYPE_CHECKING:
+    from .session import MoqtSession14
+
+__all__ = ["ControlReceiver14"]
 
 
-class ControlMessageHandling(MessageSending):
-    """Part of `MoqtSession14`: the control messages received, each turned into events
-    and the state of its request."""
+class ControlReceiver14(SessionPart[Request14]):
+    """The control messages a draft-14 session receives, each turned into events and the
+    state of its request."""
 
-    def _on_control_data(self, data: bytes, out: list[ev.MoqtEvent]) -> None:
-        for message in self._control_parser.feed(data):
-            if self.peer_setup is None:
-                if isinstance(message, d14.ClientSetup) and not self._is_client:
+    def __init__(self, session: MoqtSession14, requests14: Requests14, namespaces: NamespaceMapping) -> None:
+        super().__init__(session)
+        self._session = session
+        self._requests14 = requests14
+        self._namespaces = namespaces
+        self._credit = session._credit
+        self._parser = d14.ControlStreamParser()
+        # Message class -> its handler; the message type cannot be spelled for every entry.
+        self._handlers: dict[type[d14.Message], Callable[[Any, list[ev.MoqtEvent]], None]] = {
+            d14.Goaway: self._on_goaway,
+            d14.MaxRequestId: self._on_max_request_id,
+            d14.RequestsBlocked: self._on_requests_blocked,
+            d14.Subscribe: self._on_subscribe,
+            d14.SubscribeOk: self._on_subscribe_ok,
+            d14.SubscribeError: self._on_request_error,
+            d14.SubscribeUpdate: self._on_subscribe_update,
+            d14.Unsubscribe: self._on_unsubscribe,
+            d14.PublishDone: self._on_publish_done,
+            d14.Publish: self._on_publish,
+            d14.PublishOk: self._on_publish_ok,
+            d14.PublishError: self._on_request_error,
+            d14.Fetch: self._on_fetch,
+            d14.FetchOk: self._on_fetch_ok,
+            d14.FetchError: self._on_request_error,
+            d14.FetchCancel: self._on_fetch_cancel,
+            d14.TrackStatus: self._on_subscribe,
+            d14.TrackStatusOk: self._on_track_status_ok,
+            d14.TrackStatusError: self._on_request_error,
+            d14.PublishNamespace: namespaces.on_publish_namespace,
+            d14.PublishNamespaceOk: self._on_namespace_ok,
+            d14.PublishNamespaceError: self._on_request_error,
+            d14.PublishNamespaceDone: namespaces.on_publish_namespace_done,
+            d14.PublishNamespaceCancel: namespaces.on_publish_namespace_cancel,
+            d14.SubscribeNamespace: namespaces.on_subscribe_namespace,
+            d14.SubscribeNamespaceOk: self._on_namespace_ok,
+            d14.SubscribeNamespaceError: self._on_request_error,
+            d14.UnsubscribeNamespace: namespaces.on_unsubscribe_namespace,
+        }
+
+    def on_control_data(self, data: bytes, out: list[ev.MoqtEvent]) -> None:
+        for message in self._parser.feed(data):
+            if self._session.peer_setup is None:
+                if isinstance(message, d14.ClientSetup) and not self._session.is_client:
                     self._on_client_setup(message, out)
-                elif isinstance(message, d14.ServerSetup) and self._is_client:
+                elif isinstance(message, d14.ServerSetup) and self._session.is_client:
                     self._on_server_setup(message, out)
                 else:
                     raise ProtocolViolation(f"{message.NAME} before SETUP")
                 continue
-            handler = self._HANDLERS.get(type(message))
+            handler = self._handlers.get(type(message))
             if handler is None:
                 raise ProtocolViolation(f"{message.NAME} after SETUP")
-            handler(self, message, out)
+            handler(message, out)
 
-    def _setup_parameters(self) -> d14.SetupParameters:
-        s = self.local_setup
+    def setup_parameters(self) -> d14.SetupParameters:
+        s = self._session.local_setup
         return d14.SetupParameters(
-            path=s.path if self._is_client else None,
+            path=s.path if self._session.is_client else None,
             max_request_id=self._credit.granted,
             authorization_tokens=s.authorization_tokens,
             max_auth_token_cache_size=s.max_auth_token_cache_size,
-            authority=s.authority if self._is_client else None,
+            authority=s.authority if self._session.is_client else None,
             implementation=s.implementation,
         )
 
     def _on_client_setup(self, message: d14.ClientSetup, out: list[ev.MoqtEvent]) -> None:
-        version = next((v for v in message.versions if v in self.versions), None)
+        version = next((v for v in message.versions if v in self._session.versions), None)
         if version is None:
             offered = ", ".join(f"{v:#x}" for v in message.versions)
             raise SessionError(
                 f"no supported version among {offered}", error_code=SessionCloseCode.VERSION_NEGOTIATION_FAILED
             )
-        self._check_peer_target(message.parameters.path, message.parameters.authority, "parameter")
-        self.version = version
-        self._send(d14.ServerSetup(version, self._setup_parameters()))
+        self._session._check_peer_target(message.parameters.path, message.parameters.authority, "parameter")
+        self._session.version = version
+        self._session._send(d14.ServerSetup(version, self.setup_parameters()))
         self._complete_setup(message.parameters, out)
 
     def _on_server_setup(self, message: d14.ServerSetup, out: list[ev.MoqtEvent]) -> None:
-        if message.selected_version not in self.versions:
+        if message.selected_version not in self._session.versions:
             raise SessionError(
                 f"server chose version {message.selected_version:#x}, not offered",
                 error_code=SessionCloseCode.VERSION_NEGOTIATION_FAILED,
             )
-        self._check_peer_target(message.parameters.path, message.parameters.authority, "parameter")
-        self.version = message.selected_version
+        self._session._check_peer_target(message.parameters.path, message.parameters.authority, "parameter")
+        self._session.version = message.selected_version
         self._complete_setup(message.parameters, out)
 
     def _complete_setup(self, p: d14.SetupParameters, out: list[ev.MoqtEvent]) -> None:
@@ -95,11 +142,11 @@ class ControlMessageHandling(MessageSending):
             authorization_tokens=p.authorization_tokens,
             implementation=p.implementation,
         )
-        self.peer_setup = setup
+        self._session.peer_setup = setup
         self._credit.peer_grant = p.max_request_id or 0
         out.append(ev.SetupCompleted(setup))
         self._credit.flush_queue()
-        self._replay_held(out)
+        self._session._replay_held(out)
 
     # -- session-level messages --------------------------------------------
 
@@ -110,12 +157,12 @@ class ControlMessageHandling(MessageSending):
         self._credit.grant(force=True)
 
     def _on_goaway(self, message: d14.Goaway, out: list[ev.MoqtEvent]) -> None:
-        if self.goaway_received is not None:
+        if self._session.goaway_received is not None:
             raise ProtocolViolation("second GOAWAY")
-        if not self._is_client and message.new_session_uri:
+        if not self._session.is_client and message.new_session_uri:
             raise ProtocolViolation("GOAWAY with a URI from the client")
         event = ev.GoawayReceived(message.new_session_uri, 0, None, None)
-        self.goaway_received = event
+        self._session.goaway_received = event
         out.append(event)
 
     # -- peer requests -----------------------------------------------------
@@ -129,7 +176,7 @@ class ControlMessageHandling(MessageSending):
             namespace=message.namespace, track_name=message.track_name,
         )
         tokens = self._tokens.resolve(message.parameters.authorization_tokens)
-        if self._refuse_if_going_away(request):
+        if self._requests14.refuse_if_going_away(request):
             return
         received = ev.TrackStatusReceived if status else ev.SubscribeReceived
         out.append(received(request.request_id, message.namespace, message.track_name, s18.parameters, tokens))
@@ -155,7 +202,7 @@ class ControlMessageHandling(MessageSending):
         )
         self._receiving.aliases[message.track_alias] = request
         tokens = self._tokens.resolve(p.authorization_tokens)
-        if self._refuse_if_going_away(request):
+        if self._requests14.refuse_if_going_away(request):
             return
         out.append(
             ev.PublishReceived(
@@ -169,7 +216,7 @@ class ControlMessageHandling(MessageSending):
         f18 = message.to_draft18()
         request = self._credit.new_peer_request(message.request_id, FETCH, parameters=f18.parameters, fetch=f18)
         tokens = self._tokens.resolve(message.parameters.authorization_tokens)
-        if self._refuse_if_going_away(request):
+        if self._requests14.refuse_if_going_away(request):
             return
         self._fetches.on_fetch(request, f18, tokens, out)
 
@@ -196,7 +243,7 @@ class ControlMessageHandling(MessageSending):
         subscription.parameters = subscription.parameters.merged(parameters)
         if resumed:
             subscription.largest_at_ok = None  # no REQUEST_UPDATE_OK carries the new Joining Location
-        self._updates[message.request_id] = subscription
+        self._requests14.updates[message.request_id] = subscription
         tokens = self._tokens.resolve(message.parameters.authorization_tokens)
         out.append(ev.RequestUpdateReceived(message.request_id, subscription.request_id, parameters, tokens))
 
@@ -206,7 +253,7 @@ class ControlMessageHandling(MessageSending):
         """Our request answered by `name`; None when it was cancelled meanwhile."""
         request = self._requests.get(request_id)
         if request is None or not request.local:
-            if self._was_ours(request_id):
+            if self._requests14.was_ours(request_id):
                 return None  # ours, already forgotten
             raise ProtocolViolation(f"{name} for unknown request {request_id}")
         if request.kind not in kinds:
@@ -236,9 +283,9 @@ class ControlMessageHandling(MessageSending):
         request = self._first_answer(message.request_id, kinds, message.NAME)
         if request is None:
             return
-        self._close_request(request)
+        self._requests14.close_request(request)
         if request.kind == ANNOUNCED:
-            self._drop_announced(request)
+            self._namespaces.drop_announced(request)
             return
         e18 = message.to_draft18()
         out.append(ev.RequestRejected(request.request_id, e18.error_code, e18.reason, 0, None))
@@ -271,7 +318,7 @@ class ControlMessageHandling(MessageSending):
         out.append(
             ev.FetchAccepted(request.request_id, ok.end_of_track, ok.end_location, ok.parameters, ok.track_properties)
         )
-        self._maybe_finish_fetch(request)
+        self._requests14.maybe_finish_fetch(request)
 
     def _on_track_status_ok(self, message: d14.TrackStatusOk, out: list[ev.MoqtEvent]) -> None:
         request = self._first_answer(message.request_id, (TRACK_STATUS,), message.NAME)
@@ -279,7 +326,7 @@ class ControlMessageHandling(MessageSending):
             return
         ok = message.to_draft18()
         request.accepted = True
-        self._close_request(request)
+        self._requests14.close_request(request)
         out.append(ev.RequestAccepted(request.request_id, ok.parameters, ok.track_properties))
 
     def _on_publish_ok(self, message: d14.PublishOk, out: list[ev.MoqtEvent]) -> None:
@@ -332,7 +379,7 @@ class ControlMessageHandling(MessageSending):
             return
         if not request.is_subscription or not request.publisher_is_local:
             raise ProtocolViolation("UNSUBSCRIBE for a subscription this endpoint does not publish")
-        self._peer_cancelled(request, StreamResetCode.CANCELLED, out)
+        self._requests14.peer_cancelled(request, StreamResetCode.CANCELLED, out)
 
     def _on_fetch_cancel(self, message: d14.FetchCancel, out: list[ev.MoqtEvent]) -> None:
         request = self._requests.get(message.request_id)
@@ -340,4 +387,4 @@ class ControlMessageHandling(MessageSending):
             return
         if request.local or request.kind != FETCH:
             raise ProtocolViolation("FETCH_CANCEL for a request that is not a peer FETCH")
-        self._peer_cancelled(request, StreamResetCode.CANCELLED, out)
+        self._requests14.peer_cancelled(request, StreamResetCode.CANCELLED, out)

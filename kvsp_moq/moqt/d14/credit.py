@@ -128,9 +128,15 @@ class RequestCredit:
 
     def send_about(self, request: Request14, message: d14.Message) -> None:
         """Send a message about a request, after the request itself if still queued."""
+        self.send_encoded_about(request, message.encode())
+
+    def send_encoded_about(self, request: Request14, encoded: bytes) -> None:
+        """`send_about()` for a message already encoded."""
         if not request.sent:
             for request_id, data in self._queue:
                 if request_id == request.request_id:
-                    data.extend(message.encode())
+                    data.extend(encoded)
                     return
-        self._session._send(message)
+        control = self._session._control_stream_id
+        assert control is not None  # a request is sent only once the control stream exists
+        self._quic.send_stream_data(control, encoded)

@@ -1,21 +1,43 @@
-"""Draft-14's wire forms of data streams and datagrams for the machinery every draft
-shares (`session.dialect.Dialect`): objects are converted from and to their draft-18
-forms, and what draft-14 always carries (a publisher priority) is filled in with the
-track's default when the caller leaves it to be inherited."""
+"""Draft-14's wire forms of data streams, datagrams and answers for the machinery every
+draft shares (`session.dialect.Dialect`): objects and answers are converted from and to
+their draft-18 forms, and what draft-14 always carries (a publisher priority) is filled
+in with the track's default when the caller leaves it to be inherited. Each kind of
+request has an error message of its own (`ERROR_MESSAGES`), its code renumbered."""
 
 from __future__ import annotations
 
 from ..d18 import data as data18
+from ..d18 import messages as m18
 from ..wire import TrackNamespace
 from . import data as d14data
+from . import messages as d14
 from .adapters import FetchWriter14, SubgroupWriter14
-from .request_state import Request14
+from .request_state import (
+    ANNOUNCED,
+    FETCH,
+    PUBLISH,
+    PUBLISH_NAMESPACE,
+    SUBSCRIBE,
+    SUBSCRIBE_NAMESPACE,
+    TRACK_STATUS,
+    Request14,
+)
 
-__all__ = ["Dialect14"]
+__all__ = ["ERROR_MESSAGES", "Dialect14"]
+
+#: The error message refusing each kind of request a peer may make.
+ERROR_MESSAGES: dict[type[m18.Message], type[d14._RequestError]] = {
+    SUBSCRIBE: d14.SubscribeError,
+    FETCH: d14.FetchError,
+    TRACK_STATUS: d14.TrackStatusError,
+    PUBLISH: d14.PublishError,
+    PUBLISH_NAMESPACE: d14.PublishNamespaceError,
+    SUBSCRIBE_NAMESPACE: d14.SubscribeNamespaceError,
+}
 
 
 class Dialect14:
-    """Draft-14's datagrams and data stream writers."""
+    """Draft-14's datagrams, data stream writers and answers."""
 
     fetch_writer_type = FetchWriter14
 
@@ -36,3 +58,21 @@ class Dialect14:
 
     def track_of(self, request: Request14) -> tuple[TrackNamespace, bytes]:
         return request.namespace, request.track_name
+
+    def answer(self, request: Request14, message: m18.SubscribeOk | m18.FetchOk) -> bytes:
+        if isinstance(message, m18.SubscribeOk):
+            return d14.SubscribeOk.from_draft18(message, request.request_id).encode()
+        return d14.FetchOk.from_draft18(message, request.request_id, request.fetch_group_order).encode()
+
+    def publish_done(self, request: Request14, status_code: int, reason: str) -> bytes:
+        done = m18.PublishDone(status_code, request.data_streams_opened, reason)
+        return d14.PublishDone.from_draft18(done, request.request_id).encode()
+
+    def request_error(
+        self, request: Request14, error_code: int, reason: str, retry_interval: int = 0,
+        redirect: m18.Redirect | None = None,
+    ) -> bytes:
+        """Retry Interval and redirect have no draft-14 field; a draft-18 code without a
+        draft-14 counterpart is sent as INTERNAL_ERROR."""
+        cls = ERROR_MESSAGES[PUBLISH_NAMESPACE if request.kind == ANNOUNCED else request.kind]
+        return cls.from_draft18(m18.RequestErrorMessage(error_code, 0, reason), request.request_id).encode()

@@ -6,12 +6,12 @@ events, so the layer above needs no second code path for the fallback version.
 Both derive from `session.base.SessionBase`, which keeps what the drafts share (token
 cache, track aliases, joining FETCHes, data streams and datagrams, writing
 objects); data stream items and answers are converted to and from their
-draft-18 forms at the edges (`adapters`, `dialect`). `MoqtSession14` owns Request ID
-credit as an object (`credit.RequestCredit`) and is made of parts in layers, each
-deriving from the one below it: its requests' state, sending and teardown
-(`requests`), namespaces (`namespaces`), what it sends (`sending`) and the control
-messages received (`control`); this module sets the session's state and routes its
-streams. The wire is draft-14's
+draft-18 forms at the edges (`adapters`, `dialect`). `MoqtSession14` owns its parts
+as objects: Request ID credit (`credit.RequestCredit`), its requests' sending and
+teardown (`requests.Requests14`), namespaces (`namespaces.NamespaceMapping`), what it
+sends (`sending.MessageSender14`, the session's `Messages`) and the control messages
+received (`control.ControlReceiver14`); this module builds them, routes the session's
+streams and hands the hooks of `SessionBase` to the parts. The wire is draft-14's
 (codec in `messages` and `data`):
 
 * the client opens one bidirectional control stream and sends CLIENT_SETUP with
@@ -102,14 +102,18 @@ from ..engine import (
     stream_is_unidirectional,
 )
 from ..errors import NotSupported, ProtocolViolation, StreamResetCode
+from ..session.base import SessionBase
 from ..session.records import UNKNOWN_STREAM_COUNT, IncomingDataStream
 from ..wire import DEFAULT_MAX_OBJECT_SIZE
 from . import messages as d14
 from .adapters import DataStreamParser14
-from .control import ControlMessageHandling
+from .control import ControlReceiver14
 from .credit import RequestCredit
 from .dialect import Dialect14
+from .namespaces import NamespaceMapping
 from .request_state import FETCH, Request14
+from .requests import Requests14
+from .sending import MessageSender14
 
 __all__ = ["MoqtSession14", "ALPN", "DEFAULT_MAX_REQUESTS", "UNKNOWN_STREAM_COUNT"]
 
@@ -117,7 +121,7 @@ ALPN = d14.ALPN
 DEFAULT_MAX_REQUESTS = 100
 
 
-class MoqtSession14(ControlMessageHandling):
+class MoqtSession14(SessionBase[Request14]):
     """The draft-14 MOQT state of one QUIC connection (ALPN "moq-00").
 
     `versions` are the SETUP versions offered (client, most preferred first) or
@@ -156,21 +160,21 @@ class MoqtSession14(ControlMessageHandling):
             accept_path=accept_path,
             accept_authority=accept_authority,
         )
-        self.versions = tuple(versions)
+        self.versions: tuple[int, ...] = tuple(versions)  # offered (client) or accepted (server)
         if not self.versions:
             raise ValueError("no version to offer")
-        self.version = None
-        self._goaway_sent = False
+        self.version: int | None = None  # negotiated; None before SETUP
+        self._control_stream_id: int | None = None  # the one control stream, bidirectional
 
         # Request IDs and their credit (section 9.1 / MAX_REQUEST_ID).
         self._credit = RequestCredit(self, quic, self._requests, is_client=is_client, max_requests=max_requests)
-        self._updates = {}  # peer SUBSCRIBE_UPDATE id -> subscription
-
-        self._control_stream_id = None
-        self._control_parser = d14.ControlStreamParser()
+        self._requests14 = self._ends = Requests14(self)
+        self._namespaces = NamespaceMapping(self, self._requests14)
+        self._messages = MessageSender14(self, self._requests14, self._namespaces)
+        self._control = ControlReceiver14(self, self._requests14, self._namespaces)
         if is_client:
             self._control_stream_id = quic.get_next_available_stream_id(is_unidirectional=False)
-            hello = d14.ClientSetup(self.versions, self._setup_parameters())
+            hello = d14.ClientSetup(self.versions, self._control.setup_parameters())
             quic.send_stream_data(self._control_stream_id, hello.encode())
 
     def request_stream_id(self, request_id: int) -> int | None:
@@ -218,8 +222,6 @@ class MoqtSession14(ControlMessageHandling):
             raise ProtocolViolation("STOP_SENDING on the control stream")
         self._sending.on_stop_sending(event.stream_id, event.error_code, out)
 
-    _HANDLERS = {}  # filled in below, once the handlers exist
-
     # ------------------------------------------------------------------
     # Data streams and datagrams
     # ------------------------------------------------------------------
@@ -231,7 +233,7 @@ class MoqtSession14(ControlMessageHandling):
             stream.fetch = True
             request = self._requests.get(item.request_id)
             if request is None or request.closed:
-                if self._was_ours(item.request_id):
+                if self._requests14.was_ours(item.request_id):
                     self._receiving.stop(sid, stream, StreamResetCode.CANCELLED)
                     return False
                 raise ProtocolViolation(f"FETCH_HEADER for unknown fetch {item.request_id}")
@@ -258,34 +260,16 @@ class MoqtSession14(ControlMessageHandling):
     def send_padding_stream(self, size: int) -> None:
         raise NotSupported("draft-14 has no padding streams")
 
+    # ------------------------------------------------------------------
+    # The control stream
+    # ------------------------------------------------------------------
 
-MoqtSession14._HANDLERS = {
-    d14.Goaway: MoqtSession14._on_goaway,
-    d14.MaxRequestId: MoqtSession14._on_max_request_id,
-    d14.RequestsBlocked: MoqtSession14._on_requests_blocked,
-    d14.Subscribe: MoqtSession14._on_subscribe,
-    d14.SubscribeOk: MoqtSession14._on_subscribe_ok,
-    d14.SubscribeError: MoqtSession14._on_request_error,
-    d14.SubscribeUpdate: MoqtSession14._on_subscribe_update,
-    d14.Unsubscribe: MoqtSession14._on_unsubscribe,
-    d14.PublishDone: MoqtSession14._on_publish_done,
-    d14.Publish: MoqtSession14._on_publish,
-    d14.PublishOk: MoqtSession14._on_publish_ok,
-    d14.PublishError: MoqtSession14._on_request_error,
-    d14.Fetch: MoqtSession14._on_fetch,
-    d14.FetchOk: MoqtSession14._on_fetch_ok,
-    d14.FetchError: MoqtSession14._on_request_error,
-    d14.FetchCancel: MoqtSession14._on_fetch_cancel,
-    d14.TrackStatus: MoqtSession14._on_subscribe,
-    d14.TrackStatusOk: MoqtSession14._on_track_status_ok,
-    d14.TrackStatusError: MoqtSession14._on_request_error,
-    d14.PublishNamespace: MoqtSession14._on_publish_namespace,
-    d14.PublishNamespaceOk: MoqtSession14._on_namespace_ok,
-    d14.PublishNamespaceError: MoqtSession14._on_request_error,
-    d14.PublishNamespaceDone: MoqtSession14._on_publish_namespace_done,
-    d14.PublishNamespaceCancel: MoqtSession14._on_publish_namespace_cancel,
-    d14.SubscribeNamespace: MoqtSession14._on_subscribe_namespace,
-    d14.SubscribeNamespaceOk: MoqtSession14._on_namespace_ok,
-    d14.SubscribeNamespaceError: MoqtSession14._on_request_error,
-    d14.UnsubscribeNamespace: MoqtSession14._on_unsubscribe_namespace,
-}
+    def _send(self, message: d14.Message) -> None:
+        """Write a message on the control stream."""
+        assert self._control_stream_id is not None
+        self._quic.send_stream_data(self._control_stream_id, message.encode())
+
+    def _on_control_data(self, data: bytes, out: list[ev.MoqtEvent]) -> None:
+        self._control.on_control_data(data, out)
+
+

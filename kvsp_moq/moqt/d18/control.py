@@ -1,8 +1,11 @@
 """The draft-18 control messages this endpoint receives: SETUP and GOAWAY on the control
 stream; on request streams, the peer's requests, the answers to ours, REQUEST_UPDATEs,
-PUBLISH_DONE, NAMESPACE / NAMESPACE_DONE, PUBLISH_BLOCKED, and what a FIN means."""
+PUBLISH_DONE, NAMESPACE / NAMESPACE_DONE, PUBLISH_BLOCKED, and what a FIN means. A part
+`session.MoqtSession` owns (`ControlReceiver`)."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from .. import events as ev
 from ..errors import (
@@ -12,6 +15,7 @@ from ..errors import (
     RequestErrorCode,
     StreamResetCode,
 )
+from ..session.core import SessionPart
 from ..session.fetches import fetch_end_before_start
 from ..wire import (
     DEFAULT_PUBLISHER_PRIORITY,
@@ -23,6 +27,7 @@ from ..wire import (
 from .messages import (
     SCOPE_PUBLISH_OK,
     SCOPE_TRACK_STATUS_OK,
+    ControlStreamParser,
     Fetch,
     FetchOk,
     Goaway,
@@ -44,10 +49,14 @@ from .messages import (
     SubscribeTracks,
     TrackStatus,
 )
-from .request_state import REQUEST_TYPES, UPDATE_SCOPE, RequestStream
-from .sending import MessageSending
+from .request_state import REQUEST_TYPES, UPDATE_SCOPE, Request18, RequestStream
+from .request_streams import RequestStreams
+from .sending import MessageSender
 
-__all__ = ["ControlMessageHandling"]
+if TYPE_CHECKING:
+    from .session import MoqtSession
+
+__all__ = ["ControlReceiver"]
 
 
 _RESERVED_FIRST_FIELDS = (b".", b".session")
@@ -56,13 +65,21 @@ _RESERVED_FIRST_FIELDS = (b".", b".session")
 _NO_RANGE_FILTERS = "range filters are not accepted (MAX_FILTER_RANGES 0)"
 
 
-class ControlMessageHandling(MessageSending):
-    """Part of `MoqtSession`: the control messages received, each turned into events and
-    the state of its request."""
+class ControlReceiver(SessionPart[Request18]):
+    """The control messages a draft-18 session receives, each turned into events and the
+    state of its request; what they call for is sent by the `MessageSender` part."""
 
-    def _on_control_data(self, data: bytes, out: list[ev.MoqtEvent]) -> None:
-        for message in self._control_parser.feed(data):
-            if self.peer_setup is None:
+    def __init__(self, session: MoqtSession, streams: RequestStreams, sender: MessageSender) -> None:
+        super().__init__(session)
+        self._session = session
+        self._streams = streams
+        self._sender = sender
+        self._profile = session.profile
+        self._parser = ControlStreamParser(session.draft)  # the peer's control stream
+
+    def on_control_data(self, data: bytes, out: list[ev.MoqtEvent]) -> None:
+        for message in self._parser.feed(data):
+            if self._session.peer_setup is None:
                 if not isinstance(message, Setup):
                     raise ProtocolViolation(f"{message.NAME} before SETUP")
                 self._on_setup(message, out)
@@ -73,32 +90,32 @@ class ControlMessageHandling(MessageSending):
                 raise ProtocolViolation(f"{message.NAME} on the control stream")
 
     def _on_setup(self, setup: Setup, out: list[ev.MoqtEvent]) -> None:
-        self._check_peer_target(setup.path, setup.authority, "option")
+        self._session._check_peer_target(setup.path, setup.authority, "option")
         self._tokens.register_setup(setup.authorization_tokens)
-        self.peer_setup = setup
+        self._session.peer_setup = setup
         out.append(ev.SetupCompleted(setup))
-        self._replay_held(out)
+        self._session._replay_held(out)
 
     def _on_session_goaway(self, message: Goaway, out: list[ev.MoqtEvent]) -> None:
-        if self.goaway_received is not None:
+        if self._session.goaway_received is not None:
             raise ProtocolViolation("second GOAWAY on the control stream")
-        if not self._is_client and message.new_session_uri:
+        if not self._session.is_client and message.new_session_uri:
             raise ProtocolViolation("GOAWAY with a URI from the client")
-        own_parity = 0 if self._is_client else 1
+        own_parity = 0 if self._session.is_client else 1
         if message.request_id is not None and message.request_id & 1 != own_parity:
             raise InvalidRequestId(f"GOAWAY Request ID {message.request_id} has the wrong parity")
         event = ev.GoawayReceived(message.new_session_uri, message.timeout_ms, message.request_id, None)
-        self.goaway_received = event
+        self._session.goaway_received = event
         out.append(event)
 
     def _check_peer_request_id(self, request_id: int) -> None:
-        peer_parity = 0 if not self._is_client else 1
+        peer_parity = 0 if not self._session.is_client else 1
         if request_id & 1 != peer_parity:
             raise InvalidRequestId(f"peer Request ID {request_id} has the wrong parity")
-        if not self._peer_ids.add(request_id):
+        if not self._streams.peer_ids.add(request_id):
             raise InvalidRequestId(f"peer Request ID {request_id} repeated")
 
-    def _on_new_request(self, sid: int, message: Message, out: list[ev.MoqtEvent]) -> None:
+    def on_new_request(self, sid: int, message: Message, out: list[ev.MoqtEvent]) -> None:
         if not isinstance(message, REQUEST_TYPES):
             raise ProtocolViolation(f"request stream begins with {message.NAME}")
         request_id = message.request_id
@@ -106,11 +123,11 @@ class ControlMessageHandling(MessageSending):
         parameters = message.parameters
         request = RequestStream(request_id, type(message), False, parameters, stream_id=sid, message=message)
         self._requests[request_id] = request
-        self._stream_requests[sid] = request
+        self._streams.by_stream[sid] = request
         tokens = self._tokens.resolve(parameters.authorization_tokens)
 
-        if self._goaway_sent_request_id is not None and request_id >= self._goaway_sent_request_id:
-            self._reject(request, RequestErrorCode.GOING_AWAY, "going away")
+        if self._sender.goaway_sent_request_id is not None and request_id >= self._sender.goaway_sent_request_id:
+            self._sender.reject(request, RequestErrorCode.GOING_AWAY, "going away")
             return
         namespace = getattr(message, "namespace", None)
         if namespace is None:
@@ -118,19 +135,19 @@ class ControlMessageHandling(MessageSending):
         if namespace and namespace[0] in _RESERVED_FIRST_FIELDS:
             # Section 3.2: "." is never used and no session-level track is
             # defined, so both are rejected here, not passed to the application.
-            self._reject(request, RequestErrorCode.DOES_NOT_EXIST, "reserved namespace")
+            self._sender.reject(request, RequestErrorCode.DOES_NOT_EXIST, "reserved namespace")
             return
         if parameters.range_filters:
-            self._reject(request, RequestErrorCode.INVALID_FILTER, _NO_RANGE_FILTERS)
+            self._sender.reject(request, RequestErrorCode.INVALID_FILTER, _NO_RANGE_FILTERS)
             return
         if parameters.unsupported:
-            self._reject(request, RequestErrorCode.NOT_SUPPORTED, f"not supported: {parameters.unsupported}")
+            self._sender.reject(request, RequestErrorCode.NOT_SUPPORTED, f"not supported: {parameters.unsupported}")
             return
 
         if isinstance(message, Subscribe):
             out.append(ev.SubscribeReceived(request_id, message.namespace, message.track_name, parameters, tokens))
             if parameters.fill is not None:
-                self._fills.open(request, parameters.fill, request_id, tokens, out)
+                self._streams.fills.open(request, parameters.fill, request_id, tokens, out)
         elif isinstance(message, Publish):
             unsupported = mandatory_properties(message.track_properties)
             other = self._receiving.aliases.get(message.track_alias)
@@ -142,7 +159,7 @@ class ControlMessageHandling(MessageSending):
             )
             self._receiving.aliases[message.track_alias] = request
             if unsupported:
-                self._reject(request, RequestErrorCode.UNSUPPORTED_EXTENSION, "unsupported mandatory property")
+                self._sender.reject(request, RequestErrorCode.UNSUPPORTED_EXTENSION, "unsupported mandatory property")
                 return
             out.append(
                 ev.PublishReceived(
@@ -167,7 +184,7 @@ class ControlMessageHandling(MessageSending):
         elif isinstance(message, SubscribeTracks):
             out.append(ev.SubscribeTracksReceived(request_id, message.namespace_prefix, parameters, tokens))
 
-    def _on_request_message(self, request: RequestStream, message: Message, out: list[ev.MoqtEvent]) -> None:
+    def on_request_message(self, request: RequestStream, message: Message, out: list[ev.MoqtEvent]) -> None:
         if request.closed:
             return
         if isinstance(message, Goaway):
@@ -194,10 +211,10 @@ class ControlMessageHandling(MessageSending):
             if not request.our_updates:
                 raise ProtocolViolation(f"unexpected {message.NAME}")
             update_id = request.our_updates.popleft()
-            self._update_parent.pop(update_id, None)
-            sent = self._update_parameters.pop(update_id, None)
+            self._streams.update_parent.pop(update_id, None)
+            sent = self._streams.update_parameters.pop(update_id, None)
             if isinstance(message, RequestOk) and sent is not None:
-                self._apply_update(request, sent, message.parameters)
+                self._sender.apply_update(request, sent, message.parameters)
             if isinstance(message, RequestOk):
                 out.append(ev.RequestAccepted(update_id, message.parameters, message.track_properties))
             else:
@@ -217,7 +234,7 @@ class ControlMessageHandling(MessageSending):
             )
             # Late data streams are still accepted until Stream Count of them ended.
             request.done_stream_count = message.stream_count
-            self._finish_stream(request)
+            self._streams.finish_stream(request)
             self._receiving.maybe_end_subscription(request)
             return
         if isinstance(message, (Namespace, NamespaceDone)) and request.local and request.kind is SubscribeNamespace:
@@ -249,14 +266,14 @@ class ControlMessageHandling(MessageSending):
             out.append(
                 ev.RequestRejected(rid, message.error_code, message.reason, message.retry_interval, message.redirect)
             )
-            self._finish_stream(request)
+            self._streams.finish_stream(request)
             return
         if kind is Subscribe and isinstance(message, SubscribeOk):
             other = self._receiving.aliases.get(message.track_alias)
             if other is not None and other is not request and not other.closed:
                 raise DuplicateTrackAlias(f"track alias {message.track_alias} already in use")
             if mandatory_properties(message.track_properties):
-                self._cancel(request, StreamResetCode.CANCELLED)
+                self._streams.cancel(request, StreamResetCode.CANCELLED)
                 out.append(
                     ev.RequestRejected(
                         rid, RequestErrorCode.UNSUPPORTED_EXTENSION, "unsupported mandatory property", 0, None
@@ -279,7 +296,7 @@ class ControlMessageHandling(MessageSending):
                 if fetch_end_before_start(message.end_location, start):
                     raise ProtocolViolation("FETCH_OK End Location before the FETCH start")
             if mandatory_properties(message.track_properties):
-                self._cancel(request, StreamResetCode.CANCELLED)
+                self._streams.cancel(request, StreamResetCode.CANCELLED)
                 out.append(
                     ev.RequestRejected(
                         rid, RequestErrorCode.UNSUPPORTED_EXTENSION, "unsupported mandatory property", 0, None
@@ -292,7 +309,7 @@ class ControlMessageHandling(MessageSending):
                     rid, message.end_of_track, message.end_location, message.parameters, message.track_properties
                 )
             )
-            self._maybe_finish_fetch(request)
+            self._streams.maybe_finish_fetch(request)
             return
         if kind not in (Subscribe, Fetch) and isinstance(message, RequestOk):
             if kind is Publish:
@@ -312,7 +329,7 @@ class ControlMessageHandling(MessageSending):
             out.append(ev.RequestAccepted(rid, message.parameters, message.track_properties))
             if kind is TrackStatus:
                 request.closed = True
-                self._finish_stream(request)
+                self._streams.finish_stream(request)
             return
         raise ProtocolViolation(f"{message.NAME} is not an answer to {kind.NAME}")
 
@@ -324,30 +341,30 @@ class ControlMessageHandling(MessageSending):
         if request.local and request.kind is not Publish:
             raise ProtocolViolation(f"REQUEST_UPDATE from the responder of {request.kind.NAME}")
         allowed = UPDATE_SCOPE.get(request.kind, frozenset())
-        if self.profile.location_filter and request.kind in (Subscribe, Publish):
+        if self._profile.location_filter and request.kind in (Subscribe, Publish):
             allowed = allowed | {0x23}
         for ptype in message.parameters.types():
             if ptype not in allowed:
                 raise ProtocolViolation(f"REQUEST_UPDATE of {request.kind.NAME} with parameter 0x{ptype:x}")
         request.peer_updates.append(message.request_id)
-        self._update_parent[message.request_id] = request
-        self._update_parameters[message.request_id] = message.parameters
+        self._streams.update_parent[message.request_id] = request
+        self._streams.update_parameters[message.request_id] = message.parameters
         tokens = self._tokens.resolve(message.parameters.authorization_tokens)
         if message.parameters.range_filters:
-            self.request_error(message.request_id, RequestErrorCode.INVALID_FILTER, _NO_RANGE_FILTERS)
+            self._session.request_error(message.request_id, RequestErrorCode.INVALID_FILTER, _NO_RANGE_FILTERS)
             return
         if message.parameters.unsupported:
-            self.request_error(message.request_id, RequestErrorCode.NOT_SUPPORTED,
+            self._session.request_error(message.request_id, RequestErrorCode.NOT_SUPPORTED,
                                f"not supported: {message.parameters.unsupported}")
             return
         out.append(ev.RequestUpdateReceived(message.request_id, request.request_id, message.parameters, tokens))
         if message.parameters.fill is not None and request.kind is Subscribe and not request.local:
-            self._fills.open(request, message.parameters.fill, message.request_id, tokens, out)
+            self._streams.fills.open(request, message.parameters.fill, message.request_id, tokens, out)
 
-    def _on_request_fin(self, request: RequestStream, out: list[ev.MoqtEvent]) -> None:
+    def on_request_fin(self, request: RequestStream, out: list[ev.MoqtEvent]) -> None:
         request.fin_received = True
         if request.closed or request.done_stream_count is not None:
-            self._forget_if_done(request)
+            self._streams.forget_if_done(request)
             return
         kind = request.kind
         if request.local:
@@ -359,13 +376,13 @@ class ControlMessageHandling(MessageSending):
             # SUBSCRIBE_TRACKS; for PUBLISH_NAMESPACE it withdraws the namespace; a
             # PUBLISH ended without PUBLISH_DONE is over too.
             cancels = kind in (SubscribeNamespace, SubscribeTracks, PublishNamespace, Publish)
-            if not self.profile.fin_cancels_discovery:
+            if not self._profile.fin_cancels_discovery:
                 # Draft-20: a FIN only ends what the requester sends; cancelling is a reset.
                 cancels = kind is Publish
         if cancels:
             request.closed = True
             out.append(ev.RequestCancelled(request.request_id, StreamResetCode.CANCELLED, request.local))
-            self._finish_stream(request)
+            self._streams.finish_stream(request)
         elif request.local and kind is SubscribeNamespace:
             # Treated as though each active namespace received NAMESPACE_DONE.
             prefix = request.message_as(SubscribeNamespace).namespace_prefix
@@ -374,7 +391,7 @@ class ControlMessageHandling(MessageSending):
             request.namespaces.clear()
             request.closed = True
             out.append(ev.RequestCancelled(request.request_id, StreamResetCode.CANCELLED, True))
-            self._finish_stream(request)
+            self._streams.finish_stream(request)
         elif request.local and kind is Fetch:
-            self._maybe_finish_fetch(request)
-        self._forget_if_done(request)
+            self._streams.maybe_finish_fetch(request)
+        self._streams.forget_if_done(request)

@@ -70,8 +70,8 @@ def _covers_more(end: Location, other: Location) -> bool:
 
 class Fills:
     """The peer's fills being served (by the Request ID of the subscription they fill)
-    and the recognition of our subscriptions' fills: a part `MoqtSession` owns. It shares
-    the session's tables of requests and of REQUEST_UPDATEs (`update_parent`), and hands
+    and the recognition of our subscriptions' fills: a part of `RequestStreams`, whose
+    tables of requests and of REQUEST_UPDATEs (`update_parent`) it shares, and it hands
     a fill to the session's FETCH part as the joining FETCH it replaces."""
 
     def __init__(

@@ -1,13 +1,16 @@
 """What a draft-18 endpoint sends on request streams and its control stream: requests,
 each on a new stream, REQUEST_UPDATEs, cancellations, GOAWAY, and the answers to the
-peer's requests (REQUEST_OK, REQUEST_ERROR, NAMESPACE, NAMESPACE_DONE, PUBLISH_BLOCKED)."""
+peer's requests (REQUEST_OK, REQUEST_ERROR, NAMESPACE, NAMESPACE_DONE, PUBLISH_BLOCKED).
+A part `session.MoqtSession` owns (`MessageSender`); the session's public methods of the
+same names hand their calls to it."""
 
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-from ..errors import NotSupported, PublishDoneCode, RequestErrorCode, StreamClosed, StreamResetCode
+from ..errors import NotSupported, PublishDoneCode, StreamClosed, StreamResetCode
+from ..session.core import SessionPart
 from ..wire import FetchType, Location, Properties, TrackNamespace
 from .messages import (
     SCOPE_PUBLISH_OK,
@@ -35,48 +38,53 @@ from .messages import (
 from .request_state import REQUEST_TYPES, UPDATE_SCOPE, FillState, Request18, RequestMessage, RequestStream
 from .request_streams import RequestStreams
 
-__all__ = ["MessageSending"]
+if TYPE_CHECKING:
+    from .session import MoqtSession
+
+__all__ = ["MessageSender"]
 
 
-class MessageSending(RequestStreams):
-    """Part of `MoqtSession`: the requests, updates and answers it sends."""
+class MessageSender(SessionPart[Request18]):
+    """The requests, updates and answers a draft-18 session sends; the request-stream
+    state is its `RequestStreams` part's, the request lookups and Request IDs the session's."""
+
+    def __init__(self, session: MoqtSession, streams: RequestStreams) -> None:
+        super().__init__(session)
+        self._session = session
+        self._streams = streams
+        self._draft = session.draft
+        self._profile = session.profile
+        self.goaway_sent_request_id: int | None = None  # peer requests from this ID on are refused
 
     # ------------------------------------------------------------------
     # Sending: requests
     # ------------------------------------------------------------------
 
-    def _open_request(self, build: Callable[[int], RequestMessage]) -> int:
+    def open_request(self, build: Callable[[int], RequestMessage]) -> int:
         """Send the request `build` makes with the next Request ID, on a new stream."""
-        self._check_open()
-        request_id = self._next_request_id
+        self._session._check_open()
+        request_id = self._session._next_request_id
         message = build(request_id)
-        data = message.encode(self.draft)
-        self._next_request_id += 2
+        data = message.encode(self._draft)
+        self._session._next_request_id += 2
         sid = self._quic.get_next_available_stream_id(is_unidirectional=False)
         request = RequestStream(request_id, type(message), True, message.parameters, stream_id=sid, message=message)
         if isinstance(message, Fetch) and message.parameters.group_order is not None:
             request.fetch_group_order = message.parameters.group_order
         self._requests[request_id] = request
-        self._stream_requests[sid] = request
-        self._request_parsers[sid] = ControlStreamParser(self.draft)
+        self._streams.by_stream[sid] = request
+        self._streams.parsers[sid] = ControlStreamParser(self._draft)
         self._quic.send_stream_data(sid, data)
         return request_id
 
-    def subscribe(self, namespace: TrackNamespace, track_name: bytes, parameters: Parameters = Parameters()) -> int:
+    def subscribe(self, namespace: TrackNamespace, track_name: bytes, parameters: Parameters) -> int:
         """Send SUBSCRIBE on a new request stream; returns its Request ID."""
-        return self._open_request(lambda rid: Subscribe(rid, namespace, track_name, parameters))
+        return self.open_request(lambda rid: Subscribe(rid, namespace, track_name, parameters))
 
     def fetch(
-        self,
-        namespace: TrackNamespace,
-        track_name: bytes,
-        start: Location,
-        end: Location,
-        parameters: Parameters = Parameters(),
+        self, namespace: TrackNamespace, track_name: bytes, start: Location, end: Location, parameters: Parameters
     ) -> int:
-        """Send a standalone FETCH. `end` is the wire End Location (last Object + 1,
-        or Object 0 for the whole group)."""
-        return self._open_request(
+        return self.open_request(
             lambda rid: Fetch(
                 rid,
                 FetchType.STANDALONE,
@@ -89,19 +97,14 @@ class MessageSending(RequestStreams):
         )
 
     def joining_fetch(
-        self,
-        subscribe_request_id: int,
-        joining_start: int,
-        *,
-        relative: bool = True,
-        parameters: Parameters = Parameters(),
+        self, subscribe_request_id: int, joining_start: int, *, relative: bool, parameters: Parameters
     ) -> int:
         """Send a joining FETCH for one of our subscriptions (draft-18 only: from
         draft-20 on, FILL_PARAMETERS in the SUBSCRIBE asks for the same objects)."""
-        if self.profile.location_filter:
-            raise NotSupported(f"draft-{self.draft} has no joining FETCH")
+        if self._profile.location_filter:
+            raise NotSupported(f"draft-{self._draft} has no joining FETCH")
         fetch_type = FetchType.RELATIVE_JOINING if relative else FetchType.ABSOLUTE_JOINING
-        return self._open_request(
+        return self.open_request(
             lambda rid: Fetch(
                 rid,
                 fetch_type,
@@ -111,30 +114,24 @@ class MessageSending(RequestStreams):
             )
         )
 
-    def track_status(self, namespace: TrackNamespace, track_name: bytes, parameters: Parameters = Parameters()) -> int:
-        return self._open_request(lambda rid: TrackStatus(rid, namespace, track_name, parameters))
+    def track_status(self, namespace: TrackNamespace, track_name: bytes, parameters: Parameters) -> int:
+        return self.open_request(lambda rid: TrackStatus(rid, namespace, track_name, parameters))
 
-    def publish_namespace(self, namespace: TrackNamespace, parameters: Parameters = Parameters()) -> int:
-        return self._open_request(lambda rid: PublishNamespace(rid, namespace, parameters))
+    def publish_namespace(self, namespace: TrackNamespace, parameters: Parameters) -> int:
+        return self.open_request(lambda rid: PublishNamespace(rid, namespace, parameters))
 
-    def subscribe_namespace(self, namespace_prefix: TrackNamespace, parameters: Parameters = Parameters()) -> int:
-        return self._open_request(lambda rid: SubscribeNamespace(rid, namespace_prefix, parameters))
+    def subscribe_namespace(self, namespace_prefix: TrackNamespace, parameters: Parameters) -> int:
+        return self.open_request(lambda rid: SubscribeNamespace(rid, namespace_prefix, parameters))
 
-    def subscribe_tracks(self, namespace_prefix: TrackNamespace, parameters: Parameters = Parameters()) -> int:
-        return self._open_request(lambda rid: SubscribeTracks(rid, namespace_prefix, parameters))
+    def subscribe_tracks(self, namespace_prefix: TrackNamespace, parameters: Parameters) -> int:
+        return self.open_request(lambda rid: SubscribeTracks(rid, namespace_prefix, parameters))
 
     def publish(
-        self,
-        namespace: TrackNamespace,
-        track_name: bytes,
-        *,
-        track_alias: int | None = None,
-        parameters: Parameters = Parameters(),
-        track_properties: Properties = (),
+        self, namespace: TrackNamespace, track_name: bytes, *, track_alias: int | None, parameters: Parameters,
+        track_properties: Properties,
     ) -> int:
-        """Send PUBLISH; objects may follow at once unless FORWARD is 0."""
-        alias = self._allocate_alias(track_alias)
-        request_id = self._open_request(
+        alias = self._session._allocate_alias(track_alias)
+        request_id = self.open_request(
             lambda rid: Publish(rid, namespace, track_name, alias, parameters, track_properties)
         )
         request = self._requests[request_id]
@@ -147,8 +144,8 @@ class MessageSending(RequestStreams):
     def request_update(self, request_id: int, parameters: Parameters) -> int:
         """Send REQUEST_UPDATE for a request of ours (or a PUBLISH we receive);
         returns the update's own Request ID, which its answer will carry."""
-        self._check_open()
-        request = self._request(request_id)
+        self._session._check_open()
+        request = self._session._request(request_id)
         assert isinstance(request, RequestStream)  # a fill's ID (2^64 and up) is no request of ours
         if request.closed or request.fin_sent:
             raise StreamClosed(f"request {request_id} is closed")
@@ -158,58 +155,60 @@ class MessageSending(RequestStreams):
         for ptype in parameters.types():
             if ptype not in allowed:
                 raise ValueError(f"parameter 0x{ptype:x} cannot update a {request.kind.NAME}")
-        update_id = self._next_request_id
-        data = RequestUpdate(update_id, parameters).encode(self.draft)
-        self._next_request_id += 2
+        update_id = self._session._next_request_id
+        data = RequestUpdate(update_id, parameters).encode(self._draft)
+        self._session._next_request_id += 2
         request.our_updates.append(update_id)
-        self._update_parent[update_id] = request
-        self._update_parameters[update_id] = parameters
+        self._streams.update_parent[update_id] = request
+        self._streams.update_parameters[update_id] = parameters
         self._quic.send_stream_data(request.stream_id, data)
         return update_id
 
-    def cancel_request(self, request_id: int, error_code: int = StreamResetCode.CANCELLED) -> None:
+    def cancel_request(self, request_id: int, error_code: int) -> None:
         """Abandon a request: reset our side of its stream and STOP_SENDING the other.
 
         This unsubscribes, withdraws a published namespace, stops a fetch, ...
         """
         request = self._requests.get(request_id)
-        if request is None or self._closed:
+        if request is None or self._session.closed:
             return
         assert isinstance(request, RequestStream)  # a fill's ID (2^64 and up) is no request of ours
         request.closed = True
-        self._abort_stream(request, error_code)
+        self._streams.abort_stream(request, error_code)
         for sid in list(request.open_data_streams):
             stream = self._receiving.streams.get(sid)
             if stream is not None:
                 self._receiving.stop(sid, stream, error_code)
-        self._forget_if_done(request)
+        self._streams.forget_if_done(request)
 
-    def goaway(self, new_session_uri: str = "", timeout_ms: int = 0) -> None:
+    def goaway(self, new_session_uri: str, timeout_ms: int) -> None:
         """Send GOAWAY on the control stream; later peer requests are refused."""
-        self._check_open()
-        if self._is_client and new_session_uri:
+        self._session._check_open()
+        if self._session.is_client and new_session_uri:
             raise ValueError("a client sends GOAWAY without a URI")
-        highest = self._peer_ids.highest
-        last = (0 if not self._is_client else 1) if highest is None else highest + 2
-        self._goaway_sent_request_id = last
+        highest = self._streams.peer_ids.highest
+        last = (0 if not self._session.is_client else 1) if highest is None else highest + 2
+        self.goaway_sent_request_id = last
         message = Goaway(new_session_uri, timeout_ms, last)
-        self._quic.send_stream_data(self._control_stream_id, message.encode(self.draft))
+        self._quic.send_stream_data(self._session._control_stream_id, message.encode(self._draft))
 
-    def request_goaway(self, request_id: int, new_session_uri: str = "", timeout_ms: int = 0) -> None:
+    def request_goaway(self, request_id: int, new_session_uri: str, timeout_ms: int) -> None:
         """Send GOAWAY on one request stream: re-issue this request elsewhere."""
-        self._check_open()
-        request = self._request(request_id)
+        self._session._check_open()
+        request = self._session._request(request_id)
         assert isinstance(request, RequestStream)  # a fill has no stream of its own
-        self._send_on_request(request, Goaway(new_session_uri, timeout_ms, None))
+        self.send_on_request(request, Goaway(new_session_uri, timeout_ms, None))
 
     # ------------------------------------------------------------------
     # Sending: answers
     # ------------------------------------------------------------------
 
-    def _send_on_request(self, request: RequestStream, message: Message, end_stream: bool = False) -> None:
+    def send_on_request(self, request: RequestStream, message: Message, end_stream: bool = False) -> None:
+        self._send_encoded(request, message.encode(self._draft), end_stream)
+
+    def _send_encoded(self, request: RequestStream, data: bytes, end_stream: bool) -> None:
         if request.fin_sent:
             raise StreamClosed(f"request stream of {request.request_id} is closed")
-        data = message.encode(self.draft)
         try:
             self._quic.send_stream_data(request.stream_id, data, end_stream=end_stream)
         except (ValueError, RuntimeError, AssertionError) as exc:
@@ -217,32 +216,37 @@ class MessageSending(RequestStreams):
             raise StreamClosed(f"request stream of {request.request_id}: {exc}") from None
         if end_stream:
             request.fin_sent = True
-            self._forget_if_done(request)
+            self._streams.forget_if_done(request)
 
-    def request_ok(
-        self, request_id: int, parameters: Parameters = Parameters(), track_properties: Properties = ()
-    ) -> None:
+    def send_about(self, request: Request18, data: bytes, *, final: bool = False) -> None:
+        """On the request's stream; a final message (PUBLISH_DONE) ends it too."""
+        assert isinstance(request, RequestStream)  # a fill has no stream and no answer
+        if final:
+            request.closed = True
+        self._send_encoded(request, data, final)
+
+    def request_ok(self, request_id: int, parameters: Parameters, track_properties: Properties) -> None:
         """Send REQUEST_OK: PUBLISH_OK, TRACK_STATUS_OK, PUBLISH_NAMESPACE_OK,
         SUBSCRIBE_NAMESPACE_OK, SUBSCRIBE_TRACKS_OK, or the answer to a peer's
         REQUEST_UPDATE (pass the update's Request ID)."""
-        self._check_open()
-        parent = self._update_parent.get(request_id)
+        self._session._check_open()
+        parent = self._streams.update_parent.get(request_id)
         if parent is not None and request_id in parent.peer_updates:
             _check_scope(parameters, SCOPE_REQUEST_UPDATE_OK, "REQUEST_UPDATE_OK")
-            self._answer_update(parent, request_id)
-            update = self._update_parameters.pop(request_id, None)
+            self.answer_update(parent, request_id)
+            update = self._streams.update_parameters.pop(request_id, None)
             if update is not None:
-                self._apply_update(parent, update, parameters)
-            self._send_on_request(parent, RequestOk(parameters, ()))
+                self.apply_update(parent, update, parameters)
+            self.send_on_request(parent, RequestOk(parameters, ()))
             return
-        request = self._peer_request(
+        request = self._session._peer_request(
             request_id, (Publish, TrackStatus, PublishNamespace, SubscribeNamespace, SubscribeTracks)
         )
         assert isinstance(request, RequestStream)  # not a FETCH, so not a fill
         follow_up = None
         if request.kind is Publish:
             _check_scope(parameters, SCOPE_PUBLISH_OK, "PUBLISH_OK")
-            if self.profile.publish_ok_expires_only:
+            if self._profile.publish_ok_expires_only:
                 # Draft-20: PUBLISH_OK carries EXPIRES; the subscriber's settings follow
                 # in a REQUEST_UPDATE (which has no GROUP_ORDER).
                 rest = replace(parameters, expires=None, group_order=None)
@@ -255,7 +259,7 @@ class MessageSending(RequestStreams):
         if track_properties and request.kind is not TrackStatus:
             raise ValueError("Track Properties go only in TRACK_STATUS_OK")
         final = request.kind is TrackStatus
-        self._send_on_request(request, RequestOk(parameters, track_properties), end_stream=final)
+        self.send_on_request(request, RequestOk(parameters, track_properties), end_stream=final)
         request.answered = request.accepted = True
         if request.kind is Publish:
             request.parameters = request.parameters.merged(parameters)
@@ -263,9 +267,9 @@ class MessageSending(RequestStreams):
                 self.request_update(request_id, follow_up)
         if final:
             request.closed = True
-            self._forget_if_done(request)
+            self._streams.forget_if_done(request)
 
-    def _apply_update(self, request: RequestStream, update: Parameters, answer: Parameters) -> None:
+    def apply_update(self, request: RequestStream, update: Parameters, answer: Parameters) -> None:
         """An accepted REQUEST_UPDATE changes the request's parameters; one that turns
         the Forward State from 0 to 1 sets the Joining Location to the LARGEST_OBJECT of
         its REQUEST_UPDATE_OK (draft-18 "Subscriptions")."""
@@ -274,43 +278,37 @@ class MessageSending(RequestStreams):
         if resumed and request.is_subscription:
             request.largest_at_ok = answer.largest_object
 
-    def _answer_update(self, request: RequestStream, update_id: int) -> None:
+    def answer_update(self, request: RequestStream, update_id: int) -> None:
         if not request.peer_updates or request.peer_updates[0] != update_id:
             raise ValueError(f"REQUEST_UPDATE {update_id} is not the oldest unanswered update")
         request.peer_updates.popleft()
-        self._update_parent.pop(update_id, None)
+        self._streams.update_parent.pop(update_id, None)
 
     def request_error(
-        self,
-        request_id: int,
-        error_code: int,
-        reason: str = "",
-        *,
-        retry_interval: int = 0,
-        redirect: Redirect | None = None,
+        self, request_id: int, error_code: int, reason: str, *, retry_interval: int, redirect: Redirect | None
     ) -> None:
         """Reject a peer's request (and close its stream) or one of its REQUEST_UPDATEs.
 
         A failed update of a subscription this endpoint publishes also ends it with
         PUBLISH_DONE UPDATE_FAILED, as section 10.9.1 requires.
         """
-        self._check_open()
+        self._session._check_open()
         message = RequestErrorMessage(error_code, retry_interval, reason, redirect)
-        parent = self._update_parent.get(request_id)
+        parent = self._streams.update_parent.get(request_id)
         if parent is not None and request_id in parent.peer_updates:
-            self._answer_update(parent, request_id)
-            self._update_parameters.pop(request_id, None)
-            self._send_on_request(parent, message)
+            self.answer_update(parent, request_id)
+            self._streams.update_parameters.pop(request_id, None)
+            self.send_on_request(parent, message)
             if parent.is_subscription and parent.publisher_is_local and parent.accepted:
-                self.publish_done(parent.request_id, PublishDoneCode.UPDATE_FAILED, "update failed")
+                self._session.publish_done(parent.request_id, PublishDoneCode.UPDATE_FAILED, "update failed")
             elif parent.kind in (SubscribeNamespace, PublishNamespace, SubscribeTracks, Fetch):
                 parent.closed = True
-                self._finish_stream(parent)
+                self._streams.finish_stream(parent)
             return
-        request = self._peer_request(request_id, REQUEST_TYPES)
-        self._reject(request, error_code, reason, retry_interval, redirect)
+        request = self._session._peer_request(request_id, REQUEST_TYPES)
+        self.reject(request, error_code, reason, retry_interval, redirect)
 
-    def _reject(
+    def reject(
         self,
         request: Request18,
         error_code: int,
@@ -319,41 +317,37 @@ class MessageSending(RequestStreams):
         redirect: Redirect | None = None,
     ) -> None:
         if isinstance(request, FillState):
-            self._fills.end(request, StreamResetCode.INTERNAL_ERROR)
+            self._streams.fills.end(request, StreamResetCode.INTERNAL_ERROR)
             return
-        if not self.profile.joining_error_codes and error_code in (
-            RequestErrorCode.DUPLICATE_SUBSCRIPTION, RequestErrorCode.INVALID_JOINING_REQUEST_ID
-        ):
-            error_code = RequestErrorCode.INTERNAL_ERROR  # codes draft-20 removed
         request.answered = True
         request.closed = True
-        message = RequestErrorMessage(error_code, retry_interval, reason, redirect)
+        data = self._dialect.request_error(request, error_code, reason, retry_interval, redirect)
         try:
-            self._send_on_request(request, message, end_stream=True)
+            self._send_encoded(request, data, True)
         finally:
             if request.held_fetches:
                 self._fetches.refuse_held(request, "subscription refused")
 
     def namespace(self, request_id: int, namespace_suffix: TrackNamespace) -> None:
         """Send NAMESPACE on a peer's SUBSCRIBE_NAMESPACE stream (after REQUEST_OK)."""
-        request = self._answered_peer_request(request_id, SubscribeNamespace)
+        request = self._session._answered_peer_request(request_id, SubscribeNamespace)
         assert isinstance(request, RequestStream)  # not a FETCH, so not a fill
         request.namespaces.add(tuple(namespace_suffix))
-        self._send_on_request(request, Namespace(tuple(namespace_suffix)))
+        self.send_on_request(request, Namespace(tuple(namespace_suffix)))
 
     def namespace_done(self, request_id: int, namespace_suffix: TrackNamespace) -> None:
-        request = self._answered_peer_request(request_id, SubscribeNamespace)
+        request = self._session._answered_peer_request(request_id, SubscribeNamespace)
         assert isinstance(request, RequestStream)  # not a FETCH, so not a fill
         suffix = tuple(namespace_suffix)
         if suffix not in request.namespaces:
             raise ValueError("NAMESPACE_DONE for a suffix never announced")
         request.namespaces.discard(suffix)
-        self._send_on_request(request, NamespaceDone(suffix))
+        self.send_on_request(request, NamespaceDone(suffix))
 
     def publish_blocked(self, request_id: int, namespace_suffix: TrackNamespace, track_name: bytes) -> None:
-        request = self._answered_peer_request(request_id, SubscribeTracks)
+        request = self._session._answered_peer_request(request_id, SubscribeTracks)
         assert isinstance(request, RequestStream)  # not a FETCH, so not a fill
-        self._send_on_request(request, PublishBlocked(tuple(namespace_suffix), track_name))
+        self.send_on_request(request, PublishBlocked(tuple(namespace_suffix), track_name))
 
 
 def _check_scope(parameters: Parameters, allowed: frozenset[int], name: str) -> None:

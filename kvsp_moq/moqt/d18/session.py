@@ -3,12 +3,13 @@
 `handle_event()` takes each QUIC event and returns MOQT events; the other methods
 write into the QuicConnection, and the caller transmits. Nothing here touches a
 socket, a clock or an event loop. `session.base.SessionBase` holds what every
-draft's session shares; `MoqtSession` adds draft-18's streams, messages and wire
-forms (`dialect`), owns the fills of drafts 20 and 22 as an object (`fill.Fills`), and
-is made of parts in layers, each deriving from the one below it: the state and
-teardown of request streams (`request_streams`), what it sends (`sending`), the
-control messages received (`control`) and stream routing (`streams`); this module
-sets the session's state and gives the draft-18 forms of what `SessionBase` sends.
+draft's session shares; `MoqtSession` hands it draft-18's wire forms of data
+(`dialect.Dialect18`) and owns draft-18's parts as objects: the state and teardown of
+request streams, with the fills of drafts 20 and 22 (`request_streams.RequestStreams`,
+`fill.Fills`), what it sends (`sending.MessageSender`, the session's `Messages`), the
+control messages received (`control.ControlReceiver`) and stream routing
+(`streams.StreamRouting`); this module builds them and hands the hooks of
+`SessionBase` to them.
 
 Stream layout in draft-18 (section 3.3):
 
@@ -52,33 +53,24 @@ from __future__ import annotations
 from typing import Iterable
 
 from .. import events as ev
-from ..engine import QuicEngine
-from ..errors import PublishDoneCode
-from ..session.records import RequestIdTracker
+from ..engine import QuicEngine, QuicEvent, StopSendingReceived, StreamDataReceived, StreamReset
+from ..session.base import SessionBase
+from ..session.records import IncomingDataStream
 from ..wire import DEFAULT_MAX_OBJECT_SIZE, AuthToken
-from .data import (
-    FetchStreamWriter,
-    encode_padding_stream,
-)
+from .control import ControlReceiver
+from .data import FetchStreamWriter, encode_padding_stream
 from .dialect import Dialect18
-from .fill import Fills
-from .messages import (
-    ControlStreamParser,
-    Fetch,
-    FetchOk,
-    Parameters,
-    PublishDone,
-    Setup,
-    SubscribeOk,
-)
+from .messages import Fetch, Setup
 from .profiles import profile
 from .request_state import FillState, Request18, RequestStream
+from .request_streams import RequestStreams
+from .sending import MessageSender
 from .streams import StreamRouting
 
 __all__ = ["MoqtSession"]
 
 
-class MoqtSession(StreamRouting):
+class MoqtSession(SessionBase[Request18]):
     """The MOQT state of one QUIC connection.
 
     `setup` holds the Setup Options to send; a client should set `path` and
@@ -109,7 +101,7 @@ class MoqtSession(StreamRouting):
             is_client=is_client,
             draft=draft,
             setup=setup,
-            dialect=Dialect18(),
+            dialect=Dialect18(self.profile),
             max_object_size=max_object_size,
             max_auth_token_cache_size=max_auth_token_cache_size,
             max_buffered_before_setup=max_buffered_before_setup,
@@ -117,22 +109,13 @@ class MoqtSession(StreamRouting):
             accept_path=accept_path,
             accept_authority=accept_authority,
         )
-        self._goaway_sent_request_id: int | None = None
-        self._peer_ids = RequestIdTracker(1 if is_client else 0)
-        self._stream_requests: dict[int, RequestStream] = {}
-        self._request_parsers: dict[int, ControlStreamParser] = {}
-        self._update_parent: dict[int, RequestStream] = {}
-        self._update_parameters: dict[int, Parameters] = {}  # REQUEST_UPDATEs not yet answered
-        self._fills = Fills(self.profile, self._requests, self._update_parent, self._fetches, self._sending,
-                            self._dialect)  # drafts 20 and 22
-
-        self._peer_control_stream_id: int | None = None
-        self._control_parser = ControlStreamParser(draft)
-        self._unclassified_uni: dict[int, bytearray] = {}
-        self._ignored_streams: set[int] = set()
-        options = self.local_setup
         self._control_stream_id = quic.get_next_available_stream_id(is_unidirectional=True)
-        quic.send_stream_data(self._control_stream_id, options.encode(draft))
+        self._streams = self._ends = RequestStreams(self)
+        self._fills = self._streams.fills  # drafts 20 and 22
+        self._sender = self._messages = MessageSender(self, self._streams)
+        self._control = ControlReceiver(self, self._streams, self._sender)
+        self._routing = StreamRouting(self, self._streams, self._control)
+        quic.send_stream_data(self._control_stream_id, self.local_setup.encode(draft))
 
     # ------------------------------------------------------------------
     # Properties
@@ -163,22 +146,28 @@ class MoqtSession(StreamRouting):
         self._quic.send_stream_data(sid, encode_padding_stream(size), end_stream=True)
 
     # ------------------------------------------------------------------
-    # Draft-18 forms of what SessionBase sends
+    # The hooks of SessionBase, handed to the parts
     # ------------------------------------------------------------------
 
-    def _send_answer(self, request: Request18, message: SubscribeOk | FetchOk) -> None:
-        if isinstance(request, FillState):
-            return  # a fill has no FETCH_OK
-        self._send_on_request(request, message)
+    def _on_control_data(self, data: bytes, out: list[ev.MoqtEvent]) -> None:
+        self._control.on_control_data(data, out)
 
-    def _send_publish_done(self, request: Request18, status_code: int, reason: str) -> None:
-        """PUBLISH_DONE ends the request stream too."""
-        assert isinstance(request, RequestStream)  # a subscription, not a fill
-        request.closed = True
-        if status_code == PublishDoneCode.SUBSCRIPTION_ENDED and not self.profile.subscription_ended:
-            status_code = PublishDoneCode.TRACK_ENDED  # the code draft-20 sends in its place
-        done = PublishDone(status_code, request.data_streams_opened, reason)
-        self._send_on_request(request, done, end_stream=True)
+    def _is_control_event(self, event: QuicEvent) -> bool:
+        return self._routing.is_control_event(event)
+
+    def _on_stream_data(self, event: StreamDataReceived, out: list[ev.MoqtEvent]) -> None:
+        self._routing.on_stream_data(event, out)
+
+    def _on_stream_reset(self, event: StreamReset, out: list[ev.MoqtEvent]) -> None:
+        self._routing.on_stream_reset(event, out)
+
+    def _on_stop_sending(self, event: StopSendingReceived, out: list[ev.MoqtEvent]) -> None:
+        self._routing.on_stop_sending(event, out)
+
+    def _on_data_header(
+        self, sid: int, stream: IncomingDataStream[Request18], item: object, out: list[ev.MoqtEvent]
+    ) -> bool:
+        return self._routing.on_data_header(sid, stream, item, out)
 
     def _resolve_own_joining(
         self,

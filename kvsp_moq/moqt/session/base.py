@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from .. import events as ev
 from ..d18.data import ObjectDatagram, SubgroupHeader
-from ..d18.messages import Fetch, FetchOk, Parameters, Subscribe, SubscribeOk
+from ..d18.messages import Fetch, FetchOk, Parameters, Redirect, Subscribe, SubscribeOk
 from ..engine import (
     ConnectionTerminated,
     DatagramFrameReceived,
@@ -38,6 +38,7 @@ from ..wire import (
     Location,
     ObjectStatus,
     Properties,
+    TrackNamespace,
     TrackPropertyType,
     property_value,
 )
@@ -150,8 +151,127 @@ class SessionBase(SessionCore[RequestT]):
                 raise InvalidAuthority(f"authority {authority!r} is not served here")
 
     # ------------------------------------------------------------------
+    # Control messages (the draft's `Messages` part sends them)
+    # ------------------------------------------------------------------
+
+    def subscribe(self, namespace: TrackNamespace, track_name: bytes, parameters: Parameters = Parameters()) -> int:
+        """Send SUBSCRIBE; returns its Request ID."""
+        return self._messages.subscribe(namespace, track_name, parameters)
+
+    def fetch(
+        self,
+        namespace: TrackNamespace,
+        track_name: bytes,
+        start: Location,
+        end: Location,
+        parameters: Parameters = Parameters(),
+    ) -> int:
+        """Send a standalone FETCH. `end` is the wire End Location (last Object + 1,
+        or Object 0 for the whole group)."""
+        return self._messages.fetch(namespace, track_name, start, end, parameters)
+
+    def joining_fetch(
+        self,
+        subscribe_request_id: int,
+        joining_start: int,
+        *,
+        relative: bool = True,
+        parameters: Parameters = Parameters(),
+    ) -> int:
+        """Send a joining FETCH for one of our subscriptions (not from draft-20 on, where
+        FILL_PARAMETERS in the SUBSCRIBE asks for the same objects)."""
+        return self._messages.joining_fetch(
+            subscribe_request_id, joining_start, relative=relative, parameters=parameters
+        )
+
+    def track_status(self, namespace: TrackNamespace, track_name: bytes, parameters: Parameters = Parameters()) -> int:
+        """Send TRACK_STATUS; returns its Request ID."""
+        return self._messages.track_status(namespace, track_name, parameters)
+
+    def publish_namespace(self, namespace: TrackNamespace, parameters: Parameters = Parameters()) -> int:
+        """Send PUBLISH_NAMESPACE; withdrawn by cancel_request()."""
+        return self._messages.publish_namespace(namespace, parameters)
+
+    def subscribe_namespace(self, namespace_prefix: TrackNamespace, parameters: Parameters = Parameters()) -> int:
+        """Send SUBSCRIBE_NAMESPACE; the namespaces come as NamespaceReceived events."""
+        return self._messages.subscribe_namespace(namespace_prefix, parameters)
+
+    def subscribe_tracks(self, namespace_prefix: TrackNamespace, parameters: Parameters = Parameters()) -> int:
+        """Send SUBSCRIBE_TRACKS (NotSupported in draft-14)."""
+        return self._messages.subscribe_tracks(namespace_prefix, parameters)
+
+    def publish(
+        self,
+        namespace: TrackNamespace,
+        track_name: bytes,
+        *,
+        track_alias: int | None = None,
+        parameters: Parameters = Parameters(),
+        track_properties: Properties = (),
+    ) -> int:
+        """Send PUBLISH; objects may follow at once unless FORWARD is 0."""
+        return self._messages.publish(
+            namespace, track_name, track_alias=track_alias, parameters=parameters, track_properties=track_properties
+        )
+
+    def request_update(self, request_id: int, parameters: Parameters) -> int:
+        """Update a request of ours (or a PUBLISH we receive); returns the update's own
+        Request ID, which its answer will carry."""
+        return self._messages.request_update(request_id, parameters)
+
+    def cancel_request(self, request_id: int, error_code: int = StreamResetCode.CANCELLED) -> None:
+        """Abandon a request: this unsubscribes, withdraws a published namespace, stops a
+        fetch, ... (by stream reset in draft-18, by message in draft-14)."""
+        self._messages.cancel_request(request_id, error_code)
+
+    def goaway(self, new_session_uri: str = "", timeout_ms: int = 0) -> None:
+        """Send GOAWAY on the control stream; later peer requests are refused."""
+        self._messages.goaway(new_session_uri, timeout_ms)
+
+    def request_goaway(self, request_id: int, new_session_uri: str = "", timeout_ms: int = 0) -> None:
+        """Send GOAWAY on one request stream: re-issue this request elsewhere (draft-18)."""
+        self._messages.request_goaway(request_id, new_session_uri, timeout_ms)
+
+    def request_ok(
+        self, request_id: int, parameters: Parameters = Parameters(), track_properties: Properties = ()
+    ) -> None:
+        """Accept a peer request other than SUBSCRIBE and FETCH (PUBLISH, TRACK_STATUS, the
+        namespace requests), or a peer's REQUEST_UPDATE (pass the update's Request ID)."""
+        self._messages.request_ok(request_id, parameters, track_properties)
+
+    def request_error(
+        self,
+        request_id: int,
+        error_code: int,
+        reason: str = "",
+        *,
+        retry_interval: int = 0,
+        redirect: Redirect | None = None,
+    ) -> None:
+        """Reject a peer's request or one of its REQUEST_UPDATEs; a failed update of a
+        subscription this endpoint publishes also ends it with PUBLISH_DONE UPDATE_FAILED."""
+        self._messages.request_error(request_id, error_code, reason, retry_interval=retry_interval, redirect=redirect)
+
+    def namespace(self, request_id: int, namespace_suffix: TrackNamespace) -> None:
+        """Announce a namespace under a peer's SUBSCRIBE_NAMESPACE (after accepting it)."""
+        self._messages.namespace(request_id, namespace_suffix)
+
+    def namespace_done(self, request_id: int, namespace_suffix: TrackNamespace) -> None:
+        """Withdraw a namespace announced by namespace()."""
+        self._messages.namespace_done(request_id, namespace_suffix)
+
+    def publish_blocked(self, request_id: int, namespace_suffix: TrackNamespace, track_name: bytes) -> None:
+        """Send PUBLISH_BLOCKED on a peer's SUBSCRIBE_TRACKS (draft-18)."""
+        self._messages.publish_blocked(request_id, namespace_suffix, track_name)
+
+    # ------------------------------------------------------------------
     # Sending: answers
     # ------------------------------------------------------------------
+
+    def _send_answer(self, request: RequestT, message: SubscribeOk | FetchOk) -> None:
+        data = self._dialect.answer(request, message)
+        if data is not None:
+            self._messages.send_about(request, data)
 
     def _allocate_alias(self, alias: int | None) -> int:
         if alias is None:
@@ -202,7 +322,8 @@ class SessionBase(SessionCore[RequestT]):
     ) -> None:
         """Accept a peer's FETCH. `end_location` uses the wire encoding (last + 1)."""
         request = self._peer_request(request_id, (Fetch,))
-        self._send_answer(request, FetchOk(end_of_track, Location(*end_location), Parameters(), track_properties))
+        answer = FetchOk(end_of_track, Location(*end_location), Parameters(), track_properties)
+        self._send_answer(request, answer)
         request.answered = request.accepted = True
         self._maybe_finish_fetch(request)
 
@@ -221,7 +342,7 @@ class SessionBase(SessionCore[RequestT]):
                 self.reset_data_stream(sid, StreamResetCode.CANCELLED)
             else:
                 self.close_data_stream(sid)
-        self._send_publish_done(request, status_code, reason)
+        self._messages.send_about(request, self._dialect.publish_done(request, status_code, reason), final=True)
 
     # ------------------------------------------------------------------
     # Writing data (the `sending` part, for requests checked here)

@@ -2,31 +2,62 @@
 aliases), the parts it owns (the peer's tokens, a `tokens.PeerTokens`; the draft's wire
 forms, a `dialect.Dialect`; reading data, a `receiving.DataReceiver`; the peer's
 FETCHes, a `fetches.PeerFetches`; writing data, a `sending.DataSender`), the lookups of
-its requests, and the hooks through which a draft supplies its control messages and the
-parts ask of it (abstract where every draft must fill them in). `base.SessionBase`
+its requests, the draft's control messages (a `messages.Messages`, which the draft's
+session sets), and the hooks through which a draft routes its streams and the parts ask
+of it (abstract where every draft must fill them in). `base.SessionBase`
 builds the session's public methods on it; a draft's `session` module fills in the hooks."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import replace
-from typing import Generic, Iterable
+from typing import Generic, Iterable, Protocol, TypeVar
 
 from .. import events as ev
-from ..d18.messages import Fetch, FetchOk, Message, Setup, SubscribeOk
+from ..d18.messages import Fetch, Message, Setup
 from ..engine import QuicEngine, QuicEvent, StopSendingReceived, StreamDataReceived, StreamReset
 from ..errors import StreamClosed
 from ..wire import AuthToken
 from .dialect import Dialect
 from .fetches import PeerFetches
+from .messages import Messages
 from .receiving import DataReceiver
-from .records import IncomingDataStream, RequestT
+from .records import IncomingDataStream, RequestState, RequestT
 from .sending import DataSender
 from .tokens import PeerTokens
 
-__all__ = ["IMPLEMENTATION", "SessionCore"]
+__all__ = ["IMPLEMENTATION", "RequestEnds", "SessionCore", "SessionPart"]
 
 IMPLEMENTATION = "kvsp-moq/0.1"
+
+
+_RequestC = TypeVar("_RequestC", bound=RequestState, contravariant=True)
+
+
+class RequestEnds(Protocol[_RequestC]):
+    """How a draft ends its requests (the part that keeps their streams, draft-18, or their
+    credit, draft-14); the data stream parts ask it through the session's hooks."""
+
+    def fetch_stream_reset(self, request: _RequestC) -> None:
+        """The data stream of an open FETCH of ours was reset."""
+        ...
+
+    def data_stream_reset(self, request: _RequestC) -> None:
+        """One of the request's data streams was reset (by us or, through STOP_SENDING,
+        the peer) or, one of the peer's, stopped by us."""
+        ...
+
+    def maybe_finish_fetch(self, request: _RequestC) -> None:
+        """A fetch ends once it was accepted and its data stream is done."""
+        ...
+
+    def close_request(self, request: _RequestC) -> None:
+        """Mark a request over; forget it once nothing refers to it."""
+        ...
+
+    def forget_if_done(self, request: _RequestC) -> None:
+        """Drop a request that is over once nothing refers to it."""
+        ...
 
 
 class SessionCore(ABC, Generic[RequestT]):
@@ -36,6 +67,8 @@ class SessionCore(ABC, Generic[RequestT]):
     and the draft's parts agree on what `_requests` and the hooks hold."""
 
     draft: int
+    _messages: Messages[RequestT]  # the draft's control messages, set by the draft's session
+    _ends: RequestEnds[RequestT]  # how the draft ends its requests, set by the draft's session
 
     def __init__(
         self,
@@ -179,17 +212,9 @@ class SessionCore(ABC, Generic[RequestT]):
     ) -> bool:
         """The first item of an incoming data stream; False when the stream is dropped."""
 
-    @abstractmethod
-    def _send_answer(self, request: RequestT, message: SubscribeOk | FetchOk) -> None:
-        """Send SUBSCRIBE_OK / FETCH_OK (draft-18 form) for a peer request."""
-
-    @abstractmethod
-    def _send_publish_done(self, request: RequestT, status_code: int, reason: str) -> None:
-        """Send PUBLISH_DONE for a subscription this endpoint publishes and close it."""
-
-    @abstractmethod
     def _reject(self, request: RequestT, error_code: int, reason: str) -> None:
-        """Refuse a peer request with a request error."""
+        """Refuse a peer request with a request error (the draft's `Messages` sends it)."""
+        self._messages.reject(request, error_code, reason)
 
     def _resolve_own_joining(
         self, request: RequestT, message: Fetch, tokens: tuple[AuthToken, ...], joined: RequestT,
@@ -199,13 +224,11 @@ class SessionCore(ABC, Generic[RequestT]):
         its range); False when it is an ordinary one."""
         return False
 
-    @abstractmethod
     def _fetch_stream_reset(self, request: RequestT) -> None:
-        """The data stream of an open FETCH of ours was reset."""
+        self._ends.fetch_stream_reset(request)
 
     def _data_stream_reset(self, request: RequestT) -> None:
-        """One of the request's data streams was reset (by us or, through STOP_SENDING,
-        the peer) or, one of the peer's, stopped by us."""
+        self._ends.data_stream_reset(request)
 
     def _data_stream_opened(self, request: RequestT) -> None:
         """A data stream of the request was opened (draft-20: a fill's counts for its subscription)."""
@@ -214,14 +237,28 @@ class SessionCore(ABC, Generic[RequestT]):
         """The peer sent STOP_SENDING for one of the request's data streams (after the
         stream was marked reset and the event reported)."""
 
-    @abstractmethod
     def _maybe_finish_fetch(self, request: RequestT) -> None:
-        """A fetch ends once it was accepted and its data stream is done."""
+        self._ends.maybe_finish_fetch(request)
 
-    @abstractmethod
     def _close_request(self, request: RequestT) -> None:
-        """Mark a request over; forget it once nothing refers to it."""
+        self._ends.close_request(request)
 
-    @abstractmethod
     def _forget_if_done(self, request: RequestT) -> None:
-        """Drop a request that is over once nothing refers to it."""
+        self._ends.forget_if_done(request)
+
+
+class SessionPart(Generic[RequestT]):
+    """What a draft's own part (its requests' teardown, its sending, its control messages
+    received, ...) starts from: the core's QUIC engine, tables and shared parts, which stay
+    the same objects for the session's life. The part keeps the draft's session itself
+    for the rest."""
+
+    def __init__(self, core: SessionCore[RequestT]) -> None:
+        self._quic = core._quic
+        self._dialect = core._dialect
+        self._requests = core._requests
+        self._aliases_out = core._aliases_out
+        self._tokens = core._tokens
+        self._receiving = core._receiving
+        self._fetches = core._fetches
+        self._sending = core._sending
