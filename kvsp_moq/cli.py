@@ -131,6 +131,8 @@ MATRIX_BENCHMARKS = ("moqt",)
 def cmd_bench(args: argparse.Namespace) -> int:
     """Run one benchmark. For moqt, --engine (else --quic-engine, else both engines) and
     --datagram-size pick the matrix's cells; elsewhere they are refused, not ignored."""
+    if args.overhead_only and args.target != "gateway":
+        raise UsageError("--overhead-only: only for bench gateway")
     if args.target in MODEL_BENCHMARKS or args.overhead_only:
         _needs_agent_extra(f"bench {args.target}")
     from kvsp_moq.bench import run_bench
@@ -149,8 +151,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
             raise UsageError("--pcs must be between 1 and 64")
         options["pcs"] = args.pcs
     if args.overhead_only:
-        if args.target != "gateway":
-            raise UsageError("--overhead-only: only for bench gateway")
         options["overhead_only"] = True
     result = run_bench(args.target, quick=args.quick, **options)
     print(json.dumps(result, indent=2))

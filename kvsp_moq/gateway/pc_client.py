@@ -243,7 +243,7 @@ class PCClient:
 
     async def _connect(self, key: tuple[str, int]) -> _Connection:
         transport, conn = await asyncio.get_running_loop().create_connection(_Connection, *key)
-        conn.transport = cast(asyncio.Transport, transport)  # uvloop: connection_made comes later
+        conn.transport = transport  # uvloop calls connection_made later
         return conn
 
     def _take(self, key: tuple[str, int]) -> _Connection | None:
