@@ -150,9 +150,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if not 1 <= args.pcs <= 64:
             raise UsageError("--pcs must be between 1 and 64")
         options["pcs"] = args.pcs
-    if args.overhead_only:
-        options["overhead_only"] = True
-    result = run_bench(args.target, quick=args.quick, **options)
+    target = "gateway_overhead" if args.overhead_only else args.target
+    result = run_bench(target, quick=args.quick, **options)
     print(json.dumps(result, indent=2))
     return 0
 

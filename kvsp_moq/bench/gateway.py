@@ -355,13 +355,7 @@ def _kvsp(model: Path, workdir: Path, w: dict[str, Any], prompts: list[list[int]
     return arm, gateway_figures
 
 
-def run(*, quick: bool = False, overhead_only: bool = False) -> dict[str, Any]:
-    """The three arms among vLLM engines; with `overhead_only`, the gateway's own time per
-    request alone, without vLLM (`kvsp_moq.bench.gateway_overhead`)."""
-    if overhead_only:
-        from kvsp_moq.bench import gateway_overhead
-
-        return gateway_overhead.run(quick=quick)
+def run(*, quick: bool = False) -> dict[str, Any]:
     from agent.tiny import ensure_tiny_model
 
     w = _workload(quick)
