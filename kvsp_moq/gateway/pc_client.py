@@ -163,6 +163,7 @@ class PCClient:
         #: False: every call through httpx (the path this one replaced; the benchmark's baseline)
         self.lean = lean and httptools is not None
         self._idle: dict[tuple[str, int], list[_Connection]] = {}
+        self._closed = False
         self._auth = f"Authorization: Bearer {token}\r\n" if token else ""
 
     # --------------------------------------------------------------------- the PC's route
@@ -173,9 +174,13 @@ class PCClient:
         t0 = time.perf_counter()
         payload = json.dumps(body, separators=(",", ":")).encode()
         answer = await self.call("POST", "route", payload)
-        decision = json.loads(answer.body)
+        try:
+            decision = json.loads(answer.body)
+        except ValueError:
+            decision = None
         if not isinstance(decision, dict):
-            raise TransportError("the PC's route decision is not a JSON object")
+            raise TransportError(f"the PC's route decision is not a JSON object: "
+                                 f"{answer.body[:80]!r}")
         return decision, (time.perf_counter() - t0) * 1000
 
     async def call(self, method: str, path: str, payload: bytes | None = None) -> _Answer:
@@ -256,7 +261,7 @@ class PCClient:
 
     def _give(self, key: tuple[str, int], conn: _Connection) -> None:
         idle = self._idle.setdefault(key, [])
-        if len(idle) < MAX_IDLE:
+        if len(idle) < MAX_IDLE and not self._closed:
             idle.append(conn)
         else:
             conn.close()
@@ -275,6 +280,8 @@ class PCClient:
         return _Answer(r.status_code, r.headers.get("content-type", ""), r.content)
 
     async def aclose(self) -> None:
+        """Close the idle connections; those in use close when their call ends."""
+        self._closed = True
         for idle in self._idle.values():
             for conn in idle:
                 conn.close()

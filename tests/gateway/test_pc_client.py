@@ -196,3 +196,14 @@ async def test_httpx_path_answers_alike(decision_pc: FakePC) -> None:
     finally:
         await lean.aclose()
         await old.aclose()
+
+
+async def test_an_answer_that_is_not_a_decision_is_a_transport_error() -> None:
+    text = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 4\r\n\r\nnope"
+    async with FakePC(lambda head, body: text) as pc:
+        client = PCClient(pc.url)
+        try:
+            with pytest.raises(TransportError, match="not a JSON object"):
+                await client.route({})
+        finally:
+            await client.aclose()
