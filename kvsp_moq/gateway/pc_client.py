@@ -164,6 +164,8 @@ class PCClient:
         self.lean = lean and httptools is not None
         self._idle: dict[tuple[str, int], list[_Connection]] = {}
         self._closed = False
+        if token and not token.isprintable():
+            raise ValueError("the PC token must be printable (no line breaks)")
         self._auth = f"Authorization: Bearer {token}\r\n" if token else ""
 
     # --------------------------------------------------------------------- the PC's route

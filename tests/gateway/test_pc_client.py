@@ -207,3 +207,8 @@ async def test_an_answer_that_is_not_a_decision_is_a_transport_error() -> None:
                 await client.route({})
         finally:
             await client.aclose()
+
+
+def test_a_token_that_would_break_the_head_is_refused() -> None:
+    with pytest.raises(ValueError, match="printable"):
+        PCClient("http://127.0.0.1:1/", token="t0k\r\nX-Other: 1")
