@@ -173,6 +173,11 @@ class AgentBackend:
         """The PC in use."""
         return self.pcs.url
 
+    @pc_url.setter
+    def pc_url(self, urls: str) -> None:
+        """Route at other PCs from now on (one URL, or several comma-separated)."""
+        self.pcs = self.pc.pcs = PCEndpoints(urls)
+
     def frontend(self) -> FrontEnd:
         """A front end on the shared client (cheap: it holds no connection of its own), with
         the PCs from the one in use."""
