@@ -131,7 +131,9 @@ MATRIX_BENCHMARKS = ("moqt",)
 def cmd_bench(args: argparse.Namespace) -> int:
     """Run one benchmark. For moqt, --engine (else --quic-engine, else both engines) and
     --datagram-size pick the matrix's cells; elsewhere they are refused, not ignored."""
-    if args.target in MODEL_BENCHMARKS:
+    if args.overhead_only and args.target != "gateway":
+        raise UsageError("--overhead-only: only for bench gateway")
+    if args.target in MODEL_BENCHMARKS or args.overhead_only:
         _needs_agent_extra(f"bench {args.target}")
     from kvsp_moq.bench import run_bench
 
@@ -148,7 +150,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if not 1 <= args.pcs <= 64:
             raise UsageError("--pcs must be between 1 and 64")
         options["pcs"] = args.pcs
-    result = run_bench(args.target, quick=args.quick, **options)
+    target = "gateway_overhead" if args.overhead_only else args.target
+    result = run_bench(target, quick=args.quick, **options)
     print(json.dumps(result, indent=2))
     return 0
 
@@ -294,6 +297,9 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     p.add_argument("--pcs", type=int, metavar="N",
                    help="route: also N PC processes sharing their state in a Redis the benchmark "
                         "starts (redis-server on PATH), with the total for 1..N of them")
+    p.add_argument("--overhead-only", action="store_true",
+                   help="gateway: only the gateway's own time per request (tokenization and the "
+                        "PC's route), with engines that answer at once: no vLLM needed")
     _add_engine_option(p)
     p.set_defaults(func=cmd_bench)
     p = sub.add_parser(

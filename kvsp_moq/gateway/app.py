@@ -53,6 +53,7 @@ MAX_BODY = 16 << 20
 @dataclass(frozen=True)
 class GatewaySettings:
     pc_url: str
+    """The PC, or several PC processes on one store (comma-separated URLs)."""
     model_dir: str | Path
     """The model's directory (tokenizer, chat template, descriptor); resolve "tiny" first."""
     served_name: str | None = None

@@ -33,14 +33,16 @@ from kvsp_moq.errors import (
     reason_of,
 )
 from kvsp_moq.frontend import FrontEnd, Restart
+from kvsp_moq.gateway.pc_client import PCClient
 from kvsp_moq.gateway.scopes import Scope
 from kvsp_moq.index_client import raise_for_problem
+from kvsp_moq.pc_endpoints import PCEndpoints
 from kvsp_moq.protocol.keys import block_keys
 from kvsp_moq.protocol.urls import base_url
 
 log = logging.getLogger("kvsp.gateway")
 
-__all__ = ["AgentBackend", "Backend", "Job", "Run"]
+__all__ = ["AgentBackend", "Backend", "Job", "Run", "route_body"]
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,14 @@ def _upstream(err: KvspError, what: str) -> KvspError:
     if isinstance(err, (Unauthorized, ForbiddenScope)):
         return TransportError(f"{what} refused the gateway's token: {err.detail}")
     return err
+
+
+def route_body(job: Job, compat_id: str, block_tokens: int) -> dict[str, Any]:
+    """The §6.4 route request of a job: its Block Keys in the job's scope."""
+    keys = block_keys(job.scope.key, bytes.fromhex(compat_id), job.tokens, block_tokens)
+    return {"block_keys": [k.hex() for k in keys], "scope_id": job.scope.id,
+            "compat_id": compat_id, "block_tokens": block_tokens,
+            "token_count": len(job.tokens), "request_ref": job.request_id}
 
 
 class AgentRun:
@@ -140,7 +150,9 @@ class AgentBackend:
                  token: str | None = None, client: httpx.AsyncClient | None = None,
                  timeout_s: float = 60.0, stream_timeout_s: float = 600.0,
                  stream_retries: int = 60) -> None:
-        self.pc_url = base_url(pc_url)
+        #: one PC, or several PC processes on one store (comma-separated URLs): a PC that
+        #: cannot be reached or answers 503 is left for the next
+        self.pcs = PCEndpoints(pc_url)
         self.compat_id = compat_id
         self.block_tokens = block_tokens
         self.token = token
@@ -149,23 +161,34 @@ class AgentBackend:
         self.client = client or httpx.AsyncClient(trust_env=False, limits=httpx.Limits(
             max_connections=256, max_keepalive_connections=64))
         self.timeout_s = timeout_s
+        #: `POST {pc}route` on connections of its own, kept alive (`pc_client`)
+        self.pc = PCClient(self.pcs, token=token, timeout_s=timeout_s, client=self.client)
         self.stream_timeout_s = stream_timeout_s
         #: reconnections of one stream without a token in between (each waits up to 1 s):
         #: enough for the PC to see a lost instance fail and resume its sessions elsewhere
         self.stream_retries = stream_retries
 
+    @property
+    def pc_url(self) -> str:
+        """The PC in use."""
+        return self.pcs.url
+
+    @pc_url.setter
+    def pc_url(self, urls: str) -> None:
+        """Route at other PCs from now on (one URL, or several comma-separated)."""
+        self.pcs = self.pc.pcs = PCEndpoints(urls)
+
     def frontend(self) -> FrontEnd:
-        """A front end on the shared client (cheap: it holds no connection of its own)."""
-        return FrontEnd(self.pc_url, token=self.token, client=self.client,
+        """A front end on the shared client (cheap: it holds no connection of its own), with
+        the PCs from the one in use."""
+        at = self.pcs.urls.index(self.pcs.url)
+        return FrontEnd(",".join(self.pcs.urls[at:] + self.pcs.urls[:at]), token=self.token,
+                        client=self.client,
                         retries=self.stream_retries, timeout_s=self.stream_timeout_s,
                         read_timeout_s=self.timeout_s)
 
     def route_body(self, job: Job) -> dict[str, Any]:
-        keys = block_keys(job.scope.key, bytes.fromhex(self.compat_id), job.tokens,
-                          self.block_tokens)
-        return {"block_keys": [k.hex() for k in keys], "scope_id": job.scope.id,
-                "compat_id": self.compat_id, "block_tokens": self.block_tokens,
-                "token_count": len(job.tokens), "request_ref": job.request_id}
+        return route_body(job, self.compat_id, self.block_tokens)
 
     async def _post(self, url: str, body: Mapping[str, Any], what: str) -> httpx.Response:
         try:
@@ -180,19 +203,23 @@ class AgentBackend:
         return r
 
     async def route(self, route: Mapping[str, Any]) -> tuple[dict[str, Any], float]:
-        """`POST {pc}route`: the decision and the ms it took."""
-        t0 = time.perf_counter()
-        decision = (await self._post(f"{self.pc_url}route", route, "the PC")).json()
-        return decision, (time.perf_counter() - t0) * 1000
+        """`POST {pc}route` (the next PC when one cannot be reached or answers 503): the
+        decision and the ms it took."""
+        try:
+            return await self.pc.route(route)
+        except KvspError as e:
+            raise _upstream(e, "the PC") from None
 
     async def start(self, job: Job, *, exclude: Sequence[str] = ()) -> Run:
         """Route and start; an instance that cannot be reached is excluded and the prompt
         routed once more (it died after its last status record). `exclude`: instances the
-        PC must not choose (lost by this request already)."""
+        PC must not choose (lost by this request already). The run's `route_ms` counts the
+        Block Keys' derivation and the route calls."""
+        t0 = time.perf_counter()
         route = self.route_body(job)
         if exclude:
             route["exclude"] = list(exclude)
-        route_ms = 0.0
+        route_ms = (time.perf_counter() - t0) * 1000
         for attempt in range(2):
             decision, ms = await self.route(route)
             route_ms += ms
@@ -254,5 +281,6 @@ class AgentBackend:
             raise TransportError(f"instance {instance}: {reason_of(e, named=True)}") from None
 
     async def aclose(self) -> None:
+        await self.pc.aclose()
         if self._own:
             await self.client.aclose()

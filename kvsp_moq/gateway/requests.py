@@ -152,7 +152,9 @@ def _common(data: dict[str, Any], chat: bool) -> dict[str, Any]:
 
 
 def _token_ids(value: list[Any]) -> tuple[int, ...] | None:
-    if value and all(type(t) is int and t >= 0 for t in value):
+    """Token ids (ints, not bools, >= 0), checked in C: a prompt is hundreds of them, and this
+    is on every request's path (the gateway's own time)."""
+    if value and set(map(type, value)) == {int} and min(value) >= 0:
         return tuple(value)
     return None
 

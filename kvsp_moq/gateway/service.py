@@ -37,7 +37,10 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                      "KVSP cost, generate at the chosen instance and stream the answer back.")
     p.add_argument("--listen", default=f"127.0.0.1:{DEFAULT_PORT}", metavar="HOST:PORT",
                    help="address to serve on (default %(default)s)")
-    p.add_argument("--pc", required=True, metavar="URL", help="the Placement Controller")
+    p.add_argument("--pc", required=True, metavar="URL[,URL...]",
+                   help="the Placement Controller; several comma-separated URLs for several PC "
+                        "processes on one store (one that cannot be reached or answers 503 is "
+                        "left for the next)")
     p.add_argument("--model", required=True, metavar="tiny|DIR",
                    help="the model the instances serve: its tokenizer, chat template and "
                         "descriptor are read from its directory")

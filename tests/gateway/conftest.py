@@ -37,9 +37,10 @@ class Stack:
 
 @contextlib.contextmanager
 def make_stack(model_dir: Path, db: Path, *, pc: dict[str, Any] | None = None,
-               holder: bool = False, **agent: Any) -> Iterator[Stack]:
+               holder: bool = False, dead_pc: bool = False, **agent: Any) -> Iterator[Stack]:
     """Index, PC, two agents (`agent`: more AgentSettings) and the gateway, stopped after;
-    with `holder`, a holder the agents replicate their blocks to."""
+    with `holder`, a holder the agents replicate their blocks to; with `dead_pc`, the
+    gateway's first PC URL is another PC's, stopped before the gateway starts."""
     with contextlib.ExitStack() as stack:
         index = stack.enter_context(BackgroundServer(create_index_app(IndexSettings())))
         if holder:
@@ -55,7 +56,11 @@ def make_stack(model_dir: Path, db: Path, *, pc: dict[str, Any] | None = None,
                                     **agent)).start()
             stack.callback(a.stop)
             agents.append(a)
-        app = create_app(GatewaySettings(pc_url=pc_server.url, model_dir=model_dir,
+        pc_urls = pc_server.url
+        if dead_pc:
+            with BackgroundServer(create_pc_app(PCSettings(database=str(db) + ".dead"))) as dead:
+                pc_urls = f"{dead.url},{pc_server.url}"
+        app = create_app(GatewaySettings(pc_url=pc_urls, model_dir=model_dir,
                                          block_tokens=B, default_max_tokens=8))
         gateway = stack.enter_context(BackgroundServer(app))
         yield Stack(model_dir, index.url, pc_server.url, agents, gateway.url, app)
