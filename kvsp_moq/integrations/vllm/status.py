@@ -16,14 +16,16 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
 from kvsp_moq.instance_status import Meters, StatusReporter
 from kvsp_moq.integrations.vllm.config import ConnectorConfig
 from kvsp_moq.integrations.vllm.loop import LoopThread
-from kvsp_moq.integrations.vllm.metadata import KVSPWorkerMetadata
+
+if TYPE_CHECKING:  # metadata needs vllm; `live_holder` here is used without it
+    from kvsp_moq.integrations.vllm.metadata import KVSPWorkerMetadata
 from kvsp_moq.protocol.urls import base_url
 
 log = logging.getLogger("kvsp.vllm.status")
