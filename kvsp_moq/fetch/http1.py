@@ -1,4 +1,5 @@
-"""A lean HTTP/1.1 GET client for block retrieval from plain http:// sources (KVSP §6.7).
+"""A lean HTTP/1.1 client for block retrieval from plain http:// sources (KVSP §6.7), and
+for the gateway's route calls to the PC (`kvsp_moq.gateway.pc_client`).
 
 Why it exists: through httpx, each received piece of a block is copied several times (anyio
 splits large reads by copying their tail, h11 buffers them again, every piece becomes a new
@@ -7,8 +8,8 @@ about half the rate of raw asyncio TCP, before any digest was computed. Here the
 straight into the container's buffer (asyncio.BufferedProtocol), so the body's octets are
 copied once, by the kernel, and the caller is woken once per socket read.
 
-It speaks only what a block GET needs: one request at a time per connection, kept alive
-between requests, and Content-Length, chunked or close-delimited bodies. https:// sources, and
+It speaks only what a block GET (or a small POST) needs: one request at a time per connection,
+kept alive between requests, and Content-Length, chunked or close-delimited bodies. https:// sources, and
 fetchers given their own httpx client, use httpx.
 """
 
@@ -309,6 +310,13 @@ class Http1Pool:
 
     async def get(self, url: str, headers: dict[str, str]) -> Response:
         """Send GET url and read the response head; use the result with `async with`."""
+        return await self.request("GET", url, headers)
+
+    async def request(self, method: str, url: str, headers: dict[str, str],
+                      body: bytes | None = None) -> Response:
+        """Send one request (the head and `body` in one write) and read the response head;
+        use the result with `async with`. A kept-alive connection the server closed before
+        any octet of the answer is replaced and the request sent once more."""
         parts = urlsplit(url)
         if parts.scheme.lower() != "http" or not parts.hostname:
             raise ValueError(f"not a plain http:// URL: {url}")
@@ -319,10 +327,12 @@ class Http1Pool:
         host_field = f"[{host}]" if ":" in host else host
         if parts.port:
             host_field += f":{port}"
-        lines = [f"GET {target} HTTP/1.1", f"Host: {host_field}", "Accept: */*",
+        lines = [f"{method} {target} HTTP/1.1", f"Host: {host_field}", "Accept: */*",
                  "Accept-Encoding: identity", "User-Agent: kvsp-moq"]
         lines += [f"{k}: {v}" for k, v in headers.items()]
-        request = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+        if body is not None:
+            lines.append(f"Content-Length: {len(body)}")
+        request = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + (body or b"")
         key = (host, port)
         slots = self._bind()
         await slots.acquire()

@@ -3,11 +3,10 @@
 Every request the gateway serves waits for one route decision, so the PC call is most of the
 gateway's own time. Through httpx it cost ~1 ms more than the PC's own answer on two cores
 (its request and response models, httpcore's pool, anyio's streams, headers and body sent
-apart); `kvsp bench gateway --overhead-only` measures both paths. `PCClient` writes each
-request in one send on a connection kept open for the next, and parses the answer with
-httptools, the parser uvicorn uses. It is plain HTTP to the PC, the same bytes on the wire
-(the §6.4 request and decision are unchanged); an `https` PC URL, or a Python without
-httptools, goes through httpx as before.
+apart); `kvsp bench gateway --overhead-only` measures both paths. `PCClient` sends each request
+in one write through the project's lean HTTP/1.1 client (`kvsp_moq.fetch.http1`, the block
+GETs' own), on a connection kept open for the next. It is plain HTTP to the PC, the same bytes
+on the wire (the §6.4 request and decision are unchanged); an `https` PC URL goes through httpx.
 
 Several PC URLs (comma-separated, `kvsp_moq.pc_endpoints`) are several PC processes on one
 store: a PC that cannot be reached or answers 503 is left for the next, within the same call.
@@ -20,30 +19,22 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import Any, Mapping, cast
+from typing import Any, Mapping
 from urllib.parse import urlsplit
 
 import httpx
 
 from kvsp_moq.errors import KvspError, TransportError, reason_of
+from kvsp_moq.fetch.http1 import Http1Pool
 from kvsp_moq.index_client import raise_for_problem
 from kvsp_moq.pc_endpoints import PCEndpoints
-
-try:
-    import httptools
-except ImportError:  # uvicorn[standard] brings it; without it, httpx carries the calls
-    httptools = None  # type: ignore[assignment]
 
 __all__ = ["MAX_ANSWER", "PCClient"]
 
 #: The longest answer read from the PC (a decision is a few KiB).
 MAX_ANSWER = 4 << 20
-#: Idle connections kept per PC: enough for the route calls in flight at once.
-MAX_IDLE = 32
-
-
-class _Stale(Exception):
-    """The connection ended before any byte of the answer: the PC closed it while idle."""
+#: Connections open at once to the PCs: enough for the route calls in flight at once.
+MAX_CONNECTIONS = 32
 
 
 class _Answer:
@@ -51,101 +42,6 @@ class _Answer:
 
     def __init__(self, status: int, content_type: str, body: bytes) -> None:
         self.status, self.content_type, self.body = status, content_type, body
-
-
-class _Connection(asyncio.Protocol):
-    """One HTTP/1.1 connection to a PC, one request at a time."""
-
-    def __init__(self) -> None:
-        assert httptools is not None
-        self.transport: asyncio.Transport | None = None
-        self.closed = False
-        self.reusable = False
-        self._parser = httptools.HttpResponseParser(self)
-        self._waiter: asyncio.Future[_Answer] | None = None
-        self._received = False
-        self._content_type = ""
-        self._body: list[bytes] = []
-        self._size = 0
-
-    # asyncio.Protocol
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
-
-    def data_received(self, data: bytes) -> None:
-        if self._waiter is None or self._waiter.done():  # nothing asked: the PC is confused
-            self.close()
-            return
-        self._received = True
-        try:
-            self._parser.feed_data(data)
-        except Exception as e:  # httptools' parser errors, or the size limit below
-            self._fail(TransportError(f"the PC's answer is not HTTP/1.1: {reason_of(e)}"))
-
-    def eof_received(self) -> bool:
-        return False  # close the transport: connection_lost follows
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
-        self.reusable = False
-        if self._waiter is not None and not self._waiter.done():
-            if not self._received:
-                self._waiter.set_exception(_Stale())
-            else:
-                self._waiter.set_exception(TransportError("the PC closed the connection "
-                                                          "before its answer was complete"))
-
-    # httptools callbacks
-    def on_header(self, name: bytes, value: bytes) -> None:
-        if name.lower() == b"content-type":
-            self._content_type = value.decode("latin-1")
-
-    def on_body(self, body: bytes) -> None:
-        self._size += len(body)
-        if self._size > MAX_ANSWER:
-            raise ValueError(f"an answer over {MAX_ANSWER} octets")
-        self._body.append(body)
-
-    def on_message_complete(self) -> None:
-        waiter = self._waiter
-        if waiter is None or waiter.done():
-            return
-        self.reusable = bool(self._parser.should_keep_alive())
-        waiter.set_result(_Answer(self._parser.get_status_code(), self._content_type,
-                                  b"".join(self._body)))
-
-    # use
-    def _fail(self, error: Exception) -> None:
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_exception(error)
-        self.close()
-
-    def close(self) -> None:
-        self.closed = True
-        self.reusable = False
-        if self.transport is not None:
-            self.transport.close()
-
-    async def exchange(self, request: bytes) -> _Answer:
-        """Send one whole request; its answer. `_Stale` when the connection ended before any
-        of it came back; anything else leaves the connection closed."""
-        assert self.transport is not None
-        if self.closed:
-            raise _Stale()
-        self._waiter = asyncio.get_running_loop().create_future()
-        self._received = False
-        self._content_type = ""
-        self._body = []
-        self._size = 0
-        self.reusable = False
-        self.transport.write(request)
-        try:
-            return await self._waiter
-        except BaseException:
-            self.close()
-            raise
-        finally:
-            self._waiter = None
 
 
 class PCClient:
@@ -157,16 +53,16 @@ class PCClient:
         self.pcs = pc_urls if isinstance(pc_urls, PCEndpoints) else PCEndpoints(pc_urls)
         self.token = token
         self.timeout_s = timeout_s
-        #: httpx carries the calls that the lean path does not (https, no httptools)
+        #: httpx carries the calls that the lean path does not (https)
         self.client = client
         self._own = client is None
         #: False: every call through httpx (the path this one replaced; the benchmark's baseline)
-        self.lean = lean and httptools is not None
-        self._idle: dict[tuple[str, int], list[_Connection]] = {}
-        self._closed = False
+        self.lean = lean
+        self._pool = Http1Pool(timeout=timeout_s, connect_timeout=min(timeout_s, 5.0),
+                               max_connections=MAX_CONNECTIONS)
         if token and not token.isprintable():
             raise ValueError("the PC token must be printable (no line breaks)")
-        self._auth = f"Authorization: Bearer {token}\r\n" if token else ""
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
 
     # --------------------------------------------------------------------- the PC's route
     async def route(self, body: Mapping[str, Any]) -> tuple[dict[str, Any], float]:
@@ -210,63 +106,31 @@ class PCClient:
         raise last
 
     async def _call(self, pc: str, method: str, path: str, payload: bytes | None) -> _Answer:
-        url = urlsplit(pc)
-        if not self.lean or url.scheme != "http":
+        if not self.lean or urlsplit(pc).scheme != "http":
             return await self._call_httpx(pc, method, path, payload)
-        host = url.hostname or "127.0.0.1"
-        port = url.port or 80
-        head = (f"{method} {url.path or '/'}{path} HTTP/1.1\r\nHost: {url.netloc}\r\n"
-                f"Accept: application/json\r\n{self._auth}")
-        if payload is not None:
-            head += f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n"
-        request = (head + "\r\n").encode("latin-1") + (payload or b"")
+        headers = {**self._headers, "Content-Type": "application/json"} if payload is not None \
+            else self._headers
         try:
             async with asyncio.timeout(self.timeout_s):
-                return await self._exchange((host, port), request)
+                async with await self._pool.request(method, f"{pc}{path}", headers,
+                                                    payload) as response:
+                    body = bytearray()
+                    async for piece in response.aiter_raw():
+                        body += piece
+                        if len(body) > MAX_ANSWER:  # the connection is closed, not kept
+                            break
+                    answer = _Answer(response.status_code,
+                                     response.headers.get("content-type", ""), bytes(body))
         except TimeoutError:
             raise TransportError(f"the PC {pc} is unreachable: no answer in "
                                  f"{self.timeout_s:g} s") from None
+        except TransportError as e:
+            raise TransportError(f"the PC {pc} is unreachable: {e.detail}") from None
         except OSError as e:
             raise TransportError(f"the PC {pc} is unreachable: {reason_of(e, named=True)}") from None
-
-    async def _exchange(self, key: tuple[str, int], request: bytes) -> _Answer:
-        for _ in range(2):
-            conn = self._take(key)
-            fresh = conn is None
-            if conn is None:
-                conn = await self._connect(key)
-            try:
-                answer = await conn.exchange(request)
-            except _Stale:
-                if fresh:
-                    raise ConnectionResetError("the PC closed the connection without an answer")
-                continue  # closed while idle: once more on a new connection
-            if conn.reusable:
-                self._give(key, conn)
-            else:
-                conn.close()
-            return answer
-        raise ConnectionResetError("the PC closed two connections without an answer")
-
-    async def _connect(self, key: tuple[str, int]) -> _Connection:
-        transport, conn = await asyncio.get_running_loop().create_connection(_Connection, *key)
-        conn.transport = transport  # uvloop calls connection_made later
-        return conn
-
-    def _take(self, key: tuple[str, int]) -> _Connection | None:
-        idle = self._idle.get(key)
-        while idle:
-            conn = idle.pop()
-            if not conn.closed:
-                return conn
-        return None
-
-    def _give(self, key: tuple[str, int], conn: _Connection) -> None:
-        idle = self._idle.setdefault(key, [])
-        if len(idle) < MAX_IDLE and not self._closed:
-            idle.append(conn)
-        else:
-            conn.close()
+        if len(answer.body) > MAX_ANSWER:
+            raise TransportError(f"the PC {pc} answered with over {MAX_ANSWER} octets")
+        return answer
 
     async def _call_httpx(self, pc: str, method: str, path: str, payload: bytes | None) -> _Answer:
         if self.client is None:
@@ -283,11 +147,7 @@ class PCClient:
 
     async def aclose(self) -> None:
         """Close the idle connections; those in use close when their call ends."""
-        self._closed = True
-        for idle in self._idle.values():
-            for conn in idle:
-                conn.close()
-        self._idle.clear()
+        await self._pool.aclose()
         if self._own and self.client is not None:
             await self.client.aclose()
             self.client = None
