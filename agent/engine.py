@@ -628,6 +628,8 @@ class Engine:
                             "seconds": round(report.seconds, 6), "failures": report.failures}
             session.timing["load_ms"] = round(report.seconds * 1000, 3)
             pool.synchronize()
+        if plan:
+            session.loaded_pool = pool
         session.cached_tokens = loaded * b
         session.sources["recompute"] = max(0, seq.length // b - loaded)
         session.ttft_ms = round((time.perf_counter() - session.started) * 1000, 3)

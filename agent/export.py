@@ -71,7 +71,12 @@ class BlockExporter:
                 else:
                     if live is not None:
                         live.abort("the pass did not produce every layer")
-                    octets = await self.run_model(self._block_octets, state, i * b, (i + 1) * b)
+                    pool = session.loaded_pool if i < session.loaded else None
+                    # A loaded block is the pool's copy of the layers received (and verified):
+                    # no pass through the model's state on its thread.
+                    from_pool = pool.block_container(i) if pool is not None else None
+                    octets = from_pool if from_pool is not None else await self.run_model(
+                        self._block_octets, state, i * b, (i + 1) * b)
                     entry = await self.store.put(bid, octets)
             except KvspError as e:  # e.g. 412 from a concurrent put, or a full store
                 log.info("block %s not stored: %s", key[:12], e.detail)
@@ -81,6 +86,8 @@ class BlockExporter:
                 for holder in self.options.replicate_to:
                     self.spawn(self._replicate(holder, bid, octets))
         session.exported = max(session.exported, ready)
+        if session.exported >= session.loaded:
+            session.loaded_pool = None
 
     def _block_octets(self, state: DecodeState, start: int, end: int) -> bytes:
         """On the model thread: tokens [start, end) of `state` as a KVB1 container."""

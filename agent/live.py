@@ -22,7 +22,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-from collections.abc import Callable, Mapping
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +32,8 @@ from agent.pool import tensor_octets
 from kvsp_moq.errors import KvspError
 from kvsp_moq.holder.moqt_publisher import LiveBlock
 from kvsp_moq.holder.store import BlockId, BlockStore
-from kvsp_moq.index_client import IndexClient
+from kvsp_moq.index_client import IndexClient, LookupResult
+from kvsp_moq.protocol.records import ReplicaRecord
 from kvsp_moq.protocol.urls import base_url
 
 log = logging.getLogger("kvsp.agent.live")
@@ -120,36 +122,70 @@ async def audit_live_loads(index: IndexClient, store: BlockStore, *, compat_id: 
     pending = dict(producers)
     compared: list[str] = []
     mismatched: list[str] = []
+    # The complete records come once the producer has stored its blocks, which may take a
+    # while. Until then a look is a lookup of one block, the last (the producer stores them in
+    # order); every pending block is looked up once that one is complete, or at the last look.
+    # The looks thin out (x2, up to 1 s apart).
+    deadline = time.monotonic() + wait_s
+    delay = step_s
     for _ in range(max(1, int(wait_s / step_s))):
         keys = [k for k in producers if k in pending]
         if not keys:
             break
-        try:
-            result = await index.lookup(scope_id, compat_id, keys)
-        except KvspError as e:
-            log.info("auditing live loads: lookup failed (%s)", e.detail)
-            result = None
-        for block in result.blocks[:result.matched] if result is not None else ():
-            producer = pending.get(block.block_key)
-            entry = store.get(BlockId(compat_id, scope_id, block.block_key))
-            if producer is None or entry is None:
-                pending.pop(block.block_key, None)
-                continue
-            record = next((r for r in block.replicas if not r.live and r.layer_digests
-                           and base_url(r.http_holder or r.holder) == producer), None)
-            if record is None:
-                continue  # not complete yet
-            del pending[block.block_key]
-            compared.append(block.block_key)
-            if tuple(record.layer_digest_bytes()) != tuple(entry.meta.layer_digests):
-                log.error("block %s: %s published layers live whose digests its complete record "
-                          "does not list; the copy made from them is discarded", block.block_key[:12],
-                          producer)
-                mismatched.append(block.block_key)
-                await store.discard(entry.id)
-        if pending:
-            await asyncio.sleep(step_s)
+        last_look = time.monotonic() + delay > deadline
+        if len(keys) == 1 or last_look or await _complete(index, compat_id, scope_id, keys[-1], pending):
+            await _compare(index, store, compat_id, scope_id, keys, pending, compared, mismatched)
+        if not pending or last_look:
+            break
+        await asyncio.sleep(delay)
+        delay = min(2 * delay, max(step_s, 1.0))
     return compared, mismatched
+
+
+def _complete_record(replicas: Sequence[ReplicaRecord], producer: str) -> ReplicaRecord | None:
+    """The producer's complete record among a block's replicas, if it is in the index yet."""
+    return next((r for r in replicas if not r.live and r.layer_digests
+                 and base_url(r.http_holder or r.holder) == producer), None)
+
+
+async def _lookup(index: IndexClient, compat_id: str, scope_id: str, keys: list[str]) -> LookupResult | None:
+    try:
+        return await index.lookup(scope_id, compat_id, keys)
+    except KvspError as e:
+        log.info("auditing live loads: lookup failed (%s)", e.detail)
+        return None
+
+
+async def _complete(index: IndexClient, compat_id: str, scope_id: str, key: str,
+                    pending: Mapping[str, str]) -> bool:
+    result = await _lookup(index, compat_id, scope_id, [key])
+    return bool(result is not None and result.matched
+                and _complete_record(result.blocks[0].replicas, pending[key]) is not None)
+
+
+async def _compare(index: IndexClient, store: BlockStore, compat_id: str, scope_id: str,
+                   keys: list[str], pending: dict[str, str], compared: list[str],
+                   mismatched: list[str]) -> None:
+    """One look at `keys`: each block whose complete record is in compared with the stored copy
+    (and taken off `pending`), the copy discarded if they differ."""
+    result = await _lookup(index, compat_id, scope_id, keys)
+    for block in result.blocks[:result.matched] if result is not None else ():
+        producer = pending.get(block.block_key)
+        entry = store.get(BlockId(compat_id, scope_id, block.block_key))
+        if producer is None or entry is None:
+            pending.pop(block.block_key, None)
+            continue
+        record = _complete_record(block.replicas, producer)
+        if record is None:
+            continue  # not complete yet
+        del pending[block.block_key]
+        compared.append(block.block_key)
+        if tuple(record.layer_digest_bytes()) != tuple(entry.meta.layer_digests):
+            log.error("block %s: %s published layers live whose digests its complete record "
+                      "does not list; the copy made from them is discarded", block.block_key[:12],
+                      producer)
+            mismatched.append(block.block_key)
+            await store.discard(entry.id)
 
 
 __all__ = ["LivePass", "LiveProducer", "Produce", "audit_live_loads"]

@@ -20,6 +20,7 @@ import sys
 import warnings
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 from kvsp_moq.protocol.container import Buffer, encode
@@ -47,6 +48,11 @@ def tensor_from_octets(octets: Buffer, dtype: torch.dtype) -> torch.Tensor:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "buffer is not writable": we only read
         return torch.frombuffer(octets, dtype=dtype)
+
+
+def _octets(t: torch.Tensor) -> np.ndarray:
+    """The memory of contiguous CPU tensor `t` as a flat, writable uint8 array."""
+    return t.view(torch.uint8).reshape(-1).numpy()
 
 
 def block_container(layers: Sequence[KV], *, codec: int = 1) -> bytes:
@@ -101,6 +107,11 @@ class KVPool:
         element = torch.empty((), dtype=dtype).element_size()
         self.section_bytes = block_tokens * kv_heads * head_dim * element
         self.cuda = self.device.type == "cuda"
+        if not self.cuda:
+            # Each layer's K and V as flat octets sharing the tensors' memory: placing a layer
+            # is then one memcpy, with no tensor made or dispatched per section.
+            self._k_octets = [_octets(t) for t in self.k]
+            self._v_octets = [_octets(t) for t in self.v]
         if self.cuda:
             self.stream = torch.cuda.Stream(device=self.device)
             self.layer_events: list[torch.cuda.Event | None] = [None] * num_layers
@@ -126,12 +137,14 @@ class KVPool:
         if len(k) != self.section_bytes or len(v) != self.section_bytes:
             raise ValueError(f"layer {layer}: sections of {len(k)} and {len(v)} octets, the pool "
                              f"expects {self.section_bytes}")
+        if not self.cuda:
+            n = self.section_bytes
+            at = slot * n
+            self._k_octets[layer][at:at + n] = np.frombuffer(k, np.uint8)
+            self._v_octets[layer][at:at + n] = np.frombuffer(v, np.uint8)
+            return
         shape = (self.block_tokens, self.kv_heads, self.head_dim)
         rows = self.rows(slot)
-        if not self.cuda:
-            self.k[layer][rows].copy_(tensor_from_octets(k, self.dtype).view(shape))
-            self.v[layer][rows].copy_(tensor_from_octets(v, self.dtype).view(shape))
-            return
         n = self.section_bytes
         i, staging = self._ring.acquire()
         staging[:n].copy_(tensor_from_octets(k, torch.uint8))
@@ -142,6 +155,17 @@ class KVPool:
             event = torch.cuda.Event()
             event.record(self.stream)
         self._ring.release_after(i, event)
+
+    def block_container(self, slot: int, *, codec: int = 1) -> bytes | None:
+        """Block `slot` as a KVB1 container, straight from the pool's memory (CPU pools; None
+        on a device): a loaded block is stored without a pass through the model's state."""
+        if self.cuda:
+            return None
+        n = self.section_bytes
+        at = slot * n
+        sections = [(self._k_octets[layer][at:at + n].data, self._v_octets[layer][at:at + n].data)
+                    for layer in range(self.num_layers)]
+        return encode(0, self.block_tokens, sections, codec=codec)
 
     def layer_complete(self, layer: int) -> None:
         """Every block's copy of ``layer`` has been issued: mark the point the model waits for."""

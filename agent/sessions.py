@@ -29,6 +29,7 @@ from kvsp_moq.protocol.keys import scope_id as scope_id_of
 from kvsp_moq.protocol.records import SessionCheckpoint
 
 if TYPE_CHECKING:
+    from agent.pool import KVPool
     from kvsp_moq.holder.moqt_publisher import LiveBlock
 
 
@@ -103,6 +104,8 @@ class Session:
         self.first_logits: torch.Tensor | None = None
         self.exported = 0  # blocks [0, exported) are stored (or were not stored, and never will be)
         self.loaded = 0  # blocks [0, loaded) came from other holders (not replicated again)
+        #: the pool the loaded blocks are in, until they are stored
+        self.loaded_pool: KVPool | None = None
         #: blocks this session's prefill publishes live (`agent.live`), by key, until stored
         self.live: dict[str, LiveBlock] = {}
         #: the instance computing this session's prompt blocks live for it (prefill and decode

@@ -1,19 +1,32 @@
-"""Client of the Index Service (KVSP §6.1, §6.2; resources of DESIGN §3)."""
+"""Client of the Index Service (KVSP §6.1, §6.2; resources of DESIGN §3).
+
+A holder publishes and refreshes its records, and an agent looks up every prompt, many times a
+second: each call is a small JSON request. Through httpx one cost ~1 ms of the caller's event
+loop more than the lean HTTP/1.1 client of block GETs (`kvsp_moq.fetch.http1`), which a plain
+http:// index is called with unless the caller hands over its own httpx client; https goes
+through httpx.
+"""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from http import HTTPStatus
 from typing import Any, Sequence
+from urllib.parse import urlsplit
 
 import httpx
 
 from kvsp_moq.errors import KvspError, TransportError, reason_of
+from kvsp_moq.fetch.http1 import Http1Pool
 from kvsp_moq.protocol.problems import Problem
 from kvsp_moq.protocol.records import LookupRequest, ReplicaRecord, Residency, replica_id
 from kvsp_moq.protocol.urls import base_url
 
 #: The most records one POST replicas:batch may carry.
 BATCH_LIMIT = 1000
+#: The longest answer read from the index (a lookup of a long prompt's blocks is a few MiB).
+MAX_ANSWER = 64 << 20
 
 
 #: A replica set as placement costs it: per replica (holder, http_holder, size, layer count,
@@ -85,36 +98,58 @@ def replica_path(record: ReplicaRecord) -> str:
     return f"replicas/{record.compat_id}/{record.scope_id}/{record.block_key}/{rid}"
 
 
-def raise_for_problem(response: httpx.Response) -> None:
-    """Turn an error response into the project's exception for its problem type."""
-    if response.status_code < 400:
+def raise_for_answer(status: int, content_type: str, body: bytes) -> None:
+    """Turn an error answer (>= 400) into the project's exception for its problem type."""
+    if status < 400:
         return
     doc = None
-    if "json" in response.headers.get("content-type", ""):
+    if "json" in content_type:
         try:
-            doc = response.json()
+            doc = json.loads(body)
         except ValueError:
             pass
     if not isinstance(doc, dict):
         # Not a problem document (a plain web server, a proxy): its status line says enough.
-        doc = {"detail": f"HTTP {response.status_code} {response.reason_phrase}".rstrip()}
-    raise Problem.from_json(doc, status=response.status_code).to_error()
+        try:
+            phrase = HTTPStatus(status).phrase
+        except ValueError:
+            phrase = ""
+        doc = {"detail": f"HTTP {status} {phrase}".rstrip()}
+    raise Problem.from_json(doc, status=status).to_error()
+
+
+def raise_for_problem(response: httpx.Response) -> None:
+    """`raise_for_answer` of an httpx response (read)."""
+    if response.status_code >= 400:
+        raise_for_answer(response.status_code, response.headers.get("content-type", ""),
+                         response.content)
 
 
 class IndexClient:
     """Async client of one Index Service base URL."""
 
     def __init__(self, base: str, *, token: str | None = None,
-                 client: httpx.AsyncClient | None = None, timeout: float = 10.0) -> None:
+                 client: httpx.AsyncClient | None = None, timeout: float = 10.0,
+                 lean: bool | None = None) -> None:
+        """`lean`: plain http:// calls through the lean client (default: unless `client`)."""
         self.base = base_url(base)
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.timeout = timeout
         self._own = client is None
-        self.client = client or httpx.AsyncClient(timeout=timeout)
-        self.headers = headers
+        self.client = client
+        if lean is None:
+            lean = client is None
+        self._pool = (Http1Pool(timeout=timeout, connect_timeout=min(timeout, 5.0), max_connections=32)
+                      if lean and urlsplit(self.base).scheme == "http" else None)
+        if self._pool is not None and token and not token.isprintable():
+            raise ValueError("the index token must be printable (no line breaks)")
 
     async def aclose(self) -> None:
-        if self._own:
+        if self._pool is not None:
+            await self._pool.aclose()
+        if self._own and self.client is not None:
             await self.client.aclose()
+            self.client = None
 
     async def __aenter__(self) -> "IndexClient":
         return self
@@ -122,13 +157,26 @@ class IndexClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    async def _request(self, method: str, path: str, json: Any = None) -> httpx.Response:
+    async def _request(self, method: str, path: str, body: Any = None) -> bytes:
+        """The answer's body; the project's error for a problem or an unreachable index."""
+        payload = None if body is None else json.dumps(body, separators=(",", ":")).encode()
+        headers = self.headers if payload is None else {**self.headers, "Content-Type": "application/json"}
+        if self._pool is not None:
+            try:
+                answer = await self._pool.call(method, self.base + path, headers, payload,
+                                               max_answer=MAX_ANSWER)
+            except TransportError as e:
+                raise TransportError(f"index {self.base} unreachable: {e.detail}") from None
+            raise_for_answer(answer.status, answer.content_type, answer.body)
+            return answer.body
+        if self.client is None:
+            self.client = httpx.AsyncClient(timeout=self.timeout, trust_env=False)
         try:
-            r = await self.client.request(method, self.base + path, json=json, headers=self.headers)
+            r = await self.client.request(method, self.base + path, content=payload, headers=headers)
         except httpx.HTTPError as e:
             raise TransportError(f"index {self.base} unreachable: {reason_of(e, named=True)}") from None
         raise_for_problem(r)
-        return r
+        return r.content
 
     async def put(self, record: ReplicaRecord) -> None:
         await self._request("PUT", replica_path(record), record.to_json())
@@ -150,5 +198,9 @@ class IndexClient:
                      targets: Sequence[str] | None = None) -> LookupResult:
         req = LookupRequest(scope_id, compat_id, tuple(block_keys),
                             tuple(targets) if targets is not None else None)
-        r = await self._request("POST", "lookup", req.to_json())
-        return LookupResult.from_json(r.json())
+        body = await self._request("POST", "lookup", req.to_json())
+        try:
+            data = json.loads(body)
+        except ValueError:
+            raise TransportError(f"index {self.base}: a lookup answer that is not JSON") from None
+        return LookupResult.from_json(data)

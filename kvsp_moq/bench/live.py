@@ -16,8 +16,15 @@ run is found by a later one, while the prompts, and so the greedy outputs, stay 
     herd    4 instances each receive a request for a new shared prefix of P tokens (and a block
             of their own), about at once (`stagger_ms` apart): with live KV one computes and
             the others subscribe to its blocks ("herd"); the same 4 requests with live KV off,
-            each recomputing ("without_live"); one instance alone ("one_prefill", the pd
-            single run of the same length)
+            each recomputing ("without_live"); one instance alone (the pd single run of the
+            same length)
+
+The herd's CPU is counted twice. `prefill_cpu_s` is the prefill's: the same runs (herd, and one
+instance alone) with one new token per request, so what each instance spends is its prefill
+(computed or received and verified, its own suffix, storing and publishing what it holds) up to
+its first token. `request_cpu_s` is the whole requests' of the runs above, each decoding NEW
+tokens: the herd's then holds four requests' decode steps against one request's, which no
+sharing of the prefix can save.
 
 CPU time is read per process (every thread's schedstat) from just before a run until every
 process is quiet again after it, so it holds what the run caused after its answer too (storing
@@ -310,8 +317,9 @@ def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
     return r.json()
 
 
-def _generate(agent: AgentProcess, tokens: list[int], scope: str, **extra: Any) -> dict[str, Any]:
-    return _post(agent.url + "generate", {"tokens": tokens, "max_new_tokens": NEW, "scope": scope,
+def _generate(agent: AgentProcess, tokens: list[int], scope: str, *, new: int = NEW,
+              **extra: Any) -> dict[str, Any]:
+    return _post(agent.url + "generate", {"tokens": tokens, "max_new_tokens": new, "scope": scope,
                                           **extra})
 
 
@@ -408,7 +416,8 @@ def run(*, quick: bool = False, model: dict[str, Any] | None = None, prompt_toke
             r = rounds if i == 0 else 1
             figures = {"pd": bench.pd(n, r), "herd": bench.herd(n, r)}
             figures["herd"]["ttft_ms"]["single"] = figures["pd"]["ttft_ms"]["single"]
-            figures["herd"]["prefill_cpu_s"]["one_prefill"] = figures["pd"]["single_cpu_s"]
+            figures["herd"]["prefill_cpu_s"]["one_prefill"] = figures["pd"]["single_prefill_cpu_s"]
+            figures["herd"]["request_cpu_s"]["one_request"] = figures["pd"]["single_cpu_s"]
             _herd_ratios(figures["herd"])
             if i == 0:
                 result.update(figures)
@@ -441,9 +450,10 @@ def _ratio(a: float, b: float) -> float | None:
 
 
 def _herd_ratios(h: dict[str, Any]) -> None:
-    cpu, ttft = h["prefill_cpu_s"], h["ttft_ms"]
+    cpu, whole, ttft = h["prefill_cpu_s"], h["request_cpu_s"], h["ttft_ms"]
     h["prefill_cpu_vs_one"] = _ratio(cpu["herd"], cpu["one_prefill"])
-    h["without_live_cpu_vs_one"] = _ratio(cpu["without_live"], cpu["one_prefill"])
+    h["request_cpu_vs_one"] = _ratio(whole["herd"], whole["one_request"])
+    h["without_live_cpu_vs_one"] = _ratio(whole["without_live"], whole["one_request"])
     h["max_ttft_vs_single"] = _ratio(ttft["max_in_herd"], ttft["single"])
     h["max_ttft_without_live_vs_single"] = _ratio(ttft["max_without_live"], ttft["single"])
 
@@ -483,10 +493,10 @@ class Bench:
 
     # ------------------------------------------------------------------ one run each
 
-    def single(self, prompt: list[int]) -> dict[str, Any]:
+    def single(self, prompt: list[int], new: int = NEW) -> dict[str, Any]:
         name, _ = self.scope()
         self.roles.start()
-        r = _generate(self.agents[0], prompt, name)
+        r = _generate(self.agents[0], prompt, name, new=new)
         cpu = self.roles.stop()
         return {"ttft_ms": r["ttft_ms"], "tokens": r["tokens"], "sources": r["sources"],
                 "cpu_s": {"instance": cpu["agent0"], "relay": cpu["relay"]}}
@@ -521,12 +531,12 @@ class Bench:
                 "tokens": r["tokens"], "sources": r["sources"],
                 "cpu_s": {"producer": cpu["agent0"], "consumer": cpu["agent1"], "relay": cpu["relay"]}}
 
-    def herd_once(self, prefix: list[int], prompts: list[list[int]]) -> dict[str, Any]:
+    def herd_once(self, prefix: list[int], prompts: list[list[int]], new: int = NEW) -> dict[str, Any]:
         name, _ = self.scope()
         stats = [a.ask("stats") for a in self.agents]
         self.roles.start()
         relay_before = relay_counters(self.relay_metrics)
-        calls = [(i * self.stagger_s, functools.partial(_generate, a, p, name))
+        calls = [(i * self.stagger_s, functools.partial(_generate, a, p, name, new=new))
                  for i, (a, p) in enumerate(zip(self.agents, prompts))]
         out = _in_threads(calls)
         cpu = self.roles.stop()
@@ -545,11 +555,14 @@ class Bench:
     def pd(self, n: int, rounds: int) -> dict[str, Any]:
         prompt = _tokens(n, n, self.vocab)
         runs: dict[str, list[dict[str, Any]]] = {"single": [], "streamed": [], "load_after_prefill": []}
+        prefills: list[dict[str, Any]] = []
         for _ in range(rounds):  # in turn, so that a noisy neighbour slows every variant alike
             runs["single"].append(self.single(prompt))
             runs["streamed"].append(self.streamed(prompt))
             runs["load_after_prefill"].append(self.load_after_prefill(prompt))
+            prefills.append(self.single(prompt, new=1))
         reference = runs["single"][0]["tokens"]
+        same_outputs("pd single, first token", reference[:1], [r["tokens"] for r in prefills])
         for variant, rs in runs.items():
             same_outputs(f"pd {variant}", reference, [r["tokens"] for r in rs])
         self.reference = (prompt, reference)
@@ -574,6 +587,7 @@ class Bench:
             "cpu_s": cpu,
             "load_after_prefill_cpu_s": cpu_lap,
             "single_cpu_s": single_cpu,
+            "single_prefill_cpu_s": round(statistics.median(r["cpu_s"]["instance"] for r in prefills), 3),
             "single_relay_cpu_s": med("single", lambda r: r["cpu_s"]["relay"], 3),
             "streamed_cpu_floor_ms": floor_ms,
             "streamed_vs_cpu_floor": _ratio(ttft["streamed"], floor_ms),
@@ -592,8 +606,10 @@ class Bench:
         prompts = [prompt] + [prefix + _tokens(B, 1000 * n + i, self.vocab) for i in range(1, HERD)]
         live: list[dict[str, Any]] = []
         alone: list[dict[str, Any]] = []
+        prefills: list[dict[str, Any]] = []
         for _ in range(rounds):
             live.append(self.herd_once(prefix, prompts))
+            prefills.append(self.herd_once(prefix, prompts, new=1))
             for a in self.agents:
                 a.ask("live", on=False)
             try:
@@ -604,6 +620,8 @@ class Bench:
         expected = alone[0]["tokens"]
         same_outputs("herd, first request", reference, [expected[0]])
         same_outputs("herd", expected, [r["tokens"] for r in live + alone])
+        same_outputs("herd, first tokens", [t[:1] for t in expected],
+                     [r["tokens"] for r in prefills])
 
         def med(rs: list[dict[str, Any]], f: Callable[[dict[str, Any]], float], digits: int = 1) -> float:
             return round(statistics.median(f(r) for r in rs), digits)
@@ -616,7 +634,9 @@ class Bench:
         return {
             "instances": HERD, "prefix_tokens": len(prefix), "prompt_tokens": n, "rounds": rounds,
             "stagger_ms": round(self.stagger_s * 1000, 1),
-            "prefill_cpu_s": {"herd": cpu_live, "one_prefill": None,
+            "prefill_cpu_s": {"herd": med(prefills, lambda r: r["cpu_s"]["instances"], 3),
+                              "one_prefill": None},
+            "request_cpu_s": {"herd": cpu_live, "one_request": None,
                               "without_live": med(alone, lambda r: r["cpu_s"]["instances"], 3)},
             "relay_cpu_s": {"herd": relay_live, "without_live": med(alone, lambda r: r["cpu_s"]["relay"], 3)},
             "ttft_ms": {"single": None, "max_in_herd": max_live,
@@ -628,6 +648,8 @@ class Bench:
             "prefix_octets": prefix_octets,
             "relay_counters": live[len(live) // 2]["relay"],
             "cpu_by_thread_s": live[len(live) // 2]["threads"],
+            "prefill_cpu_by_thread_s": prefills[len(prefills) // 2]["threads"],
+            "computed_by_prefill": [r["computed_by"] for r in prefills],
             "computed_by": [r["computed_by"] for r in live],
             "computed_by_without_live": [r["computed_by"] for r in alone],
             "sources": live[0]["sources"],

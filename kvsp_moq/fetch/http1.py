@@ -1,5 +1,7 @@
 """A lean HTTP/1.1 client for block retrieval from plain http:// sources (KVSP §6.7), and
-for the gateway's route calls to the PC (`kvsp_moq.gateway.pc_client`).
+for the small JSON calls every instance makes often: the gateway's route calls to the PC
+(`kvsp_moq.gateway.pc_client`) and a holder's records and lookups at the Index Service
+(`kvsp_moq.index_client`).
 
 Why it exists: through httpx, each received piece of a block is copied several times (anyio
 splits large reads by copying their tail, h11 buffers them again, every piece becomes a new
@@ -16,12 +18,14 @@ fetchers given their own httpx client, use httpx.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from typing import AsyncIterator, cast
 from urllib.parse import urlsplit
 
 from kvsp_moq.errors import ConnectError, ConnectTimeout, Http1Error, ReadTimeout, RemoteProtocolError, reason_of
 
-__all__ = ["Http1Error", "ConnectError", "ConnectTimeout", "ReadTimeout", "RemoteProtocolError"]
+__all__ = ["Answer", "Http1Error", "Http1Pool", "ConnectError", "ConnectTimeout", "ReadTimeout",
+           "RemoteProtocolError"]
 
 #: Octets held for a response head and for bodies that are not read into a caller's buffer.
 SCRATCH_BYTES = 256 << 10
@@ -135,6 +139,15 @@ class Connection:
             self.transport.close()
         except RuntimeError:  # its event loop is already closed
             pass
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """A whole (small) response, as `Http1Pool.call` reads it."""
+
+    status: int
+    content_type: str
+    body: bytes
 
 
 class Response:
@@ -357,6 +370,25 @@ class Http1Pool:
         except BaseException:
             slots.release()
             raise
+
+    async def call(self, method: str, url: str, headers: dict[str, str], body: bytes | None = None,
+                   *, max_answer: int) -> Answer:
+        """`request`, then its whole answer; RemoteProtocolError for one over `max_answer`
+        octets (its connection is closed, not kept), ReadTimeout past the pool's timeout."""
+        try:
+            async with asyncio.timeout(self.timeout):
+                async with await self.request(method, url, headers, body) as response:
+                    got = bytearray()
+                    async for piece in response.aiter_raw():
+                        got += piece
+                        if len(got) > max_answer:
+                            raise RemoteProtocolError(f"an answer of over {max_answer} octets")
+                    return Answer(response.status_code, response.headers.get("content-type", ""),
+                                  bytes(got))
+        except TimeoutError:
+            raise ReadTimeout(f"no answer within {self.timeout:g} s") from None
+        except OSError as e:
+            raise ConnectError(reason_of(e)) from None
 
     def _reuse(self, key: tuple[str, int]) -> Connection | None:
         idle = self._idle.get(key)

@@ -237,7 +237,9 @@ class MoqtLayerStream(VerifiedLayerStream):
             iterator = subscription.__aiter__()
             while next_layer <= last:
                 try:
-                    obj = await asyncio.wait_for(iterator.__anext__(), layer_timeout)
+                    # asyncio.timeout, not wait_for: no task made per layer
+                    async with asyncio.timeout(layer_timeout):
+                        obj = await iterator.__anext__()
                 except StopAsyncIteration:
                     obj = None
                 except asyncio.TimeoutError:

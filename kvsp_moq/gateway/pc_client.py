@@ -16,7 +16,6 @@ is used, or fails before any byte of an answer; the call is then sent once more 
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from typing import Any, Mapping
@@ -25,8 +24,8 @@ from urllib.parse import urlsplit
 import httpx
 
 from kvsp_moq.errors import KvspError, TransportError, reason_of
-from kvsp_moq.fetch.http1 import Http1Pool
-from kvsp_moq.index_client import raise_for_problem
+from kvsp_moq.fetch.http1 import Answer, Http1Pool
+from kvsp_moq.index_client import raise_for_answer
 from kvsp_moq.pc_endpoints import PCEndpoints
 
 __all__ = ["MAX_ANSWER", "PCClient"]
@@ -35,13 +34,6 @@ __all__ = ["MAX_ANSWER", "PCClient"]
 MAX_ANSWER = 4 << 20
 #: Connections open at once to the PCs: enough for the route calls in flight at once.
 MAX_CONNECTIONS = 32
-
-
-class _Answer:
-    __slots__ = ("status", "content_type", "body")
-
-    def __init__(self, status: int, content_type: str, body: bytes) -> None:
-        self.status, self.content_type, self.body = status, content_type, body
 
 
 class PCClient:
@@ -81,7 +73,7 @@ class PCClient:
                                  f"{answer.body[:80]!r}")
         return decision, (time.perf_counter() - t0) * 1000
 
-    async def call(self, method: str, path: str, payload: bytes | None = None) -> _Answer:
+    async def call(self, method: str, path: str, payload: bytes | None = None) -> Answer:
         """`method {pc}path` at the PC in use, then the next ones; the first answer that is not
         a 503, raised as the project's error when it is a problem (>= 400)."""
         last: KvspError | None = None
@@ -105,34 +97,18 @@ class PCClient:
         assert last is not None
         raise last
 
-    async def _call(self, pc: str, method: str, path: str, payload: bytes | None) -> _Answer:
+    async def _call(self, pc: str, method: str, path: str, payload: bytes | None) -> Answer:
         if not self.lean or urlsplit(pc).scheme != "http":
             return await self._call_httpx(pc, method, path, payload)
         headers = {**self._headers, "Content-Type": "application/json"} if payload is not None \
             else self._headers
         try:
-            async with asyncio.timeout(self.timeout_s):
-                async with await self._pool.request(method, f"{pc}{path}", headers,
-                                                    payload) as response:
-                    body = bytearray()
-                    async for piece in response.aiter_raw():
-                        body += piece
-                        if len(body) > MAX_ANSWER:  # the connection is closed, not kept
-                            break
-                    answer = _Answer(response.status_code,
-                                     response.headers.get("content-type", ""), bytes(body))
-        except TimeoutError:
-            raise TransportError(f"the PC {pc} is unreachable: no answer in "
-                                 f"{self.timeout_s:g} s") from None
+            return await self._pool.call(method, f"{pc}{path}", headers, payload,
+                                         max_answer=MAX_ANSWER)
         except TransportError as e:
             raise TransportError(f"the PC {pc} is unreachable: {e.detail}") from None
-        except OSError as e:
-            raise TransportError(f"the PC {pc} is unreachable: {reason_of(e, named=True)}") from None
-        if len(answer.body) > MAX_ANSWER:
-            raise TransportError(f"the PC {pc} answered with over {MAX_ANSWER} octets")
-        return answer
 
-    async def _call_httpx(self, pc: str, method: str, path: str, payload: bytes | None) -> _Answer:
+    async def _call_httpx(self, pc: str, method: str, path: str, payload: bytes | None) -> Answer:
         if self.client is None:
             self.client = httpx.AsyncClient(trust_env=False)
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
@@ -143,7 +119,7 @@ class PCClient:
                                           timeout=self.timeout_s)
         except httpx.HTTPError as e:
             raise TransportError(f"the PC {pc} is unreachable: {reason_of(e, named=True)}") from None
-        return _Answer(r.status_code, r.headers.get("content-type", ""), r.content)
+        return Answer(r.status_code, r.headers.get("content-type", ""), r.content)
 
     async def aclose(self) -> None:
         """Close the idle connections; those in use close when their call ends."""
@@ -153,8 +129,6 @@ class PCClient:
             self.client = None
 
 
-def _raise_for(answer: _Answer) -> None:
+def _raise_for(answer: Answer) -> None:
     """A problem answer (>= 400) as the project's error, as for any other call."""
-    if answer.status >= 400:
-        raise_for_problem(httpx.Response(answer.status, content=answer.body,
-                                         headers={"content-type": answer.content_type}))
+    raise_for_answer(answer.status, answer.content_type, answer.body)

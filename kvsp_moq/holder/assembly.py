@@ -67,7 +67,8 @@ class HolderAssembly:
         if settings.index_url:
             if client is None:
                 client = self._own_client = httpx.AsyncClient(timeout=5.0, trust_env=False)
-            self.index = IndexClient(settings.index_url, token=settings.index_token, client=client)
+            self.index = IndexClient(settings.index_url, token=settings.index_token, client=client,
+                                     lean=True)
         self.relay = settings.relay or None
         self.relay_tls = (client_tls(self.relay, cafile=settings.relay_ca,
                                      insecure=settings.relay_insecure) if self.relay else None)

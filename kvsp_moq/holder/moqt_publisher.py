@@ -125,8 +125,9 @@ class LiveBlock:
                 raise asyncio.TimeoutError()
             event = self._changed
             try:
-                await asyncio.wait_for(event.wait(), remaining)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(remaining):  # no task made per layer, as wait_for would
+                    await event.wait()
+            except TimeoutError:
                 pass
         return self.payloads[index]
 

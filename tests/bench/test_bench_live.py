@@ -53,12 +53,19 @@ def test_herd_figures_and_their_ratios(report: dict[str, Any]) -> None:
     herd = report["herd"]
     assert herd["instances"] == live.HERD == 4
     assert herd["prefix_tokens"] == PROMPT - live.B
-    cpu, ttft = herd["prefill_cpu_s"], herd["ttft_ms"]
-    assert set(cpu) == {"herd", "one_prefill", "without_live"}
-    assert cpu["one_prefill"] == report["pd"]["single_cpu_s"]
+    cpu, whole, ttft = herd["prefill_cpu_s"], herd["request_cpu_s"], herd["ttft_ms"]
+    assert set(cpu) == {"herd", "one_prefill"}
+    assert set(whole) == {"herd", "one_request", "without_live"}
+    # The prefill's CPU comes from runs of one new token, the whole requests' from the others:
+    # one instance's prefill costs it less than its whole request.
+    assert cpu["one_prefill"] == report["pd"]["single_prefill_cpu_s"]
+    assert whole["one_request"] == report["pd"]["single_cpu_s"]
+    assert 0 < cpu["one_prefill"] < whole["one_request"]
+    assert 0 < cpu["herd"] < whole["herd"]
     assert ttft["single"] == report["pd"]["ttft_ms"]["single"]
     assert herd["prefill_cpu_vs_one"] == ratio(cpu["herd"], cpu["one_prefill"])
-    assert herd["without_live_cpu_vs_one"] == ratio(cpu["without_live"], cpu["one_prefill"])
+    assert herd["request_cpu_vs_one"] == ratio(whole["herd"], whole["one_request"])
+    assert herd["without_live_cpu_vs_one"] == ratio(whole["without_live"], whole["one_request"])
     assert herd["max_ttft_vs_single"] == ratio(ttft["max_in_herd"], ttft["single"])
     assert ttft["max_in_herd"] == round(max(ttft["in_herd"]), 1)
     assert len(ttft["in_herd"]) == 4
@@ -70,6 +77,7 @@ def test_herd_figures_and_their_ratios(report: dict[str, Any]) -> None:
     assert all(s["moqt"] == (PROMPT - 1) // live.B for s in loaded), herd["sources"]
     if loaded:
         assert herd["producer_egress_copies"] > 0
+    assert herd["computed_by_prefill"][0][0] == 0, herd
     # Without it every instance that found nothing computed (at least the first).
     assert 0 in herd["computed_by_without_live"][0]
 

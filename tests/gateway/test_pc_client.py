@@ -181,7 +181,7 @@ async def test_no_answer_in_time_is_a_transport_error_and_the_connection_is_drop
     async with FakePC(lambda head, body: next(answers)) as pc:
         client = PCClient(pc.url, timeout_s=0.3)
         try:
-            with pytest.raises(TransportError, match="no answer in 0.3 s"):
+            with pytest.raises(TransportError, match="no answer within 0.3 s"):
                 await client.route({})
             assert (await client.route({}))[0] == {"instance": "x"}
         finally:

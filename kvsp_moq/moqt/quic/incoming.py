@@ -203,7 +203,7 @@ class IncomingFetch(IncomingRequest):
             track_properties=track_properties,
         )
         sender = FetchSender(self.connection, self.request_id, stream_id)
-        self.connection.writing.add(stream_id)
+        self.connection.start_writing(stream_id)
         self.connection.transmit_soon()
         return sender
 

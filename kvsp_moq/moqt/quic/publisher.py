@@ -281,7 +281,7 @@ class OutgoingSubscription:
             has_properties=has_properties,
             first_object=first_object,
         )
-        connection.writing.add(stream_id)
+        connection.start_writing(stream_id)
         connection.transmit_soon()
         sender = SubgroupSender(connection, stream_id, self)
         sender.group_id = group_id
