@@ -65,16 +65,20 @@ class LivePass:
         payloads[:, 1].copy_(v[a:a + n * b].reshape(n, b, *rows.shape[1:]))
         flat = tensor_octets(payloads).cast("B").toreadonly()
         size = len(flat) // n
-        for j, live in enumerate(self.blocks):
+        layer = []
+        for j in range(n):
             payload = flat[j * size:(j + 1) * size]
-            digest = hashlib.sha256(payload).digest()
-            self.loop.call_soon_threadsafe(self._add, live, index, payload, size // 2, digest)
+            layer.append((payload, hashlib.sha256(payload).digest()))
+        # One hand-over per layer, not per block: each wakes the event loop (a write to its pipe).
+        self.loop.call_soon_threadsafe(self._add, self.blocks, index, layer, size // 2)
 
     @staticmethod
-    def _add(live: LiveBlock, index: int, payload: memoryview, k_length: int, digest: bytes) -> None:
-        if live.error is not None or live.available != index:
-            return  # abandoned meanwhile
-        live.add_layer(payload[:k_length], payload[k_length:], payload=payload, digest=digest)
+    def _add(blocks: list[LiveBlock], index: int, layer: list[tuple[memoryview, bytes]],
+             k_length: int) -> None:
+        for live, (payload, digest) in zip(blocks, layer):
+            if live.error is not None or live.available != index:
+                continue  # abandoned meanwhile
+            live.add_layer(payload[:k_length], payload[k_length:], payload=payload, digest=digest)
 
     def abort(self, reason: str) -> None:
         for live in self.blocks:
