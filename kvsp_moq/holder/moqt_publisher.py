@@ -81,6 +81,7 @@ class LiveBlock:
         self.digests: list[bytes] = []
         self.error: str | None = None
         self._changed = asyncio.Event()
+        self._container: bytes | None = None
 
     @property
     def available(self) -> int:
@@ -132,8 +133,15 @@ class LiveBlock:
         return self.payloads[index]
 
     def container(self) -> bytes:
+        """The block's container once every layer is in, made once (its exporter and `finish`
+        both need it)."""
+        if self._container is not None:
+            return self._container
         layers = [(p[:k], p[k:]) for p, k in zip(self.payloads, self.k_lengths)]
-        return encode(0, self.token_count, layers, codec=self.codec)
+        container = encode(0, self.token_count, layers, codec=self.codec)
+        if self.complete:
+            self._container = container
+        return container
 
     async def finish(self) -> StoredBlock | None:
         """Store the complete block (None when the store already had it)."""
