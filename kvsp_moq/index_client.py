@@ -157,9 +157,12 @@ class IndexClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    async def _request(self, method: str, path: str, body: Any = None) -> bytes:
-        """The answer's body; the project's error for a problem or an unreachable index."""
-        payload = None if body is None else json.dumps(body, separators=(",", ":")).encode()
+    async def _request(self, method: str, path: str, body: Any = None, *,
+                       payload: bytes | None = None) -> bytes:
+        """The answer's body (`body` sent as JSON, or `payload` as it is); the project's error
+        for a problem or an unreachable index."""
+        if body is not None:
+            payload = json.dumps(body, separators=(",", ":")).encode()
         headers = self.headers if payload is None else {**self.headers, "Content-Type": "application/json"}
         if self._pool is not None:
             try:
@@ -192,7 +195,8 @@ class IndexClient:
         """Publish or refresh records with POST replicas:batch, BATCH_LIMIT at a time."""
         for i in range(0, len(records), BATCH_LIMIT):
             chunk = records[i:i + BATCH_LIMIT]
-            await self._request("POST", "replicas:batch", {"records": [r.to_json() for r in chunk]})
+            payload = b'{"records":[' + b",".join(r.encoded for r in chunk) + b"]}"
+            await self._request("POST", "replicas:batch", payload=payload)
 
     async def lookup(self, scope_id: str, compat_id: str, block_keys: Sequence[str],
                      targets: Sequence[str] | None = None) -> LookupResult:

@@ -102,6 +102,8 @@ class IndexPublisher:
         self._live: dict[BlockId, ReplicaRecord] = {}
         self._live_put_at: dict[BlockId, float] = {}
         self._live_deletes: list[ReplicaRecord] = []
+        #: records_for's, by replica
+        self._records: dict[BlockId, tuple[StoredBlock, tuple, tuple, list[ReplicaRecord]]] = {}
 
     @property
     def holder_url(self) -> str:
@@ -129,11 +131,19 @@ class IndexPublisher:
         )
 
     def records_for(self, entry: StoredBlock) -> list[ReplicaRecord]:
-        """Every record of this replica: the HTTP one, and with a relay the MOQT one."""
+        """Every record of this replica: the HTTP one, and with a relay the MOQT one. Made
+        once per replica, holder URL and residency: a refresh sends every record again (and
+        each keeps its JSON, `ReplicaRecord.encoded`)."""
+        residency = self.store.residency(entry)
+        cached = self._records.get(entry.id)
+        if (cached is not None and cached[0] is entry and cached[1] == residency
+                and cached[2] == (self._holder_url, self.relay_url, self.record_ttl_ms)):
+            return cached[3]
         http = self.record_for(entry)
-        if not self.relay_url:
-            return [http]
-        return [http, moqt_record(http, self.relay_url)]
+        records = [http] if not self.relay_url else [http, moqt_record(http, self.relay_url)]
+        self._records[entry.id] = (entry, residency, (self._holder_url, self.relay_url, self.record_ttl_ms),
+                                   records)
+        return records
 
     def _records_to_put(self, entry: StoredBlock) -> list[ReplicaRecord]:
         records = self.records_for(entry)
@@ -247,9 +257,11 @@ class IndexPublisher:
         self._pending.pop(bid, None)
         self._published_at.pop(bid, None)
         if self.index is None:
+            self._records.pop(bid, None)
             return
         records = [r for r in self.records_for(entry) if _record_id(r) not in self._refused]
         self._refused.difference_update(_record_id(r) for r in self.records_for(entry))
+        self._records.pop(bid, None)
         if not records:
             return
         try:
@@ -402,8 +414,8 @@ class IndexPublisher:
             if self.store.get(bid) is not entry:
                 continue  # withdrawn meanwhile; a delete is queued
             mine = to_put[bid]
-            if mine and not any(_record_id(r) in refused for r in mine) and not any(
-                    self.is_refused(r) for r in self.records_for(entry)):
+            if mine and not any(_record_id(r) in refused for r in mine) and not (self._refused and any(
+                    self.is_refused(r) for r in self.records_for(entry))):
                 self._published_at[bid] = started
             if bid in self._pending and self._pending[bid] == sent[bid]:
                 del self._pending[bid]

@@ -6,7 +6,9 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import json
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
@@ -154,6 +156,12 @@ class ReplicaRecord:
             http_holder=http_holder,
             live=live,
         )
+
+    @functools.cached_property
+    def encoded(self) -> bytes:
+        """`to_json()` as compact JSON, made once: a holder sends the same records again at
+        every refresh."""
+        return json.dumps(self.to_json(), separators=(",", ":")).encode()
 
     def to_json(self) -> dict:
         out: dict[str, Any] = {

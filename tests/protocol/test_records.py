@@ -45,6 +45,18 @@ def test_replica_round_trip_and_unknown_members_ignored():
     assert r.tier_of(3).tier == "host" and r.layer_count == 4
 
 
+def test_a_replica_record_encodes_to_its_json_once():
+    import dataclasses
+    import json
+
+    r = ReplicaRecord.from_json(replica())
+    assert json.loads(r.encoded) == r.to_json()
+    assert r.encoded is r.encoded  # kept
+    other = dataclasses.replace(r, ttl_ms=1000)  # a record made anew is encoded anew
+    assert json.loads(other.encoded)["ttl_ms"] == 1000
+    assert other == ReplicaRecord.from_json(json.loads(other.encoded)) and other != r
+
+
 def test_hex_is_normalised_to_lowercase():
     r = ReplicaRecord.from_json(replica(block_key="AA" * 32))
     assert r.block_key == "aa" * 32
