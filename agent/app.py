@@ -148,6 +148,7 @@ class AgentContext:
             self_url=lambda: self.url, pc_url=settings.pc_url, token=settings.token,
             options=options, meters=self.meters, prefetching=self.prefetcher.adopt,
             measure_link=self.prefetcher.measure, produce=self._produce if settings.relay else None)
+        self.engine.exporter.published_change = self.publisher.sent
         default_scope = self.engine.scope_keys.get(settings.scope or "") if settings.scope else None
         self.shards = ShardKeeper(adapter, self.engine.run_model, self.client, token=settings.token,
                                   default_scope_id=(scope_id_of(default_scope).hex()

@@ -47,6 +47,9 @@ class BlockExporter:
         self.options = options
         self.run_model = run_model
         self.spawn = spawn
+        #: waits (at most its argument, in seconds) until the next batch of records reached the
+        #: index; without it `wait_published` looks every 5 ms
+        self.published_change: Callable[[float], Awaitable[None]] | None = None
 
     async def export(self, session: Session, state: DecodeState) -> None:
         """Store and publish every complete block whose KV is now cached and not held yet."""
@@ -115,9 +118,15 @@ class BlockExporter:
         for _ in range(int(self.options.publish_wait_s / 0.005) + 1):
             pending = [bid for bid in pending
                        if not self.is_published(bid) and self.store.get(bid) is not None]
-            if not pending or time.monotonic() > deadline:
+            left = deadline - time.monotonic()
+            if not pending or left < 0:
                 return
-            await asyncio.sleep(0.005)
+            if self.published_change is not None:
+                # Woken by the publisher; the bound covers what it does not see (the relay's
+                # answer to an announcement, which `is_published` may also wait for).
+                await self.published_change(min(left, 0.05))
+            else:
+                await asyncio.sleep(0.005)
 
 
 __all__ = ["BlockExporter"]

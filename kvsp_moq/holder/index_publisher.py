@@ -102,6 +102,7 @@ class IndexPublisher:
         self._live: dict[BlockId, ReplicaRecord] = {}
         self._live_put_at: dict[BlockId, float] = {}
         self._live_deletes: list[ReplicaRecord] = []
+        self._sent_waiters: list[asyncio.Future[None]] = []
         #: records_for's, by replica
         self._records: dict[BlockId, tuple[StoredBlock, tuple, tuple, list[ReplicaRecord]]] = {}
 
@@ -394,10 +395,36 @@ class IndexPublisher:
         return max(0.0, min(self._live_put_at[bid] + renew_s - now if bid in self._live_put_at else 0.0
                             for bid in self._live))
 
+    async def sent(self, timeout: float) -> None:
+        """Until the next batch of records was sent to the IS (whatever it answered), or
+        `timeout` seconds: a caller waiting for records to be published looks again then."""
+        waiter = asyncio.get_running_loop().create_future()
+        self._sent_waiters.append(waiter)
+        try:
+            async with asyncio.timeout(timeout):
+                await waiter
+        except TimeoutError:
+            pass
+        finally:
+            if waiter in self._sent_waiters:
+                self._sent_waiters.remove(waiter)
+
+    def _wake_sent(self) -> None:
+        waiters, self._sent_waiters = self._sent_waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
     async def _publish(self, entries: list[StoredBlock], *, full: bool) -> None:
         assert self.index is not None
         if not entries:
             return
+        try:
+            await self._publish_entries(entries, full=full)
+        finally:
+            self._wake_sent()
+
+    async def _publish_entries(self, entries: list[StoredBlock], *, full: bool) -> None:
         to_put = {e.id: self._records_to_put(e) for e in entries}
         records = [r for rs in to_put.values() for r in rs]
         sent = {e.id: self._pending.get(e.id) for e in entries}

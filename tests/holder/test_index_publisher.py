@@ -278,3 +278,30 @@ async def test_one_refused_record_does_not_keep_the_others_out() -> None:
     assert gone is not None and await store.evict(gone)
     assert mine[0].bid.block_key not in index.records
     await publisher.step()
+
+
+async def test_a_waiter_for_sent_records_wakes_when_a_batch_is_sent() -> None:
+    """`sent()` returns once the next batch has gone to the IS (an agent answering a request
+    waits so for its blocks' records), and after its timeout when nothing is sent."""
+    import asyncio
+    import time
+
+    from kvsp_moq.holder.index_publisher import IndexPublisher
+    from kvsp_moq.holder.store import BlockStore
+
+    index = RefusingIndex("none")
+    store = BlockStore(is_protected=lambda k: False, host_bytes=1 << 20)
+    publisher = IndexPublisher(store, index, holder_url="http://holder.invalid/",  # type: ignore[arg-type]
+                               record_ttl_ms=60_000, clock=FakeClock())
+    t0 = time.monotonic()
+    await publisher.sent(0.05)  # nothing to send: the timeout
+    assert time.monotonic() - t0 >= 0.04
+    block = make_block(3)
+    entry = await store.put(block.bid, bytearray(block.data))
+    publisher.announce(entry)
+    waiter = asyncio.ensure_future(publisher.sent(30.0))
+    await asyncio.sleep(0)
+    assert not waiter.done()
+    await publisher.step()
+    await asyncio.wait_for(waiter, 1.0)  # woken by the batch, long before its 30 s
+    assert publisher.is_published(block.bid) and block.bid.block_key in index.records
