@@ -102,7 +102,7 @@ class IndexPublisher:
         self._live: dict[BlockId, ReplicaRecord] = {}
         self._live_put_at: dict[BlockId, float] = {}
         self._live_deletes: list[ReplicaRecord] = []
-        self._sent_waiters: list[asyncio.Future[None]] = []
+        self._sent = asyncio.Event()  # set, then replaced, when a batch has been sent
         #: records_for's, by replica
         self._records: dict[BlockId, tuple[StoredBlock, tuple, tuple, list[ReplicaRecord]]] = {}
 
@@ -398,22 +398,16 @@ class IndexPublisher:
     async def sent(self, timeout: float) -> None:
         """Until the next batch of records was sent to the IS (whatever it answered), or
         `timeout` seconds: a caller waiting for records to be published looks again then."""
-        waiter = asyncio.get_running_loop().create_future()
-        self._sent_waiters.append(waiter)
+        sent = self._sent
         try:
             async with asyncio.timeout(timeout):
-                await waiter
+                await sent.wait()
         except TimeoutError:
             pass
-        finally:
-            if waiter in self._sent_waiters:
-                self._sent_waiters.remove(waiter)
 
     def _wake_sent(self) -> None:
-        waiters, self._sent_waiters = self._sent_waiters, []
-        for waiter in waiters:
-            if not waiter.done():
-                waiter.set_result(None)
+        self._sent.set()
+        self._sent = asyncio.Event()
 
     async def _publish(self, entries: list[StoredBlock], *, full: bool) -> None:
         assert self.index is not None
