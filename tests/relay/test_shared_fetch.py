@@ -110,11 +110,17 @@ async def test_a_slow_reader_of_a_shared_fetch_bounds_what_the_relay_takes_and_a
 
 
 async def test_the_upstream_fetch_stops_when_every_reader_left():
-    objects = make_objects(1, 64, 64 * 1024, seed=7)
+    kib = 1024
+    objects = make_objects(1, 128, 64 * kib, seed=7)  # 8 MiB
     gate = asyncio.Event()
     publisher = SlowFetchPublisher(objects, gate)
-    async with running_relay() as relay, publishing(relay.url, NS, publisher):
-        clients = [await dial(relay.url) for _ in range(2)]
+    # every window and send buffer on the way is far below the response, so what the publisher
+    # has written when the readers leave is bounded by them, not by how fast the cancel travels
+    small = QuicSettings(stream_send_buffer=256 * kib, write_chunk_size=64 * kib,
+                         max_stream_data=512 * kib, max_data=1024 * kib)
+    async with running_relay(quic=small) as relay, publishing(relay.url, NS, publisher, settings=small):
+        clients = [await dial(relay.url, settings=QuicSettings(max_stream_data=64 * kib, max_data=128 * kib))
+                   for _ in range(2)]
         try:
             pending = [asyncio.ensure_future(c.fetch(TRACK_NS, NAME, (0, 0), (1, 0), timeout=STEP))
                        for c in clients]
