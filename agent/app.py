@@ -149,6 +149,8 @@ class AgentContext:
             options=options, meters=self.meters, prefetching=self.prefetcher.adopt,
             measure_link=self.prefetcher.measure, produce=self._produce if settings.relay else None)
         self.engine.exporter.published_change = self.publisher.sent
+        self.engine.live_records_in = self.publisher.is_live_published
+        self.engine.records_sent = self.publisher.sent
         default_scope = self.engine.scope_keys.get(settings.scope or "") if settings.scope else None
         self.shards = ShardKeeper(adapter, self.engine.run_model, self.client, token=settings.token,
                                   default_scope_id=(scope_id_of(default_scope).hex()
@@ -433,4 +435,7 @@ def create_app(settings: AgentSettings, *, adapter: ModelAdapter | None = None) 
     gauges["sessions_queued"] = lambda: ctx.engine.queued
     gauges["prefill_tokens_per_s"] = lambda: ctx.meters.prefill.value or 0.0
     gauges["decode_tokens_per_s"] = lambda: ctx.meters.decode.value or 0.0
+    gauges["live_loads_audited"] = lambda: ctx.engine.live_audited
+    gauges["live_loads_mismatched"] = lambda: ctx.engine.live_mismatches
+    gauges["live_prefills_outpaced"] = lambda: ctx.engine.live_outpaced
     return app

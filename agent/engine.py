@@ -25,7 +25,7 @@ import time
 import uuid
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Mapping, Sequence
 
 import httpx
 import torch
@@ -33,7 +33,7 @@ import torch
 from agent.checkpoints import Checkpointer, read_resume, resume_point
 from agent.choice import choose
 from agent.export import BlockExporter
-from agent.live import LivePass, LiveProducer, Produce, audit_live_loads
+from agent.live import LivePass, LiveProducer, Outpaced, Produce, audit_live_loads, watch_rivals
 from agent.model import DecodeState, KVPrefix, ModelAdapter, OnLayer, TokenSampler
 from agent.options import EngineOptions
 from agent.pool import KVPool
@@ -126,6 +126,13 @@ class Engine:
         #: whose record listed other digests (`agent.live.audit_live_loads`)
         self.live_audited = 0
         self.live_mismatches = 0
+        #: prefills stopped because another instance computed the same prefix and won
+        self.live_outpaced = 0
+        #: whether this instance's in-production record of a block is in the index, and a wait
+        #: (bounded) for the next batch of records sent: with both, a prefill that another
+        #: instance computes too gives way (`agent.live.watch_rivals`)
+        self.live_records_in: Callable[[BlockId], bool] | None = None
+        self.records_sent: Callable[[float], Awaitable[None]] | None = None
         self.state = "active"
         self._tasks = TaskSet()
         self._finished: deque[tuple[float, Session]] = deque()  # (forget at, session), in order
@@ -509,7 +516,10 @@ class Engine:
                 plan = self._choose(session, plan)
         sampler = session.sampler.model_sampler()
         step = session.step_base + len(session.generated)
-        state, token, report, timeline = await self._prefill(session, plan, sampler, step)
+        try:
+            state, token, report, timeline = await self._prefill(session, plan, sampler, step)
+        except Outpaced as e:
+            state, token, report, timeline = await self._give_way(session, e, sampler, step)
         session.first_logits = self._last_logits.pop(session.id, None)
         session.timeline = timeline if want_timeline else None
         session.state = "running"
@@ -538,6 +548,21 @@ class Engine:
             await self.run_model(self.adapter.extend, state, [session.generated[-1]])
             await self.exporter.export(session, state)
         await self._finish(session)
+
+    async def _give_way(self, session: Session, outpaced: Outpaced, sampler: TokenSampler,
+                        step: int) -> tuple[DecodeState, int, LoadReport | None, Timeline | None]:
+        """Another instance computes this prompt's new prefix too, and wins: this one stopped
+        its pass (its in-production records are withdrawn) and loads the prefix from the
+        winner's live tracks, found by a new lookup, computing only what the winner does not."""
+        log.info("session %s: %s; loading it from there", session.id, outpaced)
+        self.live_outpaced += 1
+        session.outpaced_by = outpaced.winner
+        for key, block in list(session.live.items()):
+            if block.error is not None:
+                del session.live[key]
+        seq = session.sequence
+        plan = await self._plan(session.scope_id, [k.hex() for k in seq.chain.keys], seq, session.prefetched)
+        return await self._prefill(session, plan, sampler, step)
 
     async def _prefill(self, session: Session, plan: list[list[Candidate]], sampler: TokenSampler,
                        step: int) -> tuple[DecodeState, int, LoadReport | None, Timeline | None]:
@@ -593,6 +618,8 @@ class Engine:
                 elapsed = (timeline.forward_end or 0.0) - (timeline.forward_start or 0.0)
                 self._note_prefill(session, len(suffix), max(elapsed - waited, 1e-6))
                 session.timing["forward_ms"] = round(elapsed * 1000, 3)
+            except Outpaced:
+                raise
             except Exception as e:
                 if loaded == n:
                     raise
@@ -647,6 +674,9 @@ class Engine:
         if live is not None:
             for j, block in enumerate(live.blocks):
                 session.live[keys[first + j]] = block
+            if session.outpaced_by is None and self.index is not None and self.live_records_in is not None:
+                self._spawn(watch_rivals(live, self.index, me=self.self_url(), records_in=self.live_records_in,
+                                         sent=self.records_sent), name=f"rivals-{session.id}")
         return live
 
     async def _run_prefill(self, live: LivePass | None, sid: str, tokens: list[int], past: KVPrefix | None,
@@ -657,6 +687,10 @@ class Engine:
         try:
             return await self.run_model(self._prefill_sample, sid, tokens, past, sampler, step, timeline,
                                         live.on_layer if live is not None else None)
+        except Outpaced as e:
+            assert live is not None
+            live.abort(str(e))
+            raise
         except BaseException:
             if live is not None:
                 live.abort("the prefill failed")

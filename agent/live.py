@@ -10,6 +10,13 @@ added to its live block on the event loop, so subscribers receive layer l while 
 computes. After the pass the exporter stores the blocks from their live layers (`finish`);
 a pass that fails abandons them, which withdraws their records.
 
+Two instances that get a new prefix within the time it takes either to publish its records
+both find nothing and both compute it. Each then looks up the first block of its pass once its
+own in-production records are in (`watch_rivals`), and again for a short while: the one whose
+URL sorts after another's in-production record stops its pass at the next layer (`Outpaced`),
+withdraws its records and subscribes to the other. Both decide from the same records, so at
+most one of two stops, and the later of the two to look always sees the other.
+
 A consumer holds the producer to what it sent (`audit_live_loads`): the layers of a live block
 were checked against the digests they carried, and the copy stored from them lists those
 digests; once the producer's complete record is in the index it must list the same ones. A
@@ -23,13 +30,14 @@ import asyncio
 import hashlib
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from agent.pool import tensor_octets
 from kvsp_moq.errors import KvspError
+from kvsp_moq.fetch.sources import live_producer
 from kvsp_moq.holder.moqt_publisher import LiveBlock
 from kvsp_moq.holder.store import BlockId, BlockStore
 from kvsp_moq.index_client import IndexClient, LookupResult
@@ -42,6 +50,15 @@ log = logging.getLogger("kvsp.agent.live")
 Produce = Callable[[BlockId, int, int], LiveBlock]
 
 
+class Outpaced(Exception):
+    """Raised out of a forward pass whose prefix another instance produces too and that
+    instance wins (`live_producer` sorts it first): subscribe to `winner` instead."""
+
+    def __init__(self, winner: str) -> None:
+        super().__init__(f"{winner} produces this prefix too")
+        self.winner = winner
+
+
 @dataclass
 class LivePass:
     """The live blocks of one forward pass: block ``first + j`` is ``blocks[j]``, and the
@@ -52,11 +69,20 @@ class LivePass:
     start: int
     block_tokens: int
     loop: asyncio.AbstractEventLoop
+    #: set (from the event loop) when another instance produces the same blocks and wins: the
+    #: pass stops at its next layer
+    yield_to: str | None = None
+
+    @property
+    def over(self) -> bool:
+        return all(b.complete or b.error is not None for b in self.blocks)
 
     def on_layer(self, index: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """On the model thread, right after decoder layer ``index`` ran: each block's payload
         (its K section, then its V section) is made by one copy out of the cache for all the
         blocks of the pass, then hashed."""
+        if self.yield_to is not None:
+            raise Outpaced(self.yield_to)
         b, n = self.block_tokens, len(self.blocks)
         a = self.first * b - self.start
         rows = k[a:a + n * b]
@@ -113,6 +139,43 @@ class LiveProducer:
         if not blocks:
             return None
         return LivePass(blocks, first, start, self.block_tokens, asyncio.get_running_loop())
+
+
+async def watch_rivals(live: LivePass, index: IndexClient, *, me: str,
+                       records_in: Callable[[BlockId], bool],
+                       sent: Callable[[float], Awaitable[None]] | None = None,
+                       window_s: float = 2.0, first_wait_s: float = 5.0) -> str | None:
+    """Look for another instance producing the first block of `live` that wins over `me`.
+
+    Looks once this pass's in-production record of that block is in the index (`records_in`,
+    woken by `sent`; at most `first_wait_s`), then again with growing pauses for `window_s`: a
+    rival that started as late as this pass publishes its records within that time. On a
+    winner, sets `live.yield_to` (the pass stops at its next layer) and returns it."""
+    bid = live.blocks[0].id
+    me = base_url(me)
+    deadline = time.monotonic() + first_wait_s
+    while not records_in(bid):
+        if live.over or live.blocks[0].error is not None or time.monotonic() > deadline:
+            return None
+        if sent is not None:
+            await sent(min(0.05, max(0.0, deadline - time.monotonic())))
+        else:
+            await asyncio.sleep(0.01)
+    deadline = time.monotonic() + window_s
+    delay = 0.02
+    while not live.over:
+        result = await _lookup(index, bid.compat_id, bid.scope_id, [bid.block_key])
+        if result is not None and result.matched:
+            rivals = sorted(p for r in result.blocks[0].replicas
+                            if r.live and (p := live_producer(r)) != me)
+            if rivals and rivals[0] < me:
+                live.yield_to = rivals[0]
+                return rivals[0]
+        if time.monotonic() + delay > deadline:
+            return None
+        await asyncio.sleep(delay)
+        delay = min(2 * delay, 0.5)
+    return None
 
 
 async def audit_live_loads(index: IndexClient, store: BlockStore, *, compat_id: str, scope_id: str,
@@ -192,4 +255,4 @@ async def _compare(index: IndexClient, store: BlockStore, compat_id: str, scope_
             await store.discard(entry.id)
 
 
-__all__ = ["LivePass", "LiveProducer", "Produce", "audit_live_loads"]
+__all__ = ["LivePass", "LiveProducer", "Outpaced", "Produce", "audit_live_loads", "watch_rivals"]

@@ -113,6 +113,9 @@ class Session:
         self.prefill_at: str | None = None
         #: how many leading prompt blocks `prefill_at` computes (None: all it can)
         self.prefill_blocks: int | None = None
+        #: the instance this one stopped computing the prompt for, because it computes it too
+        #: and wins (`agent.live.Outpaced`); a session gives way at most once
+        self.outpaced_by: str | None = None
         #: prompt blocks loaded from live tracks: key -> their producer's HTTP base
         self.live_loaded: dict[str, str] = {}
         #: the client stopped the session (DELETE {ii}sessions/{id}): over for good

@@ -29,7 +29,7 @@ if TYPE_CHECKING:  # the MOQT binding is imported only by callers that read over
 
 __all__ = [
     "BlockSource", "HttpLayerSource", "LayerSource", "LayerTuple", "LocalLayerSource", "LocalStore",
-    "MoqtLayerSource", "PinnedLayers", "SourceCandidate", "lease_holder", "order_candidates",
+    "MoqtLayerSource", "PinnedLayers", "SourceCandidate", "lease_holder", "live_producer", "order_candidates",
 ]
 
 log = logging.getLogger("kvsp.fetch.sources")
@@ -268,13 +268,23 @@ def lease_holder(record: ReplicaRecord) -> str:
     return base_url(record.http_holder or record.holder)
 
 
+def live_producer(record: ReplicaRecord) -> str:
+    """The instance that produces (or produced) a replica, by the base URL its record names.
+
+    Of two instances computing the same block, the one whose URL sorts first keeps producing
+    and the other subscribes to it (DESIGN §9): both decide alike from the same records."""
+    return base_url(record.http_holder or record.holder)
+
+
 def order_candidates(records: Sequence[ReplicaRecord],
                      sources: Sequence[LayerSource]) -> list[SourceCandidate]:
     """Replicas ordered by the sources' order (local, MOQT, HTTP), one per holder, track and
-    kind; within a source, stored replicas before blocks still being produced (`live`)."""
+    kind; within a source, stored replicas before blocks still being produced (`live`), and
+    those by `live_producer`, the producer that two computing one block settle on first."""
     out: list[SourceCandidate] = []
     seen: set[tuple[str, str, str]] = set()
-    records = sorted(records, key=lambda r: r.live)  # stable: the given order otherwise
+    # stable: the given order otherwise
+    records = sorted(records, key=lambda r: (r.live, live_producer(r) if r.live else ""))
     for source in sources:
         for record in records:
             ident = (source.kind, base_url(record.holder), record.moqt_namespace or "")

@@ -214,6 +214,10 @@ class IndexPublisher:
         """Every record of the replica is in the index (the MOQT one too, with a relay)."""
         return bid in self._published_at and bid not in self._moqt_waiting
 
+    def is_live_published(self, bid: BlockId) -> bool:
+        """The in-production record of this block being produced here is in the index."""
+        return bid in self._live_put_at
+
     # ---------------------------------------------------------------- store callbacks
 
     def use_moqt(self, block_publisher: "BlockPublisher") -> None:

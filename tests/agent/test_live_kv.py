@@ -438,3 +438,79 @@ async def test_the_pc_sends_a_herd_to_the_instance_computing_its_prefix(
         follower = agents[second.instance].engine.sessions[second.session]
         assert follower.sources["moqt"] == len(shared) // B, follower.sources
         assert follower.sources["recompute"] == len(prompts[1]) // B - len(shared) // B
+
+
+def test_two_instances_that_start_one_prefix_together_settle_on_one_producer(
+        model_dir: Path, index_url: str, relay: BackgroundRelay) -> None:
+    """Two requests sharing a new prefix, both planned before either instance published
+    anything: both start computing it. Once each sees the other's in-production records, the
+    one whose URL sorts after the other's stops at its next layer, withdraws its records and
+    subscribes to the other's tracks; both answer as one instance alone."""
+    import asyncio
+    import time
+
+    shared = tokens(6 * B, 101)
+    prompts = [shared + tokens(2 * B + 3, 400 + i) for i in range(2)]
+    planned = {"count": 0}
+    lock = threading.Lock()
+    with Agent(settings(model_dir, index_url, relay.url)) as a, \
+            Agent(settings(model_dir, index_url, relay.url)) as b:
+        winner, loser = sorted((a, b), key=lambda x: x.url)
+        compat = a.context.compat_id
+        keys = prompt_keys(a, shared)
+        for agent in (a, b):
+            engine = agent.engine
+            plan = engine._plan
+
+            async def together(*args: Any, _plan: Any = plan, _first: list = [True], **kw: Any) -> Any:
+                out = await _plan(*args, **kw)
+                if _first[0]:  # the first plan of each waits for the other's: neither sees anything
+                    _first[0] = False
+                    with lock:
+                        planned["count"] += 1
+                    for _ in range(500):
+                        if planned["count"] >= 2:
+                            break
+                        await asyncio.sleep(0.01)
+                return out
+
+            engine._plan = together  # type: ignore[method-assign]
+            live = engine.live
+            assert live is not None
+            opened = live.open
+
+            def slow(*args: Any, _open: Any = opened, **kw: Any) -> LivePass | None:
+                p = _open(*args, **kw)
+                if p is not None:
+                    on_layer = p.on_layer
+
+                    def paced(index: int, k: torch.Tensor, v: torch.Tensor) -> None:
+                        on_layer(index, k, v)
+                        time.sleep(0.15)  # on the model thread: a pass long enough to see the other
+                    p.on_layer = paced  # type: ignore[method-assign]
+                return p
+
+            live.open = slow  # type: ignore[method-assign]
+        ta, ra = post_async(a.url + "generate", {"tokens": prompts[0], "max_new_tokens": NEW})
+        tb, rb = post_async(b.url + "generate", {"tokens": prompts[1], "max_new_tokens": NEW})
+        ta.join(60)
+        tb.join(60)
+        assert ra.get("status") == 200 and rb.get("status") == 200, (ra, rb)
+        adapter = a.context.adapter
+        assert [ra["body"]["tokens"], rb["body"]["tokens"]] == [adapter.generate_greedy(p, NEW) for p in prompts]
+        answers = {a.url: ra["body"], b.url: rb["body"]}
+        assert (winner.engine.live_outpaced, loser.engine.live_outpaced) == (0, 1)
+        assert "kvsp_agent_live_prefills_outpaced 1" in httpx.get(loser.url + "metrics").text
+        lost = answers[loser.url]
+        assert lost["sources"]["moqt"] == len(keys), lost  # the shared prefix, from the winner's tracks
+        assert lost["sources"]["recompute"] == len(prompts[0]) // B - len(keys)
+        won = answers[winner.url]
+        assert won["sources"]["recompute"] == len(prompts[0]) // B
+        moqt = winner.context.moqt_publisher
+        assert moqt is not None and moqt.stats.subscribes >= len(keys)
+        # the loser's in-production records of the shared blocks are gone; the winner's
+        # complete records replace its own
+        final = wait_until(lambda: (lambda rs: rs if len(rs) == len(keys) and not any(
+            r.live for rep in rs for r in rep) else None)(lookup(index_url, compat, keys)),
+            timeout=20, what="only complete records of the shared blocks")
+        assert all(any(r.http_holder == winner.url for r in rep) for rep in final)

@@ -99,6 +99,23 @@ async def test_a_source_failing_mid_block_is_continued_by_the_next_at_the_first_
     assert [(a.first, a.last, a.error) for a in stream.attempts] == [(0, 2, "cut off"), (3, 7, None)]
 
 
+def test_blocks_in_production_come_after_stored_ones_and_by_their_producer() -> None:
+    """Of two instances producing one block, every reader takes the one whose URL sorts first:
+    the one that keeps producing when both find out (`agent.live.watch_rivals`)."""
+    import dataclasses
+
+    from kvsp_moq.protocol.records import LIVE_DIGEST
+
+    def live(producer: str) -> ReplicaRecord:
+        return dataclasses.replace(record("moqt://r/"), digest=LIVE_DIGEST, size=0, live=True,
+                                   moqt_namespace=f"kvsp/{producer}", http_holder=producer)
+
+    stored = dataclasses.replace(record("moqt://r/"), moqt_namespace="kvsp/stored")
+    records = [live("http://b.test/"), stored, live("http://a.test/")]
+    candidates = order_candidates(records, [Fake("moqt")])
+    assert [c.record.http_holder for c in candidates] == [None, "http://a.test/", "http://b.test/"]
+
+
 async def test_every_candidate_failing_raises_with_the_failures() -> None:
     candidates = [SourceCandidate(Fake("http", miss=True), record("http://a/")),
                   SourceCandidate(Fake("http", fail_at=0), record("http://b/"))]
