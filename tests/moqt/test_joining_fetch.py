@@ -9,8 +9,8 @@ from kvsp_moq.moqt import events as ev
 from kvsp_moq.moqt import wire
 from kvsp_moq.moqt.certs import generate_self_signed
 from kvsp_moq.moqt.d18 import messages as m
-from kvsp_moq.moqt.errors import RequestErrorCode, StreamResetCode
-from kvsp_moq.moqt.quic import connect, serve
+from kvsp_moq.moqt.errors import PublishDoneCode, RequestErrorCode, StreamResetCode
+from kvsp_moq.moqt.quic import QuicSettings, connect, serve
 
 from .pair import SessionPair
 
@@ -206,6 +206,70 @@ async def test_a_held_joining_fetch_reaches_the_fetch_handler_after_accept():
         assert await asyncio.wait_for(read(), 10) == [(2, 0, b"two"), (3, 1, b"three")]
         assert order == ["subscribe", "fetch"]
         assert fetches == [(wire.Location(2, 0), wire.Location(3, 2), sub)]
+    finally:
+        await client.aclose()
+        await server.aclose()
+
+
+async def test_a_track_that_ended_waits_for_the_joining_fetch_sent_on_subscribe_ok():
+    """A subscriber that sends its joining FETCH only once SUBSCRIBE_OK is in (moq-rs) to
+    a track that ends before any object is sent on the subscription: the FETCH is answered
+    in full, and PUBLISH_DONE follows its response instead of refusing or overtaking it."""
+    cert = generate_self_signed()
+    order: list[str] = []
+
+    async def on_subscribe(request):
+        subscription = request.accept(largest=(0, 2))  # nothing after the Largest Object
+        await subscription.finish(PublishDoneCode.TRACK_ENDED, "track ended")
+        order.append("publish done")
+
+    async def on_fetch(request):
+        sender = request.accept()
+        for o in range(3):
+            await sender.send(0, o, bytes([o]) * 1000)
+        sender.close()
+        order.append("fetch answered")
+
+    server = await serve(certificate=cert, handlers={"subscribe": on_subscribe, "fetch": on_fetch})
+    client = await asyncio.wait_for(connect(server.url, cadata=cert.certificate_pem), 10)
+    try:
+        sub = await client.subscribe(NS, b"1", subscription_filter=wire.SubscriptionFilter.largest_object(),
+                                     timeout=10)
+        fetch = await client.joining_fetch(sub, 0, timeout=10)
+
+        async def read(objects):
+            return [(o.group_id, o.object_id, bytes(o.payload)) async for o in objects]
+
+        assert await asyncio.wait_for(read(fetch), 10) == [(0, o, bytes([o]) * 1000) for o in range(3)]
+        assert await asyncio.wait_for(read(sub), 10) == []  # ended by PUBLISH_DONE TRACK_ENDED
+        assert sub.done is not None and sub.done.status_code == PublishDoneCode.TRACK_ENDED
+        assert order == ["fetch answered", "publish done"]
+    finally:
+        await client.aclose()
+        await server.aclose()
+
+
+async def test_a_subscription_nobody_joins_ends_after_the_joining_window():
+    """The wait is bounded: with no joining FETCH, PUBLISH_DONE goes out once
+    `joining_fetch_wait` has passed since SUBSCRIBE_OK, and the subscriber's iteration ends."""
+    cert = generate_self_signed()
+    settings = QuicSettings(joining_fetch_wait=0.3)
+    ended: list[float] = []
+
+    async def on_subscribe(request):
+        subscription = request.accept(largest=(0, 2))
+        started = asyncio.get_running_loop().time()
+        await subscription.finish(PublishDoneCode.TRACK_ENDED)
+        ended.append(asyncio.get_running_loop().time() - started)
+
+    server = await serve(certificate=cert, handlers={"subscribe": on_subscribe}, settings=settings)
+    client = await asyncio.wait_for(connect(server.url, cadata=cert.certificate_pem), 10)
+    try:
+        sub = await client.subscribe(NS, b"1", subscription_filter=wire.SubscriptionFilter.largest_object(),
+                                     timeout=10)
+        assert [o async for o in sub] == []
+        assert sub.done is not None and sub.done.status_code == PublishDoneCode.TRACK_ENDED
+        assert len(ended) == 1 and 0.2 <= ended[0] < 0.3 + settings.publish_done_grace
     finally:
         await client.aclose()
         await server.aclose()

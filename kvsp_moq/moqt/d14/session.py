@@ -177,6 +177,9 @@ class MoqtSession14(SessionBase[Request14]):
             hello = d14.ClientSetup(self.versions, self._control.setup_parameters())
             quic.send_stream_data(self._control_stream_id, hello.encode())
 
+    #: a subscriber may join a subscription by FETCH
+    joins_by_fetch = True
+
     def request_stream_id(self, request_id: int) -> int | None:
         """Draft-14 requests share the control stream."""
         return self._control_stream_id if request_id in self._requests else None

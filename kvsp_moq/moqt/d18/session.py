@@ -121,6 +121,12 @@ class MoqtSession(SessionBase[Request18]):
     # Properties
     # ------------------------------------------------------------------
 
+    @property
+    def joins_by_fetch(self) -> bool:
+        """Whether a subscriber may join a subscription by FETCH (drafts 20 and 22 fill it
+        within the SUBSCRIBE instead)."""
+        return not self.profile.location_filter
+
     def request_stream_id(self, request_id: int) -> int | None:
         """The stream of a request; None for an unknown one or a fill, which has none."""
         request = self._requests.get(request_id)

@@ -359,7 +359,11 @@ class MoqtConnection(ConnectionCore):
             request.reject(request.default_error(f"no {kind} handler"))
             return
         self.await_handler(request.request_id)
-        self._tasks.spawn(self._run_handler(handler, request), loop=self._loop)
+        task = self._tasks.spawn(self._run_handler(handler, request), loop=self._loop)
+        if isinstance(request, IncomingFetch) and request.joining_request_id is not None:
+            joined = self.request_handle(request.joining_request_id)
+            if isinstance(joined, OutgoingSubscription):
+                joined.joined_by(task)  # its PUBLISH_DONE waits for this answer
 
     async def _run_handler(self, handler: Handler, request: IncomingRequest) -> None:
         try:

@@ -182,6 +182,10 @@ class OutgoingSubscription:
         self._done = False
         self._forward_waiters: list[asyncio.Future[None]] = []
         self.cancelled.add_done_callback(lambda _: self._wake_forward())
+        # SUBSCRIBE_OK went out now; the joining FETCHes of it being answered (see finish())
+        self._accepted_at = connection.loop.time()
+        self._joining: set[asyncio.Future[Any]] = set()
+        self._joined: asyncio.Future[None] = connection.loop.create_future()
         connection.register(self)
 
     @property
@@ -303,12 +307,25 @@ class OutgoingSubscription:
         self.connection.transmit_soon()
         return True
 
+    def joined_by(self, answer: asyncio.Future[Any]) -> None:
+        """A joining FETCH of this subscription is being answered; `answer` is done when
+        its response is written (or refused)."""
+        self._joining.add(answer)
+        answer.add_done_callback(self._joining.discard)
+        if not self._joined.done():
+            self._joined.set_result(None)
+
     async def finish(self, status_code: int = PublishDoneCode.TRACK_ENDED, reason: str = "") -> None:
-        """Send PUBLISH_DONE (after closing the open subgroup streams)."""
+        """Send PUBLISH_DONE (after closing the open subgroup streams, and after the
+        joining FETCHes of the subscription are answered: see QuicSettings.joining_fetch_wait)."""
         if self._done or self.cancelled.done():
             return
         self._done = True
         self._wake_forward()
+        if status_code in (PublishDoneCode.TRACK_ENDED, PublishDoneCode.SUBSCRIPTION_ENDED):
+            await self._let_joining_fetches_through()
+            if self.cancelled.done():
+                return
         self.connection.forget(self.request_id)
         session = self.connection.session
         if session is not None and not session.closed:
@@ -317,6 +334,25 @@ class OutgoingSubscription:
             except StreamClosed:
                 pass
             self.connection.transmit_soon()
+
+    async def _let_joining_fetches_through(self) -> None:
+        """Wait, before a normal PUBLISH_DONE, for the joining FETCHes a subscriber may send
+        on receipt of SUBSCRIBE_OK: its end would otherwise overtake them (a track that
+        ended before any object was sent on the subscription), or refuse them outright."""
+        connection = self.connection
+        session = connection.session
+        if session is None or session.closed or not session.joins_by_fetch:
+            return
+        loop, settings = connection.loop, connection.settings
+        window = self._accepted_at + settings.joining_fetch_wait - loop.time()
+        if not self._joining and window > 0 and session.stream_count(self.request_id) == 0:
+            first: set[asyncio.Future[Any]] = {self.cancelled, self._joined}
+            await asyncio.wait(first, timeout=window, return_when=asyncio.FIRST_COMPLETED)
+        deadline = loop.time() + settings.publish_done_grace
+        while self._joining and not self.cancelled.done() and loop.time() < deadline:
+            pending: set[asyncio.Future[Any]] = {self.cancelled, *self._joining}
+            await asyncio.wait(pending, timeout=deadline - loop.time(),
+                               return_when=asyncio.FIRST_COMPLETED)
 
     def deliver(self, event: ev.MoqtEvent) -> None:
         """An event of this subscription (RequestHandle): the subscriber's cancellation."""

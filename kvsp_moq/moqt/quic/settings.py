@@ -136,6 +136,12 @@ class QuicSettings:
     write_chunk_size: payloads are handed to the engine in pieces of this size.
     max_streams: concurrent streams of each direction the peer may open.
     max_object_size: largest object accepted from the peer.
+    joining_fetch_wait: a subscription this endpoint ends before sending any object sends
+        its PUBLISH_DONE no sooner than this many seconds after its SUBSCRIBE_OK, and
+        after answering the joining FETCHes of it that came meanwhile (waiting at most
+        `publish_done_grace` for them): a subscriber that sends its joining FETCH on
+        receipt of SUBSCRIBE_OK (moq-rs does) would otherwise see a finished track end
+        before its FETCH is answered, and its FETCH refused (drafts 14 and 18).
     use_uvloop: `run()` / `new_event_loop()` use uvloop when it is installed.
     draft14_fallback: a server also accepts draft-14 clients (ALPN "moq-00",
         offered after "moqt-18", so a client offering both gets draft-18). Off,
@@ -164,6 +170,7 @@ class QuicSettings:
     max_object_size: int = 64 * MiB
     handshake_timeout: float = 10.0
     publish_done_grace: float = 2.0
+    joining_fetch_wait: float = 0.1
     use_uvloop: bool = True
     draft14_fallback: bool = True
     server_drafts: tuple[int, ...] | None = None
