@@ -234,14 +234,10 @@ class MoqtLayerStream(VerifiedLayerStream):
         layer_timeout = fetcher.live_layer_timeout if self.live else fetcher.layer_timeout
         next_layer = first
         try:
-            iterator = subscription.__aiter__()
             while next_layer <= last:
                 try:
-                    # asyncio.timeout, not wait_for: no task made per layer
-                    async with asyncio.timeout(layer_timeout):
-                        obj = await iterator.__anext__()
-                except StopAsyncIteration:
-                    obj = None
+                    # a timer armed only while no layer is queued (not one per layer)
+                    obj = await subscription.next_object(layer_timeout)
                 except asyncio.TimeoutError:
                     if not self.live:
                         raise

@@ -133,6 +133,37 @@ async def test_next_object_times_out_without_objects_and_ends_with_none():
         await server.aclose()
 
 
+async def test_a_subscriptions_next_object_times_out_skips_subgroup_ends_and_ends_with_none():
+    release = asyncio.Event()
+
+    async def on_subscribe(request):
+        subscription = request.accept()
+        sender = subscription.open_subgroup(0, 0)
+        await sender.send(0, b"first")
+        sender.close()  # a SubgroupEnd on the subscriber's queue, not an object
+        await release.wait()
+        sender = subscription.open_subgroup(1, 0)
+        await sender.send(0, b"second")
+        sender.close()
+        await subscription.finish()
+
+    server = await serve(certificate=CERT, handlers={"subscribe": on_subscribe})
+    client = await asyncio.wait_for(connect(server.url + "/kv", cadata=CERT.certificate_pem), STEP)
+    try:
+        subscription = await client.subscribe(NS, "1", timeout=STEP)
+        first = await subscription.next_object(STEP)
+        assert first is not None and first.payload == b"first"
+        with pytest.raises(asyncio.TimeoutError):
+            await subscription.next_object(0.05)
+        release.set()
+        second = await subscription.next_object(STEP)
+        assert second is not None and (second.group_id, second.payload) == (1, b"second")
+        assert await subscription.next_object(STEP) is None
+    finally:
+        await client.aclose()
+        await server.aclose()
+
+
 async def test_send_now_writes_only_while_the_stream_has_room():
     kib = 1024
     settings = QuicSettings(stream_send_buffer=32 * kib, write_chunk_size=16 * kib)

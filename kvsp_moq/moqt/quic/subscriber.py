@@ -184,6 +184,21 @@ class Subscription:
             if self.subgroup_ends or not isinstance(item, SubgroupEnd):
                 return item
 
+    async def next_object(self, timeout: float | None = None) -> MoqtObject | None:
+        """The next object (as __anext__), None at the end of the subscription;
+        TimeoutError when none arrives within `timeout` seconds (the subscription goes
+        on). Cheaper than asyncio.timeout around __anext__: a timer is armed only while
+        nothing is queued, not for every object."""
+        loop = self.connection.loop
+        deadline = None if timeout is None else loop.time() + timeout
+        while True:
+            try:
+                item = await self._queue.get(None if deadline is None else max(0.0, deadline - loop.time()))
+            except StopAsyncIteration:
+                return None
+            if self.subgroup_ends or not isinstance(item, SubgroupEnd):
+                return item
+
     async def unsubscribe(self) -> None:
         """Cancel the subscription (STOP_SENDING / reset of its request stream)."""
         self._finish(None, cancel=True)
