@@ -45,6 +45,7 @@ import pytest
 
 from kvsp_moq.holder.moqt_publisher import BlockPublisher
 from kvsp_moq.holder.store import BlockId, BlockStore
+from kvsp_moq.moqt.errors import RequestError
 from kvsp_moq.moqt.objects import ObjectStatus
 from kvsp_moq.moqt.quic import IncomingSubscribe, connect
 from kvsp_moq.naming import BlockTrack
@@ -192,15 +193,33 @@ async def test_moqrs_one_mib_objects_back_to_back_through_our_relay(tmp_path):
 
 async def our_subscriber_reads(url: str, path: str, count: int, timeout: float = STEP, draft: int = 18) -> list:
     """Our client subscribes to track t of the namespace `path` names (its "/"-separated fields)
-    at `url` and collects objects until it has `count` of them, or `timeout` has passed."""
+    at `url` and collects objects until it has `count` of them, or `timeout` has passed. Objects
+    the relay had before the SUBSCRIBE (a publisher that did not wait for this subscriber, or a
+    draft-14 PUBLISH the relay accepted first) come by a joining FETCH from group 0, as any late
+    subscriber gets them; the subscription's copies of fetched objects are left out (and any
+    other object it repeats is kept, for the caller to see)."""
     client = await connect(url, verify=False, timeout=STEP, drafts=(draft,))
     got: list = []
+    fetched: set[tuple[int, int]] = set()
+
     try:
         subscription = await client.subscribe(path.split("/"), "t", timeout=STEP)
 
         async def read() -> None:
+            if subscription.largest is not None:
+                try:
+                    fetch = await client.joining_fetch(subscription, 0, absolute=True, timeout=STEP)
+                except RequestError:
+                    pass  # a publisher that serves no FETCH: what the subscription brings is all
+                else:
+                    async for obj in fetch:
+                        fetched.add((obj.group_id, obj.object_id))
+                        got.append(obj)
+                if len(got) >= count:
+                    return
             async for obj in subscription:
-                got.append(obj)
+                if (obj.group_id, obj.object_id) not in fetched:
+                    got.append(obj)
                 if len(got) >= count:
                     return
 
