@@ -345,7 +345,11 @@ class OutgoingSubscription:
             return
         loop, settings = connection.loop, connection.settings
         window = self._accepted_at + settings.joining_fetch_wait - loop.time()
-        if not self._joining and window > 0 and session.stream_count(self.request_id) == 0:
+        try:
+            sent_nothing = session.stream_count(self.request_id) == 0
+        except StreamClosed:
+            return  # the request is gone already: PUBLISH_DONE cannot follow anything
+        if not self._joining and window > 0 and sent_nothing:
             first: set[asyncio.Future[Any]] = {self.cancelled, self._joined}
             await asyncio.wait(first, timeout=window, return_when=asyncio.FIRST_COMPLETED)
         deadline = loop.time() + settings.publish_done_grace
