@@ -179,16 +179,16 @@ class Subscription:
 
     async def __anext__(self) -> MoqtObject:
         """The next object (or, with `subgroup_ends`, a `SubgroupEnd`)."""
-        while True:
-            item = await self._queue.get()
-            if self.subgroup_ends or not isinstance(item, SubgroupEnd):
-                return item
+        item = await self.next_object()
+        if item is None:
+            raise StopAsyncIteration
+        return item
 
     async def next_object(self, timeout: float | None = None) -> MoqtObject | None:
-        """The next object (as __anext__), None at the end of the subscription;
-        TimeoutError when none arrives within `timeout` seconds (the subscription goes
-        on). Cheaper than asyncio.timeout around __anext__: a timer is armed only while
-        nothing is queued, not for every object."""
+        """The next object (or, with `subgroup_ends`, a `SubgroupEnd`), None at the end of
+        the subscription; TimeoutError when none arrives within `timeout` seconds (the
+        subscription goes on). Cheaper than asyncio.timeout around __anext__: a timer is
+        armed only while nothing is queued, not for every object."""
         loop = self.connection.loop
         deadline = None if timeout is None else loop.time() + timeout
         while True:
