@@ -184,8 +184,7 @@ class RouteRequest:
             keys_hex = tuple(k.hex() for k in block_keys(key, bytes.fromhex(compat), tokens, b))
             count = len(tokens)
         elif "block_keys" in data:
-            keys_hex = tuple(v.array(data["block_keys"], "block_keys",
-                                     lambda x, m: v.hexn(x, 32, m), max_len=1 << 20))
+            keys_hex = v.hex_array(data["block_keys"], 32, "block_keys", max_len=1 << 20)
             count = data.get("token_count")
             count = (len(keys_hex) * b if count is None
                      else v.integer(count, "token_count", low=len(keys_hex) * b))

@@ -149,7 +149,7 @@ class LiveBlock:
             raise LayersUnavailable(f"{self.available} of {self.layer_count} layers were added")
         stored = False
         try:
-            entry = await self.publisher.store.put(self.id, self.container())
+            entry = await self.publisher.store.put(self.id, self.container(), layer_digests=self.digests)
             stored = True
         except PreconditionFailed:
             entry, stored = None, True  # stored already: its complete record is there

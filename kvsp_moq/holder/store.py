@@ -67,7 +67,6 @@ class BlockMeta:
     lengths: tuple[tuple[int, int], ...]
     layer_digests: tuple[bytes, ...]
     digest: bytes  #: replica digest (§4.3)
-    container_digest: bytes  #: SHA-256 of the whole container, the Repr-Digest of a full GET
     size: int
 
     @property
@@ -98,21 +97,24 @@ def _hash_pieces(pieces: Iterable[Buffer]) -> bytes:
     return h.digest()
 
 
-def analyze(buffer: Buffer) -> tuple[Container, BlockMeta]:
-    """Parse a container and compute its layer, replica and container digests.
+def analyze(buffer: Buffer, layer_digests: Sequence[bytes] | None = None) -> tuple[Container, BlockMeta]:
+    """Parse a container and compute its layer and replica digests.
 
-    The container digest runs on a worker thread beside the layer digests, so the two
-    SHA-256 passes that every stored block needs take the time of one where cores allow.
+    `layer_digests`, when the caller has them (it verified the layers against them, or
+    computed them as it produced the layers), are taken as they are: the octets are then not
+    read at all. The whole container's digest (a full GET's Repr-Digest) is made on the first
+    such GET (`BlockRead.digest`): most blocks are read by layers over MOQT, never whole.
     """
     container = Container(buffer)
-    whole = hash_pool().submit(_hash_pieces, _slices(container.buffer, CHUNK))
-    try:
-        layer_digests = tuple(container.layer_digests())
-    finally:
-        container_digest = whole.result()
-    replica = hashlib.sha256(b"".join(layer_digests)).digest()
+    if layer_digests is None:
+        digests = tuple(container.layer_digests())
+    else:
+        digests = tuple(layer_digests)
+        if len(digests) != container.layer_count:
+            raise ValueError(f"{len(digests)} layer digests for {container.layer_count} layers")
+    replica = hashlib.sha256(b"".join(digests)).digest()
     meta = BlockMeta(container.codec, container.token_count, tuple(container.lengths()),
-                     layer_digests, replica, container_digest, len(container))
+                     digests, replica, len(container))
     return container, meta
 
 
@@ -205,6 +207,8 @@ class StoredBlock:
     readers: int = 0
     evicting: bool = False
     persisting: asyncio.Task | None = None
+    #: SHA-256 of the whole container, made on the first full read that needs it
+    container_digest: bytes | None = None
     range_digests: "OrderedDict[tuple[int, int], bytes]" = field(default_factory=OrderedDict)
 
     @property
@@ -250,8 +254,8 @@ class BlockRead:
     async def digest(self) -> bytes:
         """SHA-256 of the returned container: cached for the whole block and recent ranges."""
         entry = self.entry
-        if self.whole:
-            return entry.meta.container_digest
+        if self.whole and entry.container_digest is not None:
+            return entry.container_digest
         key = (self.first, self.last)
         cached = entry.range_digests.get(key)
         if cached is not None:
@@ -263,6 +267,9 @@ class BlockRead:
             value = await loop.run_in_executor(hash_pool(), _hash_pieces, pieces)
         else:
             value = _hash_pieces(pieces)
+        if self.whole:
+            entry.container_digest = value
+            return value
         entry.range_digests[key] = value
         while len(entry.range_digests) > _RANGE_DIGESTS_KEPT:
             entry.range_digests.popitem(last=False)
@@ -592,13 +599,21 @@ class BlockStore:
 
     # ---------------------------------------------------------------- writing
 
-    async def put(self, bid: BlockId, buffer: Buffer) -> StoredBlock:
-        """Store a new replica; 412 when one exists (the copy held is kept, §6.7)."""
+    async def put(self, bid: BlockId, buffer: Buffer, *,
+                  layer_digests: Sequence[bytes] | None = None) -> StoredBlock:
+        """Store a new replica; 412 when one exists (the copy held is kept, §6.7).
+
+        `layer_digests`: the layers' digests when the caller has them already, as a block
+        loaded from verified layers or produced here has; they go into its records as given
+        (`analyze`), and the octets are not read again."""
         if bid in self:
             raise PreconditionFailed("a replica of this block is already held")
         self._incoming.add(bid)
         try:
-            container, meta = await asyncio.to_thread(analyze, buffer)
+            if layer_digests is not None:
+                container, meta = analyze(buffer, layer_digests)  # the header only: no thread
+            else:
+                container, meta = await asyncio.to_thread(analyze, buffer)
             check_block(container, self.descriptors.get(bid.compat_id))
             entry = StoredBlock(bid, meta)
             async with self._space:

@@ -107,10 +107,7 @@ class ReplicaRecord:
         holder = v.url(req("holder"), "holder")
         layer_digests = data.get("layer_digests")
         if layer_digests is not None:
-            layer_digests = tuple(
-                v.array(layer_digests, "layer_digests", lambda x, m: v.hexn(x, 32, m), min_len=1,
-                        max_len=1 << 16)
-            )
+            layer_digests = v.hex_array(layer_digests, 32, "layer_digests", min_len=1, max_len=1 << 16)
         residency = tuple(
             Residency.from_json(r, f"residency[{i}]")
             for i, r in enumerate(v.array(data.get("residency", []), "residency", lambda x, m: x,
@@ -126,7 +123,7 @@ class ReplicaRecord:
                     )
         record_digest = v.digest(req("digest"), "digest")
         if layer_digests is not None:
-            expected = hashlib.sha256(b"".join(bytes.fromhex(d) for d in layer_digests)).hexdigest()
+            expected = hashlib.sha256(bytes.fromhex("".join(layer_digests))).hexdigest()
             if record_digest != "sha-256:" + expected:
                 raise BadRecord("does not match the layer digests", member="digest")
         moqt_namespace = data.get("moqt_namespace")
@@ -378,8 +375,7 @@ class SessionCheckpoint:
             epoch=v.integer(v.required(data, "epoch"), "epoch"),
             compat_id=v.hexn(v.required(data, "compat_id"), 32, "compat_id"),
             scope_id=v.hexn(v.required(data, "scope_id"), 16, "scope_id"),
-            prompt_blocks=tuple(v.array(v.required(data, "prompt_blocks"), "prompt_blocks",
-                                        lambda x, m: v.hexn(x, 32, m))),
+            prompt_blocks=v.hex_array(v.required(data, "prompt_blocks"), 32, "prompt_blocks"),
             prompt_tail=tuple(v.tokens(v.required(data, "prompt_tail"), "prompt_tail")),
             generated=generated,
             output_offset=offset,
@@ -610,8 +606,7 @@ class LeaseRequest:
     def from_json(cls, data: Any) -> "LeaseRequest":
         data = v.obj(data)
         return cls(
-            tuple(v.array(v.required(data, "block_keys"), "block_keys",
-                          lambda x, m: v.hexn(x, 32, m), min_len=1, max_len=65536)),
+            v.hex_array(v.required(data, "block_keys"), 32, "block_keys", min_len=1, max_len=65536),
             v.integer(v.required(data, "ttl_ms"), "ttl_ms", low=1),
         )
 
@@ -655,8 +650,7 @@ class LookupRequest:
         return cls(
             scope_id=v.hexn(v.required(data, "scope_id"), 16, "scope_id"),
             compat_id=v.hexn(v.required(data, "compat_id"), 32, "compat_id"),
-            block_keys=tuple(v.array(v.required(data, "block_keys"), "block_keys",
-                                     lambda x, m: v.hexn(x, 32, m), max_len=1 << 20)),
+            block_keys=v.hex_array(v.required(data, "block_keys"), 32, "block_keys", max_len=1 << 20),
             targets=targets,
         )
 

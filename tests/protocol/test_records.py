@@ -223,3 +223,23 @@ def test_token_arrays_name_their_first_bad_element(bad, index):
         v.tokens(bad, "tokens")
     assert e.value.member == f"tokens[{index}]"
     assert v.tokens([0, 0xFFFFFFFF], "tokens") == [0, 0xFFFFFFFF] and v.tokens([], "t") == []
+
+
+@pytest.mark.parametrize("bad, index", [(["ab" * 32, "ab" * 31 + "g1"], 1), (["ab" * 32, 7], 1),
+                                        (["ab" * 31 + "a\n"], 0), (["ab" * 32, "ab" * 33], 1),
+                                        ([" " + "ab" * 31 + "a"], 0)])
+def test_hex_arrays_are_read_in_bulk_and_name_their_first_bad_element(bad, index):
+    from kvsp_moq.protocol import validate as v
+
+    with pytest.raises(BadRecord) as e:
+        v.hex_array(bad, 32, "layer_digests")
+    assert e.value.member == f"layer_digests[{index}]"
+    assert v.hex_array(["AB" * 32, "0c" * 32], 32, "layer_digests") == ("ab" * 32, "0c" * 32)
+    assert v.hex_array(["0c" * 32], 32, "layer_digests") == ("0c" * 32,) and v.hex_array([], 32, "k") == ()
+
+
+def test_layer_digests_in_uppercase_are_normalised_and_give_the_replica_digest():
+    layer = hashlib.sha256(b"layer").hexdigest()
+    r = ReplicaRecord.from_json(replica(layer_digests=[layer.upper()], residency=[],
+                                        digest="sha-256:" + hashlib.sha256(bytes.fromhex(layer)).hexdigest()))
+    assert r.layer_digests == (layer,)
