@@ -76,7 +76,7 @@ from kvsp_moq.fetch.moqt import MoqtBlockFetcher
 from kvsp_moq.fetch.sources import HttpLayerSource, LocalLayerSource, MoqtLayerSource
 from kvsp_moq.holder.api import repr_digest
 from kvsp_moq.holder.assembly import HolderAssembly
-from kvsp_moq.holder.moqt_publisher import BlockPublisher, LiveBlock
+from kvsp_moq.holder.moqt_publisher import BlockPublisher, LivePassTrack
 from kvsp_moq.holder.store import BlockId
 from kvsp_moq.instance_status import Meters, StatusReporter
 from kvsp_moq.protocol import validate as v
@@ -191,12 +191,13 @@ class AgentContext:
     def compat_id(self) -> str:
         return self.engine.compat_id
 
-    def _produce(self, bid: BlockId, layer_count: int, token_count: int) -> LiveBlock:
-        """A block published live through the pool's MOQT publisher (`agent.live`)."""
+    def _produce(self, first: BlockId, layer_count: int, token_count: int) -> LivePassTrack:
+        """The pass track of a pass published live through the pool's MOQT publisher, its
+        first block `first` (`agent.live`)."""
         moqt = self.moqt_publisher
         if moqt is None:
             raise NotActive("the MOQT publisher is not running")
-        return moqt.produce(bid, layer_count=layer_count, token_count=token_count)
+        return moqt.open_pass(first, layer_count=layer_count, token_count=token_count)
 
     def _set_state(self, state: str) -> None:
         self.engine.state = state

@@ -115,8 +115,10 @@ class Engine:
         self.model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvsp-model")
         self.sessions: dict[str, Session] = {}
         #: live KV (DESIGN §9): prompt blocks published layer by layer while they are computed
+        element = torch.empty((), dtype=adapter.dtype).element_size()
         self.live = (LiveProducer(produce, num_layers=adapter.num_layers, block_tokens=self.block_tokens,
-                                  compat_id=self.compat_id)
+                                  compat_id=self.compat_id, layer_octets=2 * self.block_tokens
+                                  * adapter.num_kv_heads * adapter.head_dim * element)
                      if produce is not None and self.options.live_kv else None)
         #: requests (generate and resume) admitted since start: the status record's "admitted"
         self.admitted = 0
@@ -657,6 +659,7 @@ class Engine:
             pool.synchronize()
         if plan:
             session.loaded_pool = pool
+            session.loaded_digests = [loader.layer_digests(i) for i in range(loaded)]
         session.cached_tokens = loaded * b
         session.sources["recompute"] = max(0, seq.length // b - loaded)
         session.ttft_ms = round((time.perf_counter() - session.started) * 1000, 3)

@@ -80,7 +80,10 @@ class BlockExporter:
                     from_pool = pool.block_container(i) if pool is not None else None
                     octets = from_pool if from_pool is not None else await self.run_model(
                         self._block_octets, state, i * b, (i + 1) * b)
-                    entry = await self.store.put(bid, octets)
+                    # Verified on arrival against these digests: not hashed again to store it.
+                    digests = (session.loaded_digests[i] if from_pool is not None
+                               and i < len(session.loaded_digests) else None)
+                    entry = await self.store.put(bid, octets, layer_digests=digests)
             except KvspError as e:  # e.g. 412 from a concurrent put, or a full store
                 log.info("block %s not stored: %s", key[:12], e.detail)
                 continue
@@ -91,6 +94,7 @@ class BlockExporter:
         session.exported = max(session.exported, ready)
         if session.exported >= session.loaded:
             session.loaded_pool = None
+            session.loaded_digests = []
 
     def _block_octets(self, state: DecodeState, start: int, end: int) -> bytes:
         """On the model thread: tokens [start, end) of `state` as a KVB1 container."""

@@ -31,14 +31,14 @@ import hashlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from agent.pool import tensor_octets
 from kvsp_moq.errors import KvspError
 from kvsp_moq.fetch.sources import live_producer
-from kvsp_moq.holder.moqt_publisher import LiveBlock
+from kvsp_moq.holder.moqt_publisher import LiveBlock, LivePassTrack
 from kvsp_moq.holder.store import BlockId, BlockStore
 from kvsp_moq.index_client import IndexClient, LookupResult
 from kvsp_moq.protocol.records import ReplicaRecord
@@ -46,8 +46,12 @@ from kvsp_moq.protocol.urls import base_url
 
 log = logging.getLogger("kvsp.agent.live")
 
-#: opens a live block: (block, layer count, token count)
-Produce = Callable[[BlockId, int, int], LiveBlock]
+#: opens the pass track of a pass whose first block is given: (block, layer count, token count)
+Produce = Callable[[BlockId, int, int], LivePassTrack]
+#: A pass track's object at most this large: relays and subscribers hold an object whole, and
+#: a session refuses one above `QuicSettings.max_object_size` (64 MiB). A longer pass is
+#: published as several pass tracks of consecutive blocks.
+PASS_OBJECT_OCTETS = 16 << 20
 
 
 class Outpaced(Exception):
@@ -61,14 +65,16 @@ class Outpaced(Exception):
 
 @dataclass
 class LivePass:
-    """The live blocks of one forward pass: block ``first + j`` is ``blocks[j]``, and the
-    pass's new tokens start at position ``start``."""
+    """The live blocks of one forward pass: block ``first + j`` is ``blocks[j]`` (slot j of
+    its pass track), and the pass's new tokens start at position ``start``."""
 
     blocks: list[LiveBlock]
     first: int
     start: int
     block_tokens: int
     loop: asyncio.AbstractEventLoop
+    #: the pass tracks, each of consecutive blocks, in order
+    tracks: list[LivePassTrack] = field(default_factory=list)
     #: set (from the event loop) when another instance produces the same blocks and wins: the
     #: pass stops at its next layer
     yield_to: str | None = None
@@ -96,49 +102,68 @@ class LivePass:
             payload = flat[j * size:(j + 1) * size]
             layer.append((payload, hashlib.sha256(payload).digest()))
         # One hand-over per layer, not per block: each wakes the event loop (a write to its pipe).
-        self.loop.call_soon_threadsafe(self._add, self.blocks, index, layer, size // 2)
+        self.loop.call_soon_threadsafe(self._add, index, flat, layer, size)
 
-    @staticmethod
-    def _add(blocks: list[LiveBlock], index: int, layer: list[tuple[memoryview, bytes]],
-             k_length: int) -> None:
-        for live, (payload, digest) in zip(blocks, layer):
+    def _add(self, index: int, flat: memoryview, layer: list[tuple[memoryview, bytes]], size: int) -> None:
+        k_length = size // 2
+        for live, (payload, digest) in zip(self.blocks, layer):
             if live.error is not None or live.available != index:
                 continue  # abandoned meanwhile
             live.add_layer(payload[:k_length], payload[k_length:], payload=payload, digest=digest)
+        lo = 0
+        for track in self.tracks:
+            hi = lo + len(track.blocks)
+            if track.error is None and track.available == index:
+                # the same octets: its slots' layers, joined as the blocks' layers were cut from them
+                track.add_layer(flat[lo * size:hi * size], b"".join(d for _, d in layer[lo:hi]), k_length)
+            lo = hi
 
     def abort(self, reason: str) -> None:
         for live in self.blocks:
             if not live.complete:
                 live.abort(reason)
+        for track in self.tracks:
+            if not track.complete:
+                track.abort(reason)
 
 
 class LiveProducer:
     """Opens the live blocks of a pass through the holder's publisher."""
 
-    def __init__(self, produce: Produce, *, num_layers: int, block_tokens: int, compat_id: str) -> None:
+    def __init__(self, produce: Produce, *, num_layers: int, block_tokens: int, compat_id: str,
+                 layer_octets: int | None = None) -> None:
         self.produce = produce
         self.num_layers = num_layers
         self.block_tokens = block_tokens
         self.compat_id = compat_id
+        #: blocks per pass track: as many as keep its objects (a layer of each, `layer_octets`
+        #: apiece) within PASS_OBJECT_OCTETS
+        self.pass_blocks = max(1, PASS_OBJECT_OCTETS // layer_octets) if layer_octets else 1 << 20
 
     def open(self, scope_id: str, keys: list[str], first: int, start: int,
              skip: Callable[[BlockId], bool]) -> LivePass | None:
         """A pass computing blocks ``first..len(keys)-1`` (tokens from ``start``): their live
-        blocks, opened in order up to the first one `skip` says is held already (a stored
-        block is not produced twice). None when there is nothing to produce."""
+        blocks, the slots of one pass track, opened in order up to the first one `skip` says
+        is held already (a stored block is not produced twice). None when there is nothing
+        to produce."""
         blocks: list[LiveBlock] = []
-        for key in keys[first:]:
+        tracks: list[LivePassTrack] = []
+        for j, key in enumerate(keys[first:]):
             bid = BlockId(self.compat_id, scope_id, key)
             if skip(bid):
                 break
             try:
-                blocks.append(self.produce(bid, self.num_layers, self.block_tokens))
+                if j % self.pass_blocks == 0:
+                    tracks.append(self.produce(bid, self.num_layers, self.block_tokens))
+                blocks.append(tracks[-1].produce(bid))
             except KvspError as e:  # produced here already by another session
                 log.debug("block %s not produced live: %s", key[:12], e.detail)
                 break
+        if tracks and not tracks[-1].blocks:
+            tracks.pop().abort("no block to produce")
         if not blocks:
             return None
-        return LivePass(blocks, first, start, self.block_tokens, asyncio.get_running_loop())
+        return LivePass(blocks, first, start, self.block_tokens, asyncio.get_running_loop(), tracks=tracks)
 
 
 async def watch_rivals(live: LivePass, index: IndexClient, *, me: str,

@@ -106,6 +106,8 @@ class Session:
         self.loaded = 0  # blocks [0, loaded) came from other holders (not replicated again)
         #: the pool the loaded blocks are in, until they are stored
         self.loaded_pool: KVPool | None = None
+        #: the layer digests each loaded block was checked against, where all are known
+        self.loaded_digests: list[list[bytes] | None] = []
         #: blocks this session's prefill publishes live (`agent.live`), by key, until stored
         self.live: dict[str, LiveBlock] = {}
         #: the instance computing this session's prompt blocks live for it (prefill and decode

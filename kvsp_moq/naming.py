@@ -201,6 +201,56 @@ def split_layer(index: int, payload: bytes | memoryview, properties: Properties)
     return Layer(index, view[:k_length], view[k_length:]), property_value(properties, TOKEN_COUNT_PROPERTY)
 
 
+# --------------------------------------------------------------------------- pass tracks
+
+#: Object property of a pass track's object: the layer digests of its slices, 32 octets each
+#: in slot order (odd type: octets); their count is the pass's block count.
+PASS_DIGESTS_PROPERTY = 0x3805
+_PASS = b"pass-"
+
+
+def pass_track_name(codec: int = 1) -> bytes:
+    """The track name of a pass track (DESIGN §9.6), in the namespace of its first block."""
+    return _PASS + str(codec).encode("ascii")
+
+
+def pass_first_block(namespace: tuple[bytes, ...] | list[bytes], track_name: bytes) -> BlockTrack | None:
+    """The track of a pass's first block when (namespace, track_name) is a pass track, else
+    None; BadRecord when it is one but malformed."""
+    name = bytes(track_name)
+    if not name.startswith(_PASS):
+        return None
+    return BlockTrack.from_namespace(namespace, name[len(_PASS):])
+
+
+def pass_properties(token_count: int, k_length: int, digests: bytes) -> Properties:
+    """The application properties of a pass track's object (ascending type order)."""
+    return ((TOKEN_COUNT_PROPERTY, token_count), (K_LENGTH_PROPERTY, k_length),
+            (PASS_DIGESTS_PROPERTY, digests))
+
+
+def split_pass(index: int, payload: bytes | memoryview, properties: Properties
+               ) -> list[tuple[memoryview, memoryview, bytes]]:
+    """A pass track's object as (K, V, carried digest) of each slot, in slot order, without
+    copying; BadRecord when its properties do not describe its payload."""
+    digests = property_value(properties, PASS_DIGESTS_PROPERTY)
+    if not isinstance(digests, (bytes, bytearray, memoryview)) or not digests or len(digests) % 32:
+        raise BadRecord(f"layer {index}: the pass object lists no slot digests", member="payload")
+    view = memoryview(payload)
+    n = len(digests) // 32
+    if len(view) % n:
+        raise BadRecord(f"layer {index}: {len(view)} octets do not split into {n} slots", member="payload")
+    size = len(view) // n
+    k_length = property_value(properties, K_LENGTH_PROPERTY)
+    if k_length is None:
+        k_length = size // 2
+    if not isinstance(k_length, int) or not 0 <= k_length <= size:
+        raise BadRecord(f"layer {index}: K length {k_length} exceeds a slot", member="payload")
+    digests = bytes(digests)
+    return [(view[j * size:j * size + k_length], view[j * size + k_length:(j + 1) * size],
+             digests[32 * j:32 * (j + 1)]) for j in range(n)]
+
+
 def moqt_record(http_record: ReplicaRecord, relay_url: str) -> ReplicaRecord:
     """The Replica Record of the MOQT replica behind `relay_url` of a holder's HTTP replica:
     holder = the relay's moqt:// URI, moqt_namespace = the track's five fields, http_holder =

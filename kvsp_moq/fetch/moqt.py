@@ -39,7 +39,15 @@ from kvsp_moq.moqt.errors import (
 )
 from kvsp_moq.moqt.quic import MoqtConnection, MoqtObject, QuicSettings, connect
 from kvsp_moq.moqt.wire import SubscriptionFilter
-from kvsp_moq.naming import GROUP, BlockTrack, carried_digest, split_layer
+from kvsp_moq.naming import (
+    GROUP,
+    BlockTrack,
+    carried_digest,
+    decode_namespace,
+    pass_track_name,
+    split_layer,
+    split_pass,
+)
 from kvsp_moq.protocol.container import Container, Layer, encode, layer_digest, replica_digest
 from kvsp_moq.protocol.records import ReplicaRecord
 
@@ -351,6 +359,60 @@ class MoqtBlockFetcher:
         straight to SUBSCRIBE (a block known to be in production); None FETCHes first.
         """
         return MoqtLayerStream(self, sources, record, layers, live)
+
+    async def pass_layers(self, source: str, moqt_namespace: str, codec: int, first: int,
+                          last: int) -> AsyncIterator[tuple[int, list[tuple[memoryview, memoryview, bytes]]]]:
+        """Layers first..last of a pass track (DESIGN §9.6) through the relay `source`, each as
+        (layer, [(K, V, carried digest) of each slot]); the caller checks every slot against
+        its digest. SourceFailed when the track ends early or its producer stalls; layers
+        missed by joining late come by FETCH, as a block's do."""
+        fields = decode_namespace(moqt_namespace)
+        name = pass_track_name(codec)
+        connection = await self.connection(source)
+        subscription = await connection.subscribe(
+            fields, name, subscription_filter=SubscriptionFilter.absolute_start(GROUP, first), forward=True,
+            authorization=self.token, rendezvous_timeout=int(self.timeout * 1000), timeout=self.timeout)
+        next_layer = first
+        try:
+            while next_layer <= last:
+                try:
+                    obj = await subscription.next_object(self.live_layer_timeout)
+                except asyncio.TimeoutError:
+                    raise SourceFailed(FailureKind.MISS, f"layer {next_layer} of the pass did not come "
+                                       f"within {self.live_layer_timeout:g} s") from None
+                if obj is not None and (obj.group_id != GROUP or obj.object_id < next_layer):
+                    continue
+                stop = last if obj is None else min(last, obj.object_id - 1)
+                if next_layer <= stop:  # joined mid-way (or the track ended first)
+                    fetched = await connection.fetch(fields, name, (GROUP, next_layer), (GROUP, stop),
+                                                     authorization=self.token, timeout=self.timeout)
+                    try:
+                        while next_layer <= stop:
+                            got = await fetched.next_object(self.layer_timeout)
+                            if got is None or got.object_id != next_layer:
+                                break
+                            yield next_layer, self._pass_slots(got)
+                            next_layer += 1
+                    finally:
+                        await fetched.aclose()
+                    if next_layer <= stop:
+                        raise SourceFailed(FailureKind.MISS, f"layers {next_layer}-{stop} of the pass "
+                                           "were not delivered")
+                if obj is None or next_layer > last:
+                    break
+                yield next_layer, self._pass_slots(obj)
+                next_layer += 1
+        finally:
+            await subscription.aclose()
+        if next_layer <= last:
+            raise SourceFailed(FailureKind.MISS, f"the pass track ended before layer {next_layer}")
+
+    @staticmethod
+    def _pass_slots(obj: MoqtObject) -> list[tuple[memoryview, memoryview, bytes]]:
+        try:
+            return split_pass(obj.object_id, obj.payload, obj.properties)
+        except BadRecord as e:
+            raise SourceFailed(FailureKind.MALFORMED, str(e)) from None
 
     async def fetch_block(self, sources: Sequence[str], record: ReplicaRecord,
                           layers: tuple[int, int] | None = None) -> FetchedBlock:

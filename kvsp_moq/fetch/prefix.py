@@ -39,7 +39,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
-from kvsp_moq.errors import LayersUnavailable
+from kvsp_moq.errors import LayersUnavailable, reason_of
 from kvsp_moq.fetch.fallback import (
     BlockCandidates,
     CandidatesExhausted,
@@ -49,7 +49,7 @@ from kvsp_moq.fetch.fallback import (
 from kvsp_moq.fetch.leases import LeaseClient, LeaseKeeper
 from kvsp_moq.fetch.sources import SourceCandidate
 from kvsp_moq.fetch.transfers import TransferObserver, TransferTally
-from kvsp_moq.protocol.container import Buffer
+from kvsp_moq.protocol.container import Buffer, layer_digest
 
 __all__ = ["LayerPool", "LayerReadiness", "LoadReport", "PrefixLoader", "Timeline", "TransferObserver",
            "layer_ranges"]
@@ -223,6 +223,12 @@ class _Block:
     placed: list[bool]
     layers_by_kind: dict[str, int] = field(default_factory=dict)
     failed: bool = False
+    #: the digest each placed layer was checked against, where the source told it
+    digests: list[bytes | None] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.digests:
+            self.digests = [None] * len(self.placed)
 
     @property
     def complete(self) -> bool:
@@ -287,6 +293,12 @@ class PrefixLoader:
         """Release a waiting forward pass with ``error`` (e.g. on shutdown)."""
         self.readiness.fail(error)
 
+    def layer_digests(self, slot: int) -> list[bytes] | None:
+        """The digests block `slot`'s layers were checked against, when every one is known
+        (its copy can then be stored without hashing it again)."""
+        digests = self._blocks[slot].digests
+        return None if any(d is None for d in digests) else digests  # type: ignore[return-value]
+
     # ---------------------------------------------------------------- loop side
 
     async def run(self) -> LoadReport:
@@ -312,7 +324,18 @@ class PrefixLoader:
             queue = deque((a, b, blk) for a, b in self.ranges for blk in stored)
             count = min(self.concurrency, len(queue))
             workers = [asyncio.create_task(self._worker(queue)) for _ in range(count)]
-            workers += [asyncio.create_task(self._load_range(blk, 0, last)) for blk in live]
+            # Blocks that are slots of one pass track: one subscription for all of them.
+            passes: dict[tuple[int, str, int], list[_Block]] = {}
+            for blk in live:
+                cand = blk.candidates.candidates[0]
+                if cand.record.live_pass is not None and hasattr(cand.source, "pass_layers"):
+                    key = (id(cand.source), cand.record.live_pass[0], cand.record.codec)
+                    passes.setdefault(key, []).append(blk)
+            grouped = {blk for group in passes.values() if len(group) > 1 for blk in group}
+            workers += [asyncio.create_task(self._load_pass(group)) for group in passes.values()
+                        if len(group) > 1]
+            workers += [asyncio.create_task(self._load_range(blk, 0, last)) for blk in live
+                        if blk not in grouped]
             try:
                 await asyncio.gather(*workers)
             except BaseException as e:
@@ -390,12 +413,65 @@ class PrefixLoader:
         if done.candidate.source.kind != "local":
             self._tally.add(done.candidate.lease_holder, done.octets, done.started)
 
+    async def _load_pass(self, blocks: list[_Block]) -> None:
+        """Blocks that are slots of one pass track (DESIGN §9.6): each layer of all of them
+        from one object, each slot checked against the digest the object carries for it; a
+        slot that does not match, and every block not complete when the track fails, go on
+        from their first missing layer through their own candidates (`_load_range`)."""
+        cand = blocks[0].candidates.candidates[0]
+        source: Any = cand.source
+        last = self.pool.num_layers - 1
+        tl = self.timeline
+        started = time.perf_counter()
+        for layer in range(last + 1):
+            if tl.load_start[layer] is None:
+                tl.load_start[layer] = started
+        slots = [(blk.candidates.candidates[0].record.live_pass[1], blk) for blk in blocks]  # type: ignore[index]
+        dropped: set[int] = set()
+        octets = 0
+        layers = source.pass_layers(cand.record, 0, last)
+        try:
+            async for index, layer in layers:
+                for slot, blk in slots:
+                    if blk.slot in dropped or blk.failed or blk.slot >= self._abort_from or blk.placed[index]:
+                        continue
+                    if slot >= len(layer):
+                        dropped.add(blk.slot)
+                        self._note_failure(blk.key, cand, f"the pass has no slot {slot}")
+                        continue
+                    k, v, digest = layer[slot]
+                    if layer_digest(k, v) != digest:
+                        dropped.add(blk.slot)
+                        self._note_failure(blk.key, cand, f"layer {index} of pass slot {slot} does not "
+                                           "match the digest it carries")
+                        continue
+                    self.pool.place(blk.slot, index, k, v)
+                    blk.digests[index] = digest
+                    octets += len(k) + len(v)
+                    self._placed(blk, index, cand.source.kind)
+                if all(b.slot in dropped or b.slot >= self._abort_from for b in blocks):
+                    break
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # the track failed: each block goes on by itself
+            self._note_failure(blocks[0].key, cand, f"the pass track failed: {reason_of(e)}")
+        finally:
+            await layers.aclose()
+            self._octets += octets
+            if octets:
+                self._tally.add(cand.lease_holder, octets, started)
+        rest = [blk for blk in blocks if not blk.complete and not blk.failed and blk.slot < self._abort_from]
+        await asyncio.gather(*(self._load_range(blk, 0, last) for blk in rest))
+
     def _deliver(self, blk: _Block, layer: SourcedLayer) -> None:
         """Copy a verified layer into the pool (an error here fails the source, as a bad layer
         would); nothing once an earlier block has failed."""
         if blk.slot >= self._abort_from or blk.placed[layer.index]:
             return
         self.pool.place(blk.slot, layer.index, layer.k, layer.v)
+        listed = layer.candidate.record.layer_digests
+        if listed is not None:  # what the layer was checked against
+            blk.digests[layer.index] = bytes.fromhex(listed[layer.index])
         self._placed(blk, layer.index, layer.candidate.source.kind)
 
     def _placed(self, blk: _Block, layer: int, kind: str) -> None:

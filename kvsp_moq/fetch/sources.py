@@ -161,6 +161,20 @@ class MoqtLayerSource:
             probe.add_done_callback(lambda f: f.cancelled() or f.exception())
             self._probes[self.relay] = probe
 
+    async def pass_layers(self, record: ReplicaRecord, first: int, last: int
+                          ) -> AsyncIterator[tuple[int, list[tuple[memoryview, memoryview, bytes]]]]:
+        """Layers first..last of the pass track an in-production record names (`live_pass`,
+        DESIGN §9.6), every slot's (K, V, carried digest) per layer, not yet checked."""
+        assert record.live_pass is not None
+        await self._ready(self.relay)
+        try:
+            async for layer in self.fetcher.pass_layers(self.relay, record.live_pass[0], record.codec,
+                                                        first, last):
+                yield layer
+        except TransportError as e:
+            self._mark_down(e.detail)
+            raise
+
     async def layers(self, record: ReplicaRecord, first: int, last: int) -> AsyncIterator[LayerTuple]:
         record = self._via(record)
         await self._ready(record.holder)

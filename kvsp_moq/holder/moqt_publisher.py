@@ -46,12 +46,20 @@ from kvsp_moq.moqt.quic import (
     connect,
 )
 from kvsp_moq.moqt.wire import FilterType, Location, Properties, SubscriptionFilter
-from kvsp_moq.naming import GROUP, BlockTrack, layer_properties, moqt_record, publisher_id
+from kvsp_moq.naming import (
+    GROUP,
+    BlockTrack,
+    layer_properties,
+    moqt_record,
+    pass_first_block,
+    pass_properties,
+    publisher_id,
+)
 from kvsp_moq.protocol.container import encode, format_digest
 from kvsp_moq.protocol.records import LIVE_DIGEST, ReplicaRecord
 from kvsp_moq.tasks import cancel_and_wait
 
-__all__ = ["BlockPublisher", "LiveBlock", "PublisherStats"]
+__all__ = ["BlockPublisher", "LiveBlock", "LivePassTrack", "PublisherStats"]
 
 log = logging.getLogger("kvsp.holder.moqt_publisher")
 
@@ -60,28 +68,19 @@ def _http_base(url: str) -> str:
     return url if url.endswith("/") else url + "/"
 
 
-class LiveBlock:
-    """A block whose layers are still being computed: add them in order, then finish().
+class _LiveLayers:
+    """Layers added in order while they are computed, and their subscribers' wait for them:
+    what a live block and a pass track share."""
 
-    Subscribers get each layer as it is added; FETCH serves the layers added so far. finish()
-    stores the whole block, from then on served like any stored block.
-    """
-
-    def __init__(self, publisher: "BlockPublisher", bid: BlockId, layer_count: int, token_count: int,
-                 codec: int = 1) -> None:
+    def __init__(self, layer_count: int, token_count: int, codec: int) -> None:
         if layer_count <= 0:
             raise ValueError("a block has at least one layer")
-        self.publisher = publisher
-        self.id = bid
         self.layer_count = layer_count
         self.token_count = token_count
         self.codec = codec
         self.payloads: list[bytes | memoryview] = []
-        self.k_lengths: list[int] = []
-        self.digests: list[bytes] = []
         self.error: str | None = None
         self._changed = asyncio.Event()
-        self._container: bytes | None = None
 
     @property
     def available(self) -> int:
@@ -92,27 +91,14 @@ class LiveBlock:
     def complete(self) -> bool:
         return len(self.payloads) == self.layer_count
 
-    def add_layer(self, k: bytes | memoryview, v: bytes | memoryview, *,
-                  payload: bytes | memoryview | None = None, digest: bytes | None = None) -> int:
-        """Append the next layer (K and V sections); returns its number.
+    def properties(self, index: int) -> Properties:  # pragma: no cover - overridden
+        raise NotImplementedError
 
-        A producer on another thread may hand the joined `payload` (K then V) and its SHA-256
-        `digest` computed there, so that the event loop neither copies nor hashes it."""
+    def _check_open(self) -> None:
         if self.complete:
             raise LayersUnavailable(f"the block has only {self.layer_count} layers")
         if self.error is not None:
             raise LayersUnavailable(f"the block was abandoned: {self.error}")
-        joined = payload if payload is not None else bytes(k) + bytes(v)
-        self.payloads.append(joined)
-        self.k_lengths.append(len(k))
-        self.digests.append(digest if digest is not None else hashlib.sha256(joined).digest())
-        self._wake()
-        return len(self.payloads) - 1
-
-    def properties(self, index: int) -> Properties:
-        """Token count, K length and the layer's digest: a live block's record lists no layer
-        digests yet, so each layer carries its own."""
-        return layer_properties(self.token_count, self.k_lengths[index], self.digests[index])
 
     async def wait_for(self, index: int, timeout: float) -> bytes | memoryview:
         """Layer `index` once it exists."""
@@ -131,6 +117,48 @@ class LiveBlock:
             except TimeoutError:
                 pass
         return self.payloads[index]
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+
+class LiveBlock(_LiveLayers):
+    """A block whose layers are still being computed: add them in order, then finish().
+
+    Subscribers get each layer as it is added; FETCH serves the layers added so far. finish()
+    stores the whole block, from then on served like any stored block.
+    """
+
+    def __init__(self, publisher: "BlockPublisher", bid: BlockId, layer_count: int, token_count: int,
+                 codec: int = 1, *, pass_slot: "tuple[LivePassTrack, int] | None" = None) -> None:
+        super().__init__(layer_count, token_count, codec)
+        self.publisher = publisher
+        self.id = bid
+        self.k_lengths: list[int] = []
+        self.digests: list[bytes] = []
+        #: the pass track this block is a slot of, and its slot (DESIGN §9.6)
+        self.pass_slot = pass_slot
+        self._container: bytes | None = None
+
+    def add_layer(self, k: bytes | memoryview, v: bytes | memoryview, *,
+                  payload: bytes | memoryview | None = None, digest: bytes | None = None) -> int:
+        """Append the next layer (K and V sections); returns its number.
+
+        A producer on another thread may hand the joined `payload` (K then V) and its SHA-256
+        `digest` computed there, so that the event loop neither copies nor hashes it."""
+        self._check_open()
+        joined = payload if payload is not None else bytes(k) + bytes(v)
+        self.payloads.append(joined)
+        self.k_lengths.append(len(k))
+        self.digests.append(digest if digest is not None else hashlib.sha256(joined).digest())
+        self._wake()
+        return len(self.payloads) - 1
+
+    def properties(self, index: int) -> Properties:
+        """Token count, K length and the layer's digest: a live block's record lists no layer
+        digests yet, so each layer carries its own."""
+        return layer_properties(self.token_count, self.k_lengths[index], self.digests[index])
 
     def container(self) -> bytes:
         """The block's container once every layer is in, made once (its exporter and `finish`
@@ -165,9 +193,70 @@ class LiveBlock:
         self._wake()
         self.publisher._ended(self, stored=False)
 
-    def _wake(self) -> None:
-        self._changed.set()
-        self._changed = asyncio.Event()
+
+class LivePassTrack(_LiveLayers):
+    """The pass track of a forward pass that computes several blocks (DESIGN §9.6): object l
+    is layer l of every block of the pass, slot by slot, each slot's K and V sections as its
+    block's layer object has them, with the slots' layer digests as one property.
+
+    A subscriber that needs all of them (an instance of a herd) takes one subscription and one
+    object per layer instead of one of each per block: the per-object work of publishing,
+    relaying and receiving shrinks by the block count. The blocks' own tracks and records
+    stay as they are; a slot's layer is the same octets as its block's layer object."""
+
+    def __init__(self, publisher: "BlockPublisher", first: BlockId, layer_count: int, token_count: int,
+                 codec: int = 1) -> None:
+        super().__init__(layer_count, token_count, codec)
+        self.publisher = publisher
+        self.first = first
+        self.blocks: list[LiveBlock] = []
+        self.k_length = 0
+        #: the slots' layer digests, joined, of each layer
+        self.digests: list[bytes] = []
+        self._ended = 0
+
+    @property
+    def moqt_namespace(self) -> str:
+        return self.publisher.track(self.first, self.codec).moqt_namespace
+
+    def produce(self, bid: BlockId) -> LiveBlock:
+        """Open the pass's next block (its next slot): `BlockPublisher.produce`, with its
+        in-production record naming this track and the slot."""
+        if self.payloads or self.error is not None:
+            raise LayersUnavailable("a pass takes its blocks before its first layer")
+        live = self.publisher.produce(bid, layer_count=self.layer_count, token_count=self.token_count,
+                                      codec=self.codec, pass_slot=(self, len(self.blocks)))
+        self.blocks.append(live)
+        return live
+
+    def add_layer(self, payload: bytes | memoryview, digests: bytes, k_length: int) -> int:
+        """Append the next layer: every slot's K||V joined (`payload`), and their digests."""
+        self._check_open()
+        if len(digests) != 32 * len(self.blocks) or len(payload) % max(1, len(self.blocks)):
+            raise ValueError(f"a layer of {len(self.blocks)} slots needs as many digests and equal slots")
+        self.payloads.append(payload)
+        self.digests.append(digests)
+        self.k_length = k_length
+        self._wake()
+        return len(self.payloads) - 1
+
+    def properties(self, index: int) -> Properties:
+        return pass_properties(self.token_count, self.k_length, self.digests[index])
+
+    def abort(self, reason: str = "production failed") -> None:
+        """Subscribers waiting for more layers are told; they fall back to the blocks' tracks."""
+        if self.error is not None:
+            return
+        self.error = reason
+        self._wake()
+        self.publisher._pass_ended(self)
+
+    def block_ended(self) -> None:
+        """One of its blocks was stored or abandoned: once all were, the track goes (a late
+        reader takes the blocks' tracks or stored copies)."""
+        self._ended += 1
+        if self._ended >= len(self.blocks):
+            self.publisher._pass_ended(self)
 
 
 @dataclass
@@ -252,6 +341,8 @@ class BlockPublisher:
         self.stats = PublisherStats()
         self.connection: MoqtConnection | None = None
         self._live: dict[BlockId, LiveBlock] = {}
+        #: pass tracks by their first block
+        self._passes: dict[BlockId, LivePassTrack] = {}
         #: how long a SUBSCRIBE for a block neither stored nor produced here waits for it
         self.subscribe_wait_s = subscribe_wait_s
         self._appeared = asyncio.Event()
@@ -312,17 +403,28 @@ class BlockPublisher:
         self._wanted.add((compat_id.lower(), scope_id.lower()))
         self._wake.set()
 
-    def produce(self, bid: BlockId, *, layer_count: int, token_count: int, codec: int = 1) -> LiveBlock:
-        """Start publishing a block whose layers are still being computed."""
+    def produce(self, bid: BlockId, *, layer_count: int, token_count: int, codec: int = 1,
+                pass_slot: tuple[LivePassTrack, int] | None = None) -> LiveBlock:
+        """Start publishing a block whose layers are still being computed (as slot
+        `pass_slot[1]` of a pass track too: `LivePassTrack.produce`)."""
         if bid in self._live:
             raise PreconditionFailed("this block is already being produced")
-        live = self._live[bid] = LiveBlock(self, bid, layer_count, token_count, codec)
+        live = self._live[bid] = LiveBlock(self, bid, layer_count, token_count, codec, pass_slot=pass_slot)
         self.announce(bid.compat_id, bid.scope_id)
         self._appeared.set()  # subscriptions waiting for a block (`_locate_soon`) look again
         self._appeared = asyncio.Event()
         if self.on_live is not None:
             self.on_live(live, None)
         return live
+
+    def open_pass(self, first: BlockId, *, layer_count: int, token_count: int,
+                  codec: int = 1) -> LivePassTrack:
+        """A pass track whose first block will be `first` (DESIGN §9.6): its blocks are opened
+        with `LivePassTrack.produce`, its layers added once per layer for all of them."""
+        if first in self._passes or first in self._live:
+            raise PreconditionFailed("this block is already being produced")
+        track = self._passes[first] = LivePassTrack(self, first, layer_count, token_count, codec)
+        return track
 
     def live_blocks(self) -> list[LiveBlock]:
         return list(self._live.values())
@@ -332,15 +434,24 @@ class BlockPublisher:
             del self._live[live.id]
             if self.on_live is not None:
                 self.on_live(live, stored)
+            if live.pass_slot is not None:
+                live.pass_slot[0].block_ended()
+
+    def _pass_ended(self, track: LivePassTrack) -> None:
+        if self._passes.get(track.first) is track:
+            del self._passes[track.first]
 
     def live_record(self, live: LiveBlock, *, ttl_ms: int = 10_000) -> ReplicaRecord:
         """The in-production record of a live block: its track through this publisher's relay,
         `live`, and no digests yet (each layer carries its own)."""
         track = self.track(live.id, live.codec)
+        in_pass = None
+        if live.pass_slot is not None:
+            in_pass = (live.pass_slot[0].moqt_namespace, live.pass_slot[1])
         return ReplicaRecord(block_key=live.id.block_key, compat_id=live.id.compat_id,
                              scope_id=live.id.scope_id, holder=self.relay_url, codec=live.codec, size=0,
                              digest=LIVE_DIGEST, ttl_ms=ttl_ms, moqt_namespace=track.moqt_namespace,
-                             http_holder=self.http_holder, live=True)
+                             http_holder=self.http_holder, live=True, live_pass=in_pass)
 
     def record(self, entry: StoredBlock, *, ttl_ms: int = 60_000) -> ReplicaRecord:
         """The MOQT Replica Record of a stored block, through this publisher's relay."""
@@ -438,15 +549,22 @@ class BlockPublisher:
 
     # ---------------------------------------------------------------- requests
 
-    def _locate(self, namespace: tuple[bytes, ...], track_name: bytes) -> tuple[BlockId, LiveBlock | None,
+    def _locate(self, namespace: tuple[bytes, ...], track_name: bytes) -> tuple[BlockId, _LiveLayers | None,
                                                                                  StoredBlock | None]:
+        """The stored block, or the live block or pass track, that a track names."""
         try:
-            track = BlockTrack.from_namespace(tuple(namespace), bytes(track_name))
+            first = pass_first_block(tuple(namespace), bytes(track_name))
+            track = first or BlockTrack.from_namespace(tuple(namespace), bytes(track_name))
         except KvspError:
             raise DoesNotExist("not a KV block track") from None
         if track.publisher_id != self.publisher_id:
             raise DoesNotExist("not a track of this holder")
         bid = BlockId(track.compat_id.hex(), track.scope_id.hex(), track.block_key.hex())
+        if first is not None:
+            passed = self._passes.get(bid)
+            if passed is not None and passed.codec == track.codec and passed.error is None:
+                return bid, passed, None
+            raise DoesNotExist("no such pass here")
         entry = self.store.get(bid)
         if entry is not None and entry.meta.codec == track.codec:
             return bid, None, entry
@@ -502,7 +620,7 @@ class BlockPublisher:
         sender.close()
 
     async def _locate_soon(self, namespace: tuple[bytes, ...], track_name: bytes) -> tuple[
-            BlockId, LiveBlock | None, StoredBlock | None]:
+            BlockId, _LiveLayers | None, StoredBlock | None]:
         """`_locate`, but a block that is neither stored nor produced yet is waited for (at most
         `subscribe_wait_s`): a SUBSCRIBE is how a block about to be computed here is asked for
         (prefill and decode apart, a herd routed to it), and may come before its production

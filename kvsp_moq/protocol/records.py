@@ -99,6 +99,10 @@ class ReplicaRecord:
     #: layers are being computed; no digests are known yet (`digest` is `LIVE_DIGEST`), each
     #: layer carries its own. The complete record replaces it, or it is withdrawn.
     live: bool = False
+    #: An in-production block that is also one slot of a pass track (an extension member,
+    #: `"live_pass": {"moqt_namespace": ..., "slot": j}`, DESIGN §9.6): the track in that
+    #: namespace whose object l is layer l of every block of the pass, this block's at slot j.
+    live_pass: tuple[str, int] | None = None
 
     @classmethod
     def from_json(cls, data: Any) -> "ReplicaRecord":
@@ -138,6 +142,15 @@ class ReplicaRecord:
         if live and (not holder.lower().startswith("moqt://") or layer_digests is not None):
             raise BadRecord("an in-production record is a MOQT replica's, without layer digests",
                             member="live")
+        live_pass = data.get("live_pass")
+        if live_pass is not None:
+            if not live:
+                raise BadRecord("only an in-production record names a pass track", member="live_pass")
+            live_pass = v.obj(live_pass, "live_pass")
+            live_pass = (v.string(v.required(live_pass, "moqt_namespace", "live_pass."),
+                                  "live_pass.moqt_namespace", max_len=1024),
+                         v.integer(v.required(live_pass, "slot", "live_pass."), "live_pass.slot",
+                                   high=1 << 20))
         return cls(
             block_key=v.hexn(req("block_key"), 32, "block_key"),
             compat_id=v.hexn(req("compat_id"), 32, "compat_id"),
@@ -152,6 +165,7 @@ class ReplicaRecord:
             moqt_namespace=moqt_namespace,
             http_holder=http_holder,
             live=live,
+            live_pass=live_pass,
         )
 
     @functools.cached_property
@@ -181,6 +195,8 @@ class ReplicaRecord:
             out["http_holder"] = self.http_holder
         if self.live:
             out["live"] = True
+        if self.live_pass is not None:
+            out["live_pass"] = {"moqt_namespace": self.live_pass[0], "slot": self.live_pass[1]}
         return out
 
     @property

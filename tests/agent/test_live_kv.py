@@ -16,11 +16,11 @@ import torch
 
 from agent.live import LivePass
 from agent.service import Agent, AgentSettings
-from kvsp_moq.holder.moqt_publisher import LiveBlock
+from kvsp_moq.holder.moqt_publisher import LiveBlock, LivePassTrack
 from kvsp_moq.holder.store import BlockId
 from kvsp_moq.index_client import IndexClient
 from kvsp_moq.moqt.wire import Properties
-from kvsp_moq.naming import LAYER_DIGEST_PROPERTY
+from kvsp_moq.naming import LAYER_DIGEST_PROPERTY, PASS_DIGESTS_PROPERTY
 from kvsp_moq.protocol.keys import scope_id
 from kvsp_moq.protocol.records import LIVE_DIGEST, ReplicaRecord
 from kvsp_moq.scope_keys import OPEN_SCOPE_KEY
@@ -201,7 +201,16 @@ def test_a_layer_that_does_not_match_its_digest_is_never_used(model_dir: Path, i
                 return props
             return tuple((t, bytes(32) if t == LAYER_DIGEST_PROPERTY else v) for t, v in props)
 
+        original_pass = LivePassTrack.properties
+
+        def wrong_digests(self: LivePassTrack, index: int) -> Properties:
+            props = original_pass(self, index)
+            if index != 1:
+                return props
+            return tuple((t, bytes(len(v)) if t == PASS_DIGESTS_PROPERTY else v) for t, v in props)
+
         LiveBlock.properties = wrong_digest  # type: ignore[method-assign]
+        LivePassTrack.properties = wrong_digests  # type: ignore[method-assign]
         try:
             ta, ra = post_async(a.url + "generate", {"tokens": prompt, "max_new_tokens": NEW})
             live_records(index_url, compat, keys)
@@ -213,6 +222,7 @@ def test_a_layer_that_does_not_match_its_digest_is_never_used(model_dir: Path, i
             ta.join(60)
         finally:
             LiveBlock.properties = original  # type: ignore[method-assign]
+            LivePassTrack.properties = original_pass  # type: ignore[method-assign]
         assert rb["status"] == 200, rb
         assert rb["body"]["sources"]["moqt"] == 0
         assert rb["body"]["tokens"] == a.context.adapter.generate_greedy(prompt, NEW)
@@ -319,8 +329,9 @@ async def test_the_pc_places_prefill_and_decode_apart(model_dir: Path, index_url
 def test_one_prefill_for_a_herd(model_dir: Path, index_url: str, relay: BackgroundRelay) -> None:
     """Three instances get requests sharing a new prefix while a fourth computes it: each finds
     the in-production records, subscribes through the relay instead of computing the prefix,
-    computes only its own suffix, and answers as one instance alone; the relay sends the
-    producer's layers on to all three from one subscription per block."""
+    computes only its own suffix, and answers as one instance alone. The shared blocks are
+    slots of the producer's pass track: each instance takes one subscription for all of them,
+    and the relay sends the producer's layers on to all three from one (DESIGN §9.6)."""
     shared = tokens(6 * B, 97)
     prompts = [shared + tokens(2 * B + 3, 200 + i) for i in range(4)]
     with Agent(settings(model_dir, index_url, relay.url)) as a, \
@@ -334,8 +345,8 @@ def test_one_prefill_for_a_herd(model_dir: Path, index_url: str, relay: Backgrou
         live_records(index_url, compat, keys)
         herd = [post_async(x.url + "generate", {"tokens": p, "max_new_tokens": NEW})
                 for x, p in zip((b, c, d), prompts[1:])]
-        wait_until(lambda: relay.snapshot()["subscribes"] >= 3 * len(keys),
-                   timeout=20, what="the herd subscribing to the shared blocks")
+        wait_until(lambda: relay.snapshot()["subscribes"] >= 3,
+                   timeout=20, what="the herd subscribing to the pass track")
         pace.release.set()
         for t, _ in [(ta, ra), *herd]:
             t.join(60)
@@ -347,7 +358,8 @@ def test_one_prefill_for_a_herd(model_dir: Path, index_url: str, relay: Backgrou
             assert r["body"]["sources"]["recompute"] == len(prompt_keys(a, p)) - len(keys)
             assert r["body"]["tokens"] == adapter.generate_greedy(p, NEW)
         moqt = a.context.moqt_publisher
-        assert moqt is not None and moqt.stats.subscribes == len(keys)  # one per block, fanned out
+        # one, to the pass track, fanned out; no block's own track was asked for
+        assert moqt is not None and moqt.stats.subscribes == 1 and relay.snapshot()["subscribes"] == 3
 
 
 def test_a_producer_whose_complete_record_differs_from_what_it_sent_is_caught(
@@ -507,7 +519,7 @@ def test_two_instances_that_start_one_prefix_together_settle_on_one_producer(
         won = answers[winner.url]
         assert won["sources"]["recompute"] == len(prompts[0]) // B
         moqt = winner.context.moqt_publisher
-        assert moqt is not None and moqt.stats.subscribes >= len(keys)
+        assert moqt is not None and moqt.stats.subscribes >= 1  # its pass track, or its blocks' tracks
         # the loser's in-production records of the shared blocks are gone; the winner's
         # complete records replace its own
         final = wait_until(lambda: (lambda rs: rs if len(rs) == len(keys) and not any(

@@ -15,9 +15,13 @@ from kvsp_moq.naming import (
     encode_namespace,
     layer_properties,
     moqt_record,
+    pass_first_block,
+    pass_properties,
+    pass_track_name,
     publisher_id,
     scope_of_namespace,
     split_layer,
+    split_pass,
 )
 from kvsp_moq.protocol.container import Container
 from kvsp_moq.protocol.records import ReplicaRecord, replica_id
@@ -81,6 +85,25 @@ def test_layer_properties_split_k_from_v():
         split_layer(0, b"odd", ())
     with pytest.raises(BadRecord):
         split_layer(0, b"ab", layer_properties(1, 9))
+
+def test_a_pass_object_splits_into_its_slots_and_its_track_names_its_first_block():
+    digests = bytes(range(32)) + bytes(range(32, 64))
+    slots = split_pass(3, b"kkvvKKVV", pass_properties(16, 2, digests))
+    assert [(bytes(k), bytes(v), d) for k, v, d in slots] == [(b"kk", b"vv", digests[:32]),
+                                                              (b"KK", b"VV", digests[32:])]
+    for payload, props in ((b"kkvvKKV", pass_properties(16, 2, digests)),  # slots of unequal size
+                           (b"kkvv", pass_properties(16, 3, digests)),  # K longer than a slot
+                           (b"kkvv", pass_properties(16, 2, digests[:31])),  # not whole digests
+                           (b"kkvv", layer_properties(16, 2))):  # a block's layer, not a pass's
+        with pytest.raises(BadRecord):
+            split_pass(0, payload, props)
+    first = BlockTrack.for_holder(COMPAT, SCOPE, key(5), HTTP_HOLDER)
+    assert pass_track_name() == b"pass-1"
+    assert pass_first_block(first.namespace, pass_track_name()) == first
+    assert pass_first_block(first.namespace, first.track_name) is None  # the block's own track
+    with pytest.raises(BadRecord):
+        pass_first_block(first.namespace, b"pass-x")
+
 
 def test_moqt_record_names_relay_namespace_and_http_holder():
     data = container(1, layers=4, section=10)

@@ -117,3 +117,78 @@ async def test_a_slow_subscriber_is_dropped_and_catches_up_without_slowing_the_p
             assert any("too far behind" in note for note in slow_stream.notes), slow_stream.notes
         finally:
             await slow.aclose()
+
+
+async def _pass_layers(fetcher: MoqtBlockFetcher, record, last: int) -> list:
+    return [(index, [(bytes(k), bytes(v), d) for k, v, d in slots])
+            async for index, slots in fetcher.pass_layers(record.holder, record.live_pass[0], record.codec, 0, last)]
+
+
+async def test_a_pass_track_carries_layer_l_of_every_block_of_the_pass_and_a_late_joiner_gets_all():
+    """The blocks of one forward pass are slots of its pass track (DESIGN §9.6): object l is
+    layer l of each, with each slot's digest; their in-production records name the track
+    and the slot. A subscriber from the start and one that joins after two layers (those by
+    FETCH) both get every slot's layers byte-exact; once every block is stored the track is
+    gone and a new subscriber is told it does not exist."""
+    async with system() as (relay, store, publisher, fetcher):
+        wholes = [Container(container(20 + j, layers=4)) for j in range(3)]
+        track = publisher.open_pass(BlockId(COMPAT, SCOPE, key(20)), layer_count=4, token_count=16)
+        blocks = [track.produce(BlockId(COMPAT, SCOPE, key(20 + j))) for j in range(3)]
+        records = [publisher.live_record(b) for b in blocks]
+        assert [r.live_pass for r in records] == [(records[0].moqt_namespace, j) for j in range(3)]
+        await _announced(publisher)
+
+        def add(i: int) -> None:
+            payloads = [bytes(w.layer(i).k) + bytes(w.layer(i).v) for w in wholes]
+            for b, p in zip(blocks, payloads):
+                b.add_layer(p[:len(p) // 2], p[len(p) // 2:])
+            track.add_layer(b"".join(payloads), b"".join(w.layer(i).digest() for w in wholes),
+                            len(payloads[0]) // 2)
+
+        first = asyncio.ensure_future(_pass_layers(fetcher, records[1], 3))
+        for i in range(2):
+            await asyncio.sleep(0.05)
+            add(i)
+        late = MoqtBlockFetcher(cadata=CERT.certificate_pem, timeout=STEP, layer_timeout=STEP)
+        try:
+            second = asyncio.ensure_future(_pass_layers(late, records[2], 3))
+            await asyncio.sleep(0.2)
+            for i in range(2, 4):
+                add(i)
+            for got in (await asyncio.wait_for(first, STEP), await asyncio.wait_for(second, STEP)):
+                assert [index for index, _ in got] == [0, 1, 2, 3]
+                for index, slots in got:
+                    assert slots == [(bytes(w.layer(index).k), bytes(w.layer(index).v), w.layer(index).digest())
+                                     for w in wholes]
+        finally:
+            await late.aclose()
+        for b in blocks:
+            assert await b.finish() is not None
+        with pytest.raises(Exception, match="(?i)not exist|no such pass"):
+            await _pass_layers(fetcher, records[0], 3)
+
+
+async def test_a_pass_abandoned_mid_way_fails_its_subscribers():
+    """A pass that stops (its producer gave way or failed) ends its track with an error: a
+    subscriber fails after the layers it got, and its loader goes on block by block."""
+    async with system() as (relay, store, publisher, fetcher):
+        whole = Container(container(30, layers=4))
+        track = publisher.open_pass(BlockId(COMPAT, SCOPE, key(30)), layer_count=4, token_count=16)
+        block = track.produce(BlockId(COMPAT, SCOPE, key(30)))
+        await _announced(publisher)
+        got: list = []
+
+        async def read() -> None:
+            async for index, slots in fetcher.pass_layers(relay.url, track.moqt_namespace, 1, 0, 3):
+                got.append(index)
+
+        reader = asyncio.ensure_future(read())
+        payload = bytes(whole.layer(0).k) + bytes(whole.layer(0).v)
+        block.add_layer(whole.layer(0).k, whole.layer(0).v)
+        track.add_layer(payload, whole.layer(0).digest(), len(whole.layer(0).k))
+        await asyncio.sleep(0.2)
+        block.abort("outpaced")
+        track.abort("outpaced")
+        with pytest.raises(Exception):
+            await asyncio.wait_for(reader, STEP)
+        assert got == [0]

@@ -243,3 +243,19 @@ def test_layer_digests_in_uppercase_are_normalised_and_give_the_replica_digest()
     r = ReplicaRecord.from_json(replica(layer_digests=[layer.upper()], residency=[],
                                         digest="sha-256:" + hashlib.sha256(bytes.fromhex(layer)).hexdigest()))
     assert r.layer_digests == (layer,)
+
+
+def test_an_in_production_record_names_its_pass_track_and_slot():
+    from kvsp_moq.protocol.records import LIVE_DIGEST
+
+    live = replica(holder="moqt://127.0.0.1:4443/", moqt_namespace="bnM", digest=LIVE_DIGEST,
+                   layer_digests=None, residency=[], live=True,
+                   live_pass={"moqt_namespace": "cGFzcw", "slot": 3})
+    del live["layer_digests"]
+    r = ReplicaRecord.from_json(live)
+    assert r.live_pass == ("cGFzcw", 3) and ReplicaRecord.from_json(r.to_json()) == r
+    for bad, member in (({"live": False}, "live_pass"), ({"live_pass": {"slot": 1}}, "live_pass.moqt_namespace"),
+                        ({"live_pass": {"moqt_namespace": "cGFzcw", "slot": -1}}, "live_pass.slot")):
+        with pytest.raises(BadRecord) as e:
+            ReplicaRecord.from_json({**live, **bad})
+        assert e.value.member == member
