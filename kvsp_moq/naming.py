@@ -27,6 +27,13 @@ carries a third, odd-typed (octets) property:
 which the receiver checks before the layer is used; the complete record that replaces the
 in-production one lists the same digests, so the publisher stays accountable for them.
 
+The blocks one forward pass computes are also the slots of a pass track (DESIGN §9.6): track
+name "pass-<codec>" in the namespace of the pass's first block, object l = layer l of every
+slot, each slot's K and V sections as its block's object has them, and one more odd-typed
+property in place of the layer digest:
+
+    0x3805  KVSP Layer Digests  the slots' layer digests, 32 octets each, in slot order
+
 Publisher (`kvsp_moq.holder.moqt_publisher`) and fetcher (`kvsp_moq.fetch.moqt`) both build on
 this module, which imports neither.
 """
