@@ -48,10 +48,11 @@ log = logging.getLogger("kvsp.agent.live")
 
 #: opens the pass track of a pass whose first block is given: (block, layer count, token count)
 Produce = Callable[[BlockId, int, int], LivePassTrack]
-#: A pass track's object at most this large: relays and subscribers hold an object whole, and
-#: a session refuses one above `QuicSettings.max_object_size` (64 MiB). A longer pass is
-#: published as several pass tracks of consecutive blocks.
-PASS_OBJECT_OCTETS = 16 << 20
+#: A pass track's object at most this large: relays and subscribers hold an object whole, a
+#: relay drops a subscriber whose queue passes 32 MiB (`subscriber_queue_bytes`: four layers
+#: behind at this size), and a session refuses an object above `QuicSettings.max_object_size`
+#: (64 MiB). A longer pass is published as several pass tracks of consecutive blocks.
+PASS_OBJECT_OCTETS = 8 << 20
 
 
 class Outpaced(Exception):
