@@ -677,7 +677,13 @@ class Engine:
         if live is not None:
             for j, block in enumerate(live.blocks):
                 session.live[keys[first + j]] = block
-            if session.outpaced_by is None and self.index is not None and self.live_records_in is not None:
+            # A pass of only the block that holds the last prompt token is computed here whatever
+            # is loaded (the last token is always computed): giving way to another producer of
+            # that block (the decode instance's last block, which a prefill instance computes
+            # too when the prompt is whole blocks) would only load the prefix again.
+            must_compute = first >= (seq.length - 1) // self.block_tokens
+            if (session.outpaced_by is None and not must_compute and self.index is not None
+                    and self.live_records_in is not None):
                 self._spawn(watch_rivals(live, self.index, me=self.self_url(), records_in=self.live_records_in,
                                          sent=self.records_sent), name=f"rivals-{session.id}")
         return live

@@ -48,6 +48,7 @@ from kvsp_moq.fetch.fallback import (
 )
 from kvsp_moq.fetch.leases import LeaseClient, LeaseKeeper
 from kvsp_moq.fetch.sources import SourceCandidate
+from kvsp_moq.fetch.stream import SourceFailed
 from kvsp_moq.fetch.transfers import TransferObserver, TransferTally
 from kvsp_moq.protocol.container import Buffer, layer_digest
 
@@ -429,9 +430,11 @@ class PrefixLoader:
         slots = [(blk.candidates.candidates[0].record.live_pass[1], blk) for blk in blocks]  # type: ignore[index]
         dropped: set[int] = set()
         octets = 0
+        arrived = False
         layers = source.pass_layers(cand.record, 0, last)
         try:
             async for index, layer in layers:
+                arrived = True
                 for slot, blk in slots:
                     if blk.slot in dropped or blk.failed or blk.slot >= self._abort_from or blk.placed[index]:
                         continue
@@ -454,7 +457,18 @@ class PrefixLoader:
         except asyncio.CancelledError:
             raise
         except Exception as e:  # the track failed: each block goes on by itself
-            self._note_failure(blocks[0].key, cand, f"the pass track failed: {reason_of(e)}")
+            reason = f"the pass track failed: {reason_of(e)}"
+            self._note_failure(blocks[0].key, cand, reason)
+            if arrived or isinstance(e, SourceFailed):
+                # The pass stopped or stalled mid-way: its blocks' own tracks, from the same
+                # producer, would wait on it too (the relay holds a SUBSCRIBE for a publisher
+                # gone for its rendezvous time). Only a pass already gone when asked (its blocks
+                # stored since) leaves them to be read from their block tracks.
+                for blk in blocks:
+                    own = blk.candidates.candidates[0]
+                    if not blk.complete:
+                        blk.candidates.fail(own, reason)
+                        await blk.candidates.drop(own)
         finally:
             await layers.aclose()
             self._octets += octets

@@ -177,6 +177,11 @@ def test_a_producer_that_stops_is_a_failed_source(model_dir: Path, index_url: st
         assert rb["body"]["sources"]["moqt"] == 0
         assert rb["body"]["sources"]["recompute"] == len(keys)
         assert rb["body"]["tokens"] == a.context.adapter.generate_greedy(prompt, NEW)
+        # B took A's pass track, which failed: it did not go on to A's blocks' own tracks (A
+        # stopped producing them all), whose SUBSCRIBEs would only have waited.
+        assert relay.snapshot()["subscribes"] == 1
+        failures = b.engine.sessions[rb["body"]["session"]].load["failures"]
+        assert any("pass track failed" in f["reason"] for f in failures), failures
         # A's in-production records are gone (B's complete ones are there).
         wait_until(lambda: not any(r.live for rep in lookup(index_url, compat, keys) for r in rep),
                    timeout=20, what="A's in-production records withdrawn")
@@ -273,6 +278,37 @@ def test_prefill_and_decode_on_two_instances(model_dir: Path, index_url: str,
         wait_until(lambda: b.engine.live_audited == len(keys), timeout=20,
                    what="B comparing A's complete records with what it received")
         assert b.engine.live_mismatches == 0
+
+
+def test_a_decode_instance_does_not_give_way_over_the_block_with_its_last_token(
+        model_dir: Path, index_url: str, relay: BackgroundRelay) -> None:
+    """A prompt of whole blocks: the prefill instance's pass computes its last block too, and
+    the decode instance computes that block as well (the last token is always computed where
+    it is decoded). The decode instance does not take the prefill instance for a rival it must
+    give way to, even when the prefill instance's URL sorts first: it loads every other block
+    once, computes the last, and answers as one instance alone."""
+    prompt = tokens(8 * B, 90)
+    with Agent(settings(model_dir, index_url, relay.url)) as x, \
+            Agent(settings(model_dir, index_url, relay.url)) as y:
+        a, b = sorted((x, y), key=lambda agent: agent.url)  # a would win a tie-break
+        keys = prompt_keys(a, prompt)
+        assert len(keys) == 8
+        pace = Paced(a, per_layer_s=0.05)
+        r = httpx.post(a.url + "prefill", json={"tokens": prompt}, timeout=30)
+        assert r.status_code == 202 and r.json()["live"] == keys, r.text
+        tb, rb = post_async(b.url + "generate", {"tokens": prompt, "max_new_tokens": NEW,
+                                                 "prefill_at": a.url})
+        wait_until(lambda: a.context.moqt_publisher is not None
+                   and a.context.moqt_publisher.stats.subscribes >= len(keys) - 1,
+                   timeout=20, what="B subscribing to the blocks before its last")
+        pace.release.set()
+        tb.join(60)
+        assert rb["status"] == 200, rb
+        assert rb["body"]["sources"] == {"moqt": len(keys) - 1, "http": 0, "recompute": 1}, rb["body"]
+        assert rb["body"]["tokens"] == a.context.adapter.generate_greedy(prompt, NEW)
+        assert b.engine.live_outpaced == 0
+        moqt = a.context.moqt_publisher
+        assert moqt is not None and moqt.stats.subscribes == len(keys) - 1  # each block once
 
 
 def test_prefill_at_an_instance_without_relay_is_refused_or_ignored(model_dir: Path, index_url: str) -> None:
