@@ -439,14 +439,12 @@ class PrefixLoader:
                     if blk.slot in dropped or blk.failed or blk.slot >= self._abort_from or blk.placed[index]:
                         continue
                     if slot >= len(layer):
-                        dropped.add(blk.slot)
-                        self._note_failure(blk.key, cand, f"the pass has no slot {slot}")
+                        await self._give_up_producer(blk, dropped, f"the pass has no slot {slot}")
                         continue
                     k, v, digest = layer[slot]
                     if layer_digest(k, v) != digest:
-                        dropped.add(blk.slot)
-                        self._note_failure(blk.key, cand, f"layer {index} of pass slot {slot} does not "
-                                           "match the digest it carries")
+                        await self._give_up_producer(blk, dropped, f"layer {index} of pass slot {slot} "
+                                                     "does not match the digest it carries")
                         continue
                     self.pool.place(blk.slot, index, k, v)
                     blk.digests[index] = digest
@@ -458,17 +456,16 @@ class PrefixLoader:
             raise
         except Exception as e:  # the track failed: each block goes on by itself
             reason = f"the pass track failed: {reason_of(e)}"
-            self._note_failure(blocks[0].key, cand, reason)
-            if arrived or isinstance(e, SourceFailed):
+            if not (arrived or isinstance(e, SourceFailed)):
+                self._note_failure(blocks[0].key, cand, reason)
+            else:
                 # The pass stopped or stalled mid-way: its blocks' own tracks, from the same
                 # producer, would wait on it too (the relay holds a SUBSCRIBE for a publisher
                 # gone for its rendezvous time). Only a pass already gone when asked (its blocks
                 # stored since) leaves them to be read from their block tracks.
                 for blk in blocks:
-                    own = blk.candidates.candidates[0]
-                    if not blk.complete:
-                        blk.candidates.fail(own, reason)
-                        await blk.candidates.drop(own)
+                    if not blk.complete and blk.slot not in dropped:
+                        await self._give_up_producer(blk, dropped, reason)
         finally:
             await layers.aclose()
             self._octets += octets
@@ -476,6 +473,14 @@ class PrefixLoader:
                 self._tally.add(cand.lease_holder, octets, started)
         rest = [blk for blk in blocks if not blk.complete and not blk.failed and blk.slot < self._abort_from]
         await asyncio.gather(*(self._load_range(blk, 0, last) for blk in rest))
+
+    async def _give_up_producer(self, blk: _Block, dropped: set[int], reason: str) -> None:
+        """A pass slot failed: its producer is a failed source for the block (its block track
+        would serve the same layers), which goes on through its other candidates."""
+        dropped.add(blk.slot)
+        own = blk.candidates.candidates[0]
+        blk.candidates.fail(own, reason)  # noted in the load's failures
+        await blk.candidates.drop(own)
 
     def _deliver(self, blk: _Block, layer: SourcedLayer) -> None:
         """Copy a verified layer into the pool (an error here fails the source, as a bad layer
