@@ -191,10 +191,13 @@ def test_a_layer_that_does_not_match_its_digest_is_never_used(model_dir: Path, i
                                                              relay: BackgroundRelay) -> None:
     """A live layer whose octets do not match the digest it carries (corrupted on its way, or a
     publisher at fault): the consumer refuses it (a failed source) before it enters the model,
-    computes the prefix itself, and answers as one instance would."""
+    computes the prefix itself, and answers as one instance would. (The consumer's URL sorts
+    first: computing the prefix itself, it would otherwise give way to the producer as a rival
+    and load the producer's blocks once stored, with their true digests.)"""
     prompt = tokens(PROMPT, 93)
-    with Agent(settings(model_dir, index_url, relay.url)) as a, \
-            Agent(settings(model_dir, index_url, relay.url)) as b:
+    with Agent(settings(model_dir, index_url, relay.url)) as x, \
+            Agent(settings(model_dir, index_url, relay.url)) as y:
+        b, a = sorted((x, y), key=lambda agent: agent.url)
         compat = a.context.compat_id
         keys = prompt_keys(a, prompt)
         pace = Paced(a, per_layer_s=0.1)
@@ -220,8 +223,10 @@ def test_a_layer_that_does_not_match_its_digest_is_never_used(model_dir: Path, i
             ta, ra = post_async(a.url + "generate", {"tokens": prompt, "max_new_tokens": NEW})
             live_records(index_url, compat, keys)
             tb, rb = post_async(b.url + "generate", {"tokens": prompt, "max_new_tokens": NEW})
-            wait_until(lambda: a.context.moqt_publisher is not None and a.context.moqt_publisher.stats.subscribes > 0,
-                       timeout=20, what="B subscribing")
+            # B loading (its subscription at A, A still held before its first layer): a B that
+            # came after A stored its blocks would read them with their true digests.
+            wait_until(lambda: a.context.moqt_publisher is not None and a.context.moqt_publisher.stats.subscribes > 0
+                       and len(b.engine._loaders) > 0, timeout=20, what="B subscribing")
             pace.release.set()
             tb.join(60)
             ta.join(60)
