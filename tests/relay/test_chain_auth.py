@@ -12,7 +12,7 @@ import pytest
 
 from kvsp_moq.auth import Authenticator
 from kvsp_moq.moqt.errors import RequestErrorCode, Unauthorized
-from kvsp_moq.naming import publisher_id
+from kvsp_moq.naming import pass_track_name, publisher_id
 
 from .conftest import CERT, STEP, TrackPublisher, collect, dial, make_objects, publishing, running_relay
 
@@ -160,3 +160,26 @@ async def test_an_announcement_outside_the_relay_principal_is_not_forwarded():
                 await asyncio.sleep(0.05)
             assert relay_a.routes.lookup(track(OTHER)) is None
             assert relay_a.stats.unauthorized == 1
+
+
+async def test_a_pass_track_is_authorized_by_its_namespace_like_the_block_tracks():
+    """A pass track (DESIGN §9.6) lives in the namespace of its first block: a client of the
+    scope gets it, one of another tenant or without a token is refused before anything goes to
+    the publisher."""
+    objects = make_objects(1, 3, 500)
+    async with running_relay(authenticator=DOWNSTREAM) as relay:
+        async with publishing(relay.url, ns(), TrackPublisher(objects), authorization="down-holder"):
+            member = await dial(relay.url, authorization="down-instance")
+            outsider = await dial(relay.url, authorization="down-other")
+            anonymous = await dial(relay.url)
+            try:
+                sub = await member.subscribe(track(), pass_track_name(), timeout=STEP)
+                assert triples(await collect(sub)) == objects
+                for client in (outsider, anonymous):
+                    with pytest.raises(Unauthorized):
+                        await client.subscribe(track(), pass_track_name(), timeout=STEP)
+                    with pytest.raises(Unauthorized):
+                        await client.fetch(track(), pass_track_name(), (0, 0), (0, 1), timeout=STEP)
+            finally:
+                await asyncio.gather(member.aclose(), outsider.aclose(), anonymous.aclose())
+        assert relay.stats.unauthorized >= 4 and relay.stats.upstream_subscribes == 1
