@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import AsyncGenerator, AsyncIterator, Sequence
+from typing import AsyncGenerator, AsyncIterator, Callable, Sequence
 
 from kvsp_moq.errors import BadRecord, KvspError, LayersUnavailable, reason_of
 from kvsp_moq.fetch.stream import FailureKind, FetchedBlock, SourceFailed, VerifiedLayerStream, record_layer_digests
@@ -231,45 +231,22 @@ class MoqtLayerStream(VerifiedLayerStream):
                                digests: list[bytes] | None) -> AsyncIterator[Layer]:
         """Layers first..last of a block being produced, by SUBSCRIBE (gaps by FETCH)."""
         fetcher = self.fetcher
+
+        def stalled(layer: int) -> SourceFailed:
+            # The relay is fine; the block's producer stalled or is gone.
+            return SourceFailed(FailureKind.MISS, f"layer {layer} of the block in production did not "
+                                f"come within {fetcher.live_layer_timeout:g} s")
+
         # A block in production may not be announced at the relay yet: the relay holds the
-        # SUBSCRIBE until its publisher appears (rendezvous), within the request's timeout.
-        rendezvous_ms = int(fetcher.timeout * 1000) if self.live else None
-        subscription = await connection.subscribe(
-            self.track.namespace, self.track.track_name,
-            subscription_filter=SubscriptionFilter.absolute_start(GROUP, first), forward=True,
-            authorization=fetcher.token, rendezvous_timeout=rendezvous_ms, timeout=fetcher.timeout)
-        # A producer that stops (or dies) mid-block must not hold its subscribers for long.
-        layer_timeout = fetcher.live_layer_timeout if self.live else fetcher.layer_timeout
-        next_layer = first
+        # SUBSCRIBE until its publisher appears (rendezvous), within the request's timeout. A
+        # producer that stops (or dies) mid-block must not hold its subscribers for long.
+        objects = fetcher.track_objects(connection, self.track.namespace, self.track.track_name, first, last,
+                                        rendezvous=bool(self.live), stalled=stalled if self.live else None)
         try:
-            while next_layer <= last:
-                try:
-                    # a timer armed only while no layer is queued (not one per layer)
-                    obj = await subscription.next_object(layer_timeout)
-                except asyncio.TimeoutError:
-                    if not self.live:
-                        raise
-                    # The relay is fine; the block's producer stalled or is gone.
-                    raise SourceFailed(FailureKind.MISS, f"layer {next_layer} of the block in production "
-                                       f"did not come within {layer_timeout:g} s") from None
-                if obj is not None and (obj.group_id != GROUP or obj.object_id < next_layer):
-                    continue  # a layer we already have
-                stop = last if obj is None else min(last, obj.object_id - 1)
-                if next_layer <= stop:
-                    # Joined mid-way (or the track ended first): the missing layers by FETCH.
-                    async for layer in self._fetch_range(connection, next_layer, stop, digests):
-                        next_layer = layer.index + 1
-                        yield layer
-                    if next_layer <= stop:
-                        raise SourceFailed(FailureKind.MISS, f"layers {next_layer}-{stop} were not delivered")
-                if obj is None or next_layer > last:
-                    break
-                yield self._verified(obj, next_layer, digests)
-                next_layer += 1
+            async for obj in objects:
+                yield self._verified(obj, obj.object_id, digests)
         finally:
-            await subscription.aclose()
-        if next_layer <= last:
-            raise SourceFailed(FailureKind.MISS, f"the track ended before layer {next_layer}")
+            await objects.aclose()
 
 
 @dataclass
@@ -366,46 +343,72 @@ class MoqtBlockFetcher:
         (layer, [(K, V, carried digest) of each slot]); the caller checks every slot against
         its digest. SourceFailed when the track ends early or its producer stalls; layers
         missed by joining late come by FETCH, as a block's do."""
-        fields = decode_namespace(moqt_namespace)
-        name = pass_track_name(codec)
-        connection = await self.connection(source)
-        subscription = await connection.subscribe(
-            fields, name, subscription_filter=SubscriptionFilter.absolute_start(GROUP, first), forward=True,
-            authorization=self.token, rendezvous_timeout=int(self.timeout * 1000), timeout=self.timeout)
-        next_layer = first
+        def stalled(layer: int) -> SourceFailed:
+            return SourceFailed(FailureKind.MISS, f"layer {layer} of the pass did not come within "
+                                f"{self.live_layer_timeout:g} s")
+
+        objects = self.track_objects(await self.connection(source), decode_namespace(moqt_namespace),
+                                     pass_track_name(codec), first, last, rendezvous=True, stalled=stalled)
         try:
-            while next_layer <= last:
+            async for obj in objects:
+                yield obj.object_id, self._pass_slots(obj)
+        finally:
+            await objects.aclose()
+
+    async def track_objects(self, connection: MoqtConnection, namespace: tuple[bytes, ...], track_name: bytes,
+                            first: int, last: int, *, rendezvous: bool,
+                            stalled: Callable[[int], SourceFailed] | None) -> AsyncGenerator[MoqtObject, None]:
+        """Objects first..last of group 0 of a track, in order: by SUBSCRIBE from `first`, and
+        those the subscription does not bring (a late join, a track that ends first) by FETCH.
+
+        `rendezvous`: the relay may hold the SUBSCRIBE (the request's timeout) for a publisher
+        that has not announced yet. With `stalled`, no object within `live_layer_timeout` is the
+        SourceFailed it makes (a producer that stopped); without, `layer_timeout` and a
+        TimeoutError. A track that ends before `last` is a MISS."""
+        subscription = await connection.subscribe(
+            namespace, track_name, subscription_filter=SubscriptionFilter.absolute_start(GROUP, first),
+            forward=True, authorization=self.token,
+            rendezvous_timeout=int(self.timeout * 1000) if rendezvous else None, timeout=self.timeout)
+        wait = self.live_layer_timeout if stalled is not None else self.layer_timeout
+        next_object = first
+        try:
+            while next_object <= last:
                 try:
-                    obj = await subscription.next_object(self.live_layer_timeout)
+                    # a timer armed only while no object is queued (not one per object)
+                    obj = await subscription.next_object(wait)
                 except asyncio.TimeoutError:
-                    raise SourceFailed(FailureKind.MISS, f"layer {next_layer} of the pass did not come "
-                                       f"within {self.live_layer_timeout:g} s") from None
-                if obj is not None and (obj.group_id != GROUP or obj.object_id < next_layer):
-                    continue
+                    if stalled is None:
+                        raise
+                    raise stalled(next_object) from None
+                if obj is not None and (obj.group_id != GROUP or obj.object_id < next_object):
+                    continue  # one we already have
                 stop = last if obj is None else min(last, obj.object_id - 1)
-                if next_layer <= stop:  # joined mid-way (or the track ended first)
-                    fetched = await connection.fetch(fields, name, (GROUP, next_layer), (GROUP, stop),
+                if next_object <= stop:
+                    # Joined mid-way (or the track ended first): the missing objects by FETCH.
+                    fetched = await connection.fetch(namespace, track_name, (GROUP, next_object), (GROUP, stop),
                                                      authorization=self.token, timeout=self.timeout)
                     try:
-                        while next_layer <= stop:
+                        while next_object <= stop:
                             got = await fetched.next_object(self.layer_timeout)
-                            if got is None or got.object_id != next_layer:
+                            if got is None:
                                 break
-                            yield next_layer, self._pass_slots(got)
-                            next_layer += 1
+                            if got.group_id != GROUP or got.object_id != next_object:
+                                raise SourceFailed(FailureKind.MALFORMED, f"object {got.group_id}/"
+                                                   f"{got.object_id} where layer {next_object} was due")
+                            yield got
+                            next_object += 1
                     finally:
                         await fetched.aclose()
-                    if next_layer <= stop:
-                        raise SourceFailed(FailureKind.MISS, f"layers {next_layer}-{stop} of the pass "
-                                           "were not delivered")
-                if obj is None or next_layer > last:
+                    if next_object <= stop:
+                        raise SourceFailed(FailureKind.MISS, f"layers {next_object}-{stop} were not delivered")
+                if obj is None or next_object > last:
                     break
-                yield next_layer, self._pass_slots(obj)
-                next_layer += 1
+                yield obj
+                next_object += 1
         finally:
             await subscription.aclose()
-        if next_layer <= last:
-            raise SourceFailed(FailureKind.MISS, f"the pass track ended before layer {next_layer}")
+        if next_object <= last:
+            raise SourceFailed(FailureKind.MISS, f"the track ended before layer {next_object}")
 
     @staticmethod
     def _pass_slots(obj: MoqtObject) -> list[tuple[memoryview, memoryview, bytes]]:
