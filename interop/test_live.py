@@ -14,6 +14,8 @@ the layer's K||V), the subgroup stream ended after the last layer.
 2. moq-rs (interop/peers/moqrs_sub.py) on the draft our relay picks from its offer (18), and
    with the relay and our publisher pinned to draft-14.
 3. Both at once on one block: layer l+1 only once each of them has layer l.
+4. Both at once on a pass track (DESIGN §9.6) of SLOTS blocks: object l is layer l of every
+   block, slot by slot, the same way.
 
 Every test fails (never skips) when a peer is not installed.
 """
@@ -27,7 +29,7 @@ import subprocess
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable, NamedTuple
 
 import numpy as np
 import pytest
@@ -36,7 +38,7 @@ from kvsp_moq.holder.moqt_publisher import BlockPublisher, LiveBlock
 from kvsp_moq.holder.store import BlockId, BlockStore
 from kvsp_moq.moqt.certs import generate_self_signed
 from kvsp_moq.moqt.quic import QuicSettings
-from kvsp_moq.naming import BlockTrack
+from kvsp_moq.naming import BlockTrack, pass_track_name
 from relay.relay import Relay, RelaySettings
 
 from .conftest import HERE, PEER_PYTHON, PEERS, Process, our_relay, spawn
@@ -52,6 +54,15 @@ BEFORE = 2
 SECTION = 24 << 10
 #: How long a peer may take over the whole block before it gives up and reports.
 PEER_TIMEOUT = 60.0
+#: Blocks of the pass track.
+SLOTS = 3
+
+
+class Track(NamedTuple):
+    """A track the peers subscribe to: a block's, or a pass track (not a block's)."""
+
+    namespace: tuple[bytes, ...]
+    track_name: bytes
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -170,7 +181,7 @@ class Peer:
 
 
 @asynccontextmanager
-async def aiomoqt_subscriber(url: str, track: BlockTrack, draft: int, tmp_path: Path) -> AsyncIterator[Peer]:
+async def aiomoqt_subscriber(url: str, track: BlockTrack | Track, draft: int, tmp_path: Path) -> AsyncIterator[Peer]:
     """aiomoqt subscribes from the start of the track (no filter; at draft-14 Absolute Start)."""
     namespace = "/".join(part.decode() for part in track.namespace)
     log = tmp_path / f"aiomoqt-sub-{draft}.log"
@@ -181,7 +192,7 @@ async def aiomoqt_subscriber(url: str, track: BlockTrack, draft: int, tmp_path: 
 
 
 @asynccontextmanager
-async def moqrs_subscriber(url: str, track: BlockTrack, tmp_path: Path) -> AsyncIterator[Peer]:
+async def moqrs_subscriber(url: str, track: BlockTrack | Track, tmp_path: Path) -> AsyncIterator[Peer]:
     """moq-rs names the track by its path, the namespace's fields joined by "/", and reads
     group 0 until its LAYERS frames have arrived and its stream has ended."""
     path = "/".join(part.decode() for part in track.namespace)
@@ -197,17 +208,24 @@ async def produce_for(live: LiveBlock, layers: list[tuple[bytes, bytes]], peers:
     """Add the layers not added yet, each only once every peer has reported the one before,
     and check that every peer gets each layer in order, byte for byte, while the next one does
     not exist yet."""
-    expected = digests(layers)
+    await deliver_in_step(peers, digests(layers), lambda: live.available,
+                          lambda index: live.add_layer(*layers[index]))
+    await live.finish()
+
+
+async def deliver_in_step(peers: list[Peer], expected: list[str], available: Callable[[], int],
+                          add: Callable[[int], object]) -> None:
+    """Layer l+1 is added (`add`) only once every peer has reported layer l, which must be
+    the `expected` octets (SHA-256), in order; then every peer must end the group."""
     for index in range(LAYERS):
         for peer in peers:
             group, place, sha = await peer.next_object()
             assert (group, place) == (0, index), f"expected layer {index} of group 0{peer.why()}"
             assert sha == expected[index], f"layer {index} is not byte for byte what was added{peer.why()}"
         # Each peer has layer `index`; past the first BEFORE, the next one is not computed yet.
-        assert live.available == max(index + 1, BEFORE)
-        if index + 1 == live.available < LAYERS:
-            live.add_layer(*layers[index + 1])
-    await live.finish()
+        assert available() == max(index + 1, BEFORE)
+        if index + 1 == available() < LAYERS:
+            add(index + 1)
     for peer in peers:
         await peer.finished()
         assert [(g, i, s) for g, i, s in peer.got] == [(0, i, s) for i, s in enumerate(expected)], peer.why()
@@ -280,3 +298,56 @@ async def test_live_block_reaches_aiomoqt_and_moqrs_together(tmp_path):
     assert counters["upstream_subscribes"] == 1 and counters["objects_in"] == LAYERS, counters
     assert counters["subscribes"] == 2 and counters["upstream_fetches"] == 0, counters
     assert counters["cache_objects_served"] >= BEFORE, counters
+
+
+# --------------------------------------------------------------------------- 4
+
+
+@pytest.mark.matrix("our holder (live pass track) -> aiomoqt and moq-rs subscribers at once", "our relay")
+async def test_a_pass_track_reaches_aiomoqt_and_moqrs_together(tmp_path):
+    """A forward pass of SLOTS blocks publishes, beside each block's track, its pass track in
+    the namespace of its first block: object l is layer l of every block, K||V slot after slot
+    (the slots' digests ride a property the peers need not know). Both peers subscribe once
+    the first BEFORE layers exist and get every later one as it is computed, byte for byte."""
+    wholes = [layers_of(10 + j) for j in range(SLOTS)]
+    relay = await Relay(RelaySettings(certificate=generate_self_signed())).start()
+    try:
+        async with live_block(relay.url, b"pass first", 18) as (first, first_track), AsyncExitStack() as stack:
+            publisher = first.publisher
+            # A pass whose blocks are the next ones (live_block's own block stays unused).
+            ids = [BlockId(COMPAT, SCOPE, hashlib.sha256(b"pass slot %d" % j).hexdigest()) for j in range(SLOTS)]
+            track = publisher.open_pass(ids[0], layer_count=LAYERS, token_count=16)
+            blocks = [track.produce(bid) for bid in ids]
+            assert publisher.live_record(blocks[2]).live_pass == (track.moqt_namespace, 2)
+
+            def add(index: int) -> None:
+                for block, layers in zip(blocks, wholes):
+                    block.add_layer(*layers[index])
+                track.add_layer(b"".join(k + v for k, v in (layers[index] for layers in wholes)),
+                                b"".join(bytes.fromhex(digests([layers[index]])[0]) for layers in wholes),
+                                SECTION)
+
+            for index in range(BEFORE):
+                add(index)
+            pass_track = Track(publisher.track(ids[0]).namespace, pass_track_name())
+            # As with one block: aiomoqt from the start of the track, moq-rs once the relay has
+            # the first BEFORE objects (those by its joining FETCH).
+            aiomoqt = await stack.enter_async_context(aiomoqt_subscriber(relay.url, pass_track, 18, tmp_path))
+            await aiomoqt.subscribed()
+            for _ in range(400):  # bounded
+                if relay.stats.objects_in >= BEFORE:
+                    break
+                await asyncio.sleep(0.05)
+            assert relay.stats.objects_in == BEFORE, relay.snapshot()
+            moqrs = await stack.enter_async_context(moqrs_subscriber(relay.url, pass_track, tmp_path))
+            await moqrs.subscribed()
+            expected = [hashlib.sha256(b"".join(k + v for k, v in (layers[i] for layers in wholes))).hexdigest()
+                        for i in range(LAYERS)]
+            await deliver_in_step([aiomoqt, moqrs], expected, lambda: track.available, add)
+            for block in blocks:
+                assert await block.finish() is not None
+            first.abort("unused")
+        counters = relay.snapshot()
+    finally:
+        await relay.aclose()
+    assert counters["upstream_subscribes"] == 1 and counters["objects_in"] == LAYERS, counters

@@ -191,30 +191,35 @@ async def test_moqrs_one_mib_objects_back_to_back_through_our_relay(tmp_path):
 # --------------------------------------------------------------------------- 2
 
 
-async def our_subscriber_reads(url: str, path: str, count: int, timeout: float = STEP, draft: int = 18) -> list:
+async def our_subscriber_reads(url: str, path: str, count: int, timeout: float = STEP, draft: int = 18,
+                               log: Path | None = None) -> list:
     """Our client subscribes to track t of the namespace `path` names (its "/"-separated fields)
     at `url` and collects objects until it has `count` of them, or `timeout` has passed. Objects
     the relay had before the SUBSCRIBE (a publisher that did not wait for this subscriber, or a
     draft-14 PUBLISH the relay accepted first) come by a joining FETCH from group 0, as any late
     subscriber gets them; the subscription's copies of fetched objects are left out (and any
-    other object it repeats is kept, for the caller to see)."""
+    other object it repeats is kept, for the caller to see). Fewer than `count` objects fail
+    the test with how the subscription went (and the publisher's `log`)."""
     client = await connect(url, verify=False, timeout=STEP, drafts=(draft,))
     got: list = []
     fetched: set[tuple[int, int]] = set()
+    story: list[str] = []
 
     try:
         subscription = await client.subscribe(path.split("/"), "t", timeout=STEP)
+        story.append(f"SUBSCRIBE_OK with largest {subscription.largest}")
 
         async def read() -> None:
             if subscription.largest is not None:
                 try:
                     fetch = await client.joining_fetch(subscription, 0, absolute=True, timeout=STEP)
-                except RequestError:
-                    pass  # a publisher that serves no FETCH: what the subscription brings is all
+                except RequestError as e:
+                    story.append(f"joining FETCH refused: {e}")
                 else:
                     async for obj in fetch:
                         fetched.add((obj.group_id, obj.object_id))
                         got.append(obj)
+                    story.append(f"joining FETCH brought {sorted(fetched)}")
                 if len(got) >= count:
                     return
             async for obj in subscription:
@@ -222,13 +227,21 @@ async def our_subscriber_reads(url: str, path: str, count: int, timeout: float =
                     got.append(obj)
                 if len(got) >= count:
                     return
+            story.append(f"the subscription ended: {subscription.done}, "
+                         f"{subscription.streams_timed_out} streams timed out")
 
         try:
             await asyncio.wait_for(read(), timeout)
         except asyncio.TimeoutError:
-            pass
+            story.append(f"nothing more within {timeout} s")
     finally:
         await client.aclose()
+    if len(got) < count:
+        seen = [(o.group_id, o.object_id, o.status.name) for o in got]
+        tail = ""
+        if log is not None and log.exists():
+            tail = "\npublisher log (tail):\n" + "\n".join(log.read_text(errors="replace").splitlines()[-40:])
+        raise AssertionError(f"{len(got)} of {count} objects: {seen}; " + "; ".join(story) + tail)
     return got
 
 
@@ -253,7 +266,8 @@ async def test_moqrs_publisher_through_our_relay_to_our_subscriber(tmp_path, dra
             *publisher_argv(url, path, groups, objects, seed, "--wait-subscriber"),
             name="moq-rs publisher", stderr=tmp_path / "moqrs-pub.log") as pub:
         await pub.wait_for_line("READY", STEP)
-        got = await our_subscriber_reads(url, path, groups * objects, draft=int(draft))
+        got = await our_subscriber_reads(url, path, groups * objects, draft=int(draft),
+                                         log=tmp_path / "moqrs-pub.log")
     assert_our_objects(got, seed, groups, objects)
 
 
@@ -463,7 +477,7 @@ async def test_our_subscriber_against_a_moqrs_server(tmp_path):
                      name="moq-rs server (publisher)", stderr=tmp_path / "moqrs-server.log") as server:
         url = (await server.wait_for_line("LISTEN ", STEP)).split()[-1]
         await server.wait_for_line("READY", STEP)
-        got = await our_subscriber_reads(url, path, groups * objects)
+        got = await our_subscriber_reads(url, path, groups * objects, log=tmp_path / "moqrs-server.log")
     assert_our_objects(got, seed, groups, objects)
 
 

@@ -49,6 +49,8 @@ UPSTREAM = Authenticator.from_mapping({"principal": [
 DOWNSTREAM = Authenticator.from_mapping({"principal": [
     {"name": "instance", "token": "down-instance", "scopes": [SCOPE], "roles": ["instance"]},
     {"name": "other-tenant", "token": "down-other", "scopes": [OTHER], "roles": ["instance"]},
+    # Of the scope, but only a client of the HTTP services: no role that may subscribe.
+    {"name": "front-end", "token": "down-client", "scopes": [SCOPE], "roles": ["client"]},
     {"name": "holder-b", "token": "down-holder", "scopes": [SCOPE], "holders": [HOLDER],
      "roles": ["holder"]},
 ]})
@@ -164,22 +166,23 @@ async def test_an_announcement_outside_the_relay_principal_is_not_forwarded():
 
 async def test_a_pass_track_is_authorized_by_its_namespace_like_the_block_tracks():
     """A pass track (DESIGN §9.6) lives in the namespace of its first block: a client of the
-    scope gets it, one of another tenant or without a token is refused before anything goes to
-    the publisher."""
+    scope gets it; one of another tenant, one of the scope whose role may not subscribe, or one
+    without a token is refused before anything goes to the publisher."""
     objects = make_objects(1, 3, 500)
     async with running_relay(authenticator=DOWNSTREAM) as relay:
         async with publishing(relay.url, ns(), TrackPublisher(objects), authorization="down-holder"):
             member = await dial(relay.url, authorization="down-instance")
             outsider = await dial(relay.url, authorization="down-other")
+            no_role = await dial(relay.url, authorization="down-client")
             anonymous = await dial(relay.url)
             try:
                 sub = await member.subscribe(track(), pass_track_name(), timeout=STEP)
                 assert triples(await collect(sub)) == objects
-                for client in (outsider, anonymous):
+                for client in (outsider, no_role, anonymous):
                     with pytest.raises(Unauthorized):
                         await client.subscribe(track(), pass_track_name(), timeout=STEP)
                     with pytest.raises(Unauthorized):
                         await client.fetch(track(), pass_track_name(), (0, 0), (0, 1), timeout=STEP)
             finally:
-                await asyncio.gather(member.aclose(), outsider.aclose(), anonymous.aclose())
-        assert relay.stats.unauthorized >= 4 and relay.stats.upstream_subscribes == 1
+                await asyncio.gather(member.aclose(), outsider.aclose(), no_role.aclose(), anonymous.aclose())
+        assert relay.stats.unauthorized >= 6 and relay.stats.upstream_subscribes == 1
