@@ -25,7 +25,7 @@ import time
 import uuid
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Collection, Mapping, Sequence
 
 import httpx
 import torch
@@ -637,7 +637,7 @@ class Engine:
                 rest = seq.tokens_from(loaded * b)
                 if live is not None:  # computed again from block `loaded`: published anew
                     live.abort("the prefix could not be loaded; computing it again")
-                live = self._open_live(session, loaded)
+                live = self._open_live(session, loaded, distrusted=loader.failed_producers)
                 state, token = await self._run_prefill(live, session.id, rest, past, sampler, step)
                 self._note_prefill(session, len(rest), time.perf_counter() - started)
             # Blocks loaded from a producer's live track: held to its complete record later.
@@ -665,9 +665,10 @@ class Engine:
         session.ttft_ms = round((time.perf_counter() - session.started) * 1000, 3)
         return state, token, report, timeline
 
-    def _open_live(self, session: Session, first: int) -> LivePass | None:
+    def _open_live(self, session: Session, first: int, distrusted: Collection[str] = ()) -> LivePass | None:
         """The live blocks of a prefill computing the sequence from block `first` on: the
-        complete blocks of the sequence it computes, which the session then stores."""
+        complete blocks of the sequence it computes, which the session then stores. Instances
+        in `distrusted` (whose live layers failed this request) are never given way to."""
         if self.live is None:
             return None
         seq = session.sequence
@@ -685,7 +686,8 @@ class Engine:
             if (session.outpaced_by is None and not must_compute and self.index is not None
                     and self.live_records_in is not None):
                 self._spawn(watch_rivals(live, self.index, me=self.self_url(), records_in=self.live_records_in,
-                                         sent=self.records_sent), name=f"rivals-{session.id}")
+                                         sent=self.records_sent, distrusted=frozenset(distrusted)),
+                            name=f"rivals-{session.id}")
         return live
 
     async def _run_prefill(self, live: LivePass | None, sid: str, tokens: list[int], past: KVPrefix | None,

@@ -30,7 +30,7 @@ import asyncio
 import hashlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -170,8 +170,11 @@ class LiveProducer:
 async def watch_rivals(live: LivePass, index: IndexClient, *, me: str,
                        records_in: Callable[[BlockId], bool],
                        sent: Callable[[float], Awaitable[None]] | None = None,
-                       window_s: float = 2.0, first_wait_s: float = 5.0) -> str | None:
-    """Look for another instance producing the first block of `live` that wins over `me`.
+                       window_s: float = 2.0, first_wait_s: float = 5.0,
+                       distrusted: Collection[str] = ()) -> str | None:
+    """Look for another instance producing the first block of `live` that wins over `me`;
+    not one of `distrusted` (whose live layers failed this request: it would be given way to
+    only to be loaded from again).
 
     Looks once this pass's in-production record of that block is in the index (`records_in`,
     woken by `sent`; at most `first_wait_s`), then again with growing pauses for `window_s`: a
@@ -193,7 +196,7 @@ async def watch_rivals(live: LivePass, index: IndexClient, *, me: str,
         result = await _lookup(index, bid.compat_id, bid.scope_id, [bid.block_key])
         if result is not None and result.matched:
             rivals = sorted(p for r in result.blocks[0].replicas
-                            if r.live and (p := live_producer(r)) != me)
+                            if r.live and (p := live_producer(r)) != me and p not in distrusted)
             if rivals and rivals[0] < me:
                 live.yield_to = rivals[0]
                 return rivals[0]

@@ -47,7 +47,7 @@ from kvsp_moq.fetch.fallback import (
     lease_first_candidates,
 )
 from kvsp_moq.fetch.leases import LeaseClient, LeaseKeeper
-from kvsp_moq.fetch.sources import SourceCandidate
+from kvsp_moq.fetch.sources import SourceCandidate, live_producer
 from kvsp_moq.fetch.stream import SourceFailed
 from kvsp_moq.fetch.transfers import TransferObserver, TransferTally
 from kvsp_moq.protocol.container import Buffer, layer_digest
@@ -274,6 +274,8 @@ class PrefixLoader:
         self._counts = [0] * layers
         self._abort_from = len(self._blocks)
         self._failures: list[dict[str, str]] = []
+        #: instances whose live layers failed this load (`live_producer`): not rivals to give way to
+        self.failed_producers: set[str] = set()
         self._octets = 0
         self._tally = TransferTally()
         self.done = False  #: nothing more will be loaded (set before run() returns)
@@ -385,6 +387,8 @@ class PrefixLoader:
     def _note_failure(self, key: str, cand: SourceCandidate, reason: str) -> None:
         self._failures.append({"block_key": key, "source": cand.record.holder,
                                "kind": cand.source.kind, "reason": reason})
+        if cand.record.live:
+            self.failed_producers.add(live_producer(cand.record))
 
     async def _load_range(self, blk: _Block, a: int, b: int) -> None:
         tl = self.timeline

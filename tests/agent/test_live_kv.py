@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import torch
 
 from agent.live import LivePass
@@ -187,17 +188,18 @@ def test_a_producer_that_stops_is_a_failed_source(model_dir: Path, index_url: st
                    timeout=20, what="A's in-production records withdrawn")
 
 
+@pytest.mark.parametrize("consumer_sorts", ["first", "after"])
 def test_a_layer_that_does_not_match_its_digest_is_never_used(model_dir: Path, index_url: str,
-                                                             relay: BackgroundRelay) -> None:
+                                                             relay: BackgroundRelay, consumer_sorts: str) -> None:
     """A live layer whose octets do not match the digest it carries (corrupted on its way, or a
     publisher at fault): the consumer refuses it (a failed source) before it enters the model,
-    computes the prefix itself, and answers as one instance would. (The consumer's URL sorts
-    first: computing the prefix itself, it would otherwise give way to the producer as a rival
-    and load the producer's blocks once stored, with their true digests.)"""
-    prompt = tokens(PROMPT, 93)
+    computes the prefix itself, and answers as one instance would. Whichever URL sorts first,
+    it does not give way to that producer as a rival while it computes (it would only load the
+    producer's blocks once stored)."""
+    prompt = tokens(PROMPT, 93 if consumer_sorts == "first" else 95)
     with Agent(settings(model_dir, index_url, relay.url)) as x, \
             Agent(settings(model_dir, index_url, relay.url)) as y:
-        b, a = sorted((x, y), key=lambda agent: agent.url)
+        b, a = sorted((x, y), key=lambda agent: agent.url, reverse=consumer_sorts == "after")
         compat = a.context.compat_id
         keys = prompt_keys(a, prompt)
         pace = Paced(a, per_layer_s=0.1)
@@ -238,6 +240,7 @@ def test_a_layer_that_does_not_match_its_digest_is_never_used(model_dir: Path, i
         assert rb["body"]["tokens"] == a.context.adapter.generate_greedy(prompt, NEW)
         failures = b.engine.sessions[rb["body"]["session"]].load["failures"]
         assert any("digest" in str(f) for f in failures), failures
+        assert b.engine.live_outpaced == 0
 
 
 def test_prefill_and_decode_on_two_instances(model_dir: Path, index_url: str,
