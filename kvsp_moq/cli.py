@@ -126,6 +126,8 @@ def _needs_agent_extra(what: str) -> None:
 
 #: Benchmarks that take --engine and --datagram-size (a matrix of cells).
 MATRIX_BENCHMARKS = ("moqt",)
+#: Benchmarks whose every process speaks MOQT at one datagram size (--datagram-size).
+ONE_SIZE_BENCHMARKS = ("live",)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -140,10 +142,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     options: dict[str, Any] = {}
     if args.target in MATRIX_BENCHMARKS:
         options = {"engines": args.engine or args.quic_engine, "datagram_sizes": args.datagram_size}
+    elif args.target in ONE_SIZE_BENCHMARKS:
+        options = {"datagram_size": args.datagram_size}
+        if args.engine:
+            raise UsageError(f"--engine: only for bench {', '.join(MATRIX_BENCHMARKS)}")
     else:
         given = [o for o, v in (("--engine", args.engine), ("--datagram-size", args.datagram_size)) if v]
         if given:
-            raise UsageError(f"{' and '.join(given)}: only for bench {', '.join(MATRIX_BENCHMARKS)}")
+            raise UsageError(f"{' and '.join(given)}: only for bench "
+                             f"{', '.join(MATRIX_BENCHMARKS + ONE_SIZE_BENCHMARKS)}")
     if args.pcs is not None:
         if args.target != "route":
             raise UsageError("--pcs: only for bench route")
@@ -293,7 +300,8 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
                         "else aioquic,qh3)")
     p.add_argument("--datagram-size", metavar="SIZE[,SIZE...]",
                    help="moqt: datagram sizes of the matrix, in bytes or 'loopback' (60,000) "
-                        "(default: $KVSP_MOQT_DATAGRAM_SIZE if set, else 1452,9000,loopback)")
+                        "(default: $KVSP_MOQT_DATAGRAM_SIZE if set, else 1452,9000,loopback); "
+                        "live: the one size every process uses (default: as for a service)")
     p.add_argument("--pcs", type=int, metavar="N",
                    help="route: also N PC processes sharing their state in a Redis the benchmark "
                         "starts (redis-server on PATH), with the total for 1..N of them")

@@ -59,6 +59,12 @@ import httpx
 from agent.tiny import _DEFAULTS as TINY_DEFAULTS
 from kvsp_moq.bench.ttft import MODEL as TTFT_MODEL
 from kvsp_moq.bench.ttft import _stop
+from kvsp_moq.moqt.quic.settings import (
+    DATAGRAM_SIZE_ENV,
+    LOOPBACK_DATAGRAM_SIZE,
+    check_datagram_size,
+    configured_datagram_size,
+)
 
 #: the model of `kvsp bench ttft` (16 layers, hidden 1,024), with room for 8,192-token prompts
 MODEL = {**TTFT_MODEL, "max_positions": 8192 + 256}
@@ -139,7 +145,7 @@ class AgentProcess:
     """`serve_agent` in a child process, and the commands it answers."""
 
     def __init__(self, spec: dict[str, Any], log_path: Path) -> None:
-        env = child_env()
+        env = child_env(spec.get("datagram_size"))
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen([sys.executable, "-m", "kvsp_moq.bench.live", "--serve-agent",
                                       json.dumps(spec)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -183,22 +189,37 @@ class AgentProcess:
 # --------------------------------------------------------------------------- CPU per role
 
 
-def child_env() -> dict[str, str]:
+def _datagram_size(text: str | None) -> int | None:
+    """The datagram size the bench's processes use (None: loopback's): `--datagram-size`,
+    else KVSP_MOQT_DATAGRAM_SIZE as for any service; SettingError (one line, exit 2) for a
+    bad one."""
+    if text is None:
+        return configured_datagram_size()
+    if text.strip() == "loopback":
+        return None
+    return check_datagram_size(text.strip(), "--datagram-size")
+
+
+def child_env(datagram_size: int | None = None) -> dict[str, str]:
     """The environment of the bench's processes: this code first on their path (they run the
     modules this process imported, wherever it was started from), OpenMP threads waiting
-    passively as under `kvsp` (cli.py)."""
+    passively as under `kvsp` (cli.py), and the datagram size of the run."""
     root = str(Path(__file__).resolve().parents[2])
     path = os.environ.get("PYTHONPATH")
-    return {**os.environ, "OMP_WAIT_POLICY": "PASSIVE",
-            "PYTHONPATH": root + (os.pathsep + path if path else "")}
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "PYTHONPATH": root + (os.pathsep + path if path else "")}
+    env.pop(DATAGRAM_SIZE_ENV, None)
+    if datagram_size is not None:
+        env[DATAGRAM_SIZE_ENV] = str(datagram_size)
+    return env
 
 
-def start_relay(cert_dir: str) -> tuple[subprocess.Popen, str, str]:
+def start_relay(cert_dir: str, datagram_size: int | None = None) -> tuple[subprocess.Popen, str, str]:
     """`kvsp relay` in its own process with its metrics server: the process, its moqt:// URL
     and its metrics URL."""
     proc = subprocess.Popen([sys.executable, "-m", "relay.service", "--listen", "127.0.0.1:0",
                              "--cache-bytes", "2G", "--cert-dir", cert_dir, "--metrics", "127.0.0.1:0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=child_env())
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env=child_env(datagram_size))
     assert proc.stdout is not None
     url = metrics = ""
     for _ in range(20):  # the URL, notes, then the metrics line
@@ -373,10 +394,12 @@ def _wait_complete(index_url: str, scope: bytes, compat: str, tokens: list[int])
 
 def run(*, quick: bool = False, model: dict[str, Any] | None = None, prompt_tokens: int | None = None,
         rounds: int | None = None, stagger_ms: float = 50.0,
-        layers_per_request: int | None = None) -> dict[str, Any]:
+        layers_per_request: int | None = None, datagram_size: str | None = None) -> dict[str, Any]:
     """Entry point of `kvsp bench live`; `model`, `prompt_tokens` and `rounds` override the
     defaults so that a test runs the whole bench on a small model in seconds;
-    `layers_per_request` is the agents' setting of that name (default: theirs). Without
+    `layers_per_request` is the agents' setting of that name (default: theirs);
+    `datagram_size` (`--datagram-size`: bytes, or "loopback") the QUIC datagram size of every
+    process, as a real path's 1,452 B makes a packet's work 40 times loopback's. Without
     --quick the 8,192-token prompts run one round (a round takes minutes on 2 cores)."""
     from agent.tiny import ensure_tiny_model
     from index.app import IndexSettings
@@ -384,6 +407,7 @@ def run(*, quick: bool = False, model: dict[str, Any] | None = None, prompt_toke
     from kvsp_moq.web import BackgroundServer
 
     logging.getLogger("kvsp").setLevel(logging.WARNING)
+    size = _datagram_size(datagram_size)
     spec_model = dict(model or MODEL)
     sizes = [prompt_tokens] if prompt_tokens else ([2048] if quick else [2048, 8192])
     rounds = rounds or (1 if quick else 3)
@@ -395,9 +419,9 @@ def run(*, quick: bool = False, model: dict[str, Any] | None = None, prompt_toke
     relay_proc: subprocess.Popen | None = None
     agents: list[AgentProcess] = []
     try:
-        relay_proc, relay_url, relay_metrics = start_relay(work.name)
+        relay_proc, relay_url, relay_metrics = start_relay(work.name, size)
         spec = {"model": str(model_dir), "index": index.url, "relay": relay_url,
-                "layers_per_request": layers_per_request}
+                "layers_per_request": layers_per_request, "datagram_size": size}
         for i in range(HERD):
             agents.append(AgentProcess(spec, Path(work.name) / f"agent{i}.log"))
         for a in agents:
@@ -411,6 +435,7 @@ def run(*, quick: bool = False, model: dict[str, Any] | None = None, prompt_toke
             "model": {**spec_model, "dtype": "float32", "block_tokens": B},
             "new_tokens": NEW, "rounds": rounds, "cores": len(os.sched_getaffinity(0)),
             "layers_per_request": layers_per_request,
+            "datagram_size": size or f"loopback ({LOOPBACK_DATAGRAM_SIZE})",
         }
         for i, n in enumerate(sizes):
             r = rounds if i == 0 else 1

@@ -22,7 +22,8 @@ def ratio(a: float, b: float) -> float:
 
 @pytest.fixture(scope="module")
 def report() -> dict[str, Any]:
-    return live.run(quick=True, model=SMALL, prompt_tokens=PROMPT, rounds=1)
+    # At a real path's datagram size: every process of the bench (agents, relay) uses it.
+    return live.run(quick=True, model=SMALL, prompt_tokens=PROMPT, rounds=1, datagram_size="1452")
 
 
 def test_pd_figures_and_their_ratios(report: dict[str, Any]) -> None:
@@ -85,6 +86,28 @@ def test_herd_figures_and_their_ratios(report: dict[str, Any]) -> None:
 def test_the_outputs_were_compared(report: dict[str, Any]) -> None:
     assert report["outputs_identical"] is True
     assert report["targets"] == live.TARGETS
+    assert report["datagram_size"] == 1452
+
+
+def test_the_processes_get_the_datagram_size_of_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVSP_MOQT_DATAGRAM_SIZE", "9000")
+    assert live._datagram_size(None) == 9000  # as for any service
+    assert live._datagram_size("loopback") is None
+    assert live.child_env(None).get("KVSP_MOQT_DATAGRAM_SIZE") is None
+    assert live.child_env(1452)["KVSP_MOQT_DATAGRAM_SIZE"] == "1452"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--datagram-size", "600"], "--datagram-size=600: QUIC needs at least 1,200 bytes"),
+    (["--engine", "qh3"], "--engine: only for bench moqt"),
+])
+def test_bad_options_of_bench_live_are_refused(argv: list[str], message: str) -> None:
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "kvsp_moq.cli", "bench", "live", *argv],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and message in r.stderr, r.stderr
 
 
 def test_outputs_that_differ_are_refused() -> None:
