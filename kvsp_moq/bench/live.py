@@ -57,6 +57,7 @@ from typing import Any, Callable, Sequence
 import httpx
 
 from agent.tiny import _DEFAULTS as TINY_DEFAULTS
+from kvsp_moq.allocator import tune_allocator
 from kvsp_moq.bench.ttft import MODEL as TTFT_MODEL
 from kvsp_moq.bench.ttft import _stop
 from kvsp_moq.moqt.quic.settings import (
@@ -92,6 +93,8 @@ def serve_agent(spec: dict[str, Any]) -> None:
     from agent.service import Agent, AgentSettings, tune_interpreter
 
     logging.getLogger("kvsp").setLevel(logging.WARNING)
+    # As `kvsp agent` runs (cli.py): the allocator tuned, the GIL handed over sooner.
+    tune_allocator()
     tune_interpreter()
     keys = {f"s{i}": scope_key(i) for i in range(SCOPES)}
     agent = Agent(AgentSettings(listen="127.0.0.1:0", model=spec["model"], index_url=spec["index"],
@@ -274,6 +277,17 @@ def thread_cpu_s(pid: int) -> dict[str, float]:
     return out
 
 
+def page_faults(pid: int) -> int:
+    """Minor page faults of `pid` so far (every thread's, ended ones included): a fault is a
+    new page touched first, which on a virtual machine costs microseconds of kernel time."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return int(fields[7])  # field 10, minflt, counted after the command's closing ")"
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def cpu_s(pid: int) -> float:
     """CPU time of every thread of `pid` so far, in seconds."""
     return sum(thread_cpu_s(pid).values())
@@ -289,6 +303,9 @@ class Roles:
         self._threads: dict[str, dict[str, float]] = {}
         #: CPU time by thread of each process in the last run (`THREADS`)
         self.last_threads: dict[str, dict[str, float]] = {}
+        self._faults: dict[str, int] = {}
+        #: minor page faults of each process in the last run
+        self.last_faults: dict[str, int] = {}
 
     def read(self) -> dict[str, float]:
         return {name: cpu_s(pid) for name, pid in self.pids.items()}
@@ -310,6 +327,7 @@ class Roles:
         self.quiet()
         self._threads = self.threads()
         self._before = {name: sum(t.values()) for name, t in self._threads.items()}
+        self._faults = {name: page_faults(pid) for name, pid in self.pids.items()}
 
     def stop(self) -> dict[str, float]:
         self.quiet()
@@ -318,6 +336,7 @@ class Roles:
             name: {k: round(v - self._threads[name].get(k, 0.0), 3) for k, v in t.items()
                    if v - self._threads[name].get(k, 0.0) >= 0.0005}
             for name, t in after.items()}
+        self.last_faults = {name: page_faults(pid) - self._faults[name] for name, pid in self.pids.items()}
         return {name: sum(after[name].values()) - self._before[name] for name in self.pids}
 
 
@@ -573,6 +592,7 @@ class Bench:
                 "cpu_s": {"instances": sum(cpu[f"agent{i}"] for i in range(HERD)), "relay": cpu["relay"]},
                 "moqt_bytes_sent": sent,
                 "threads": {f"agent{i}": self.roles.last_threads[f"agent{i}"] for i in range(HERD)},
+                "page_faults": dict(self.roles.last_faults),
                 "relay": {k: relay_after.get(k, 0) - relay_before.get(k, 0) for k in RELAY_COUNTERS}}
 
     # ------------------------------------------------------------------ the figures
@@ -674,6 +694,7 @@ class Bench:
             "relay_counters": live[len(live) // 2]["relay"],
             "cpu_by_thread_s": live[len(live) // 2]["threads"],
             "prefill_cpu_by_thread_s": prefills[len(prefills) // 2]["threads"],
+            "page_faults": live[len(live) // 2]["page_faults"],
             "computed_by_prefill": [r["computed_by"] for r in prefills],
             "computed_by": [r["computed_by"] for r in live],
             "computed_by_without_live": [r["computed_by"] for r in alone],

@@ -81,6 +81,10 @@ def test_herd_figures_and_their_ratios(report: dict[str, Any]) -> None:
     assert herd["computed_by_prefill"][0][0] == 0, herd
     # Without it every instance that found nothing computed (at least the first).
     assert 0 in herd["computed_by_without_live"][0]
+    # Page faults per process: the producer's store keeps the new blocks, on pages it had not
+    # touched before.
+    assert set(herd["page_faults"]) == {"agent0", "agent1", "agent2", "agent3", "relay"}
+    assert herd["page_faults"]["agent0"] > 0, herd["page_faults"]
 
 
 def test_the_outputs_were_compared(report: dict[str, Any]) -> None:
