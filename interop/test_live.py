@@ -231,6 +231,21 @@ async def deliver_in_step(peers: list[Peer], expected: list[str], available: Cal
         assert [(g, i, s) for g, i, s in peer.got] == [(0, i, s) for i, s in enumerate(expected)], peer.why()
 
 
+async def both_peers(relay: Relay, track: BlockTrack | Track, stack: AsyncExitStack, tmp_path: Path) -> list[Peer]:
+    """aiomoqt subscribed from the start of the track, then moq-rs once the relay has had the
+    first BEFORE layers (it gets those by its joining FETCH, from the relay's cache)."""
+    aiomoqt = await stack.enter_async_context(aiomoqt_subscriber(relay.url, track, 18, tmp_path))
+    await aiomoqt.subscribed()
+    for _ in range(400):  # until the relay has had the first layers (bounded)
+        if relay.stats.objects_in >= BEFORE:
+            break
+        await asyncio.sleep(0.05)
+    assert relay.stats.objects_in == BEFORE, relay.snapshot()
+    moqrs = await stack.enter_async_context(moqrs_subscriber(relay.url, track, tmp_path))
+    await moqrs.subscribed()
+    return [aiomoqt, moqrs]
+
+
 def start(live: LiveBlock, layers: list[tuple[bytes, bytes]]) -> None:
     """The layers computed before anyone subscribes."""
     for k, v in layers[:BEFORE]:
@@ -280,16 +295,8 @@ async def test_live_block_reaches_aiomoqt_and_moqrs_together(tmp_path):
     try:
         async with live_block(relay.url, b"live both", 18) as (live, track), AsyncExitStack() as stack:
             start(live, layers)
-            aiomoqt = await stack.enter_async_context(aiomoqt_subscriber(relay.url, track, 18, tmp_path))
-            await aiomoqt.subscribed()
-            for _ in range(400):  # until the relay has had the first layers (bounded)
-                if relay.stats.objects_in >= BEFORE:
-                    break
-                await asyncio.sleep(0.05)
-            assert relay.stats.objects_in == BEFORE, relay.snapshot()
-            moqrs = await stack.enter_async_context(moqrs_subscriber(relay.url, track, tmp_path))
-            await moqrs.subscribed()
-            await produce_for(live, layers, [aiomoqt, moqrs])
+            peers = await both_peers(relay, track, stack, tmp_path)
+            await produce_for(live, layers, peers)
         counters = relay.snapshot()
     finally:
         await relay.aclose()
@@ -330,20 +337,10 @@ async def test_a_pass_track_reaches_aiomoqt_and_moqrs_together(tmp_path):
             for index in range(BEFORE):
                 add(index)
             pass_track = Track(publisher.track(ids[0]).namespace, pass_track_name())
-            # As with one block: aiomoqt from the start of the track, moq-rs once the relay has
-            # the first BEFORE objects (those by its joining FETCH).
-            aiomoqt = await stack.enter_async_context(aiomoqt_subscriber(relay.url, pass_track, 18, tmp_path))
-            await aiomoqt.subscribed()
-            for _ in range(400):  # bounded
-                if relay.stats.objects_in >= BEFORE:
-                    break
-                await asyncio.sleep(0.05)
-            assert relay.stats.objects_in == BEFORE, relay.snapshot()
-            moqrs = await stack.enter_async_context(moqrs_subscriber(relay.url, pass_track, tmp_path))
-            await moqrs.subscribed()
+            peers = await both_peers(relay, pass_track, stack, tmp_path)
             expected = [hashlib.sha256(b"".join(k + v for k, v in (layers[i] for layers in wholes))).hexdigest()
                         for i in range(LAYERS)]
-            await deliver_in_step([aiomoqt, moqrs], expected, lambda: track.available, add)
+            await deliver_in_step(peers, expected, lambda: track.available, add)
             for block in blocks:
                 assert await block.finish() is not None
             first.abort("unused")
