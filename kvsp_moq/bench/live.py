@@ -58,14 +58,11 @@ import httpx
 
 from agent.tiny import _DEFAULTS as TINY_DEFAULTS
 from kvsp_moq.allocator import tune_allocator
+from kvsp_moq.bench.moqt import parse_datagram_sizes
 from kvsp_moq.bench.ttft import MODEL as TTFT_MODEL
 from kvsp_moq.bench.ttft import _stop
-from kvsp_moq.moqt.quic.settings import (
-    DATAGRAM_SIZE_ENV,
-    LOOPBACK_DATAGRAM_SIZE,
-    check_datagram_size,
-    configured_datagram_size,
-)
+from kvsp_moq.errors import SettingError
+from kvsp_moq.moqt.quic.settings import DATAGRAM_SIZE_ENV, LOOPBACK_DATAGRAM_SIZE, configured_datagram_size
 
 #: the model of `kvsp bench ttft` (16 layers, hidden 1,024), with room for 8,192-token prompts
 MODEL = {**TTFT_MODEL, "max_positions": 8192 + 256}
@@ -193,14 +190,15 @@ class AgentProcess:
 
 
 def _datagram_size(text: str | None) -> int | None:
-    """The datagram size the bench's processes use (None: loopback's): `--datagram-size`,
-    else KVSP_MOQT_DATAGRAM_SIZE as for any service; SettingError (one line, exit 2) for a
-    bad one."""
+    """The datagram size the bench's processes use (None: loopback's): `--datagram-size` (one
+    size, read as `bench moqt` reads its list), else KVSP_MOQT_DATAGRAM_SIZE as for any
+    service; SettingError (one line, exit 2) for a bad one."""
     if text is None:
         return configured_datagram_size()
-    if text.strip() == "loopback":
-        return None
-    return check_datagram_size(text.strip(), "--datagram-size")
+    sizes = parse_datagram_sizes(text)
+    if len(sizes) != 1:
+        raise SettingError(f"--datagram-size: bench live runs at one size, not {text!r}")
+    return sizes[0]
 
 
 def child_env(datagram_size: int | None = None) -> dict[str, str]:

@@ -102,7 +102,8 @@ def test_the_processes_get_the_datagram_size_of_the_run(monkeypatch: pytest.Monk
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--datagram-size", "600"], "--datagram-size=600: QUIC needs at least 1,200 bytes"),
+    (["--datagram-size", "600"], "--datagram-size: 600: QUIC needs at least 1,200 bytes"),
+    (["--datagram-size", "1452,9000"], "--datagram-size: bench live runs at one size"),
     (["--engine", "qh3"], "--engine: only for bench moqt"),
 ])
 def test_bad_options_of_bench_live_are_refused(argv: list[str], message: str) -> None:
