@@ -171,6 +171,7 @@ class Subscription:
         self._streams_ended = 0
         self._open_streams: set[int] = set()
         self._grace: asyncio.TimerHandle | None = None
+        self._grace_over = False
         self._finished = False
         connection.register(self)
 
@@ -351,18 +352,26 @@ class Subscription:
             self._streams_ended += len(stopped)
         if done is None or self._finished or self._open_streams:
             return False
-        # With an unknown Stream Count, late streams are awaited for the grace period.
-        if done.stream_count == UNKNOWN_STREAM_COUNT or self._streams_ended < done.stream_count:
+        # With an unknown Stream Count, late streams are awaited for the grace period; after
+        # it, the streams still open are (draft 18 "PUBLISH_DONE": state is destroyed "once
+        # all open streams for the subscription have closed", not when the timer fires).
+        if not self._grace_over and (done.stream_count == UNKNOWN_STREAM_COUNT
+                                     or self._streams_ended < done.stream_count):
             return False
         self._complete()
-        return True
-
-    def _grace_expired(self) -> None:
-        if not self._finished:
-            self._complete()
+        if self._grace_over:
             session = self.connection.session
             if session is not None:  # always set once a subscription exists
                 session.release(self.request_id)
+        return True
+
+    def _grace_expired(self) -> None:
+        """Streams that never opened are given up; those still open end first (an object
+        in flight on one is not cut off because PUBLISH_DONE arrived on the control stream
+        before its last octets)."""
+        self._grace = None
+        self._grace_over = True
+        self._check_complete()
 
     def _complete(self) -> None:
         done = self.done
