@@ -2,9 +2,10 @@
 
     POST  generate                      {"tokens", "max_new_tokens", "sampler", "session"?,
                                          "stream"?, "scope"?, "timeline"?, "prefill_at"?,
-                                         "prefill_blocks"?}
+                                         "prefill_blocks"?, "prefill_passes"?}
     POST  prefill                       {"tokens", "scope"?} -> 202 {"prompt_blocks", "stored",
-                                         "live": [keys]}: computed here, published live
+                                         "live": [keys], "passes": [[first, count]]}: computed
+                                         here, published live
     GET   sessions/{id}                 the session's state and tokens so far
     DELETE sessions/{id}                the client needs no more tokens: stopped here, not resumed
     GET   sessions/{id}/stream?from=k   NDJSON {"index", "epoch", "token"}, then {"done": true}
@@ -39,8 +40,10 @@ directive counts the blocks loaded per transport under "sources" ({"moqt", "http
 
 Prefill and decode apart (DESIGN §9): `POST prefill` computes a prompt's complete blocks for
 another instance and publishes each layer as it is computed (`agent.live`); it answers as soon
-as the blocks' tracks exist, before the pass. A generate with "prefill_at" (that instance's
-base URL) subscribes to those tracks through this instance's relay at once, loads each layer
+as the blocks' tracks exist, before the pass, with the layout of its pass tracks ("passes":
+where each begins, how many blocks it has). A generate with "prefill_at" (that instance's base
+URL) and that layout ("prefill_passes") subscribes to those tracks through this instance's relay
+at once (one subscription per pass; without the layout, one per block), loads each layer
 as it lands (verified against the digest it carries) while computing the rest of the prompt
 behind it, and decodes. A producer that fails is a failed source: the prompt is computed here.
 """

@@ -268,6 +268,7 @@ class Engine:
         else:
             session.prefill_at = base_url(req.prefill_at)
             session.prefill_blocks = req.prefill_blocks
+            session.prefill_passes = req.prefill_passes
         self.sessions[sid] = session
         self.admitted += 1
         if session.tracked:  # the PC learns of the session beside the prefill, not after it
@@ -314,7 +315,14 @@ class Engine:
             self.prefilling += 1
             self._spawn(self._prefill_only(live, list(req.tokens[:(stored + produced) * b])),
                         name="prefill-for-other")
-        return {"prompt_blocks": full, "stored": stored, "live": keys[stored:stored + produced]}
+        # The pass tracks' layout (DESIGN §9.4): where each begins and how many blocks it has,
+        # for the decode instance's generate ("prefill_passes").
+        passes, first = [], stored
+        for track in live.tracks if live is not None else ():
+            passes.append([first, len(track.blocks)])
+            first += len(track.blocks)
+        return {"prompt_blocks": full, "stored": stored, "live": keys[stored:stored + produced],
+                "passes": passes}
 
     async def _prefill_only(self, live: LivePass, tokens: list[int]) -> None:
         try:
@@ -433,6 +441,16 @@ class Engine:
         limit = min(len(seq.chain.keys), (seq.length - 1) // b)
         if session.prefill_blocks is not None:
             limit = min(limit, session.prefill_blocks)
+        # Blocks of the producer's pass tracks, as its prefill answer laid them out: slots of
+        # the track in the namespace of the pass's first block (checked against the Block Key
+        # each slot carries before use: the layout came through the front end).
+        slots: dict[int, tuple[str, int]] = {}
+        for first, count in session.prefill_passes:
+            if first < limit:
+                ns = BlockTrack.for_holder(self.compat_id, session.scope_id, seq.chain.keys[first].hex(),
+                                           producer).moqt_namespace
+                for j in range(min(count, limit - first)):
+                    slots[first + j] = (ns, j)
         plan: list[list[Candidate]] = []
         for i in range(limit):
             key = seq.chain.keys[i].hex()
@@ -441,7 +459,7 @@ class Engine:
             live = ReplicaRecord(block_key=key, compat_id=self.compat_id, scope_id=session.scope_id,
                                  holder=source.relay, codec=1, size=0, digest=LIVE_DIGEST,
                                  ttl_ms=self.options.lease_ms, moqt_namespace=track.moqt_namespace,
-                                 http_holder=producer, live=True)
+                                 http_holder=producer, live=True, live_pass=slots.get(i))
             entry = self.store.get(bid)
             records = [self.record_for(entry), live] if entry is not None else [live]
             plan.append(order_candidates(records, [self.local, *self.sources]))

@@ -71,6 +71,9 @@ class GenerateRequest:
     #: with prefill_at: how many leading prompt blocks that instance computes (the rest are
     #: computed here); None: every prompt block it can
     prefill_blocks: int | None = None
+    #: with prefill_at: its pass tracks as its prefill answer laid them out ("passes"), each
+    #: (first block, block count): the blocks of one are one subscription (DESIGN §9.4)
+    prefill_passes: tuple[tuple[int, int], ...] = ()
 
     @classmethod
     def from_json(cls, data: Any, *, max_tokens: int) -> "GenerateRequest":
@@ -94,9 +97,25 @@ class GenerateRequest:
             if prefill_at is None:
                 raise BadRecord("needs prefill_at", member="prefill_blocks")
             prefill_blocks = v.integer(prefill_blocks, "prefill_blocks", low=1, high=1 << 20)
+        passes = data.get("prefill_passes")
+        if passes is not None and prefill_at is None:
+            raise BadRecord("needs prefill_at", member="prefill_passes")
         return cls(tuple(tokens), n, SamplerSpec.from_json(data.get("sampler", {})), session,
                    v.boolean(data.get("stream", False), "stream"), scope,
-                   v.boolean(data.get("timeline", False), "timeline"), epoch, prefill_at, prefill_blocks)
+                   v.boolean(data.get("timeline", False), "timeline"), epoch, prefill_at, prefill_blocks,
+                   _passes(passes) if passes is not None else ())
+
+
+def _passes(value: Any) -> tuple[tuple[int, int], ...]:
+    """`prefill_passes`: [[first block, block count], ...], in order, none overlapping."""
+    out = v.array(value, "prefill_passes", v.pair, max_len=1 << 16)
+    end = 0
+    for i, (first, count) in enumerate(out):
+        if count < 1 or first < end:
+            raise BadRecord("each pass is [first block, block count > 0], in order, none overlapping",
+                            member=f"prefill_passes[{i}]")
+        end = first + count
+    return tuple(out)
 
 
 @dataclass(frozen=True)

@@ -115,6 +115,8 @@ class Session:
         self.prefill_at: str | None = None
         #: how many leading prompt blocks `prefill_at` computes (None: all it can)
         self.prefill_blocks: int | None = None
+        #: its pass tracks, each (first block, block count) (DESIGN §9.4)
+        self.prefill_passes: tuple[tuple[int, int], ...] = ()
         #: the instance this one stopped computing the prompt for, because it computes it too
         #: and wins (`agent.live.Outpaced`); a session gives way at most once
         self.outpaced_by: str | None = None

@@ -314,7 +314,7 @@ async def test_live_block_reaches_aiomoqt_and_moqrs_together(tmp_path):
 async def test_a_pass_track_reaches_aiomoqt_and_moqrs_together(tmp_path):
     """A forward pass of SLOTS blocks publishes, beside each block's track, its pass track in
     the namespace of its first block: object l is layer l of every block, K||V slot after slot
-    (the slots' digests ride a property the peers need not know). Both peers subscribe once
+    (the slots' digests and Block Keys ride properties the peers need not know). Both peers subscribe once
     the first BEFORE layers exist and get every later one as it is computed, byte for byte."""
     wholes = [layers_of(10 + j) for j in range(SLOTS)]
     relay = await Relay(RelaySettings(certificate=generate_self_signed())).start()

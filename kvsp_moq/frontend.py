@@ -84,6 +84,18 @@ class Started:
     """The PC's route decision."""
 
 
+def decode_at(producer: str, answer: Any) -> dict[str, Any]:
+    """The members of a generate that has its instance decode a prompt `producer` computes,
+    from `producer`'s answer to `POST {ii}prefill` (DESIGN §9.4): its base URL, and the layout
+    of its pass tracks, so that the blocks of one pass are one subscription, not one each (an
+    answer without one leaves the blocks' own tracks; the decode instance checks the layout)."""
+    members: dict[str, Any] = {"prefill_at": base_url(producer)}
+    passes = answer.get("passes") if isinstance(answer, dict) else None
+    if isinstance(passes, list) and passes:
+        members["prefill_passes"] = passes
+    return members
+
+
 class _Broken(Exception):
     """The stream ended before the session did."""
 
@@ -301,7 +313,7 @@ class FrontEnd:
                                            timeout=self.read_timeout_s)
                 raise_for_problem(p)
                 prefill = at
-                body["prefill_at"] = at
+                body.update(decode_at(at, p.json()))
             except (httpx.HTTPError, KvspError) as e:
                 log.info("prefill at %s refused or unreachable (%s); %s computes the prompt", at,
                          getattr(e, "detail", e), instance)

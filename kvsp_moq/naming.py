@@ -29,10 +29,15 @@ in-production one lists the same digests, so the publisher stays accountable for
 
 The blocks one forward pass computes are also the slots of a pass track (DESIGN §9.6): track
 name "pass-<codec>" in the namespace of the pass's first block, object l = layer l of every
-slot, each slot's K and V sections as its block's object has them, and one more odd-typed
-property in place of the layer digest:
+slot, each slot's K and V sections as its block's object has them, and two more odd-typed
+properties in place of the layer digest:
 
     0x3805  KVSP Layer Digests  the slots' layer digests, 32 octets each, in slot order
+    0x3807  KVSP Slot Keys      the slots' Block Keys, 32 octets each, in slot order
+
+The keys let a reader that was told the pass's layout by someone else (a front end carrying
+the producer's answer) check that slot j is the block it expects: a layer digest proves
+what the producer sent, not which block it is.
 
 Publisher (`kvsp_moq.holder.moqt_publisher`) and fetcher (`kvsp_moq.fetch.moqt`) both build on
 this module, which imports neither.
@@ -45,6 +50,7 @@ import binascii
 import dataclasses
 import hashlib
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from kvsp_moq.errors import BadRecord
 from kvsp_moq.moqt.wire import Properties, property_value
@@ -213,7 +219,19 @@ def split_layer(index: int, payload: bytes | memoryview, properties: Properties)
 #: Object property of a pass track's object: the layer digests of its slices, 32 octets each
 #: in slot order (odd type: octets); their count is the pass's block count.
 PASS_DIGESTS_PROPERTY = 0x3805
+#: Object property of a pass track's object: the Block Keys of its slots, 32 octets each in
+#: slot order (odd type: octets).
+PASS_KEYS_PROPERTY = 0x3807
 _PASS = b"pass-"
+
+
+class PassSlot(NamedTuple):
+    """One slot of a pass track's object: its block's layer, views into the payload."""
+
+    k: memoryview
+    v: memoryview
+    digest: bytes  # the layer digest it carries
+    block_key: str  # lowercase hex
 
 
 def pass_track_name(codec: int = 1) -> bytes:
@@ -230,19 +248,21 @@ def pass_first_block(namespace: tuple[bytes, ...] | list[bytes], track_name: byt
     return BlockTrack.from_namespace(namespace, name[len(_PASS):])
 
 
-def pass_properties(token_count: int, k_length: int, digests: bytes) -> Properties:
+def pass_properties(token_count: int, k_length: int, digests: bytes, keys: bytes) -> Properties:
     """The application properties of a pass track's object (ascending type order)."""
     return ((TOKEN_COUNT_PROPERTY, token_count), (K_LENGTH_PROPERTY, k_length),
-            (PASS_DIGESTS_PROPERTY, digests))
+            (PASS_DIGESTS_PROPERTY, digests), (PASS_KEYS_PROPERTY, keys))
 
 
-def split_pass(index: int, payload: bytes | memoryview, properties: Properties
-               ) -> list[tuple[memoryview, memoryview, bytes]]:
-    """A pass track's object as (K, V, carried digest) of each slot, in slot order, without
-    copying; BadRecord when its properties do not describe its payload."""
+def split_pass(index: int, payload: bytes | memoryview, properties: Properties) -> list[PassSlot]:
+    """A pass track's object as its slots, in slot order, without copying; BadRecord when its
+    properties do not describe its payload."""
     digests = property_value(properties, PASS_DIGESTS_PROPERTY)
     if not isinstance(digests, (bytes, bytearray, memoryview)) or not digests or len(digests) % 32:
         raise BadRecord(f"layer {index}: the pass object lists no slot digests", member="payload")
+    keys = property_value(properties, PASS_KEYS_PROPERTY)
+    if not isinstance(keys, (bytes, bytearray, memoryview)) or len(keys) != len(digests):
+        raise BadRecord(f"layer {index}: the pass object lists no Block Key for each slot", member="payload")
     view = memoryview(payload)
     n = len(digests) // 32
     if len(view) % n:
@@ -253,9 +273,9 @@ def split_pass(index: int, payload: bytes | memoryview, properties: Properties
         k_length = size // 2
     if not isinstance(k_length, int) or not 0 <= k_length <= size:
         raise BadRecord(f"layer {index}: K length {k_length} exceeds a slot", member="payload")
-    digests = bytes(digests)
-    return [(view[j * size:j * size + k_length], view[j * size + k_length:(j + 1) * size],
-             digests[32 * j:32 * (j + 1)]) for j in range(n)]
+    digests, hexkeys = bytes(digests), bytes(keys).hex()
+    return [PassSlot(view[j * size:j * size + k_length], view[j * size + k_length:(j + 1) * size],
+                     digests[32 * j:32 * (j + 1)], hexkeys[64 * j:64 * (j + 1)]) for j in range(n)]
 
 
 def moqt_record(http_record: ReplicaRecord, relay_url: str) -> ReplicaRecord:

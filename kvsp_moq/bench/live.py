@@ -62,6 +62,7 @@ from kvsp_moq.bench.moqt import parse_datagram_sizes
 from kvsp_moq.bench.ttft import MODEL as TTFT_MODEL
 from kvsp_moq.bench.ttft import _stop
 from kvsp_moq.errors import SettingError
+from kvsp_moq.frontend import decode_at
 from kvsp_moq.moqt.quic.settings import DATAGRAM_SIZE_ENV, LOOPBACK_DATAGRAM_SIZE, configured_datagram_size
 
 #: the model of `kvsp bench ttft` (16 layers, hidden 1,024), with room for 8,192-token prompts
@@ -549,9 +550,9 @@ class Bench:
         before = a.ask("stats")["bytes_sent"]
         self.roles.start()
         t0 = time.perf_counter()
-        _post(a.url + "prefill", {"tokens": prompt, "scope": name})
+        answer = _post(a.url + "prefill", {"tokens": prompt, "scope": name})
         sent = time.perf_counter()
-        r = _generate(b, prompt, name, prefill_at=a.url)
+        r = _generate(b, prompt, name, **decode_at(a.url, answer))
         cpu = self.roles.stop()
         return {"ttft_ms": (sent - t0) * 1000 + r["ttft_ms"], "tokens": r["tokens"],
                 "sources": r["sources"], "producer_bytes": a.ask("stats")["bytes_sent"] - before,

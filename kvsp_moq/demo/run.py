@@ -19,6 +19,7 @@ import httpx
 
 from kvsp_moq.bench import figures
 from kvsp_moq.demo.cluster import Cluster
+from kvsp_moq.frontend import decode_at
 
 SYSTEM_TOKENS = 512
 SUFFIX_TOKENS = 40
@@ -189,7 +190,7 @@ class Demo:
                            json={"tokens": prompt, "scope": "tenant-a"})
         if r.status_code != 202:
             raise RuntimeError(f"prefill at {a}: {r.status_code} {r.text[:300]}")
-        streamed = self.generate(b, "tenant-a", prompt, prefill_at=a)
+        streamed = self.generate(b, "tenant-a", prompt, **decode_at(a, r.json()))
         alone = self.generate(a, "tenant-a", prompt)
         self.progress.end()
         return {"prompt_tokens": len(prompt), "prefill": "agent1", "decode": "agent2",

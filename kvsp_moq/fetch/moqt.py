@@ -42,6 +42,7 @@ from kvsp_moq.moqt.wire import SubscriptionFilter
 from kvsp_moq.naming import (
     GROUP,
     BlockTrack,
+    PassSlot,
     carried_digest,
     decode_namespace,
     pass_track_name,
@@ -338,10 +339,10 @@ class MoqtBlockFetcher:
         return MoqtLayerStream(self, sources, record, layers, live)
 
     async def pass_layers(self, source: str, moqt_namespace: str, codec: int, first: int,
-                          last: int) -> AsyncIterator[tuple[int, list[tuple[memoryview, memoryview, bytes]]]]:
+                          last: int) -> AsyncIterator[tuple[int, list[PassSlot]]]:
         """Layers first..last of a pass track (DESIGN §9.6) through the relay `source`, each as
-        (layer, [(K, V, carried digest) of each slot]); the caller checks every slot against
-        its digest. SourceFailed when the track ends early or its producer stalls; layers
+        (layer, its slots); the caller checks every slot's block key and its layer against the
+        digest it carries. SourceFailed when the track ends early or its producer stalls; layers
         missed by joining late come by FETCH, as a block's do."""
         def stalled(layer: int) -> SourceFailed:
             return SourceFailed(FailureKind.MISS, f"layer {layer} of the pass did not come within "
@@ -411,7 +412,7 @@ class MoqtBlockFetcher:
             raise SourceFailed(FailureKind.MISS, f"the track ended before layer {next_object}")
 
     @staticmethod
-    def _pass_slots(obj: MoqtObject) -> list[tuple[memoryview, memoryview, bytes]]:
+    def _pass_slots(obj: MoqtObject) -> list[PassSlot]:
         try:
             return split_pass(obj.object_id, obj.payload, obj.properties)
         except BadRecord as e:

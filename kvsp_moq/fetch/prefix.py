@@ -420,8 +420,9 @@ class PrefixLoader:
 
     async def _load_pass(self, blocks: list[_Block]) -> None:
         """Blocks that are slots of one pass track (DESIGN §9.6): each layer of all of them
-        from one object, each slot checked against the digest the object carries for it; a
-        slot that does not match, and every block not complete when the track fails, go on
+        from one object, each slot checked to be the block expected (the Block Key the object
+        carries for it) and against the digest the object carries for it; a slot that does not
+        match, and every block not complete when the track fails, go on
         from their first missing layer through their own candidates (`_load_range`)."""
         cand = blocks[0].candidates.candidates[0]
         source: Any = cand.source
@@ -445,7 +446,11 @@ class PrefixLoader:
                     if slot >= len(layer):
                         await self._give_up_producer(blk, dropped, f"the pass has no slot {slot}")
                         continue
-                    k, v, digest = layer[slot]
+                    k, v, digest, key = layer[slot]
+                    if key != blk.key:
+                        await self._give_up_producer(blk, dropped, f"slot {slot} of the pass is block "
+                                                     f"{key[:12]}, not {blk.key[:12]}")
+                        continue
                     if layer_digest(k, v) != digest:
                         await self._give_up_producer(blk, dropped, f"layer {index} of pass slot {slot} "
                                                      "does not match the digest it carries")

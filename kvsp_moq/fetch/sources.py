@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Callable, Iterator, Protocol, S
 from kvsp_moq.errors import TransportError, reason_of
 from kvsp_moq.fetch.http import HttpFetcher
 from kvsp_moq.fetch.stream import FetchedBlock
+from kvsp_moq.naming import PassSlot
 from kvsp_moq.protocol.container import Buffer, Container
 from kvsp_moq.protocol.records import BlockId, ReplicaRecord
 from kvsp_moq.protocol.urls import base_url
@@ -162,9 +163,9 @@ class MoqtLayerSource:
             self._probes[self.relay] = probe
 
     async def pass_layers(self, record: ReplicaRecord, first: int, last: int
-                          ) -> AsyncIterator[tuple[int, list[tuple[memoryview, memoryview, bytes]]]]:
+                          ) -> AsyncIterator[tuple[int, list[PassSlot]]]:
         """Layers first..last of the pass track an in-production record names (`live_pass`,
-        DESIGN §9.6), every slot's (K, V, carried digest) per layer, not yet checked."""
+        DESIGN §9.6), every slot of each, not yet checked."""
         assert record.live_pass is not None
         await self._ready(self.relay)
         try:

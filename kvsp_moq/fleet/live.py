@@ -28,6 +28,7 @@ import httpx
 from kvsp_moq.fleet.placement import EDGE, FrontEnd, compat_id
 from kvsp_moq.fleet.services import Fleet
 from kvsp_moq.fleet.topology import Link, Topology
+from kvsp_moq.frontend import decode_at
 
 PRODUCER = "producer"
 CONSUMER = "consumer"
@@ -58,8 +59,8 @@ def _round(fe: FrontEnd, fleet: Fleet) -> dict[str, Any]:
     def streamed(client: httpx.Client) -> tuple[dict[str, Any], float]:
         tokens = fe.tokens(PROMPT_TOKENS)
         started = time.perf_counter()
-        fe._ok(client.post(producer + "prefill", headers=fe.user, json={"tokens": tokens}))
-        return fe._first_token(client, consumer, tokens, extra={"prefill_at": producer}, started=started)
+        answer = fe._ok(client.post(producer + "prefill", headers=fe.user, json={"tokens": tokens}))
+        return fe._first_token(client, consumer, tokens, extra=decode_at(producer, answer), started=started)
 
     def after(client: httpx.Client) -> tuple[dict[str, Any], float]:
         tokens = fe.tokens(PROMPT_TOKENS)

@@ -32,7 +32,7 @@ from kvsp_moq.errors import (
     Unauthorized,
     reason_of,
 )
-from kvsp_moq.frontend import FrontEnd, Restart
+from kvsp_moq.frontend import FrontEnd, Restart, decode_at
 from kvsp_moq.gateway.pc_client import PCClient
 from kvsp_moq.gateway.scopes import Scope
 from kvsp_moq.index_client import raise_for_problem
@@ -254,13 +254,13 @@ class AgentBackend:
         if split.get("running"):
             return {"prefill_at": at, "prefill_blocks": split.get("blocks")}
         try:
-            await self._post(f"{at}prefill", {"tokens": list(job.tokens), "scope": job.scope.name},
-                             f"prefill instance {at}")
+            answer = await self._post(f"{at}prefill", {"tokens": list(job.tokens), "scope": job.scope.name},
+                                      f"prefill instance {at}")
         except KvspError as e:  # refused (409 kvsp-no-live-kv: no relay) or unreachable
             log.info("request %s: prefill at %s refused or unreachable (%s); the decode instance "
                      "computes the prompt", job.request_id, at, getattr(e, "detail", e))
             return {}
-        return {"prefill_at": at}
+        return decode_at(at, answer.json())
 
     async def start_generate(self, instance: str, job: Job, generate: Mapping[str, Any]) -> None:
         """Start the session; its tokens are read from the session's stream (FrontEnd)."""

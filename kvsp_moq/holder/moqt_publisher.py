@@ -197,7 +197,7 @@ class LiveBlock(_LiveLayers):
 class LivePassTrack(_LiveLayers):
     """The pass track of a forward pass that computes several blocks (DESIGN §9.6): object l
     is layer l of every block of the pass, slot by slot, each slot's K and V sections as its
-    block's layer object has them, with the slots' layer digests as one property.
+    block's layer object has them, with the slots' layer digests and Block Keys as properties.
 
     A subscriber that needs all of them (an instance of a herd) takes one subscription and one
     object per layer instead of one of each per block: the per-object work of publishing,
@@ -213,6 +213,8 @@ class LivePassTrack(_LiveLayers):
         self.k_length = 0
         #: the slots' layer digests, joined, of each layer
         self.digests: list[bytes] = []
+        #: the slots' Block Keys, joined (fixed before the first layer)
+        self.keys = b""
         self._ended = 0
 
     @property
@@ -227,6 +229,7 @@ class LivePassTrack(_LiveLayers):
         live = self.publisher.produce(bid, layer_count=self.layer_count, token_count=self.token_count,
                                       codec=self.codec, pass_slot=(self, len(self.blocks)))
         self.blocks.append(live)
+        self.keys += bytes.fromhex(bid.block_key)
         return live
 
     def add_layer(self, payload: bytes | memoryview, digests: bytes, k_length: int) -> int:
@@ -241,7 +244,7 @@ class LivePassTrack(_LiveLayers):
         return len(self.payloads) - 1
 
     def properties(self, index: int) -> Properties:
-        return pass_properties(self.token_count, self.k_length, self.digests[index])
+        return pass_properties(self.token_count, self.k_length, self.digests[index], self.keys)
 
     def abort(self, reason: str = "production failed") -> None:
         """Subscribers waiting for more layers are told; they fall back to the blocks' tracks."""

@@ -21,7 +21,8 @@ from kvsp_moq.holder.moqt_publisher import LiveBlock, LivePassTrack
 from kvsp_moq.holder.store import BlockId
 from kvsp_moq.index_client import IndexClient
 from kvsp_moq.moqt.wire import Properties
-from kvsp_moq.naming import LAYER_DIGEST_PROPERTY, PASS_DIGESTS_PROPERTY
+from kvsp_moq.frontend import decode_at
+from kvsp_moq.naming import LAYER_DIGEST_PROPERTY, PASS_DIGESTS_PROPERTY, PASS_KEYS_PROPERTY
 from kvsp_moq.protocol.keys import scope_id
 from kvsp_moq.protocol.records import LIVE_DIGEST, ReplicaRecord
 from kvsp_moq.scope_keys import OPEN_SCOPE_KEY
@@ -255,7 +256,10 @@ def test_prefill_and_decode_on_two_instances(model_dir: Path, index_url: str,
         pace = Paced(a, per_layer_s=0.05)
         r = httpx.post(a.url + "prefill", json={"tokens": prompt}, timeout=30)
         assert r.status_code == 202, r.text
-        assert r.json() == {"prompt_blocks": len(keys), "stored": 0, "live": keys}
+        # One pass track of every block ("passes"); a generate without its layout (as here)
+        # takes each block's own track.
+        assert r.json() == {"prompt_blocks": len(keys), "stored": 0, "live": keys,
+                            "passes": [[0, len(keys)]]}
         tb, rb = post_async(b.url + "generate", {"tokens": prompt, "max_new_tokens": NEW,
                                                  "prefill_at": a.url})
         wait_until(lambda: a.context.moqt_publisher is not None
@@ -286,6 +290,60 @@ def test_prefill_and_decode_on_two_instances(model_dir: Path, index_url: str,
         wait_until(lambda: b.engine.live_audited == len(keys), timeout=20,
                    what="B comparing A's complete records with what it received")
         assert b.engine.live_mismatches == 0
+
+
+@pytest.mark.parametrize("layout", ["told", "slots_swapped"])
+def test_prefill_and_decode_over_the_pass_track(model_dir: Path, index_url: str, relay: BackgroundRelay,
+                                                layout: str) -> None:
+    """A generate that carries the producer's pass layout (`decode_at`: "prefill_passes") takes
+    one subscription for the pass's blocks, not one per block, and answers as one instance
+    alone. The layout came through the front end, so each slot is checked to be the block
+    expected: a pass whose objects name other blocks for two slots ("slots_swapped") is a failed
+    source for those two, and the prompt is computed from the first of them."""
+    prompt = tokens(PROMPT, 102 if layout == "told" else 103)
+    with Agent(settings(model_dir, index_url, relay.url)) as a, \
+            Agent(settings(model_dir, index_url, relay.url)) as b:
+        keys = prompt_keys(a, prompt)
+        pace = Paced(a, per_layer_s=0.05)
+        original = LivePassTrack.properties
+
+        def swapped(self: LivePassTrack, index: int) -> Properties:
+            props = original(self, index)
+            return tuple((t, v[32:64] + v[:32] + v[64:] if t == PASS_KEYS_PROPERTY else v)
+                         for t, v in props)
+
+        if layout == "slots_swapped":
+            LivePassTrack.properties = swapped  # type: ignore[method-assign]
+        try:
+            r = httpx.post(a.url + "prefill", json={"tokens": prompt}, timeout=30)
+            assert r.status_code == 202, r.text
+            assert r.json()["passes"] == [[0, len(keys)]]
+            tb, rb = post_async(b.url + "generate", {"tokens": prompt, "max_new_tokens": NEW,
+                                                     **decode_at(a.url, r.json())})
+            wait_until(lambda: a.context.moqt_publisher is not None
+                       and a.context.moqt_publisher.stats.subscribes >= 1 and len(b.engine._loaders) > 0,
+                       timeout=20, what="B subscribing to A's pass")
+            pace.release.set()
+            tb.join(60)
+        finally:
+            LivePassTrack.properties = original  # type: ignore[method-assign]
+        assert rb["status"] == 200, rb
+        assert pace.subscribed_while_computing
+        assert rb["body"]["tokens"] == a.context.adapter.generate_greedy(prompt, NEW)
+        failures = b.engine.sessions[rb["body"]["session"]].load["failures"]
+        if layout == "told":
+            assert rb["body"]["sources"] == {"moqt": len(keys), "http": 0, "recompute": 0}
+            assert not failures, failures
+            # One subscription, from B at the relay and from the relay at A.
+            assert relay.snapshot()["subscribes"] == 1
+            moqt = a.context.moqt_publisher
+            assert moqt is not None and moqt.stats.subscribes == 1
+            wait_until(lambda: b.engine.live_audited == len(keys), timeout=20,
+                       what="B comparing A's complete records with what it received")
+            assert b.engine.live_mismatches == 0
+        else:
+            assert rb["body"]["sources"] == {"moqt": 0, "http": 0, "recompute": len(keys)}, rb["body"]
+            assert sorted(f["block_key"] for f in failures if "slot" in f["reason"]) == sorted(keys[:2]), failures
 
 
 def test_a_decode_instance_does_not_give_way_over_the_block_with_its_last_token(
@@ -367,6 +425,9 @@ async def test_the_pc_places_prefill_and_decode_apart(model_dir: Path, index_url
         decode = agents[started.instance].engine.sessions[started.session]
         assert decode.sources["moqt"] == len(prompt_keys(a, prompt))
         assert decode.sources.get("recompute", 0) == 0
+        # The front end carried the producer's pass layout into the generate.
+        assert decode.prefill_passes == ((0, len(prompt_keys(a, prompt))),)
+        assert not decode.load["failures"], decode.load
         await asyncio.sleep(0)
 
 

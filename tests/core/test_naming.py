@@ -88,12 +88,16 @@ def test_layer_properties_split_k_from_v():
 
 def test_a_pass_object_splits_into_its_slots_and_its_track_names_its_first_block():
     digests = bytes(range(32)) + bytes(range(32, 64))
-    slots = split_pass(3, b"kkvvKKVV", pass_properties(16, 2, digests))
-    assert [(bytes(k), bytes(v), d) for k, v, d in slots] == [(b"kk", b"vv", digests[:32]),
-                                                              (b"KK", b"VV", digests[32:])]
-    for payload, props in ((b"kkvvKKV", pass_properties(16, 2, digests)),  # slots of unequal size
-                           (b"kkvv", pass_properties(16, 3, digests)),  # K longer than a slot
-                           (b"kkvv", pass_properties(16, 2, digests[:31])),  # not whole digests
+    keys = bytes.fromhex(key(1) + key(2))
+    slots = split_pass(3, b"kkvvKKVV", pass_properties(16, 2, digests, keys))
+    assert [(bytes(k), bytes(v), d, b) for k, v, d, b in slots] == [(b"kk", b"vv", digests[:32], key(1)),
+                                                                    (b"KK", b"VV", digests[32:], key(2))]
+    without_keys = pass_properties(16, 2, digests, keys)[:3]
+    for payload, props in ((b"kkvvKKV", pass_properties(16, 2, digests, keys)),  # slots of unequal size
+                           (b"kkvv", pass_properties(16, 3, digests, keys)),  # K longer than a slot
+                           (b"kkvv", pass_properties(16, 2, digests[:31], keys)),  # not whole digests
+                           (b"kkvvKKVV", pass_properties(16, 2, digests, keys[:32])),  # a key short
+                           (b"kkvvKKVV", without_keys),  # slots that do not say which blocks they are
                            (b"kkvv", layer_properties(16, 2))):  # a block's layer, not a pass's
         with pytest.raises(BadRecord):
             split_pass(0, payload, props)

@@ -120,13 +120,13 @@ async def test_a_slow_subscriber_is_dropped_and_catches_up_without_slowing_the_p
 
 
 async def _pass_layers(fetcher: MoqtBlockFetcher, record, last: int) -> list:
-    return [(index, [(bytes(k), bytes(v), d) for k, v, d in slots])
+    return [(index, [(bytes(k), bytes(v), d, block_key) for k, v, d, block_key in slots])
             async for index, slots in fetcher.pass_layers(record.holder, record.live_pass[0], record.codec, 0, last)]
 
 
 async def test_a_pass_track_carries_layer_l_of_every_block_of_the_pass_and_a_late_joiner_gets_all():
     """The blocks of one forward pass are slots of its pass track (DESIGN §9.6): object l is
-    layer l of each, with each slot's digest; their in-production records name the track
+    layer l of each, with each slot's digest and Block Key; their in-production records name the track
     and the slot. A subscriber from the start and one that joins after two layers (those by
     FETCH) both get every slot's layers byte-exact; once every block is stored the track is
     gone and a new subscriber is told it does not exist."""
@@ -158,8 +158,8 @@ async def test_a_pass_track_carries_layer_l_of_every_block_of_the_pass_and_a_lat
             for got in (await asyncio.wait_for(first, STEP), await asyncio.wait_for(second, STEP)):
                 assert [index for index, _ in got] == [0, 1, 2, 3]
                 for index, slots in got:
-                    assert slots == [(bytes(w.layer(index).k), bytes(w.layer(index).v), w.layer(index).digest())
-                                     for w in wholes]
+                    assert slots == [(bytes(w.layer(index).k), bytes(w.layer(index).v), w.layer(index).digest(),
+                                      key(20 + j)) for j, w in enumerate(wholes)]
         finally:
             await late.aclose()
         for b in blocks:

@@ -59,6 +59,8 @@ def test_a_completion_is_prefilled_on_one_instance_and_decoded_on_another(pd_sta
     state = decoder.engine.sessions[session]
     (producer,) = [a for a in stack.agents if a is not decoder]
     assert state.prefill_at == producer.url, state.prefill_at
+    # The producer's pass layout came with the generate: its blocks were one subscription.
+    assert state.prefill_passes == ((0, len(tokens) // B),), state.prefill_passes
     assert state.sources["moqt"] == (len(tokens) - 1) // B and state.sources["recompute"] <= 1
     alone = httpx.post(producer.url + "generate", trust_env=False, timeout=60,
                        json={"tokens": tokens, "max_new_tokens": NEW}).json()["tokens"]
