@@ -17,11 +17,11 @@ import torch
 
 from agent.live import LivePass
 from agent.service import Agent, AgentSettings
+from kvsp_moq.frontend import decode_at
 from kvsp_moq.holder.moqt_publisher import LiveBlock, LivePassTrack
 from kvsp_moq.holder.store import BlockId
 from kvsp_moq.index_client import IndexClient
 from kvsp_moq.moqt.wire import Properties
-from kvsp_moq.frontend import decode_at
 from kvsp_moq.naming import LAYER_DIGEST_PROPERTY, PASS_DIGESTS_PROPERTY, PASS_KEYS_PROPERTY
 from kvsp_moq.protocol.keys import scope_id
 from kvsp_moq.protocol.records import LIVE_DIGEST, ReplicaRecord
