@@ -420,10 +420,10 @@ class PrefixLoader:
 
     async def _load_pass(self, blocks: list[_Block]) -> None:
         """Blocks that are slots of one pass track (DESIGN §9.6): each layer of all of them
-        from one object, each slot checked to be the block expected (the Block Key the object
-        carries for it) and against the digest the object carries for it; a slot that does not
-        match, and every block not complete when the track fails, go on
-        from their first missing layer through their own candidates (`_load_range`)."""
+        from one object, each slot checked to be the block expected and against its layer
+        digest (the Block Key and digest the object carries for it); a slot that does not
+        match, and every block not complete when the track fails, go on from their first
+        missing layer through their own candidates (`_load_range`)."""
         cand = blocks[0].candidates.candidates[0]
         source: Any = cand.source
         last = self.pool.num_layers - 1
