@@ -346,6 +346,32 @@ def test_prefill_and_decode_over_the_pass_track(model_dir: Path, index_url: str,
             assert sorted(f["block_key"] for f in failures if "slot" in f["reason"]) == sorted(keys[:2]), failures
 
 
+def test_a_pass_after_blocks_the_producer_holds_is_laid_out_from_its_first_block(
+        model_dir: Path, index_url: str, relay: BackgroundRelay) -> None:
+    """The producer holds the prompt's first blocks already: its pass, and so the layout it
+    answers, begins after them. The decode instance reads those blocks from their own tracks
+    (stored at the producer) and the rest from the pass, with no failed source."""
+    head = tokens(3 * B, 104)
+    prompt = head + tokens(5 * B + 5, 105)
+    with Agent(settings(model_dir, index_url, relay.url)) as a, \
+            Agent(settings(model_dir, index_url, relay.url)) as b:
+        keys = prompt_keys(a, prompt)
+        done = httpx.post(a.url + "generate", json={"tokens": head + [7], "max_new_tokens": 1}, timeout=60)
+        assert done.status_code == 200, done.text
+        r = httpx.post(a.url + "prefill", json={"tokens": prompt}, timeout=30)
+        assert r.status_code == 202, r.text
+        assert r.json()["stored"] == 3 and r.json()["passes"] == [[3, len(keys) - 3]], r.text
+        rb = httpx.post(b.url + "generate", json={"tokens": prompt, "max_new_tokens": NEW,
+                                                  **decode_at(a.url, r.json())}, timeout=60)
+        assert rb.status_code == 200, rb.text
+        body = rb.json()
+        assert body["sources"] == {"moqt": len(keys), "http": 0, "recompute": 0}, body
+        assert not b.engine.sessions[body["session"]].load["failures"]
+        assert body["tokens"] == a.context.adapter.generate_greedy(prompt, NEW)
+        # Three block tracks and one pass track.
+        assert relay.snapshot()["subscribes"] == 3 + 1
+
+
 def test_a_decode_instance_does_not_give_way_over_the_block_with_its_last_token(
         model_dir: Path, index_url: str, relay: BackgroundRelay) -> None:
     """A prompt of whole blocks: the prefill instance's pass computes its last block too, and
